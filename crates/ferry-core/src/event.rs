@@ -1,0 +1,355 @@
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::ValidationError;
+
+/// The largest payload Ferry accepts into the outbox (1 MiB). Sinks may have
+/// smaller limits of their own; those are checked before publishing.
+pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+/// The longest aggregate key accepted.
+pub const MAX_KEY_BYTES: usize = 512;
+const MAX_TYPE_BYTES: usize = 255;
+
+/// A unique, time-ordered event id (UUID v7). Sinks carry it as the message id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct EventId(pub Uuid);
+
+impl EventId {
+    pub fn new() -> Self {
+        Self(Uuid::now_v7())
+    }
+}
+
+impl Default for EventId {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for EventId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl FromStr for EventId {
+    type Err = uuid::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Uuid::parse_str(s).map(Self)
+    }
+}
+
+/// A validated event type: lowercase segments joined by dots, conventionally
+/// `<domain>.<entity>.<verb>` (at least two segments).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct EventType(String);
+
+impl EventType {
+    pub fn parse(s: impl Into<String>) -> Result<Self, ValidationError> {
+        let s = s.into();
+        const FIX: &str = "use lowercase segments of [a-z0-9_-] joined by dots, e.g. \"order.item.created\"";
+        if s.len() > MAX_TYPE_BYTES {
+            return Err(ValidationError::new(
+                "type",
+                format!("is {} bytes, the limit is {MAX_TYPE_BYTES}", s.len()),
+                FIX,
+            ));
+        }
+        let segments: Vec<&str> = s.split('.').collect();
+        if segments.len() < 2 {
+            return Err(ValidationError::new("type", format!("{s:?} has no dot"), FIX));
+        }
+        for seg in &segments {
+            let valid_start = seg
+                .chars()
+                .next()
+                .is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+            let valid_rest = seg
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-');
+            if !valid_start || !valid_rest {
+                return Err(ValidationError::new(
+                    "type",
+                    format!("{s:?} has an invalid segment {seg:?}"),
+                    FIX,
+                ));
+            }
+        }
+        Ok(Self(s))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The first segment, used by destination templates as `{domain}`.
+    pub fn domain(&self) -> &str {
+        self.0.split('.').next().unwrap_or_default()
+    }
+}
+
+impl TryFrom<String> for EventType {
+    type Error = ValidationError;
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        Self::parse(s)
+    }
+}
+
+impl From<EventType> for String {
+    fn from(t: EventType) -> Self {
+        t.0
+    }
+}
+
+impl fmt::Display for EventType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Producer headers (tenant, `traceparent`, ...). Sorted for stable output.
+pub type Headers = BTreeMap<String, String>;
+
+/// An event's body: JSON, or bytes with their content type.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Payload {
+    Json(serde_json::Value),
+    Bytes { data: Bytes, content_type: String },
+}
+
+impl Payload {
+    pub fn content_type(&self) -> &str {
+        match self {
+            Payload::Json(_) => "application/json",
+            Payload::Bytes { content_type, .. } => content_type,
+        }
+    }
+
+    pub fn to_bytes(&self) -> Bytes {
+        match self {
+            Payload::Json(v) => Bytes::from(serde_json::to_vec(v).expect("a JSON value serialises")),
+            Payload::Bytes { data, .. } => data.clone(),
+        }
+    }
+}
+
+impl From<serde_json::Value> for Payload {
+    fn from(v: serde_json::Value) -> Self {
+        Payload::Json(v)
+    }
+}
+
+/// An event a producer writes inside its own transaction.
+///
+/// ```
+/// use ferry_core::Event;
+/// let event = Event::new("order.created", serde_json::json!({"id": 42}))
+///     .key("order-42")
+///     .header("tenant", "acme");
+/// assert_eq!(event.event_type(), "order.created");
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub struct Event {
+    pub(crate) id: EventId,
+    pub(crate) event_type: String,
+    pub(crate) key: Option<String>,
+    pub(crate) payload: Payload,
+    pub(crate) headers: Headers,
+    pub(crate) dispatch_key: Option<String>,
+}
+
+impl Event {
+    pub fn new(event_type: impl Into<String>, payload: impl Into<Payload>) -> Self {
+        Self {
+            id: EventId::new(),
+            event_type: event_type.into(),
+            key: None,
+            payload: payload.into(),
+            headers: Headers::new(),
+            dispatch_key: None,
+        }
+    }
+
+    /// An event whose body is opaque bytes of the given content type.
+    pub fn bytes(event_type: impl Into<String>, data: impl Into<Bytes>, content_type: impl Into<String>) -> Self {
+        Self::new(
+            event_type,
+            Payload::Bytes {
+                data: data.into(),
+                content_type: content_type.into(),
+            },
+        )
+    }
+
+    /// The aggregate key: events with the same key are delivered in commit order.
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Producer idempotency: a second event with the same dispatch key is a no-op.
+    pub fn dispatch_key(mut self, key: impl Into<String>) -> Self {
+        self.dispatch_key = Some(key.into());
+        self
+    }
+
+    pub fn id(&self) -> EventId {
+        self.id
+    }
+    pub fn event_type(&self) -> &str {
+        &self.event_type
+    }
+    pub fn get_key(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+    pub fn payload(&self) -> &Payload {
+        &self.payload
+    }
+    pub fn headers(&self) -> &Headers {
+        &self.headers
+    }
+    pub fn get_dispatch_key(&self) -> Option<&str> {
+        self.dispatch_key.as_deref()
+    }
+
+    /// Checks every field against Ferry's limits, naming the field that fails.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        EventType::parse(self.event_type.clone())?;
+        if let Some(key) = &self.key
+            && (key.is_empty() || key.len() > MAX_KEY_BYTES)
+        {
+            return Err(ValidationError::new(
+                "key",
+                format!("is {} bytes", key.len()),
+                "use a non-empty key of at most 512 bytes, or no key for unordered events",
+            ));
+        }
+        if let Some(dk) = &self.dispatch_key
+            && (dk.is_empty() || dk.len() > MAX_KEY_BYTES)
+        {
+            return Err(ValidationError::new(
+                "dispatch_key",
+                format!("is {} bytes", dk.len()),
+                "use a non-empty dispatch key of at most 512 bytes",
+            ));
+        }
+        let size = match &self.payload {
+            Payload::Json(v) => serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX),
+            Payload::Bytes { data, content_type } => {
+                if content_type.is_empty() {
+                    return Err(ValidationError::new(
+                        "content_type",
+                        "is empty",
+                        "give the payload's media type, e.g. \"application/octet-stream\"",
+                    ));
+                }
+                data.len()
+            }
+        };
+        if size > MAX_PAYLOAD_BYTES {
+            return Err(ValidationError::new(
+                "payload",
+                format!("is {size} bytes, the limit is {MAX_PAYLOAD_BYTES}"),
+                "store large bodies elsewhere and put a reference in the event",
+            ));
+        }
+        for name in self.headers.keys() {
+            if name.is_empty() || name.len() > 255 {
+                return Err(ValidationError::new(
+                    "headers",
+                    format!("has a header name of {} bytes", name.len()),
+                    "use header names of 1 to 255 bytes",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A committed event as the relay reads it back from the store.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StoredEvent {
+    pub id: EventId,
+    /// Position in the outbox; per key, seq order is commit order.
+    pub seq: i64,
+    pub event_type: String,
+    pub key: Option<String>,
+    #[serde(with = "bytes_as_vec")]
+    pub payload: Bytes,
+    pub content_type: String,
+    pub headers: Headers,
+    pub created_at: DateTime<Utc>,
+}
+
+mod bytes_as_vec {
+    use bytes::Bytes;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(b: &Bytes, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(b)
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
+        Vec::<u8>::deserialize(d).map(Bytes::from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn event_types() {
+        for ok in ["order.created", "billing.subscription.updated", "a1.b_c.d-e"] {
+            assert!(EventType::parse(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "order",
+            "Order.created",
+            "order..created",
+            ".order.x",
+            "order.created.",
+            "order created.x",
+            "ordér.x",
+        ] {
+            let err = EventType::parse(bad).unwrap_err();
+            assert_eq!(err.field, "type", "{bad}");
+        }
+        assert_eq!(EventType::parse("billing.sub.updated").unwrap().domain(), "billing");
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let big = Event::bytes("a.b", vec![0u8; MAX_PAYLOAD_BYTES + 1], "application/octet-stream");
+        assert_eq!(big.validate().unwrap_err().field, "payload");
+        let e = Event::new("a.b", json!({})).key("");
+        assert_eq!(e.validate().unwrap_err().field, "key");
+        let e = Event::new("a.b", json!({})).dispatch_key("x".repeat(600));
+        assert_eq!(e.validate().unwrap_err().field, "dispatch_key");
+        let e = Event::bytes("a.b", vec![1u8], "");
+        assert_eq!(e.validate().unwrap_err().field, "content_type");
+        assert!(Event::new("a.b.c", json!({"x": 1})).key("k").validate().is_ok());
+    }
+
+    #[test]
+    fn ids_are_v7_and_time_ordered() {
+        let a = EventId::new();
+        let b = EventId::new();
+        assert_eq!(a.0.get_version_num(), 7);
+        assert!(a < b);
+    }
+}

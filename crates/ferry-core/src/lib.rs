@@ -1,0 +1,31 @@
+//! Ferry's pure core: no I/O lives here.
+//!
+//! - [`Event`] is what a producer writes; [`EventType`] validates its name and
+//!   [`StoredEvent`] is the committed event as the relay reads it back.
+//! - [`Route`] maps event types (by glob) to a sink and a destination.
+//! - [`decide`] is the one lifecycle decision: given a delivery's attempts, the
+//!   outcome of a publish and the [`RetryPolicy`], it returns the
+//!   [`Transition`] the store applies (published, retry at a time, or dead).
+//! - [`Sink`] is the trait every destination implements; [`Store`] is the trait
+//!   every outbox database implements. Both classify their errors with
+//!   [`ErrorKind`] so the relay branches on the kind, never on message text.
+//! - [`Clock`] is injected so lease and retry logic is testable without sleeping.
+
+mod clock;
+mod error;
+mod event;
+mod lifecycle;
+mod route;
+mod sink;
+mod store;
+
+pub use clock::{Clock, SystemClock};
+pub use error::{ErrorKind, ValidationError};
+pub use event::{Event, EventId, EventType, Headers, MAX_KEY_BYTES, MAX_PAYLOAD_BYTES, Payload, StoredEvent};
+pub use lifecycle::{RetryPolicy, Transition, decide};
+pub use route::{Glob, Route, render_template};
+pub use sink::{PublishOutcome, Sink, SinkError};
+pub use store::{
+    Claimed, DeliveryState, NO_ROUTE, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError,
+    UnroutedEvent, WakeSource,
+};

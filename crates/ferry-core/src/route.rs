@@ -1,0 +1,111 @@
+use crate::StoredEvent;
+
+/// A glob over event types: `*` matches one segment, `**` any number (also
+/// zero), anything else matches itself. `order.*` matches `order.created`
+/// but not `order.item.created`; `order.**` matches both.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Glob {
+    pattern: String,
+    segments: Vec<String>,
+}
+
+impl Glob {
+    pub fn new(pattern: impl Into<String>) -> Result<Self, String> {
+        let pattern = pattern.into();
+        if pattern.is_empty() {
+            return Err("is empty; use a glob such as \"order.*\" or \"**\"".into());
+        }
+        let segments: Vec<String> = pattern.split('.').map(str::to_owned).collect();
+        for seg in &segments {
+            let ok = seg == "*"
+                || seg == "**"
+                || (!seg.is_empty()
+                    && seg
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-'));
+            if !ok {
+                return Err(format!(
+                    "{pattern:?} has an invalid segment {seg:?}; segments are lowercase names, \"*\" or \"**\""
+                ));
+            }
+        }
+        Ok(Self { pattern, segments })
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.pattern
+    }
+
+    pub fn matches(&self, event_type: &str) -> bool {
+        let parts: Vec<&str> = event_type.split('.').collect();
+        matches_from(&self.segments, &parts)
+    }
+}
+
+fn matches_from(pattern: &[String], parts: &[&str]) -> bool {
+    match pattern.split_first() {
+        None => parts.is_empty(),
+        Some((seg, rest)) if seg == "**" => (0..=parts.len()).any(|skip| matches_from(rest, &parts[skip..])),
+        Some((seg, rest)) => match parts.split_first() {
+            Some((part, tail)) if seg == "*" || seg == part => matches_from(rest, tail),
+            _ => false,
+        },
+    }
+}
+
+/// One routing rule: events whose type matches go to `sink`, at `destination`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    /// Stable name; the per-route delivery state is keyed by it.
+    pub name: String,
+    pub matcher: Glob,
+    /// Name of a configured sink.
+    pub sink: String,
+    /// Where the sink sends (an exchange, topic, stream, URL); may be a template.
+    pub destination: String,
+    /// Sink-specific sub-address (the RabbitMQ routing key); may be a template.
+    pub routing_key: Option<String>,
+}
+
+/// Renders `{type}`, `{domain}`, `{key}` and `{id}` in a destination template.
+///
+/// ```
+/// # use ferry_core::{render_template, StoredEvent, EventId};
+/// # let e = StoredEvent { id: EventId::new(), seq: 1, event_type: "order.created".into(), key: Some("o-1".into()),
+/// #   payload: Default::default(), content_type: "application/json".into(), headers: Default::default(), created_at: chrono::Utc::now() };
+/// assert_eq!(render_template("events.{domain}.{type}", &e), "events.order.order.created");
+/// ```
+pub fn render_template(template: &str, event: &StoredEvent) -> String {
+    if !template.contains('{') {
+        return template.to_owned();
+    }
+    let domain = event.event_type.split('.').next().unwrap_or_default();
+    let id = event.id.to_string();
+    template
+        .replace("{type}", &event.event_type)
+        .replace("{domain}", domain)
+        .replace("{key}", event.key.as_deref().unwrap_or(""))
+        .replace("{id}", &id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        let g = |p: &str| Glob::new(p).unwrap();
+        assert!(g("order.*").matches("order.created"));
+        assert!(!g("order.*").matches("order.item.created"));
+        assert!(g("order.**").matches("order.item.created"));
+        assert!(g("order.**").matches("order"));
+        assert!(g("**").matches("anything.at.all"));
+        assert!(g("*.*.deleted").matches("billing.invoice.deleted"));
+        assert!(!g("*.*.deleted").matches("billing.invoice.created"));
+        assert!(g("order.created").matches("order.created"));
+        assert!(!g("order.created").matches("order.created.v2"));
+        assert!(Glob::new("Order.*").is_err());
+        assert!(Glob::new("").is_err());
+        assert!(Glob::new("a..b").is_err());
+    }
+}

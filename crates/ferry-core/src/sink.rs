@@ -1,0 +1,84 @@
+use std::fmt;
+
+use async_trait::async_trait;
+
+use crate::{ErrorKind, Route, StoredEvent};
+
+/// A failed publish, classified so the relay can decide without parsing text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SinkError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl SinkError {
+    pub fn transient(message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Transient,
+            message: message.into(),
+        }
+    }
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Permanent,
+            message: message.into(),
+        }
+    }
+    pub fn config(message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Config,
+            message: message.into(),
+        }
+    }
+    pub fn is_transient(&self) -> bool {
+        self.kind == ErrorKind::Transient
+    }
+}
+
+impl fmt::Display for SinkError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.message, self.kind)
+    }
+}
+
+impl std::error::Error for SinkError {}
+
+/// The result of publishing one event.
+pub type PublishOutcome = Result<(), SinkError>;
+
+/// A destination kind: RabbitMQ, Kafka, stdout, ...
+///
+/// `publish` receives a batch for one route, in delivery order, and must put
+/// the events on the wire in that order (pipelined is fine). It returns one
+/// outcome per event, in the same order, and reports success only for events
+/// the destination confirmed.
+///
+/// ```
+/// use async_trait::async_trait;
+/// use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+///
+/// struct Discard;
+///
+/// #[async_trait]
+/// impl Sink for Discard {
+///     fn kind(&self) -> &'static str { "discard" }
+///     async fn publish(&self, _route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+///         events.iter().map(|_| Ok(())).collect()
+///     }
+///     async fn check(&self, _route: &Route) -> Result<(), SinkError> { Ok(()) }
+/// }
+/// ```
+#[async_trait]
+pub trait Sink: Send + Sync + 'static {
+    /// The `kind` name used in configuration.
+    fn kind(&self) -> &'static str;
+
+    /// Publishes `events` to `route`'s destination; one outcome per event.
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome>;
+
+    /// Verifies that the route's destination exists and is reachable.
+    async fn check(&self, route: &Route) -> Result<(), SinkError>;
+
+    /// Closes connections after the last confirm has been awaited.
+    async fn close(&self) {}
+}

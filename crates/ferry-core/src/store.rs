@@ -1,0 +1,217 @@
+use std::fmt;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::{ErrorKind, StoredEvent, Transition};
+
+/// A partition of the outbox. Every event belongs to one, chosen by a hash of
+/// its key, so all events of a key share a partition. A relay works only the
+/// partitions it holds a lease on; that is how several relays share the work
+/// and keep per-key order.
+pub type Partition = i32;
+
+/// A relay instance's identity, unique among the relays sharing a database.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RelayId(pub String);
+
+impl fmt::Display for RelayId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The partition leases a relay holds, each with the fencing token it was
+/// granted. Every write the relay makes is refused unless the token still
+/// matches, so an outcome reported under a lost lease cannot land.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Ownership {
+    /// The relay holding these leases.
+    pub relay: RelayId,
+    /// (partition, fencing token), sorted by partition.
+    pub leases: Vec<(Partition, i64)>,
+    /// Relays with a live heartbeat, this one included.
+    pub live_relays: u32,
+    /// Partitions in the outbox.
+    pub total_partitions: u32,
+}
+
+impl Ownership {
+    pub fn partitions(&self) -> Vec<Partition> {
+        self.leases.iter().map(|(p, _)| *p).collect()
+    }
+    pub fn tokens(&self) -> Vec<i64> {
+        self.leases.iter().map(|(_, t)| *t).collect()
+    }
+    pub fn owns(&self, p: Partition) -> bool {
+        self.leases.binary_search_by_key(&p, |(q, _)| *q).is_ok()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.leases.is_empty()
+    }
+    /// The share of partitions this relay should hold.
+    pub fn fair_share(&self) -> usize {
+        let live = self.live_relays.max(1) as usize;
+        (self.total_partitions as usize).div_ceil(live)
+    }
+}
+
+/// An event that has not been routed yet: only what routing needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnroutedEvent {
+    pub seq: i64,
+    pub partition: Partition,
+    pub event_type: String,
+    pub key: Option<String>,
+}
+
+/// The routes an event matched. No routes means the event is dead with the
+/// reason `no route`: it is never silently published to nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoutePlan {
+    pub event: UnroutedEvent,
+    pub routes: Vec<String>,
+}
+
+/// The route name under which events that matched no route are recorded dead.
+pub const NO_ROUTE: &str = "(no route)";
+
+/// A delivery handed to the relay to publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claimed {
+    pub partition: Partition,
+    /// Attempts made before this one.
+    pub attempts: u32,
+    pub event: StoredEvent,
+}
+
+/// An outcome to record for the delivery of event `seq` on a route: applied
+/// only if the delivery is still pending with `expected_attempts` and its
+/// partition lease is still this relay's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recorded {
+    pub seq: i64,
+    pub expected_attempts: u32,
+    pub transition: Transition,
+}
+
+/// A delivery's state in the store. "In flight" is not stored per row: a due
+/// pending delivery in a partition under a live lease is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeliveryState {
+    Pending,
+    Published,
+    Dead,
+    Cancelled,
+}
+
+impl DeliveryState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeliveryState::Pending => "pending",
+            DeliveryState::Published => "published",
+            DeliveryState::Dead => "dead",
+            DeliveryState::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// A failed store operation, classified like sink errors.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message} ({kind})")]
+pub struct StoreError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl StoreError {
+    pub fn transient(message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Transient,
+            message: message.into(),
+        }
+    }
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Permanent,
+            message: message.into(),
+        }
+    }
+    pub fn config(message: impl Into<String>) -> Self {
+        Self {
+            kind: ErrorKind::Config,
+            message: message.into(),
+        }
+    }
+}
+
+/// Notifications that new events were committed.
+#[async_trait]
+pub trait WakeSource: Send {
+    /// Waits for the next notification: `Some(p)` for partition `p`, `None`
+    /// when notifications may have been missed (a reconnect) and the caller
+    /// should look at everything.
+    async fn wait(&mut self) -> Result<Option<Partition>, StoreError>;
+}
+
+/// The queries the relay runs against an outbox database. Each store runs the
+/// conformance suite in `ferry-testkit`.
+///
+/// Time-dependent calls take `now` from the relay's [`crate::Clock`]; lease
+/// deadlines use the database's own clock so that relays on different hosts
+/// agree on them.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Heartbeat; renew this relay's leases; release `release`; take free or
+    /// expired partitions up to the fair share. Returns the leases now held.
+    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError>;
+
+    /// Gives up every lease and the heartbeat (clean shutdown).
+    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError>;
+
+    /// Up to `limit` unrouted events of the owned partitions, in seq order.
+    async fn fetch_unrouted(&self, owned: &Ownership, limit: usize) -> Result<Vec<UnroutedEvent>, StoreError>;
+
+    /// Creates the deliveries in `plans` and marks those events routed, fenced
+    /// by the leases. Returns how many events were routed.
+    async fn route(&self, owned: &Ownership, plans: &[RoutePlan], now: DateTime<Utc>) -> Result<u64, StoreError>;
+
+    /// Up to `limit` due deliveries of `route` in seq order, skipping any key
+    /// held back by an earlier delivery of the same key and route that failed
+    /// and waits for its retry, or is dead.
+    async fn claim(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        limit: usize,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Claimed>, StoreError>;
+
+    /// Applies outcomes, fenced by leases and by each delivery's attempt count.
+    /// Returns how many were applied; the rest were refused.
+    async fn record(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        outcomes: &[Recorded],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError>;
+
+    /// The earliest future time a failed delivery of `route` in the owned
+    /// partitions is due again (when the keys it holds back move on).
+    async fn next_due(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, StoreError>;
+
+    /// Tells producers whether this relay sleeps and wants a notification.
+    async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError>;
+
+    /// Subscribes to commit notifications.
+    async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError>;
+}

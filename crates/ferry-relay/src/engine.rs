@@ -1,0 +1,247 @@
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ferry_core::{Clock, ErrorKind, Ownership, Route, Sink, Store, StoreError};
+use tokio::sync::{Notify, RwLock, watch};
+use tokio::task::JoinSet;
+use tokio::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::{RelaySettings, lease, router, worker};
+
+/// A relay's configuration is wrong; nothing was published.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RelayError {
+    #[error("routes[{index}] ({route}): no sink named {sink:?}")]
+    UnknownSink { index: usize, route: String, sink: String },
+    #[error("two routes are named {0:?}; route names key the delivery state and must be unique")]
+    DuplicateRoute(String),
+    #[error("the store is not usable: {0}")]
+    Store(StoreError),
+}
+
+/// What a relay did before it stopped.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RunReport {
+    pub published: u64,
+    pub retried: u64,
+    pub dead: u64,
+    /// Outcomes the store refused because the lease had moved on.
+    pub refused: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub published: AtomicU64,
+    pub retried: AtomicU64,
+    pub dead: AtomicU64,
+    pub refused: AtomicU64,
+}
+
+/// The leases as the workers see them: valid only until `valid_until`.
+#[derive(Debug, Clone)]
+pub(crate) struct LeaseView {
+    pub owned: Ownership,
+    pub valid_until: Instant,
+}
+
+/// State shared by the relay's tasks.
+pub(crate) struct Shared<S, C> {
+    pub store: S,
+    pub clock: C,
+    pub settings: RelaySettings,
+    pub routes: Vec<Route>,
+    pub sinks: HashMap<String, Arc<dyn Sink>>,
+    pub lease: watch::Receiver<LeaseView>,
+    /// Workers hold a read guard for each unit of work; the lease keeper takes
+    /// the write guard to hand partitions back only when nothing is in flight.
+    pub gate: RwLock<()>,
+    pub router_wake: Notify,
+    pub route_wake: HashMap<String, Notify>,
+    pub cancel: CancellationToken,
+    pub counters: Counters,
+}
+
+impl<S: Store, C: Clock> Shared<S, C> {
+    /// The leases, if they are still safely inside their deadline.
+    pub fn valid_ownership(&self) -> Option<Ownership> {
+        let view = self.lease.borrow();
+        (!view.owned.is_empty() && Instant::now() < view.valid_until).then(|| view.owned.clone())
+    }
+
+    pub async fn wait_for_lease(&self) {
+        let mut rx = self.lease.clone();
+        tokio::select! {
+            _ = rx.changed() => {}
+            _ = tokio::time::sleep(self.settings.renew_every()) => {}
+            _ = self.cancel.cancelled() => {}
+        }
+    }
+
+    pub fn wake_route(&self, name: &str) {
+        if let Some(n) = self.route_wake.get(name) {
+            n.notify_one();
+        }
+    }
+
+    pub fn wake_all(&self) {
+        self.router_wake.notify_one();
+        for n in self.route_wake.values() {
+            n.notify_one();
+        }
+    }
+
+    /// Sleeps unless the relay is shutting down.
+    pub async fn sleep(&self, d: Duration) {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => {}
+            _ = self.cancel.cancelled() => {}
+        }
+    }
+}
+
+/// The relay: claims, publishes and records, until told to stop.
+///
+/// ```no_run
+/// # async fn demo(store: impl ferry_core::Store, sink: std::sync::Arc<dyn ferry_core::Sink>) {
+/// use ferry_core::{Glob, Route, SystemClock};
+/// use ferry_relay::{Relay, RelaySettings};
+/// let route = Route { name: "orders".into(), matcher: Glob::new("order.*").unwrap(), sink: "rabbit".into(),
+///                     destination: "orders".into(), routing_key: None };
+/// let relay = Relay::new(store, SystemClock, RelaySettings::new("relay-a"), vec![route],
+///                        [("rabbit".to_string(), sink)].into()).unwrap();
+/// let report = relay.run(async { tokio::signal::ctrl_c().await.ok(); }).await.unwrap();
+/// println!("published {}", report.published);
+/// # }
+/// ```
+pub struct Relay<S, C> {
+    store: S,
+    clock: C,
+    settings: RelaySettings,
+    routes: Vec<Route>,
+    sinks: HashMap<String, Arc<dyn Sink>>,
+}
+
+impl<S: Store, C: Clock> Relay<S, C> {
+    pub fn new(
+        store: S,
+        clock: C,
+        settings: RelaySettings,
+        routes: Vec<Route>,
+        sinks: HashMap<String, Arc<dyn Sink>>,
+    ) -> Result<Self, RelayError> {
+        let mut names = std::collections::HashSet::new();
+        for (index, r) in routes.iter().enumerate() {
+            if !sinks.contains_key(&r.sink) {
+                return Err(RelayError::UnknownSink {
+                    index,
+                    route: r.name.clone(),
+                    sink: r.sink.clone(),
+                });
+            }
+            if !names.insert(r.name.as_str()) {
+                return Err(RelayError::DuplicateRoute(r.name.clone()));
+            }
+        }
+        Ok(Self {
+            store,
+            clock,
+            settings,
+            routes,
+            sinks,
+        })
+    }
+
+    /// Runs until `shutdown` resolves; then stops claiming, waits up to the
+    /// shutdown timeout for in-flight confirms, hands its leases back and
+    /// returns. A store that is down is retried; a store without the Ferry
+    /// schema is an error.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<RunReport, RelayError> {
+        let Relay {
+            store,
+            clock,
+            settings,
+            routes,
+            sinks,
+        } = self;
+        let mut shutdown = std::pin::pin!(shutdown);
+        // Fail fast on a missing schema, before any task starts.
+        let first = loop {
+            match store.tick(&settings.id, settings.lease, &[]).await {
+                Ok(own) => break own,
+                Err(e) if e.kind == ErrorKind::Transient => {
+                    warn!(error = %e, "database unreachable at start; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = &mut shutdown => return Ok(RunReport::default()),
+                    }
+                }
+                Err(e) => return Err(RelayError::Store(e)),
+            }
+        };
+        let mut first = first;
+        first.relay = settings.id.clone();
+        let started = Instant::now();
+        let (lease_tx, lease_rx) = watch::channel(LeaseView {
+            owned: first,
+            valid_until: started + settings.lease.saturating_sub(settings.lease_margin()),
+        });
+        let route_wake = routes.iter().map(|r| (r.name.clone(), Notify::new())).collect();
+        let shared = Arc::new(Shared {
+            store,
+            clock,
+            settings,
+            routes,
+            sinks,
+            lease: lease_rx,
+            gate: RwLock::new(()),
+            router_wake: Notify::new(),
+            route_wake,
+            cancel: CancellationToken::new(),
+            counters: Counters::default(),
+        });
+        info!(relay = %shared.settings.id, routes = shared.routes.len(), "relay started");
+
+        let mut work = JoinSet::new();
+        work.spawn(router::run(shared.clone()));
+        for route in shared.routes.clone() {
+            work.spawn(worker::run(shared.clone(), route));
+        }
+        let keeper = tokio::spawn(lease::keep(shared.clone(), lease_tx));
+        let listener = tokio::spawn(lease::listen(shared.clone()));
+
+        shutdown.await;
+        info!("shutting down: no new claims; waiting for in-flight publishes");
+        shared.cancel.cancel();
+        let drained = tokio::time::timeout(shared.settings.shutdown_timeout, async {
+            while work.join_next().await.is_some() {}
+        })
+        .await;
+        if drained.is_err() {
+            warn!("shutdown timeout passed with publishes in flight; their deliveries stay pending for the next relay");
+            work.abort_all();
+            while work.join_next().await.is_some() {}
+        }
+        listener.abort();
+        let _ = keeper.await;
+        if let Err(e) = shared.store.leave(&shared.settings.id).await {
+            warn!(error = %e, "could not hand leases back; they expire on their own");
+        }
+        for sink in shared.sinks.values() {
+            sink.close().await;
+        }
+        let c = &shared.counters;
+        let report = RunReport {
+            published: c.published.load(Ordering::Relaxed),
+            retried: c.retried.load(Ordering::Relaxed),
+            dead: c.dead.load(Ordering::Relaxed),
+            refused: c.refused.load(Ordering::Relaxed),
+        };
+        info!(?report, "relay stopped");
+        Ok(report)
+    }
+}

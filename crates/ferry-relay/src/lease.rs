@@ -1,0 +1,104 @@
+use std::sync::Arc;
+
+use ferry_core::{Clock, ErrorKind, Partition, Store};
+use tokio::sync::watch;
+use tokio::time::{Duration, Instant};
+use tracing::{debug, info, warn};
+
+use crate::engine::{LeaseView, Shared};
+use crate::metrics;
+
+/// Heartbeats and keeps this relay's partition leases, handing back those
+/// above its fair share once no work on them is in flight.
+pub(crate) async fn keep<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, tx: watch::Sender<LeaseView>) {
+    let settings = &shared.settings;
+    let mut release: Vec<Partition> = Vec::new();
+    loop {
+        let mut gate = None;
+        if !release.is_empty() {
+            // Quiesce: wait for the current units of work to finish.
+            gate = Some(shared.gate.write().await);
+        }
+        let sent = Instant::now();
+        match shared.store.tick(&settings.id, settings.lease, &release).await {
+            Ok(mut owned) => {
+                owned.relay = settings.id.clone();
+                let fair = owned.fair_share();
+                let before = tx.borrow().owned.partitions();
+                let gained = owned.partitions().iter().any(|p| !before.contains(p));
+                if owned.partitions() != before {
+                    info!(
+                        partitions = owned.leases.len(),
+                        live_relays = owned.live_relays,
+                        "partition leases changed"
+                    );
+                }
+                ::metrics::gauge!(metrics::LEASED_PARTITIONS).set(owned.leases.len() as f64);
+                release = if owned.leases.len() > fair {
+                    owned.partitions()[fair..].to_vec()
+                } else {
+                    Vec::new()
+                };
+                tx.send_replace(LeaseView {
+                    owned,
+                    valid_until: sent + settings.lease.saturating_sub(settings.lease_margin()),
+                });
+                drop(gate);
+                if gained {
+                    shared.wake_all();
+                }
+                if !release.is_empty() {
+                    debug!(?release, "above fair share; handing partitions back");
+                    continue;
+                }
+            }
+            Err(e) => {
+                drop(gate);
+                release.clear();
+                ::metrics::counter!(metrics::STORE_ERRORS, "op" => "tick").increment(1);
+                if e.kind == ErrorKind::Transient {
+                    warn!(error = %e, "lease renewal failed; work pauses when the lease runs out");
+                } else {
+                    warn!(error = %e, "lease renewal refused");
+                }
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(settings.renew_every()) => {}
+            _ = shared.cancel.cancelled() => return,
+        }
+    }
+}
+
+/// Turns commit notifications into router wake-ups; reconnects with backoff.
+pub(crate) async fn listen<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut source = match shared.store.listen().await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "cannot listen for commits; relying on polls until it reconnects");
+                shared.sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        // Anything committed while we were not listening is found by a poll.
+        shared.router_wake.notify_one();
+        loop {
+            match source.wait().await {
+                Ok(Some(p)) => {
+                    if shared.lease.borrow().owned.owns(p) {
+                        shared.router_wake.notify_one();
+                    }
+                }
+                Ok(None) => shared.router_wake.notify_one(),
+                Err(e) => {
+                    debug!(error = %e, "commit listener dropped");
+                    break;
+                }
+            }
+        }
+    }
+}

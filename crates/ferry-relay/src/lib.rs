@@ -1,0 +1,29 @@
+//! Ferry's relay engine, generic over a [`ferry_core::Store`] and a
+//! [`ferry_core::Clock`], publishing through [`ferry_core::Sink`]s.
+//!
+//! [`Relay::run`] starts four kinds of task and returns when `shutdown`
+//! resolves and they have stopped:
+//!
+//! - the **lease keeper** heartbeats, renews this relay's partition leases,
+//!   hands back partitions above its fair share (after the workers have
+//!   quiesced) and takes free or expired ones;
+//! - the **router** reads committed, unrouted events of the leased partitions
+//!   and creates one delivery per matching route (or a dead `no route` one);
+//! - one **worker per route** claims due deliveries in outbox order, publishes
+//!   them as one pipelined batch, decides each outcome with
+//!   [`ferry_core::decide`] and records it, fenced by the lease;
+//! - the **listener** turns commit notifications into wake-ups.
+//!
+//! Deciding is split from doing: routing is [`plan_routes`], outcomes are
+//! [`ferry_core::decide`]; the tasks only move data between store and sinks.
+
+mod engine;
+mod lease;
+pub mod metrics;
+mod router;
+mod settings;
+mod worker;
+
+pub use engine::{Relay, RelayError, RunReport};
+pub use router::plan_routes;
+pub use settings::RelaySettings;

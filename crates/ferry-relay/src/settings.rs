@@ -1,0 +1,42 @@
+use std::time::Duration;
+
+use ferry_core::{RelayId, RetryPolicy};
+
+/// How a relay behaves; the CLI builds this from the `[relay]` config section.
+#[derive(Debug, Clone)]
+pub struct RelaySettings {
+    pub id: RelayId,
+    /// Events routed, and deliveries claimed, per round trip.
+    pub batch_size: usize,
+    /// How long a partition lease lasts without renewal. Renewed every third.
+    pub lease: Duration,
+    pub retry: RetryPolicy,
+    /// The fallback poll when idle, in case a notification was missed.
+    pub poll_interval: Duration,
+    /// On shutdown, how long to wait for in-flight publishes to be confirmed.
+    pub shutdown_timeout: Duration,
+}
+
+impl RelaySettings {
+    pub fn new(id: impl Into<String>) -> Self {
+        Self {
+            id: RelayId(id.into()),
+            batch_size: 500,
+            lease: Duration::from_secs(30),
+            retry: RetryPolicy::default(),
+            poll_interval: Duration::from_secs(30),
+            shutdown_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Work stops this long before a lease would expire unrenewed, so a relay
+    /// cut off from its database never publishes under a lease another relay
+    /// may already hold.
+    pub(crate) fn lease_margin(&self) -> Duration {
+        self.lease / 5
+    }
+
+    pub(crate) fn renew_every(&self) -> Duration {
+        self.lease / 3
+    }
+}

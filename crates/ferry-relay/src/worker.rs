@@ -1,0 +1,164 @@
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use ferry_core::{Clock, Ownership, Recorded, Route, SinkError, Store, StoredEvent, Transition, decide};
+use rand::Rng;
+use tokio::time::{Duration, Instant};
+use tracing::{debug, warn};
+
+use crate::engine::Shared;
+use crate::metrics;
+
+/// One route's worker: claim due deliveries in outbox order, publish them as
+/// one pipelined batch, record every outcome. Units of work never overlap, so
+/// a key's failure is recorded before its next delivery can be claimed.
+pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Route) {
+    let sink = shared.sinks[&route.sink].clone();
+    let wake = &shared.route_wake[&route.name];
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        if shared.cancel.is_cancelled() {
+            return;
+        }
+        let gate = shared.gate.read().await;
+        let Some(owned) = shared.valid_ownership() else {
+            drop(gate);
+            shared.wait_for_lease().await;
+            continue;
+        };
+        let now = shared.clock.now();
+        let claimed = match shared
+            .store
+            .claim(&owned, &route.name, shared.settings.batch_size, now)
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                drop(gate);
+                warn!(route = %route.name, error = %e, "claim failed; retrying");
+                ::metrics::counter!(metrics::STORE_ERRORS, "op" => "claim").increment(1);
+                shared.sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(50);
+        if claimed.is_empty() {
+            let next = shared.store.next_due(&owned, &route.name, now).await.ok().flatten();
+            drop(gate);
+            let mut wait = shared.settings.poll_interval;
+            if let Some(at) = next {
+                let until = (at - shared.clock.now()).to_std().unwrap_or_default();
+                wait = wait.min(until + Duration::from_millis(1));
+            }
+            tokio::select! {
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {}
+                _ = shared.cancel.cancelled() => return,
+            }
+            continue;
+        }
+        // Self-fence: never start publishing under a lease that may lapse.
+        if shared.valid_ownership().is_none() {
+            continue;
+        }
+        ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);
+        let events: Vec<StoredEvent> = claimed.iter().map(|c| c.event.clone()).collect();
+        let started = Instant::now();
+        let mut outcomes = sink.publish(&route, &events).await;
+        ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
+            .record(started.elapsed().as_secs_f64());
+        if outcomes.len() != events.len() {
+            warn!(route = %route.name, "sink returned {} outcomes for {} events", outcomes.len(), events.len());
+            outcomes.resize_with(events.len(), || Err(SinkError::transient("sink returned no outcome")));
+        }
+        let now = shared.clock.now();
+        let recorded: Vec<Recorded> = {
+            let mut rng = rand::rng();
+            claimed
+                .iter()
+                .zip(&outcomes)
+                .map(|(c, outcome)| Recorded {
+                    seq: c.event.seq,
+                    expected_attempts: c.attempts,
+                    transition: decide(c.attempts, outcome, now, &shared.settings.retry, rng.random::<f64>()),
+                })
+                .collect()
+        };
+        account(&shared, &route, &claimed, &recorded, now);
+        record(&shared, &owned, &route, &recorded, now).await;
+        drop(gate);
+    }
+}
+
+/// Records outcomes, retrying while the lease lasts: a failed write only
+/// costs a duplicate publish later, but retrying spares it.
+async fn record<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    owned: &Ownership,
+    route: &Route,
+    recorded: &[Recorded],
+    now: chrono::DateTime<chrono::Utc>,
+) {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        match shared.store.record(owned, &route.name, recorded, now).await {
+            Ok(applied) => {
+                let refused = recorded.len() as u64 - applied.min(recorded.len() as u64);
+                if refused > 0 {
+                    warn!(route = %route.name, refused, "outcomes refused: lease lost or delivery moved on");
+                    shared.counters.refused.fetch_add(refused, Ordering::Relaxed);
+                    ::metrics::counter!(metrics::REFUSED, "route" => route.name.clone()).increment(refused);
+                }
+                return;
+            }
+            Err(e) => {
+                ::metrics::counter!(metrics::STORE_ERRORS, "op" => "record").increment(1);
+                if shared.valid_ownership().is_none() {
+                    warn!(route = %route.name, error = %e, "could not record outcomes before the lease ran out; they will be published again");
+                    return;
+                }
+                debug!(route = %route.name, error = %e, "recording outcomes failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+fn account<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    route: &Route,
+    claimed: &[ferry_core::Claimed],
+    recorded: &[Recorded],
+    now: chrono::DateTime<chrono::Utc>,
+) {
+    let (mut published, mut retried, mut dead) = (0u64, 0u64, 0u64);
+    for (c, r) in claimed.iter().zip(recorded) {
+        match &r.transition {
+            Transition::Published { .. } => {
+                published += 1;
+                if c.attempts == 0 {
+                    let age = (now - c.event.created_at).to_std().unwrap_or_default();
+                    ::metrics::histogram!(metrics::COMMIT_TO_PUBLISH_SECONDS, "route" => route.name.clone())
+                        .record(age.as_secs_f64());
+                }
+            }
+            Transition::Retry { error, .. } => {
+                retried += 1;
+                debug!(route = %route.name, event = %c.event.id, %error, "delivery failed; will retry");
+            }
+            Transition::Dead { reason, .. } => {
+                dead += 1;
+                warn!(route = %route.name, event = %c.event.id, %reason, "delivery is dead");
+            }
+        }
+    }
+    let name = route.name.clone();
+    ::metrics::counter!(metrics::PUBLISHED, "route" => name.clone()).increment(published);
+    ::metrics::counter!(metrics::FAILED, "route" => name.clone()).increment(retried + dead);
+    ::metrics::counter!(metrics::DEAD, "route" => name).increment(dead);
+    shared.counters.published.fetch_add(published, Ordering::Relaxed);
+    shared.counters.retried.fetch_add(retried, Ordering::Relaxed);
+    shared.counters.dead.fetch_add(dead, Ordering::Relaxed);
+}

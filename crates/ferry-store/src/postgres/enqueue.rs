@@ -1,0 +1,97 @@
+use ferry_core::{Event, EventId, ValidationError};
+use sqlx::{Connection, PgConnection};
+use uuid::Uuid;
+
+/// The result of an enqueue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Enqueued {
+    /// The event's id; for a duplicate, the id of the event already stored.
+    pub id: EventId,
+    /// The dispatch key was seen before: nothing was written.
+    pub duplicate: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnqueueError {
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    /// Writing outside a transaction would break the outbox's one promise:
+    /// the event commits with the business write or not at all.
+    #[error(
+        "ferry::enqueue must run inside the caller's transaction; \
+         begin one (`let mut tx = pool.begin().await?`) and pass `&mut *tx`"
+    )]
+    NotInTransaction,
+    #[error("the database refused the event: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Writes `event` in the caller's transaction and returns its id. With a
+/// dispatch key seen before, writes nothing and returns the first event's id.
+///
+/// ```no_run
+/// # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use ferry_core::Event;
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("UPDATE orders SET state = 'paid' WHERE id = 42").execute(&mut *tx).await?;
+/// let sent = ferry_store::postgres::enqueue(
+///     &mut *tx,
+///     Event::new("order.paid", serde_json::json!({"id": 42})).key("order-42"),
+/// ).await?;
+/// tx.commit().await?;
+/// println!("event {}", sent.id);
+/// # Ok(()) }
+/// ```
+pub async fn enqueue(conn: &mut PgConnection, event: Event) -> Result<Enqueued, EnqueueError> {
+    let mut out = enqueue_batch(conn, vec![event]).await?;
+    Ok(out.remove(0))
+}
+
+/// Writes many events in one round trip, in order, in the caller's transaction.
+pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<Event>) -> Result<Vec<Enqueued>, EnqueueError> {
+    if !conn.is_in_transaction() {
+        return Err(EnqueueError::NotInTransaction);
+    }
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let n = events.len();
+    let (mut ids, mut types, mut keys, mut payloads, mut cts, mut headers, mut dks) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for event in &events {
+        event.validate()?;
+        ids.push(event.id().0);
+        types.push(event.event_type().to_owned());
+        keys.push(event.get_key().map(str::to_owned));
+        payloads.push(event.payload().to_bytes().to_vec());
+        cts.push(event.payload().content_type().to_owned());
+        headers.push(serde_json::to_value(event.headers()).expect("string map serialises"));
+        dks.push(event.get_dispatch_key().map(str::to_owned));
+    }
+    let stored: Vec<Uuid> = sqlx::query_scalar("SELECT ferry._enqueue_batch($1, $2, $3, $4, $5, $6, $7)")
+        .bind(&ids)
+        .bind(&types)
+        .bind(&keys)
+        .bind(&payloads)
+        .bind(&cts)
+        .bind(&headers)
+        .bind(&dks)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(ids
+        .iter()
+        .zip(stored)
+        .map(|(mine, got)| Enqueued {
+            id: EventId(got),
+            duplicate: *mine != got,
+        })
+        .collect())
+}

@@ -1,0 +1,67 @@
+use sqlx::{Connection, PgConnection};
+
+/// Ferry's migrations, in order. Each runs once, in its own transaction.
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[(1, "outbox", include_str!("migrations/0001_outbox.sql"))];
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MigrateError {
+    #[error("migration {version} ({name}) failed: {source}")]
+    Failed {
+        version: i32,
+        name: &'static str,
+        source: sqlx::Error,
+    },
+    #[error("the database is at schema version {found}, newer than this ferry ({known}); upgrade ferry")]
+    TooNew { found: i32, known: i32 },
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+}
+
+/// Brings the `ferry` schema up to date; safe to run again and concurrently.
+/// Returns the versions applied by this call.
+pub async fn migrate(conn: &mut PgConnection) -> Result<Vec<i32>, MigrateError> {
+    let mut tx = conn.begin().await?;
+    // One migrator at a time; the lock goes with the transaction.
+    sqlx::query("SELECT pg_advisory_xact_lock(1178948185, 0)")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query("CREATE SCHEMA IF NOT EXISTS ferry")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS ferry.schema_migrations (
+             version int PRIMARY KEY,
+             name text NOT NULL,
+             applied_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(&mut *tx)
+    .await?;
+    let applied: Vec<i32> = sqlx::query_scalar("SELECT version FROM ferry.schema_migrations ORDER BY version")
+        .fetch_all(&mut *tx)
+        .await?;
+    let known = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+    if let Some(&found) = applied.iter().max()
+        && found > known
+    {
+        return Err(MigrateError::TooNew { found, known });
+    }
+    let mut done = Vec::new();
+    for &(version, name, sql) in MIGRATIONS {
+        if applied.contains(&version) {
+            continue;
+        }
+        sqlx::raw_sql(sql)
+            .execute(&mut *tx)
+            .await
+            .map_err(|source| MigrateError::Failed { version, name, source })?;
+        sqlx::query("INSERT INTO ferry.schema_migrations (version, name) VALUES ($1, $2)")
+            .bind(version)
+            .bind(name)
+            .execute(&mut *tx)
+            .await?;
+        done.push(version);
+    }
+    tx.commit().await?;
+    Ok(done)
+}

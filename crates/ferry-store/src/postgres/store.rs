@@ -1,0 +1,312 @@
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use ferry_core::{
+    Claimed, EventId, NO_ROUTE, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError, StoredEvent,
+    Transition, UnroutedEvent, WakeSource,
+};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+use super::error::store_error;
+use super::listen::PgWakeSource;
+
+/// The PostgreSQL outbox store.
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+}
+
+impl PgStore {
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// Connects lazily: a database that is down at start is retried by the
+    /// relay rather than failing the process.
+    pub fn connect_lazy(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        let options: PgConnectOptions = url.parse().map_err(|e| {
+            StoreError::config(format!("database.url: {e}; write it like postgres://user@host:5432/db"))
+        })?;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections.max(2))
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_lazy_with(options.application_name("ferry"));
+        Ok(Self { pool })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+fn interval(d: Duration) -> sqlx::postgres::types::PgInterval {
+    sqlx::postgres::types::PgInterval {
+        months: 0,
+        days: 0,
+        microseconds: d.as_micros().min(i64::MAX as u128) as i64,
+    }
+}
+
+#[async_trait]
+impl Store for PgStore {
+    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
+        let rows =
+            sqlx::query("SELECT partition, token, live_relays, total_partitions FROM ferry.relay_tick($1, $2, $3)")
+                .bind(&relay.0)
+                .bind(interval(lease))
+                .bind(release)
+                .fetch_all(&self.pool)
+                .await
+                .map_err(store_error)?;
+        let mut own = Ownership::default();
+        for row in rows {
+            own.leases.push((row.get(0), row.get(1)));
+            own.live_relays = row.get::<i32, _>(2) as u32;
+            own.total_partitions = row.get::<i32, _>(3) as u32;
+        }
+        if own.leases.is_empty() {
+            let (live, total): (i64, i64) = sqlx::query_as(
+                "SELECT (SELECT count(*) FROM ferry.relays WHERE heartbeat_at > now() - $1::interval),
+                        (SELECT count(*) FROM ferry.partitions)",
+            )
+            .bind(interval(lease))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
+            own.live_relays = live as u32;
+            own.total_partitions = total as u32;
+        }
+        Ok(own)
+    }
+
+    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        sqlx::query("UPDATE ferry.partitions SET owner = NULL, expires_at = NULL WHERE owner = $1")
+            .bind(&relay.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        sqlx::query("DELETE FROM ferry.relays WHERE id = $1")
+            .bind(&relay.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn fetch_unrouted(&self, owned: &Ownership, limit: usize) -> Result<Vec<UnroutedEvent>, StoreError> {
+        if owned.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(include_str!("sql/fetch_unrouted.sql"))
+            .bind(owned.partitions())
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|r| UnroutedEvent {
+                seq: r.get(0),
+                partition: r.get(1),
+                event_type: r.get(2),
+                key: r.get(3),
+            })
+            .collect())
+    }
+
+    async fn route(&self, owned: &Ownership, plans: &[RoutePlan], now: DateTime<Utc>) -> Result<u64, StoreError> {
+        if plans.is_empty() {
+            return Ok(0);
+        }
+        let seqs: Vec<i64> = plans.iter().map(|p| p.event.seq).collect();
+        let (mut d_seq, mut d_route, mut d_part, mut d_key, mut d_state, mut d_err) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for plan in plans {
+            let e = &plan.event;
+            if plan.routes.is_empty() {
+                d_seq.push(e.seq);
+                d_route.push(NO_ROUTE.to_owned());
+                d_part.push(e.partition);
+                d_key.push(e.key.clone());
+                d_state.push("dead");
+                d_err.push(Some(format!(
+                    "no route: no [[routes]] entry matches type {:?}; add a route and requeue",
+                    e.event_type
+                )));
+            }
+            for route in &plan.routes {
+                d_seq.push(e.seq);
+                d_route.push(route.clone());
+                d_part.push(e.partition);
+                d_key.push(e.key.clone());
+                d_state.push("pending");
+                d_err.push(None);
+            }
+        }
+        let row = sqlx::query(include_str!("sql/route.sql"))
+            .bind(relay_of(owned))
+            .bind(owned.partitions())
+            .bind(owned.tokens())
+            .bind(&seqs)
+            .bind(&d_seq)
+            .bind(&d_route)
+            .bind(&d_part)
+            .bind(&d_key)
+            .bind(&d_state)
+            .bind(&d_err)
+            .bind(now)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(row.get::<i64, _>(0) as u64)
+    }
+
+    async fn claim(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        limit: usize,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Claimed>, StoreError> {
+        if owned.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(include_str!("sql/claim.sql"))
+            .bind(route)
+            .bind(owned.partitions())
+            .bind(now)
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
+        rows.into_iter()
+            .map(|r| {
+                let headers: serde_json::Value = r.get(8);
+                let headers: BTreeMap<String, String> = serde_json::from_value(headers)
+                    .map_err(|e| StoreError::permanent(format!("event headers are not a string map: {e}")))?;
+                let seq: i64 = r.get(0);
+                Ok(Claimed {
+                    partition: r.get(1),
+                    attempts: r.get::<i32, _>(2).max(0) as u32,
+                    event: StoredEvent {
+                        id: EventId(r.get::<Uuid, _>(3)),
+                        seq,
+                        event_type: r.get(4),
+                        key: r.get(5),
+                        payload: Bytes::from(r.get::<Vec<u8>, _>(6)),
+                        content_type: r.get(7),
+                        headers,
+                        created_at: r.get(9),
+                    },
+                })
+            })
+            .collect()
+    }
+
+    async fn record(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        outcomes: &[Recorded],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        if outcomes.is_empty() {
+            return Ok(0);
+        }
+        let n = outcomes.len();
+        let mut seq = Vec::with_capacity(n);
+        let mut expected = Vec::with_capacity(n);
+        let mut state = Vec::with_capacity(n);
+        let mut attempts = Vec::with_capacity(n);
+        let mut next_at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+        let mut error: Vec<Option<String>> = Vec::with_capacity(n);
+        let mut published_at: Vec<Option<DateTime<Utc>>> = Vec::with_capacity(n);
+        for o in outcomes {
+            seq.push(o.seq);
+            expected.push(o.expected_attempts as i32);
+            attempts.push(o.transition.attempts() as i32);
+            match &o.transition {
+                Transition::Published { at, .. } => {
+                    state.push("published");
+                    next_at.push(None);
+                    error.push(None);
+                    published_at.push(Some(*at));
+                }
+                Transition::Retry {
+                    next_at: at, error: e, ..
+                } => {
+                    state.push("pending");
+                    next_at.push(Some(*at));
+                    error.push(Some(e.clone()));
+                    published_at.push(None);
+                }
+                Transition::Dead { reason, .. } => {
+                    state.push("dead");
+                    next_at.push(None);
+                    error.push(Some(reason.clone()));
+                    published_at.push(None);
+                }
+            }
+        }
+        let applied: i64 = sqlx::query_scalar(include_str!("sql/record.sql"))
+            .bind(relay_of(owned))
+            .bind(owned.partitions())
+            .bind(owned.tokens())
+            .bind(route)
+            .bind(&seq)
+            .bind(&expected)
+            .bind(&state)
+            .bind(&attempts)
+            .bind(&next_at)
+            .bind(&error)
+            .bind(&published_at)
+            .bind(now)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(applied as u64)
+    }
+
+    async fn next_due(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        if owned.is_empty() {
+            return Ok(None);
+        }
+        sqlx::query_scalar(include_str!("sql/next_due.sql"))
+            .bind(route)
+            .bind(owned.partitions())
+            .bind(now)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)
+    }
+
+    async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError> {
+        sqlx::query("UPDATE ferry.relays SET sleeping = $2 WHERE id = $1 AND sleeping <> $2")
+            .bind(&relay.0)
+            .bind(sleeping)
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
+        Ok(Box::new(PgWakeSource::connect(&self.pool).await?))
+    }
+}
+
+/// The relay a lease set belongs to travels with the ownership.
+fn relay_of(owned: &Ownership) -> &str {
+    &owned.relay.0
+}

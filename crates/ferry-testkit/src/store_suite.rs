@@ -1,0 +1,336 @@
+//! The conformance suite every outbox store passes against the real database.
+//!
+//! A store's test file implements [`StoreHarness`] (a fresh database per
+//! call) and expands [`store_conformance!`] to get one test per scenario.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::Utc;
+use ferry_core::{
+    Claimed, Event, EventId, NO_ROUTE, Ownership, Recorded, RelayId, RetryPolicy, SinkError, Store, Transition, decide,
+};
+use serde_json::json;
+
+/// What the suite needs beyond the [`Store`] trait: a way to produce events
+/// through the store's own producer API, and to make leases lapse.
+#[async_trait]
+pub trait StoreHarness: Send + Sync {
+    type S: Store;
+    fn store(&self) -> &Self::S;
+    /// Enqueues `events` in one transaction through the producer API.
+    async fn enqueue(&self, events: Vec<Event>) -> Vec<EventId>;
+    /// Makes every lease `relay` holds expire now.
+    async fn expire_leases(&self, relay: &RelayId);
+    /// Dead and pending-retry deliveries of `route`, for assertions.
+    async fn delivery_state(&self, route: &str, id: EventId) -> Option<(String, u32)>;
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn relay(name: &str) -> RelayId {
+    RelayId(name.to_owned())
+}
+
+async fn own<H: StoreHarness>(h: &H, name: &str) -> Ownership {
+    let mut o = h.store().tick(&relay(name), LEASE, &[]).await.expect("tick");
+    o.relay = relay(name);
+    o
+}
+
+fn order(n: usize, key: &str) -> Event {
+    Event::new("order.item.created", json!({ "n": n })).key(key)
+}
+
+async fn route_all<H: StoreHarness>(h: &H, o: &Ownership, routes: &[&str]) -> u64 {
+    let events = h.store().fetch_unrouted(o, 10_000).await.expect("fetch_unrouted");
+    let plans = events
+        .into_iter()
+        .map(|event| {
+            let routes = if event.event_type.starts_with("order.") {
+                routes.iter().map(|r| r.to_string()).collect()
+            } else {
+                Vec::new()
+            };
+            ferry_core::RoutePlan { event, routes }
+        })
+        .collect::<Vec<_>>();
+    h.store().route(o, &plans, Utc::now()).await.expect("route")
+}
+
+async fn claim<H: StoreHarness>(h: &H, o: &Ownership, route: &str) -> Vec<Claimed> {
+    h.store().claim(o, route, 10_000, Utc::now()).await.expect("claim")
+}
+
+fn outcome(c: &Claimed, result: Result<(), SinkError>) -> Recorded {
+    let policy = RetryPolicy {
+        base_delay: Duration::from_secs(3600),
+        ..RetryPolicy::default()
+    };
+    Recorded {
+        seq: c.event.seq,
+        expected_attempts: c.attempts,
+        transition: decide(c.attempts, &result, Utc::now(), &policy, 0.0),
+    }
+}
+
+/// One relay alone takes every partition; a second one gets a fair share
+/// once the first hands partitions back; a takeover bumps the fencing token.
+pub async fn leases_are_shared_and_fenced<H: StoreHarness>(h: &H) {
+    let a = own(h, "a").await;
+    assert_eq!(
+        a.leases.len() as u32,
+        a.total_partitions,
+        "a lone relay leases every partition"
+    );
+    assert!(a.total_partitions >= 2);
+    let b = own(h, "b").await;
+    assert!(b.leases.is_empty(), "nothing is free yet");
+    assert_eq!(b.live_relays, 2);
+    let fair = b.fair_share();
+    let release: Vec<i32> = a.partitions()[fair..].to_vec();
+    let a2 = h.store().tick(&relay("a"), LEASE, &release).await.unwrap();
+    assert_eq!(a2.leases.len(), fair);
+    let b2 = own(h, "b").await;
+    assert_eq!(b2.leases.len(), a.leases.len() - fair, "b takes what a released");
+    for (p, _) in &b2.leases {
+        assert!(!a2.owns(*p), "partition {p} has two owners");
+    }
+    // b's leases lapse; a takes them over with new tokens.
+    h.expire_leases(&relay("b")).await;
+    let a3 = h.store().tick(&relay("a"), LEASE, &[]).await.unwrap();
+    assert_eq!(
+        a3.leases.len() as u32,
+        a.total_partitions,
+        "a takes the expired partitions"
+    );
+    for (p, token) in &b2.leases {
+        let now = a3.leases.iter().find(|(q, _)| q == p).unwrap().1;
+        assert!(now > *token, "takeover of {p} must bump the token");
+    }
+    h.store().leave(&relay("a")).await.unwrap();
+    let c = own(h, "c").await;
+    assert_eq!(c.leases.len() as u32, a.total_partitions, "leave hands everything back");
+}
+
+/// Events route once, in outbox order; unmatched events are dead `no route`;
+/// deliveries come back per route in seq order with their payloads.
+pub async fn routing_and_claiming_in_order<H: StoreHarness>(h: &H) {
+    let mut events: Vec<Event> = (0..30).map(|i| order(i, &format!("k{}", i % 3))).collect();
+    events.push(Event::new("user.account.created", json!({})).key("u1"));
+    let ids = h.enqueue(events).await;
+    let o = own(h, "a").await;
+    assert_eq!(route_all(h, &o, &["r1", "r2"]).await, 31);
+    assert_eq!(route_all(h, &o, &["r1", "r2"]).await, 0, "routing happens once");
+    for route in ["r1", "r2"] {
+        let c = claim(h, &o, route).await;
+        assert_eq!(c.len(), 30);
+        let seqs: Vec<i64> = c.iter().map(|c| c.event.seq).collect();
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "claims come in seq order");
+        assert_eq!(c.iter().map(|c| c.event.id).collect::<Vec<_>>(), ids[..30].to_vec());
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&c[7].event.payload).unwrap(),
+            json!({"n": 7})
+        );
+        assert_eq!(c[7].event.key.as_deref(), Some("k1"));
+        assert_eq!(c[0].attempts, 0);
+    }
+    let dead = h.delivery_state(NO_ROUTE, ids[30]).await;
+    assert_eq!(
+        dead.map(|d| d.0),
+        Some("dead".to_owned()),
+        "no route is dead, never dropped"
+    );
+}
+
+/// A failed delivery holds back later deliveries of its key on its route
+/// only; other keys and other routes flow; publishing it releases the key.
+pub async fn a_failure_blocks_only_its_key_and_route<H: StoreHarness>(h: &H) {
+    let events = vec![
+        order(0, "a"),
+        order(1, "b"),
+        order(2, "a"),
+        order(3, "b"),
+        order(4, "a"),
+    ];
+    let ids = h.enqueue(events).await;
+    let o = own(h, "a").await;
+    route_all(h, &o, &["r1", "r2"]).await;
+    let c = claim(h, &o, "r1").await;
+    assert_eq!(c.len(), 5);
+    // a's first event fails; everything else succeeds.
+    let rec: Vec<Recorded> = c
+        .iter()
+        .map(|c| {
+            outcome(
+                c,
+                if c.event.id == ids[0] {
+                    Err(SinkError::transient("down"))
+                } else {
+                    Ok(())
+                },
+            )
+        })
+        .collect();
+    // Pretend only the failure and b's events were published, as a relay would
+    // after holding a's later events back.
+    let (failed, rest): (Vec<_>, Vec<_>) = rec.into_iter().partition(|r| r.seq == c[0].event.seq);
+    let b_only: Vec<Recorded> = rest
+        .into_iter()
+        .filter(|r| r.seq == c[1].event.seq || r.seq == c[3].event.seq)
+        .collect();
+    assert_eq!(h.store().record(&o, "r1", &failed, Utc::now()).await.unwrap(), 1);
+    assert_eq!(h.store().record(&o, "r1", &b_only, Utc::now()).await.unwrap(), 2);
+    assert!(
+        claim(h, &o, "r1").await.is_empty(),
+        "a's later events wait behind its failure"
+    );
+    assert_eq!(claim(h, &o, "r2").await.len(), 5, "another route is not held back");
+    let due = h.store().next_due(&o, "r1", Utc::now()).await.unwrap();
+    assert!(due.is_some_and(|d| d > Utc::now()), "the retry time is reported");
+    // Once due, the failed one comes first and alone for its key.
+    let later = Utc::now() + chrono::Duration::hours(2);
+    let c2 = h.store().claim(&o, "r1", 100, later).await.unwrap();
+    assert_eq!(c2.iter().map(|c| c.event.id).collect::<Vec<_>>(), vec![ids[0]]);
+    assert_eq!(c2[0].attempts, 1);
+    let ok: Vec<Recorded> = c2.iter().map(|c| outcome(c, Ok(()))).collect();
+    assert_eq!(h.store().record(&o, "r1", &ok, Utc::now()).await.unwrap(), 1);
+    let c3 = claim(h, &o, "r1").await;
+    assert_eq!(
+        c3.iter().map(|c| c.event.id).collect::<Vec<_>>(),
+        vec![ids[2], ids[4]],
+        "the key moves on in order"
+    );
+}
+
+/// A dead delivery keeps its key blocked; it stays dead with its reason.
+pub async fn dead_blocks_its_key<H: StoreHarness>(h: &H) {
+    let ids = h.enqueue(vec![order(0, "a"), order(1, "a"), order(2, "c")]).await;
+    let o = own(h, "a").await;
+    route_all(h, &o, &["r1"]).await;
+    let c = claim(h, &o, "r1").await;
+    let rec = vec![outcome(&c[0], Err(SinkError::permanent("unroutable")))];
+    h.store().record(&o, "r1", &rec, Utc::now()).await.unwrap();
+    assert_eq!(h.delivery_state("r1", ids[0]).await, Some(("dead".into(), 1)));
+    let later = Utc::now() + chrono::Duration::days(30);
+    let c2 = h.store().claim(&o, "r1", 100, later).await.unwrap();
+    assert_eq!(
+        c2.iter().map(|c| c.event.id).collect::<Vec<_>>(),
+        vec![ids[2]],
+        "only the other key flows"
+    );
+}
+
+/// Outcomes are refused under a lost lease and for a delivery that moved on.
+pub async fn stale_outcomes_are_refused<H: StoreHarness>(h: &H) {
+    h.enqueue(vec![order(0, "a"), order(1, "b")]).await;
+    let a = own(h, "a").await;
+    route_all(h, &a, &["r1"]).await;
+    let c = claim(h, &a, "r1").await;
+    assert_eq!(c.len(), 2);
+    // a's leases lapse and b takes over.
+    h.expire_leases(&relay("a")).await;
+    let b = own(h, "b").await;
+    assert!(!b.is_empty());
+    let rec: Vec<Recorded> = c.iter().map(|c| outcome(c, Ok(()))).collect();
+    assert_eq!(
+        h.store().record(&a, "r1", &rec, Utc::now()).await.unwrap(),
+        0,
+        "a lost its lease"
+    );
+    // b records; a stale attempt count is refused too.
+    let cb = claim(h, &b, "r1").await;
+    assert_eq!(cb.len(), 2, "b sees the deliveries a could not record");
+    let mut stale = outcome(&cb[0], Ok(()));
+    stale.expected_attempts += 1;
+    assert_eq!(h.store().record(&b, "r1", &[stale], Utc::now()).await.unwrap(), 0);
+    let rec: Vec<Recorded> = cb.iter().map(|c| outcome(c, Ok(()))).collect();
+    assert_eq!(h.store().record(&b, "r1", &rec, Utc::now()).await.unwrap(), 2);
+    assert_eq!(
+        h.store().record(&b, "r1", &rec, Utc::now()).await.unwrap(),
+        0,
+        "recording twice is refused"
+    );
+    assert!(claim(h, &b, "r1").await.is_empty());
+}
+
+/// A relay that holds no lease sees no work and can write none.
+pub async fn no_lease_no_work<H: StoreHarness>(h: &H) {
+    h.enqueue(vec![order(0, "a")]).await;
+    let empty = Ownership {
+        relay: relay("x"),
+        ..Ownership::default()
+    };
+    assert!(h.store().fetch_unrouted(&empty, 100).await.unwrap().is_empty());
+    assert!(claim(h, &empty, "r1").await.is_empty());
+}
+
+/// Retries get the attempt count and error; max attempts makes a delivery dead.
+pub async fn retries_count_attempts<H: StoreHarness>(h: &H) {
+    let ids = h.enqueue(vec![order(0, "a")]).await;
+    let o = own(h, "a").await;
+    route_all(h, &o, &["r1"]).await;
+    let policy = RetryPolicy {
+        max_attempts: 3,
+        base_delay: Duration::from_secs(1),
+        ..RetryPolicy::default()
+    };
+    let mut now = Utc::now();
+    for attempt in 1..=3u32 {
+        let c = h.store().claim(&o, "r1", 10, now).await.unwrap();
+        assert_eq!(c.len(), 1, "attempt {attempt}");
+        assert_eq!(c[0].attempts, attempt - 1);
+        let t = decide(c[0].attempts, &Err(SinkError::transient("timeout")), now, &policy, 0.0);
+        let rec = Recorded {
+            seq: c[0].event.seq,
+            expected_attempts: c[0].attempts,
+            transition: t.clone(),
+        };
+        assert_eq!(h.store().record(&o, "r1", &[rec], now).await.unwrap(), 1);
+        if let Transition::Retry { next_at, .. } = t {
+            now = next_at;
+        }
+    }
+    assert_eq!(h.delivery_state("r1", ids[0]).await, Some(("dead".into(), 3)));
+}
+
+/// A sleeping relay is woken by a commit in one of its partitions.
+pub async fn a_sleeping_relay_is_notified<H: StoreHarness>(h: &H) {
+    let o = own(h, "a").await;
+    let mut source = h.store().listen().await.expect("listen");
+    h.store().set_sleeping(&relay("a"), true).await.unwrap();
+    h.enqueue(vec![order(0, "a")]).await;
+    let got = tokio::time::timeout(Duration::from_secs(10), source.wait())
+        .await
+        .expect("a notification");
+    let p = got.expect("listener ok").expect("a partition");
+    assert!(o.owns(p));
+    assert_eq!(h.store().fetch_unrouted(&o, 10).await.unwrap().len(), 1);
+}
+
+/// Expands to one `#[tokio::test]` per scenario; `$make` is an async
+/// expression giving a fresh harness.
+#[macro_export]
+macro_rules! store_conformance {
+    ($make:expr) => {
+        $crate::store_conformance!(@tests $make;
+            leases_are_shared_and_fenced,
+            routing_and_claiming_in_order,
+            a_failure_blocks_only_its_key_and_route,
+            dead_blocks_its_key,
+            stale_outcomes_are_refused,
+            no_lease_no_work,
+            retries_count_attempts,
+            a_sleeping_relay_is_notified
+        );
+    };
+    (@tests $make:expr; $($name:ident),*) => {
+        $(
+            #[tokio::test]
+            async fn $name() {
+                let h = $make.await;
+                $crate::store_suite::$name(&h).await;
+            }
+        )*
+    };
+}
