@@ -73,6 +73,13 @@ pub trait Sink: Send + Sync + 'static {
     /// The `kind` name used in configuration.
     fn kind(&self) -> &'static str;
 
+    /// Checks one event against the destination's limits (size, headers)
+    /// before anything is sent. A rejected event is not sent, and neither are
+    /// later events of its key in the same batch, so order holds.
+    fn admit(&self, _route: &Route, _event: &StoredEvent) -> Result<(), SinkError> {
+        Ok(())
+    }
+
     /// Publishes `events` to `route`'s destination; one outcome per event.
     async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome>;
 

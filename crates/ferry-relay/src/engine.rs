@@ -32,6 +32,9 @@ pub struct RunReport {
     pub dead: u64,
     /// Outcomes the store refused because the lease had moved on.
     pub refused: u64,
+    /// Events confirmed after an earlier event of their key was rejected in
+    /// the same pipelined batch (see `ferry_order_breaks_total`).
+    pub order_breaks: u64,
 }
 
 #[derive(Default)]
@@ -40,6 +43,7 @@ pub(crate) struct Counters {
     pub retried: AtomicU64,
     pub dead: AtomicU64,
     pub refused: AtomicU64,
+    pub order_breaks: AtomicU64,
 }
 
 /// The leases as the workers see them: valid only until `valid_until`.
@@ -240,6 +244,7 @@ impl<S: Store, C: Clock> Relay<S, C> {
             retried: c.retried.load(Ordering::Relaxed),
             dead: c.dead.load(Ordering::Relaxed),
             refused: c.refused.load(Ordering::Relaxed),
+            order_breaks: c.order_breaks.load(Ordering::Relaxed),
         };
         info!(?report, "relay stopped");
         Ok(report)

@@ -17,6 +17,7 @@
 //! Deciding is split from doing: routing is [`plan_routes`], outcomes are
 //! [`ferry_core::decide`]; the tasks only move data between store and sinks.
 
+mod batch;
 mod engine;
 mod lease;
 pub mod metrics;

@@ -11,3 +11,6 @@ pub const PUBLISH_SECONDS: &str = "ferry_publish_duration_seconds";
 pub const COMMIT_TO_PUBLISH_SECONDS: &str = "ferry_commit_to_publish_seconds";
 pub const LEASED_PARTITIONS: &str = "ferry_leased_partitions";
 pub const STORE_ERRORS: &str = "ferry_store_errors_total";
+/// Events confirmed after an earlier event of their key was rejected in the
+/// same pipelined batch: they reached the destination out of order.
+pub const ORDER_BREAKS: &str = "ferry_order_breaks_total";

@@ -1,11 +1,12 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use ferry_core::{Clock, Ownership, Recorded, Route, SinkError, Store, StoredEvent, Transition, decide};
+use ferry_core::{Claimed, Clock, Ownership, Recorded, Route, Store, Transition, decide};
 use rand::Rng;
 use tokio::time::{Duration, Instant};
 use tracing::{debug, warn};
 
+use crate::batch::publish_in_order;
 use crate::engine::Shared;
 use crate::metrics;
 
@@ -63,27 +64,41 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             continue;
         }
         ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);
-        let events: Vec<StoredEvent> = claimed.iter().map(|c| c.event.clone()).collect();
         let started = Instant::now();
-        let mut outcomes = sink.publish(&route, &events).await;
+        let published = publish_in_order(sink.as_ref(), &route, &claimed).await;
         ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
             .record(started.elapsed().as_secs_f64());
-        if outcomes.len() != events.len() {
-            warn!(route = %route.name, "sink returned {} outcomes for {} events", outcomes.len(), events.len());
-            outcomes.resize_with(events.len(), || Err(SinkError::transient("sink returned no outcome")));
+        if published.order_breaks > 0 {
+            warn!(
+                route = %route.name,
+                events = published.order_breaks,
+                "the destination rejected an event after later events of its key were in flight; those arrived out of order"
+            );
+            shared
+                .counters
+                .order_breaks
+                .fetch_add(published.order_breaks, Ordering::Relaxed);
+            ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(published.order_breaks);
         }
         let now = shared.clock.now();
-        let recorded: Vec<Recorded> = {
+        // Held-back deliveries are not recorded: they stay pending, behind
+        // the failure that stopped their key.
+        let (claimed, recorded): (Vec<Claimed>, Vec<Recorded>) = {
             let mut rng = rand::rng();
             claimed
-                .iter()
-                .zip(&outcomes)
-                .map(|(c, outcome)| Recorded {
-                    seq: c.event.seq,
-                    expected_attempts: c.attempts,
-                    transition: decide(c.attempts, outcome, now, &shared.settings.retry, rng.random::<f64>()),
+                .into_iter()
+                .zip(published.outcomes)
+                .filter_map(|(c, outcome)| outcome.map(|o| (c, o)))
+                .map(|(c, outcome)| {
+                    let transition = decide(c.attempts, &outcome, now, &shared.settings.retry, rng.random::<f64>());
+                    let r = Recorded {
+                        seq: c.event.seq,
+                        expected_attempts: c.attempts,
+                        transition,
+                    };
+                    (c, r)
                 })
-                .collect()
+                .unzip()
         };
         account(&shared, &route, &claimed, &recorded, now);
         record(&shared, &owned, &route, &recorded, now).await;
@@ -129,7 +144,7 @@ async fn record<S: Store, C: Clock>(
 fn account<S: Store, C: Clock>(
     shared: &Shared<S, C>,
     route: &Route,
-    claimed: &[ferry_core::Claimed],
+    claimed: &[Claimed],
     recorded: &[Recorded],
     now: chrono::DateTime<chrono::Utc>,
 ) {

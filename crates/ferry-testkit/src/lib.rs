@@ -5,11 +5,12 @@
 //!   fault tests against real services.
 //! - [`rabbit`]: uniquely named RabbitMQ exchanges and queues, and a counting
 //!   consumer.
-//! - [`clock`]: a manual clock.
+//! - [`clock`]: a manual clock; [`mock_sink`]: a scripted sink for engine tests.
 //! - [`store_suite`] and [`sink_suite`]: the conformance suites every store
 //!   and sink implementation runs against the real thing.
 
 pub mod clock;
+pub mod mock_sink;
 pub mod pg;
 pub mod proxy;
 pub mod rabbit;

@@ -1,0 +1,175 @@
+use std::collections::HashSet;
+
+use ferry_core::{Claimed, PublishOutcome, Route, Sink, SinkError, StoredEvent};
+
+/// The outcome of publishing one claimed batch.
+#[derive(Debug)]
+pub(crate) struct Published {
+    /// Per claimed delivery: `None` when it was held back and not sent.
+    pub outcomes: Vec<Option<PublishOutcome>>,
+    /// Events confirmed after an earlier event of their key failed in the same
+    /// pipelined batch: they reached the destination out of order.
+    pub order_breaks: u64,
+}
+
+/// Publishes a claimed batch in order, pipelined. An event the sink refuses
+/// before sending holds back the rest of its key: they are not sent and stay
+/// pending behind it. A failure the destination reports after later events
+/// of the key were already in flight cannot be undone; those are counted.
+pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[Claimed]) -> Published {
+    let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; claimed.len()];
+    let mut stopped: HashSet<&str> = HashSet::new();
+    let mut send: Vec<usize> = Vec::with_capacity(claimed.len());
+    for (i, c) in claimed.iter().enumerate() {
+        let key = c.event.key.as_deref();
+        if key.is_some_and(|k| stopped.contains(k)) {
+            continue;
+        }
+        match sink.admit(route, &c.event) {
+            Ok(()) => send.push(i),
+            Err(e) => {
+                if let Some(k) = key {
+                    stopped.insert(k);
+                }
+                outcomes[i] = Some(Err(e));
+            }
+        }
+    }
+    if !send.is_empty() {
+        let events: Vec<StoredEvent> = send.iter().map(|&i| claimed[i].event.clone()).collect();
+        let mut results = sink.publish(route, &events).await;
+        results.resize_with(events.len(), || {
+            Err(SinkError::transient("the sink returned no outcome"))
+        });
+        for (i, r) in send.iter().zip(results) {
+            outcomes[*i] = Some(r);
+        }
+    }
+    let mut failed: HashSet<&str> = HashSet::new();
+    let mut order_breaks = 0;
+    for (c, o) in claimed.iter().zip(&outcomes) {
+        let (Some(key), Some(o)) = (c.event.key.as_deref(), o) else {
+            continue;
+        };
+        match o {
+            Err(_) => {
+                failed.insert(key);
+            }
+            Ok(()) if failed.contains(key) => order_breaks += 1,
+            Ok(()) => {}
+        }
+    }
+    Published { outcomes, order_breaks }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_trait::async_trait;
+    use ferry_core::{EventId, Glob};
+    use std::sync::Mutex;
+
+    struct Scripted {
+        too_big: &'static str,
+        rejects: &'static str,
+        sent: Mutex<Vec<String>>,
+    }
+
+    #[async_trait]
+    impl Sink for Scripted {
+        fn kind(&self) -> &'static str {
+            "scripted"
+        }
+        fn admit(&self, _: &Route, e: &StoredEvent) -> Result<(), SinkError> {
+            if e.event_type == self.too_big {
+                Err(SinkError::permanent("too large"))
+            } else {
+                Ok(())
+            }
+        }
+        async fn publish(&self, _: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+            let mut sent = self.sent.lock().unwrap();
+            events
+                .iter()
+                .map(|e| {
+                    sent.push(e.event_type.clone());
+                    if e.event_type == self.rejects {
+                        Err(SinkError::permanent("unroutable"))
+                    } else {
+                        Ok(())
+                    }
+                })
+                .collect()
+        }
+        async fn check(&self, _: &Route) -> Result<(), SinkError> {
+            Ok(())
+        }
+    }
+
+    fn claimed(seq: i64, key: &str, t: &str) -> Claimed {
+        Claimed {
+            partition: 0,
+            attempts: 0,
+            event: StoredEvent {
+                id: EventId::new(),
+                seq,
+                event_type: t.into(),
+                key: Some(key.into()),
+                payload: Default::default(),
+                content_type: "application/json".into(),
+                headers: Default::default(),
+                created_at: chrono::Utc::now(),
+            },
+        }
+    }
+
+    fn route() -> Route {
+        Route {
+            name: "r".into(),
+            matcher: Glob::new("**").unwrap(),
+            sink: "s".into(),
+            destination: "d".into(),
+            routing_key: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_refused_event_holds_back_the_rest_of_its_key_only() {
+        let sink = Scripted {
+            too_big: "a.big",
+            rejects: "",
+            sent: Mutex::new(vec![]),
+        };
+        let batch = [
+            claimed(1, "k", "a.ok"),
+            claimed(2, "k", "a.big"),
+            claimed(3, "j", "a.ok"),
+            claimed(4, "k", "a.ok"),
+        ];
+        let p = publish_in_order(&sink, &route(), &batch).await;
+        assert!(matches!(p.outcomes[0], Some(Ok(()))));
+        assert!(matches!(p.outcomes[1], Some(Err(_))));
+        assert!(matches!(p.outcomes[2], Some(Ok(()))));
+        assert!(p.outcomes[3].is_none(), "k's later event is not sent");
+        assert_eq!(sink.sent.lock().unwrap().len(), 2);
+        assert_eq!(p.order_breaks, 0);
+    }
+
+    #[tokio::test]
+    async fn a_failure_after_later_events_were_in_flight_is_counted() {
+        let sink = Scripted {
+            too_big: "",
+            rejects: "a.bad",
+            sent: Mutex::new(vec![]),
+        };
+        let batch = [
+            claimed(1, "k", "a.bad"),
+            claimed(2, "k", "a.ok"),
+            claimed(3, "j", "a.ok"),
+            claimed(4, "k", "a.ok"),
+        ];
+        let p = publish_in_order(&sink, &route(), &batch).await;
+        assert!(matches!(p.outcomes[0], Some(Err(_))));
+        assert_eq!(p.order_breaks, 2);
+    }
+}

@@ -1,0 +1,397 @@
+//! The relay engine against a real PostgreSQL store and a scripted sink:
+//! counting events through failures, restarts and concurrent relays.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_core::{Event, EventId, Glob, NO_ROUTE, RetryPolicy, Route, Sink, SinkError, SystemClock};
+use ferry_relay::{Relay, RelaySettings, RunReport};
+use ferry_store::postgres::{PgStore, enqueue_batch, migrate};
+use ferry_testkit::mock_sink::MockSink;
+use ferry_testkit::pg::TestDb;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+struct Env {
+    pool: PgPool,
+    sink: Arc<MockSink>,
+    /// A second destination, for routes with `sink = "other"`.
+    other: Arc<MockSink>,
+    _db: TestDb,
+}
+
+async fn env() -> Env {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    Env {
+        pool,
+        sink: Arc::new(MockSink::new()),
+        other: Arc::new(MockSink::new()),
+        _db: db,
+    }
+}
+
+fn route(name: &str, glob: &str) -> Route {
+    Route {
+        name: name.into(),
+        matcher: Glob::new(glob).unwrap(),
+        sink: "mock".into(),
+        destination: "d".into(),
+        routing_key: None,
+    }
+}
+
+fn settings(id: &str) -> RelaySettings {
+    RelaySettings {
+        batch_size: 200,
+        lease: Duration::from_secs(3),
+        retry: RetryPolicy {
+            max_attempts: 4,
+            base_delay: Duration::from_millis(20),
+            max_delay: Duration::from_millis(200),
+            jitter: 0.2,
+        },
+        poll_interval: Duration::from_secs(60),
+        shutdown_timeout: Duration::from_secs(5),
+        ..RelaySettings::new(id)
+    }
+}
+
+struct Running {
+    stop: oneshot::Sender<()>,
+    handle: JoinHandle<RunReport>,
+}
+
+impl Running {
+    async fn stop(self) -> RunReport {
+        let _ = self.stop.send(());
+        self.handle.await.unwrap()
+    }
+}
+
+fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
+    start_with(e, settings(id), routes)
+}
+
+fn start_with(e: &Env, settings: RelaySettings, routes: Vec<Route>) -> Running {
+    let sinks: HashMap<String, Arc<dyn Sink>> = [
+        ("mock".to_string(), e.sink.clone() as Arc<dyn Sink>),
+        ("other".to_string(), e.other.clone() as Arc<dyn Sink>),
+    ]
+    .into();
+    let relay = Relay::new(PgStore::new(e.pool.clone()), SystemClock, settings, routes, sinks).unwrap();
+    let (stop, rx) = oneshot::channel();
+    let handle = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap()
+    });
+    Running { stop, handle }
+}
+
+async fn produce(pool: &PgPool, events: Vec<Event>) -> Vec<EventId> {
+    let mut ids = Vec::with_capacity(events.len());
+    for chunk in events.chunks(500) {
+        let mut tx = pool.begin().await.unwrap();
+        ids.extend(
+            enqueue_batch(&mut tx, chunk.to_vec())
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|e| e.id),
+        );
+        tx.commit().await.unwrap();
+    }
+    ids
+}
+
+fn orders(n: usize, keys: usize) -> Vec<Event> {
+    (0..n)
+        .map(|i| Event::new("order.item.created", json!({ "n": i })).key(format!("k{}", i % keys)))
+        .collect()
+}
+
+/// Polls `cond` until it holds or `within` passes.
+async fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Every id in `ids` appears in `got`; per key, first appearances keep `ids` order.
+fn assert_complete_and_ordered(ids: &[EventId], got: &[ferry_core::StoredEvent]) {
+    let mut first: HashMap<EventId, usize> = HashMap::new();
+    for (i, e) in got.iter().enumerate() {
+        first.entry(e.id).or_insert(i);
+    }
+    let missing: Vec<_> = ids.iter().filter(|id| !first.contains_key(id)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} events lost, e.g. {:?}",
+        missing.len(),
+        missing.first()
+    );
+    let mut last_by_key: HashMap<Option<String>, i64> = HashMap::new();
+    let mut seen = std::collections::HashSet::new();
+    for e in got {
+        if !seen.insert(e.id) {
+            continue;
+        }
+        let last = last_by_key.entry(e.key.clone()).or_insert(i64::MIN);
+        assert!(e.seq > *last, "key {:?}: seq {} delivered after {}", e.key, e.seq, last);
+        *last = e.seq;
+    }
+}
+
+#[tokio::test]
+async fn delivers_every_event_once_in_per_key_order() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(2000, 20)).await;
+    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    eventually("2000 delivered", Duration::from_secs(60), || {
+        e.sink.delivered("orders").len() >= 2000
+    })
+    .await;
+    let report = relay.stop().await;
+    let got = e.sink.delivered("orders");
+    assert_eq!(got.len(), 2000, "no duplicates without a fault");
+    assert_complete_and_ordered(&ids, &got);
+    assert_eq!(report.published, 2000);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE state <> 'published'")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+}
+
+#[tokio::test]
+async fn an_idle_relay_wakes_on_commit_not_on_its_poll() {
+    let e = env().await;
+    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    // Let it go idle (it tells producers to notify it), then produce.
+    eventually("relay asleep", Duration::from_secs(10), || true).await;
+    for i in 0..5 {
+        let ids = produce(&e.pool, orders(1, 1)).await;
+        // The fallback poll is 60 s: only a notification delivers this in time.
+        eventually(&format!("event {i} delivered"), Duration::from_secs(20), || {
+            e.sink.delivered_ids("orders").contains(&ids[0])
+        })
+        .await;
+    }
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn a_poison_event_goes_dead_and_holds_back_only_its_key() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(300, 10)).await;
+    let poison = ids[13]; // key k3
+    e.sink
+        .fail_when(move |ev| (ev.id == poison).then(|| SinkError::transient("always times out")));
+    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    // Every other key completes: 9 keys x 30 events, plus k3's event before the poison.
+    eventually("other keys flow", Duration::from_secs(60), || {
+        e.sink
+            .delivered("orders")
+            .iter()
+            .filter(|ev| ev.key.as_deref() != Some("k3"))
+            .count()
+            >= 270
+    })
+    .await;
+    let state = || async {
+        sqlx::query_as::<_, (String, i32)>(
+            "SELECT d.state, d.attempts FROM ferry.deliveries d JOIN ferry.events e USING (seq) WHERE e.id = $1",
+        )
+        .bind(poison.0)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap()
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while state().await.0 != "dead" {
+        assert!(tokio::time::Instant::now() < deadline, "poison never went dead");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(state().await, ("dead".to_string(), 4), "dead after max attempts");
+    let report = relay.stop().await;
+    assert_eq!(report.dead, 1);
+    let got = e.sink.delivered("orders");
+    let poison_seq = 14; // seqs start at 1 in a fresh database
+    let k3_after: Vec<_> = got
+        .iter()
+        .filter(|ev| ev.key.as_deref() == Some("k3") && ev.seq > poison_seq)
+        .collect();
+    // Only events already in flight beside the poison's first attempt got
+    // past it, and each of those is counted; none went after that.
+    assert_eq!(k3_after.len() as u64, report.order_breaks);
+    assert!(report.order_breaks < 28, "later batches must hold k3 back");
+    assert_eq!(
+        got.iter()
+            .filter(|ev| ev.key.as_deref() == Some("k3") && ev.seq < poison_seq)
+            .count(),
+        1
+    );
+    let waiting: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE state = 'pending'")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        waiting as u64,
+        28 - report.order_breaks,
+        "k3's later events are pending, not lost"
+    );
+}
+
+#[tokio::test]
+async fn an_event_the_sink_refuses_before_sending_holds_its_key_strictly() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(300, 10)).await;
+    let poison = ids[13]; // key k3
+    e.sink
+        .refuse_when(move |ev| (ev.id == poison).then(|| SinkError::permanent("payload too large")));
+    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    eventually("other keys flow", Duration::from_secs(60), || {
+        e.sink.delivered("orders").len() >= 271
+    })
+    .await;
+    let report = relay.stop().await;
+    let got = e.sink.delivered("orders");
+    assert_eq!(got.len(), 271, "no k3 event after the refused one is sent");
+    assert_eq!(report.order_breaks, 0);
+    assert_eq!(report.dead, 1);
+}
+
+#[tokio::test]
+async fn a_destination_down_for_a_while_loses_nothing() {
+    let e = env().await;
+    e.sink.set_down(true);
+    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    let ids = produce(&e.pool, orders(500, 5)).await;
+    eventually("attempts while down", Duration::from_secs(20), || {
+        e.sink.attempts() >= 5
+    })
+    .await;
+    e.sink.set_down(false);
+    eventually("all delivered after recovery", Duration::from_secs(60), || {
+        e.sink.delivered("orders").len() >= 500
+    })
+    .await;
+    relay.stop().await;
+    let got = e.sink.delivered("orders");
+    assert_eq!(got.len(), 500);
+    assert_complete_and_ordered(&ids, &got);
+}
+
+#[tokio::test]
+async fn a_failing_route_never_delays_another() {
+    let e = env().await;
+    e.sink.set_down(true);
+    let audit = Route {
+        sink: "other".into(),
+        ..route("audit", "**")
+    };
+    let mut s = settings("a");
+    s.retry.max_attempts = u32::MAX; // the outage must not outlast the retry budget
+    let relay = start_with(&e, s, vec![route("orders", "order.**"), audit]);
+    let ids = produce(&e.pool, orders(400, 4)).await;
+    eventually("audit gets everything", Duration::from_secs(30), || {
+        e.other.delivered("audit").len() >= 400
+    })
+    .await;
+    assert!(e.sink.delivered("orders").is_empty());
+    assert_complete_and_ordered(&ids, &e.other.delivered("audit"));
+    e.sink.set_down(false);
+    eventually("orders catches up", Duration::from_secs(30), || {
+        e.sink.delivered("orders").len() >= 400
+    })
+    .await;
+    relay.stop().await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
+}
+
+#[tokio::test]
+async fn events_matching_no_route_are_dead_never_dropped() {
+    let e = env().await;
+    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    let ids = produce(&e.pool, vec![Event::new("user.account.created", json!({})).key("u")]).await;
+    let pool = e.pool.clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let row: Option<(String, String)> = sqlx::query_as(
+            "SELECT d.state, d.last_error FROM ferry.deliveries d JOIN ferry.events e USING (seq)
+              WHERE e.id = $1 AND d.route = $2",
+        )
+        .bind(ids[0].0)
+        .bind(NO_ROUTE)
+        .fetch_optional(&pool)
+        .await
+        .unwrap();
+        if let Some((state, error)) = row {
+            assert_eq!(state, "dead");
+            assert!(error.contains("no route"), "{error}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the unroutable event was never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    relay.stop().await;
+}
+
+#[tokio::test]
+async fn two_relays_share_the_work_without_loss_duplicates_or_reordering() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(3000, 50)).await;
+    let routes = vec![route("orders", "order.**")];
+    let a = start(&e, "a", routes.clone());
+    let b = start(&e, "b", routes.clone());
+    let more = produce(&e.pool, orders(2000, 50)).await;
+    eventually("5000 delivered", Duration::from_secs(90), || {
+        e.sink.delivered("orders").len() >= 5000
+    })
+    .await;
+    let (ra, rb) = (a.stop().await, b.stop().await);
+    let got = e.sink.delivered("orders");
+    assert_eq!(got.len(), 5000, "duplicates: {}", got.len() - 5000);
+    let all: Vec<EventId> = ids.into_iter().chain(more).collect();
+    assert_complete_and_ordered(&all, &got);
+    assert_eq!(ra.published + rb.published, 5000);
+    assert_eq!(ra.refused + rb.refused, 0);
+}
+
+#[tokio::test]
+async fn shutdown_hands_the_leases_back() {
+    let e = env().await;
+    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    produce(&e.pool, orders(10, 2)).await;
+    eventually("delivered", Duration::from_secs(20), || {
+        e.sink.delivered("orders").len() >= 10
+    })
+    .await;
+    relay.stop().await;
+    let owned: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner IS NOT NULL")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(owned, 0);
+    // A new relay takes over at once, without waiting for a lease to expire.
+    let b = start(&e, "b", vec![route("orders", "order.**")]);
+    produce(&e.pool, orders(10, 2)).await;
+    eventually("delivered by b", Duration::from_secs(20), || {
+        e.sink.delivered("orders").len() >= 20
+    })
+    .await;
+    b.stop().await;
+}

@@ -1,0 +1,100 @@
+//! A scripted in-memory sink for engine tests: it records what it was given,
+//! in order, and fails on command.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use async_trait::async_trait;
+use ferry_core::{EventId, PublishOutcome, Route, Sink, SinkError, StoredEvent};
+
+type Script = Box<dyn Fn(&StoredEvent) -> Option<SinkError> + Send + Sync>;
+
+/// Records every event it confirms, per route, in publish order.
+#[derive(Default)]
+pub struct MockSink {
+    delivered: Mutex<HashMap<String, Vec<StoredEvent>>>,
+    script: Mutex<Option<Script>>,
+    admission: Mutex<Option<Script>>,
+    down: AtomicBool,
+    attempts: AtomicU64,
+}
+
+impl MockSink {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Fails each event for which `f` returns an error.
+    pub fn fail_when(&self, f: impl Fn(&StoredEvent) -> Option<SinkError> + Send + Sync + 'static) {
+        *self.script.lock().unwrap() = Some(Box::new(f));
+    }
+
+    /// Refuses each event for which `f` returns an error before sending it,
+    /// as a sink does for a payload over the destination's limit.
+    pub fn refuse_when(&self, f: impl Fn(&StoredEvent) -> Option<SinkError> + Send + Sync + 'static) {
+        *self.admission.lock().unwrap() = Some(Box::new(f));
+    }
+
+    /// While down, every publish fails transiently, as a broker outage would.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Events confirmed on `route`, in order (duplicates included).
+    pub fn delivered(&self, route: &str) -> Vec<StoredEvent> {
+        self.delivered.lock().unwrap().get(route).cloned().unwrap_or_default()
+    }
+
+    pub fn delivered_ids(&self, route: &str) -> Vec<EventId> {
+        self.delivered(route).iter().map(|e| e.id).collect()
+    }
+
+    /// Publish attempts, successful or not.
+    pub fn attempts(&self) -> u64 {
+        self.attempts.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl Sink for MockSink {
+    fn kind(&self) -> &'static str {
+        "mock"
+    }
+
+    fn admit(&self, _route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
+        match self.admission.lock().unwrap().as_ref().and_then(|f| f(event)) {
+            Some(err) => Err(err),
+            None => Ok(()),
+        }
+    }
+
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        self.attempts.fetch_add(events.len() as u64, Ordering::SeqCst);
+        let down = self.down.load(Ordering::SeqCst);
+        let script = self.script.lock().unwrap();
+        let mut delivered = self.delivered.lock().unwrap();
+        let log = delivered.entry(route.name.clone()).or_default();
+        events
+            .iter()
+            .map(|e| {
+                if down {
+                    return Err(SinkError::transient("mock destination is down"));
+                }
+                if let Some(err) = script.as_ref().and_then(|f| f(e)) {
+                    return Err(err);
+                }
+                log.push(e.clone());
+                Ok(())
+            })
+            .collect()
+    }
+
+    async fn check(&self, _route: &Route) -> Result<(), SinkError> {
+        if self.down.load(Ordering::SeqCst) {
+            Err(SinkError::transient("mock destination is down"))
+        } else {
+            Ok(())
+        }
+    }
+}
