@@ -1,0 +1,229 @@
+//! The one connection and confirm-mode channel a sink reuses, and the
+//! reconnect loop around them.
+//!
+//! lapin's own recovery (`enable_auto_recover`) replays topology and resumes
+//! channels behind the caller's back, which leaves in-flight confirms in an
+//! unclear state; Ferry instead treats any broken link as "everything in
+//! flight failed transiently", drops it, and reconnects on the next call.
+
+use std::time::{Duration, Instant};
+
+use ferry_core::SinkError;
+use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use tokio::time::timeout;
+use tracing::{debug, info, warn};
+
+use super::reply::{self, NOT_FOUND};
+use crate::backoff::Backoff;
+
+struct Link {
+    connection: Connection,
+    /// The publishing channel, in confirm mode; `None` after the broker closed it.
+    channel: Option<Channel>,
+}
+
+pub(crate) struct Connector {
+    url: String,
+    /// `url` without its password, for messages and logs.
+    display_url: String,
+    /// Bounds each connect, channel open and declare.
+    timeout: Duration,
+    link: Option<Link>,
+    backoff: Backoff,
+}
+
+impl Connector {
+    pub(crate) fn new(url: String, timeout: Duration, reconnect_max_delay: Duration) -> Self {
+        Self {
+            display_url: redact(&url),
+            url,
+            timeout,
+            link: None,
+            backoff: Backoff::new(reconnect_max_delay),
+        }
+    }
+
+    /// The publishing channel, connecting or reopening it if needed. Never
+    /// waits out a backoff: while one is pending this fails at once, so a
+    /// publish against a down broker returns promptly.
+    pub(crate) async fn confirm_channel(&mut self) -> Result<Channel, SinkError> {
+        self.connection().await?;
+        let link = self.link.as_mut().expect("connection() leaves a link");
+        if let Some(channel) = &link.channel {
+            return Ok(channel.clone());
+        }
+        let opened = timeout(self.timeout, async {
+            let channel = link.connection.create_channel().await?;
+            channel.confirm_select(ConfirmSelectOptions::default()).await?;
+            Ok::<_, lapin::Error>(channel)
+        })
+        .await;
+        match opened {
+            Ok(Ok(channel)) => {
+                debug!(channel = channel.id(), "opened confirm channel");
+                link.channel = Some(channel.clone());
+                Ok(channel)
+            }
+            Ok(Err(e)) => Err(self.lost(reply::from_lapin("opening a confirm channel", &e))),
+            Err(_) => Err(self.lost(self.timed_out("opening a confirm channel"))),
+        }
+    }
+
+    /// Whether `exchange` exists, asked with a passive declare on a throwaway
+    /// channel: a failed passive declare makes the broker close the channel,
+    /// which must not be the publishing one.
+    pub(crate) async fn exchange_exists(&mut self, exchange: &str) -> Result<bool, SinkError> {
+        let Ok(name) = ShortString::try_new(exchange) else {
+            return Err(SinkError::config(format!(
+                "exchange name is {} bytes, AMQP allows at most 255; shorten routes[].destination",
+                exchange.len()
+            )));
+        };
+        let limit = self.timeout;
+        let connection = self.connection().await?;
+        let declared = timeout(limit, async {
+            let channel = connection.create_channel().await?;
+            let options = ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            // The kind is ignored by a passive declare.
+            let result = channel
+                .exchange_declare(name, ExchangeKind::Topic, options, FieldTable::default())
+                .await;
+            // Dropping the last handle closes the channel if the broker has not.
+            drop(channel);
+            result
+        })
+        .await;
+        match declared {
+            Ok(Ok(())) => Ok(true),
+            Ok(Err(e)) if reply::reply_code(&e) == Some(NOT_FOUND) => Ok(false),
+            Ok(Err(e)) => {
+                self.discard_dead();
+                Err(reply::from_lapin(&format!("checking exchange {exchange:?}"), &e))
+            }
+            Err(_) => Err(self.lost(self.timed_out(&format!("checking exchange {exchange:?}")))),
+        }
+    }
+
+    /// Drops whatever lapin reports as no longer open: a channel the broker
+    /// closed is reopened on the next call, a dead connection reconnected.
+    pub(crate) fn discard_dead(&mut self) {
+        let Some(link) = &mut self.link else { return };
+        if !link.connection.status().connected() {
+            warn!(url = %self.display_url, "RabbitMQ connection lost; reconnecting on next use");
+            self.link = None;
+        } else if link.channel.as_ref().is_some_and(|c| !c.status().connected()) {
+            debug!("publishing channel closed; reopening on next use");
+            link.channel = None;
+        }
+    }
+
+    /// Abandons the link after a failure whose state is unknown (a timeout, an
+    /// error mid-handshake) and returns `error` for the caller to report. The
+    /// next call reconnects at once: only failed attempts back off.
+    pub(crate) fn lost(&mut self, error: SinkError) -> SinkError {
+        if self.link.take().is_some() {
+            warn!(url = %self.display_url, %error, "dropping RabbitMQ connection");
+        }
+        error
+    }
+
+    pub(crate) fn timed_out(&self, what: &str) -> SinkError {
+        SinkError::transient(format!(
+            "{what}: no answer from RabbitMQ at {} within {:?}",
+            self.display_url, self.timeout
+        ))
+    }
+
+    /// Closes the channel and the connection, waiting for the broker's
+    /// close-ok at most `timeout` each.
+    pub(crate) async fn close(&mut self) {
+        let Some(link) = self.link.take() else { return };
+        if let Some(channel) = link.channel
+            && let Ok(Err(e)) = timeout(self.timeout, channel.close(200, "OK".into())).await
+        {
+            debug!(error = %e, "closing the confirm channel");
+        }
+        match timeout(self.timeout, link.connection.close(200, "OK".into())).await {
+            Ok(Ok(())) => info!(url = %self.display_url, "closed RabbitMQ connection"),
+            Ok(Err(e)) => debug!(error = %e, "closing the RabbitMQ connection"),
+            Err(_) => warn!(url = %self.display_url, "RabbitMQ did not answer connection.close"),
+        }
+    }
+
+    async fn connection(&mut self) -> Result<&Connection, SinkError> {
+        self.discard_dead();
+        if self.link.is_none() {
+            let connection = self.connect().await?;
+            self.link = Some(Link {
+                connection,
+                channel: None,
+            });
+        }
+        Ok(&self.link.as_ref().expect("just set").connection)
+    }
+
+    async fn connect(&mut self) -> Result<Connection, SinkError> {
+        let now = Instant::now();
+        if let Err(wait) = self.backoff.ready(now) {
+            return Err(SinkError::transient(format!(
+                "not connected to RabbitMQ at {}; next attempt in {wait:?} (last error: {})",
+                self.display_url,
+                self.backoff.last_error().unwrap_or("none")
+            )));
+        }
+        let properties = ConnectionProperties::default().with_connection_name("ferry".into());
+        let error = match timeout(self.timeout, Connection::connect(&self.url, properties)).await {
+            Ok(Ok(connection)) => {
+                self.backoff.succeeded();
+                info!(url = %self.display_url, "connected to RabbitMQ");
+                return Ok(connection);
+            }
+            Ok(Err(e)) => format!("connecting to RabbitMQ at {}: {e}", self.display_url),
+            Err(_) => format!(
+                "connecting to RabbitMQ at {}: no answer within {:?}",
+                self.display_url, self.timeout
+            ),
+        };
+        let delay = self.backoff.failed(now, error.clone());
+        warn!(%error, retry_in = ?delay, "RabbitMQ connection failed");
+        Err(SinkError::transient(error))
+    }
+}
+
+/// `url` with the password of its user info replaced by `***`.
+pub(crate) fn redact(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end..];
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_owned();
+    };
+    match rest[..at].find(':') {
+        Some(colon) => format!("{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..]),
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact;
+
+    #[test]
+    fn redacts_the_password_only() {
+        assert_eq!(
+            redact("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(redact("amqps://u:p@ss@host/vh?x=1"), "amqps://u:***@host/vh?x=1");
+        assert_eq!(redact("amqp://user@host/"), "amqp://user@host/");
+        assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
+        assert_eq!(redact("not a url"), "not a url");
+    }
+}

@@ -1,0 +1,193 @@
+//! Turning a stored event into an AMQP message: addresses, properties and the
+//! CloudEvents 1.0 binary-mode headers.
+
+use bytes::Bytes;
+use chrono::SecondsFormat;
+use ferry_core::{Route, SinkError, StoredEvent, render_template};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+/// AMQP delivery mode 2: the broker writes the message to disk.
+const PERSISTENT: u8 = 2;
+/// The header carrying the event's aggregate key.
+pub const KEY_HEADER: &str = "ferry-key";
+/// CloudEvents specification version written in `cloudEvents:specversion`.
+pub const SPEC_VERSION: &str = "1.0";
+
+/// One event, ready for `basic.publish`.
+#[derive(Debug, Clone)]
+pub(crate) struct Message {
+    pub(crate) exchange: ShortString,
+    pub(crate) routing_key: ShortString,
+    pub(crate) properties: BasicProperties,
+    pub(crate) payload: Bytes,
+}
+
+impl Message {
+    /// Renders the addresses and builds the properties, refusing (permanently)
+    /// anything the broker would reject or the protocol cannot carry. AMQP
+    /// short strings hold at most 255 bytes and lapin panics on longer ones,
+    /// so every name derived from event data goes through `short`.
+    pub(crate) fn prepare(
+        route: &Route,
+        event: &StoredEvent,
+        source: &str,
+        max_message_bytes: usize,
+    ) -> Result<Self, SinkError> {
+        if event.payload.len() > max_message_bytes {
+            return Err(SinkError::permanent(format!(
+                "payload too large: {} bytes, limit {max_message_bytes} (sinks.{}.max_message_bytes)",
+                event.payload.len(),
+                route.sink
+            )));
+        }
+        let exchange = render_template(&route.destination, event);
+        let exchange = short("exchange name", "routes[].destination", exchange)?;
+        let routing_key = render_template(route.routing_key.as_deref().unwrap_or("{type}"), event);
+        let routing_key = short("routing key", "routes[].routing_key", routing_key)?;
+
+        let mut headers = FieldTable::default();
+        for (name, value) in &event.headers {
+            let name = short("header name", "the producer's headers", name.clone())?;
+            headers.insert(name, long(value));
+        }
+        // Inserted after the producer's headers so a producer cannot spoof them.
+        let id = event.id.to_string();
+        let time = event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
+        headers.insert("cloudEvents:specversion".into(), long(SPEC_VERSION));
+        headers.insert("cloudEvents:id".into(), long(&id));
+        headers.insert("cloudEvents:type".into(), long(&event.event_type));
+        headers.insert("cloudEvents:source".into(), long(source));
+        headers.insert("cloudEvents:time".into(), long(&time));
+        if let Some(key) = &event.key {
+            headers.insert("cloudEvents:subject".into(), long(key));
+            headers.insert(KEY_HEADER.into(), long(key));
+        }
+
+        let properties = BasicProperties::default()
+            .with_message_id(id.into())
+            .with_content_type(short(
+                "content type",
+                "the event's content_type",
+                event.content_type.clone(),
+            )?)
+            .with_type(short("event type", "the event's type", event.event_type.clone())?)
+            .with_timestamp(u64::try_from(event.created_at.timestamp()).unwrap_or(0))
+            .with_delivery_mode(PERSISTENT)
+            .with_headers(headers);
+        Ok(Self {
+            exchange,
+            routing_key,
+            properties,
+            payload: event.payload.clone(),
+        })
+    }
+}
+
+fn long(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value.as_bytes()))
+}
+
+fn short(what: &str, field: &str, value: String) -> Result<ShortString, SinkError> {
+    let len = value.len();
+    ShortString::try_new(value).map_err(|_| {
+        SinkError::permanent(format!(
+            "{what} is {len} bytes, AMQP allows at most 255; shorten it in {field}"
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::{ErrorKind, EventId, Glob};
+
+    fn route(destination: &str, routing_key: Option<&str>) -> Route {
+        Route {
+            name: "orders".into(),
+            matcher: Glob::new("**").unwrap(),
+            sink: "rabbit".into(),
+            destination: destination.into(),
+            routing_key: routing_key.map(str::to_owned),
+        }
+    }
+
+    fn event(key: Option<&str>) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq: 7,
+            event_type: "order.item.created".into(),
+            key: key.map(str::to_owned),
+            payload: Bytes::from_static(b"{\"n\":1}"),
+            content_type: "application/json".into(),
+            headers: [("traceparent".to_owned(), "00-abc-01".to_owned())].into(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    fn header(m: &Message, name: &str) -> Option<String> {
+        let headers = m.properties.headers().as_ref()?;
+        match headers.inner().get(name)? {
+            AMQPValue::LongString(s) => Some(s.to_string()),
+            other => panic!("{name} is {other:?}"),
+        }
+    }
+
+    #[test]
+    fn addresses_default_to_the_event_type() {
+        let e = event(Some("o-1"));
+        let m = Message::prepare(&route("ex.{domain}", None), &e, "ferry", 100).unwrap();
+        assert_eq!(m.exchange.as_str(), "ex.order");
+        assert_eq!(m.routing_key.as_str(), "order.item.created");
+        let m = Message::prepare(&route("ex", Some("{type}.{key}")), &e, "ferry", 100).unwrap();
+        assert_eq!(m.routing_key.as_str(), "order.item.created.o-1");
+    }
+
+    #[test]
+    fn properties_and_cloudevents_headers() {
+        let e = event(Some("o-1"));
+        let m = Message::prepare(&route("ex", None), &e, "shop", 100).unwrap();
+        let p = &m.properties;
+        assert_eq!(p.message_id().as_ref().unwrap().as_str(), e.id.to_string());
+        assert_eq!(p.content_type().as_ref().unwrap().as_str(), "application/json");
+        assert_eq!(p.kind().as_ref().unwrap().as_str(), "order.item.created");
+        assert_eq!(*p.delivery_mode(), Some(2));
+        assert_eq!(*p.timestamp(), Some(e.created_at.timestamp() as u64));
+        assert_eq!(header(&m, "cloudEvents:specversion").as_deref(), Some("1.0"));
+        assert_eq!(header(&m, "cloudEvents:id"), Some(e.id.to_string()));
+        assert_eq!(header(&m, "cloudEvents:source").as_deref(), Some("shop"));
+        assert_eq!(header(&m, "cloudEvents:subject").as_deref(), Some("o-1"));
+        assert_eq!(header(&m, "ferry-key").as_deref(), Some("o-1"));
+        assert_eq!(header(&m, "traceparent").as_deref(), Some("00-abc-01"));
+        let time = header(&m, "cloudEvents:time").unwrap();
+        assert_eq!(chrono::DateTime::parse_from_rfc3339(&time).unwrap(), e.created_at);
+        assert_eq!(&m.payload[..], b"{\"n\":1}");
+
+        let m = Message::prepare(&route("ex", None), &event(None), "shop", 100).unwrap();
+        assert_eq!(header(&m, "cloudEvents:subject"), None);
+        assert_eq!(header(&m, "ferry-key"), None);
+    }
+
+    #[test]
+    fn producer_headers_cannot_spoof_the_id() {
+        let mut e = event(None);
+        e.headers.insert("cloudEvents:id".into(), "forged".into());
+        let m = Message::prepare(&route("ex", None), &e, "ferry", 100).unwrap();
+        assert_eq!(header(&m, "cloudEvents:id"), Some(e.id.to_string()));
+    }
+
+    #[test]
+    fn refusals_are_permanent_and_name_the_field() {
+        let e = event(Some(&"k".repeat(300)));
+        let err = Message::prepare(&route("ex", Some("{key}")), &e, "ferry", 100).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert!(err.message.contains("routes[].routing_key"), "{}", err.message);
+
+        let err = Message::prepare(&route("ex", None), &event(None), "ferry", 3).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert_eq!(
+            err.message,
+            "payload too large: 7 bytes, limit 3 (sinks.rabbit.max_message_bytes)"
+        );
+    }
+}

@@ -1,0 +1,160 @@
+//! The RabbitMQ sink: publisher confirms, mandatory publishing, CloudEvents
+//! headers, and a reconnect loop of its own.
+//!
+//! An event is reported published only when RabbitMQ confirmed it *and* did
+//! not hand it back as unroutable. lapin resolves the confirm of a mandatory
+//! message that matched no queue as `Confirmation::Ack(Some(returned))`; that
+//! is a permanent failure here, never a success.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
+//!
+//! let sink = RabbitMqSink::new(RabbitMqOptions {
+//!     url: "amqp://ferry:secret@rabbit:5672/%2f".into(),
+//!     publish_timeout: Duration::from_secs(5),
+//!     ..RabbitMqOptions::default()
+//! });
+//! ```
+
+mod connector;
+mod message;
+mod publish;
+mod reply;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use tokio::sync::Mutex;
+
+pub use message::{KEY_HEADER, SPEC_VERSION};
+pub use reply::{
+    ACCESS_REFUSED, CONNECTION_FORCED, CONTENT_TOO_LARGE, INVALID_PATH, NO_CONSUMERS, NO_ROUTE, NOT_ALLOWED, NOT_FOUND,
+    reply_code_kind,
+};
+
+use crate::batch::prepare_in_key_order;
+use connector::Connector;
+use message::Message;
+
+/// How a [`RabbitMqSink`] connects and publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RabbitMqOptions {
+    /// `amqp://` or `amqps://` URL; the vhost is the path, URL-encoded
+    /// (`%2f` for `/`). Default `amqp://127.0.0.1:5672/%2f`.
+    pub url: String,
+    /// How long to wait for the broker: for the publisher confirms of a batch
+    /// once it is on the wire, and for each connect or declare. Default 10 s.
+    pub publish_timeout: Duration,
+    /// The longest pause between failed connection attempts. Default 30 s.
+    pub reconnect_max_delay: Duration,
+    /// Payloads larger than this are refused (permanently) before sending.
+    /// Default 16 MiB, RabbitMQ 4's default `max_message_size`.
+    pub max_message_bytes: usize,
+    /// The CloudEvents `source` attribute. Default `"ferry"`.
+    pub source: String,
+}
+
+impl Default for RabbitMqOptions {
+    fn default() -> Self {
+        Self {
+            url: "amqp://127.0.0.1:5672/%2f".into(),
+            publish_timeout: Duration::from_secs(10),
+            reconnect_max_delay: Duration::from_secs(30),
+            max_message_bytes: 16 * 1024 * 1024,
+            source: "ferry".into(),
+        }
+    }
+}
+
+/// Publishes to RabbitMQ exchanges over one connection and one confirm-mode
+/// channel, reused across batches.
+///
+/// The route's `destination` is the exchange and its `routing_key` (default
+/// `{type}`) the routing key; both may be templates. Batches are published
+/// one at a time: a batch is pipelined (every message is written, then every
+/// confirm awaited), and holding the channel for the whole batch keeps one
+/// batch's channel error from failing another's events.
+pub struct RabbitMqSink {
+    options: RabbitMqOptions,
+    connector: Mutex<Connector>,
+}
+
+impl RabbitMqSink {
+    /// Creates the sink without connecting: the connection is made on first
+    /// use, so a relay can start while the broker is still down.
+    pub fn new(options: RabbitMqOptions) -> Self {
+        let connector = Connector::new(
+            options.url.clone(),
+            options.publish_timeout,
+            options.reconnect_max_delay,
+        );
+        Self {
+            options,
+            connector: Mutex::new(connector),
+        }
+    }
+
+    pub fn options(&self) -> &RabbitMqOptions {
+        &self.options
+    }
+}
+
+impl std::fmt::Debug for RabbitMqSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitMqSink")
+            .field("url", &connector::redact(&self.options.url))
+            .field("publish_timeout", &self.options.publish_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Sink for RabbitMqSink {
+    fn kind(&self) -> &'static str {
+        "rabbitmq"
+    }
+
+    fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
+        let opts = &self.options;
+        Message::prepare(route, event, &opts.source, opts.max_message_bytes).map(drop)
+    }
+
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        let opts = &self.options;
+        // The relay admits events first; checking again keeps a direct caller
+        // from sending what admit() would have refused, out of key order.
+        let prepared = prepare_in_key_order(events, |event| {
+            Message::prepare(route, event, &opts.source, opts.max_message_bytes)
+        });
+        let mut connector = self.connector.lock().await;
+        publish::publish_batch(&mut connector, events, prepared, opts.publish_timeout).await
+    }
+
+    async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        let mut connector = self.connector.lock().await;
+        let exchange = route.destination.as_str();
+        // A template names many exchanges, known only per event, and the
+        // default exchange always exists: connectivity is all there is to check.
+        if exchange.contains('{') || exchange.is_empty() {
+            return connector.confirm_channel().await.map(drop);
+        }
+        if connector.exchange_exists(exchange).await? {
+            Ok(())
+        } else {
+            Err(SinkError::config(format!(
+                "route {:?}: exchange {exchange:?} does not exist; declare it or fix \
+                 routes[].destination",
+                route.name
+            )))
+        }
+    }
+
+    async fn close(&self) {
+        self.connector.lock().await.close().await;
+    }
+}

@@ -1,0 +1,294 @@
+//! The RabbitMQ sink against a real broker (`FERRY_TEST_AMQP_URL`, default
+//! the local one). Every test declares its own uniquely named topology.
+#![cfg(feature = "rabbitmq")]
+
+#[path = "rabbitmq/faults.rs"]
+mod faults;
+mod support;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ferry_core::{ErrorKind, Route, Sink, StoredEvent};
+use ferry_testkit::rabbit::{TestTopology, amqp_url, unique_name};
+use ferry_testkit::sink_suite::{self, ARRIVAL_TIMEOUT, QUIET_PERIOD, ReceivedMessage, SinkHarness, event};
+use serde_json::json;
+use support::{LIMIT, expect_err, ids, keyed, received_ids, route, sink_at};
+
+struct Harness {
+    topology: TestTopology,
+    missing: String,
+}
+
+#[async_trait]
+impl SinkHarness for Harness {
+    fn route(&self) -> Route {
+        route(self.topology.exchange(), None)
+    }
+    fn missing_route(&self) -> Option<Route> {
+        Some(route(&self.missing, None))
+    }
+    fn max_payload_bytes(&self) -> Option<usize> {
+        Some(LIMIT)
+    }
+    async fn received(&self, n: usize, timeout: Duration) -> Vec<ReceivedMessage> {
+        let received = self.topology.receive(n, timeout).await;
+        received
+            .into_iter()
+            .map(|r| ReceivedMessage {
+                id: r.message_id.unwrap_or_default(),
+                key: r.headers.get("ferry-key").cloned(),
+                body: r.body,
+            })
+            .collect()
+    }
+}
+
+#[tokio::test]
+async fn passes_the_sink_conformance_suite() {
+    let harness = Harness {
+        topology: TestTopology::create("suite").await,
+        missing: unique_name("missing"),
+    };
+    let sink = sink_at(amqp_url());
+    sink_suite::run(&sink, &harness).await;
+    sink.close().await;
+    harness.topology.delete().await;
+}
+
+#[tokio::test]
+async fn wire_format_carries_ids_cloudevents_headers_and_persistence() {
+    let topology = TestTopology::create("wire").await;
+    let sink = sink_at(amqp_url());
+    let mut traced = event(1, "order.item.created", Some("o-1"), json!({ "n": 1 }));
+    traced.headers.insert(
+        "traceparent".into(),
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+    );
+    let mut raw = event(2, "order.item.archived", None, json!(null));
+    raw.payload = bytes::Bytes::from_static(b"\x00\x01plain");
+    raw.content_type = "application/octet-stream".into();
+    let events = [traced, raw];
+
+    let outcomes = sink
+        .publish(&route(topology.exchange(), Some("{domain}.{type}")), &events)
+        .await;
+    assert_eq!(outcomes, vec![Ok(()), Ok(())]);
+    let received = topology.receive(2, ARRIVAL_TIMEOUT).await;
+    assert_eq!(received.len(), 2);
+
+    for (e, r) in events.iter().zip(&received) {
+        let id = e.id.to_string();
+        assert_eq!(r.message_id.as_deref(), Some(id.as_str()));
+        assert_eq!(r.routing_key, format!("order.{}", e.event_type));
+        assert_eq!(r.body, e.payload);
+        assert_eq!(r.content_type.as_deref(), Some(e.content_type.as_str()));
+        assert_eq!(r.delivery_mode, Some(2), "persistent");
+        assert_eq!(r.message_type.as_deref(), Some(e.event_type.as_str()));
+        assert_eq!(r.timestamp, Some(e.created_at.timestamp() as u64));
+        let h = &r.headers;
+        assert_eq!(h["cloudEvents:specversion"], "1.0");
+        assert_eq!(h["cloudEvents:id"], id);
+        assert_eq!(h["cloudEvents:type"], e.event_type);
+        assert_eq!(h["cloudEvents:source"], "ferry");
+        let time = chrono::DateTime::parse_from_rfc3339(&h["cloudEvents:time"]).expect("RFC 3339");
+        assert_eq!(time, e.created_at);
+        assert_eq!(h.get("cloudEvents:subject"), e.key.as_ref());
+        assert_eq!(h.get("ferry-key"), e.key.as_ref());
+    }
+    assert_eq!(received[0].headers["traceparent"], events[0].headers["traceparent"]);
+    assert!(!received[1].headers.contains_key("traceparent"));
+
+    sink.close().await;
+    topology.delete().await;
+}
+
+#[tokio::test]
+async fn an_exchange_without_a_queue_fails_every_event_permanently() {
+    let topology = TestTopology::create_unbound("unbound").await;
+    let sink = sink_at(amqp_url());
+    let events = keyed(50, |seq| format!("k-{}", seq % 3));
+    let outcomes = sink.publish(&route(topology.exchange(), None), &events).await;
+    assert_eq!(outcomes.len(), events.len());
+    for outcome in &outcomes {
+        expect_err(outcome, ErrorKind::Permanent, "unroutable");
+        expect_err(outcome, ErrorKind::Permanent, "312 NO_ROUTE");
+    }
+    // An AMQP client cannot list bindings: check() sees the exchange, and
+    // the unroutable publish is what reports the missing queue.
+    sink.check(&route(topology.exchange(), None))
+        .await
+        .expect("the exchange exists");
+    sink.close().await;
+    topology.delete().await;
+}
+
+#[tokio::test]
+async fn returns_are_matched_to_their_own_events_in_a_mixed_batch() {
+    let topology = TestTopology::create_with_binding("mixed", "routable.#").await;
+    let sink = sink_at(amqp_url());
+    let events = keyed(1000, |seq| {
+        if seq % 3 == 0 {
+            format!("dropped.{seq}")
+        } else {
+            format!("routable.{seq}")
+        }
+    });
+    let outcomes = sink.publish(&route(topology.exchange(), Some("{key}")), &events).await;
+
+    let mut routable = Vec::new();
+    for (e, outcome) in events.iter().zip(&outcomes) {
+        if e.seq % 3 == 0 {
+            expect_err(outcome, ErrorKind::Permanent, "unroutable");
+        } else {
+            assert_eq!(outcome, &Ok(()), "event {} ({:?})", e.seq, e.key);
+            routable.push(e.clone());
+        }
+    }
+    let received = topology.receive(routable.len(), ARRIVAL_TIMEOUT).await;
+    assert_eq!(received_ids(&received), ids(&routable));
+    assert!(topology.receive(1, QUIET_PERIOD).await.is_empty(), "no duplicates");
+    sink.close().await;
+    topology.delete().await;
+}
+
+#[tokio::test]
+async fn a_missing_exchange_fails_permanently_and_the_sink_keeps_working() {
+    let topology = TestTopology::create("after-404").await;
+    let missing = unique_name("missing");
+    let sink = sink_at(amqp_url());
+
+    let err = sink.check(&route(&missing, None)).await.expect_err("missing exchange");
+    assert_eq!(err.kind, ErrorKind::Config);
+    assert!(
+        err.message.contains(&format!("exchange {missing:?} does not exist")),
+        "{err}"
+    );
+    assert!(err.message.contains("routes[].destination"), "{err}");
+
+    for round in 0..2 {
+        let lost = keyed(5, |seq| format!("lost-{seq}"));
+        for outcome in sink.publish(&route(&missing, None), &lost).await {
+            expect_err(&outcome, ErrorKind::Permanent, "does not exist");
+        }
+        let good = keyed(20, |seq| format!("good-{round}-{}", seq % 4));
+        let outcomes = sink.publish(&route(topology.exchange(), None), &good).await;
+        assert!(outcomes.iter().all(Result::is_ok), "round {round}: {outcomes:?}");
+        let received = topology.receive(good.len(), ARRIVAL_TIMEOUT).await;
+        assert_eq!(received_ids(&received), ids(&good));
+    }
+    sink.close().await;
+    topology.delete().await;
+}
+
+#[tokio::test]
+async fn a_templated_batch_fails_only_the_events_of_the_missing_exchange() {
+    let topology = TestTopology::create("tmpl").await;
+    let missing = unique_name("tmpl-missing");
+    let sink = sink_at(amqp_url());
+    let templated = route("{domain}", None);
+    sink.check(&templated).await.expect("templates only check connectivity");
+
+    let events: Vec<StoredEvent> = (0..30)
+        .map(|seq| {
+            let domain = if seq % 5 == 2 { &missing } else { topology.exchange() };
+            event(
+                seq,
+                &format!("{domain}.item.created"),
+                Some(&format!("k{}", seq % 5)),
+                json!({ "seq": seq }),
+            )
+        })
+        .collect();
+    let outcomes = sink.publish(&templated, &events).await;
+    let mut retry = Vec::new();
+    let mut good = Vec::new();
+    for (e, outcome) in events.iter().zip(&outcomes) {
+        if e.seq % 5 == 2 {
+            expect_err(outcome, ErrorKind::Permanent, "does not exist");
+            continue;
+        }
+        good.push(e.clone());
+        match outcome {
+            Ok(()) => {}
+            Err(err) => {
+                assert_eq!(
+                    err.kind,
+                    ErrorKind::Transient,
+                    "event {} of an existing exchange: {err}",
+                    e.seq
+                );
+                retry.push(e.clone());
+            }
+        }
+    }
+    let outcomes = sink.publish(&templated, &retry).await;
+    assert!(outcomes.iter().all(Result::is_ok), "retry: {outcomes:?}");
+
+    // Events that reached the queue but lost their confirm to the channel
+    // close may arrive twice; each good event must arrive at least once.
+    let wanted = ids(&good);
+    let mut seen = HashSet::new();
+    let deadline = tokio::time::Instant::now() + ARRIVAL_TIMEOUT;
+    while !wanted.is_subset(&seen) && tokio::time::Instant::now() < deadline {
+        seen.extend(received_ids(
+            &topology
+                .receive(wanted.len() - seen.len(), deadline - tokio::time::Instant::now())
+                .await,
+        ));
+    }
+    assert!(
+        wanted.is_subset(&seen),
+        "{} good events never arrived",
+        wanted.difference(&seen).count()
+    );
+    assert!(seen.is_subset(&wanted), "an event of the missing exchange arrived");
+    sink.close().await;
+    topology.delete().await;
+}
+
+#[tokio::test]
+async fn an_oversized_event_holds_back_later_events_of_its_key_only() {
+    let topology = TestTopology::create("held").await;
+    let sink = sink_at(amqp_url());
+    let big = event(0, "test.item.created", Some("a"), json!("x".repeat(LIMIT)));
+    let events = vec![
+        big,
+        event(1, "test.item.created", Some("a"), json!({ "seq": 1 })),
+        event(2, "test.item.created", Some("b"), json!({ "seq": 2 })),
+    ];
+    let outcomes = sink.publish(&route(topology.exchange(), None), &events).await;
+    expect_err(&outcomes[0], ErrorKind::Permanent, "payload too large");
+    expect_err(&outcomes[0], ErrorKind::Permanent, "sinks.rabbit.max_message_bytes");
+    expect_err(&outcomes[1], ErrorKind::Transient, "held back");
+    assert_eq!(outcomes[2], Ok(()));
+    let received = topology.receive(2, QUIET_PERIOD).await;
+    assert_eq!(received_ids(&received), ids(&events[2..]));
+    sink.close().await;
+    topology.delete().await;
+}
+
+#[tokio::test]
+async fn a_test_topology_dropped_without_delete_leaves_no_exchange() {
+    let sink = sink_at(amqp_url());
+    for topology in [
+        TestTopology::create_unbound("dropped").await,
+        TestTopology::create("dropped").await,
+    ] {
+        let exchange = route(topology.exchange(), None);
+        sink.check(&exchange).await.expect("declared");
+        drop(topology);
+        // A bound exchange goes with its queue once the broker saw the close.
+        let deadline = tokio::time::Instant::now() + ARRIVAL_TIMEOUT;
+        while sink.check(&exchange).await.is_ok() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{} outlived its topology",
+                exchange.destination
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    sink.close().await;
+}

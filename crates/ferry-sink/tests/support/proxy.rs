@@ -1,0 +1,166 @@
+//! A TCP proxy in front of the test broker that can cut every live connection
+//! once a given number of bytes went upstream (a connection loss in the middle
+//! of a batch) or hold back everything the broker sends (confirms that never
+//! come), without touching other tests' connections.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, watch};
+use tokio::task::{AbortHandle, JoinHandle};
+
+const DISARMED: u64 = u64::MAX;
+
+struct Shared {
+    live: Mutex<Vec<AbortHandle>>,
+    upstream_bytes: AtomicU64,
+    cut_at: AtomicU64,
+    cuts: AtomicUsize,
+    cut_done: Notify,
+    /// While true, bytes from the broker are held, not forwarded.
+    stalled: watch::Sender<bool>,
+}
+
+impl Shared {
+    fn cut_all(&self) {
+        self.cut_at.store(DISARMED, Ordering::SeqCst);
+        let live = std::mem::take(&mut *self.live.lock().unwrap());
+        for task in &live {
+            task.abort();
+        }
+        self.cuts.fetch_add(1, Ordering::SeqCst);
+        self.cut_done.notify_waiters();
+    }
+}
+
+pub struct FaultProxy {
+    addr: SocketAddr,
+    shared: Arc<Shared>,
+    accept: JoinHandle<()>,
+}
+
+impl FaultProxy {
+    pub async fn start(upstream: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind the proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let shared = Arc::new(Shared {
+            live: Mutex::default(),
+            upstream_bytes: AtomicU64::default(),
+            cut_at: AtomicU64::new(DISARMED),
+            cuts: AtomicUsize::default(),
+            cut_done: Notify::new(),
+            stalled: watch::Sender::new(false),
+        });
+        let accept_shared = Arc::clone(&shared);
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let shared = Arc::clone(&accept_shared);
+                let upstream = upstream.clone();
+                let mut live = accept_shared.live.lock().unwrap();
+                live.push(tokio::spawn(forward(client, upstream, shared)).abort_handle());
+            }
+        });
+        Self { addr, shared, accept }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Cuts every live connection once `bytes` more have gone upstream; new
+    /// connections made after the cut are left alone.
+    pub fn cut_after_upstream_bytes(&self, bytes: u64) {
+        let now = self.shared.upstream_bytes.load(Ordering::SeqCst);
+        self.shared.cut_at.store(now + bytes, Ordering::SeqCst);
+    }
+
+    /// Holds (or releases) everything the broker sends on every connection.
+    pub fn stall(&self, stalled: bool) {
+        self.shared.stalled.send_replace(stalled);
+    }
+
+    pub fn cuts(&self) -> usize {
+        self.shared.cuts.load(Ordering::SeqCst)
+    }
+
+    /// Waits until at least `n` cuts happened, or `timeout` passed.
+    pub async fn wait_for_cuts(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.shared.cut_done.notified();
+            if self.cuts() >= n {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return self.cuts() >= n;
+            }
+        }
+    }
+}
+
+impl Drop for FaultProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.shared.cut_all();
+    }
+}
+
+async fn forward(client: TcpStream, upstream: String, shared: Arc<Shared>) {
+    let Ok(server) = TcpStream::connect(&upstream).await else {
+        return;
+    };
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let up = async {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            let n = match client_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if server_write.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+            let total = shared.upstream_bytes.fetch_add(n as u64, Ordering::SeqCst) + n as u64;
+            if total >= shared.cut_at.load(Ordering::SeqCst) {
+                // Aborts this task too, at its next await.
+                shared.cut_all();
+            }
+        }
+    };
+    let down = async {
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut stalled = shared.stalled.subscribe();
+        loop {
+            let n = match server_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if stalled.wait_for(|stalled| !stalled).await.is_err() || client_write.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
+    }
+}
+
+/// `url` with its host and port replaced by `addr`, and the host:port it had.
+pub fn redirect(url: &str, addr: SocketAddr) -> (String, String) {
+    let start = url.find("://").expect("a URL with a scheme") + 3;
+    let rest = &url[start..];
+    let end = rest.find('/').unwrap_or(rest.len());
+    let host_start = rest[..end].rfind('@').map_or(0, |at| at + 1);
+    let mut upstream = rest[host_start..end].to_owned();
+    if !upstream.contains(':') {
+        upstream.push_str(":5672");
+    }
+    let redirected = format!("{}{}{addr}{}", &url[..start], &rest[..host_start], &rest[end..]);
+    (redirected, upstream)
+}
