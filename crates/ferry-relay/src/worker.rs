@@ -47,7 +47,10 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
         if claimed.is_empty() {
             let next = shared.store.next_due(&owned, &route.name, now).await.ok().flatten();
             drop(gate);
-            let mut wait = shared.settings.poll_interval;
+            // The router wakes this worker when it creates deliveries, the
+            // lease keeper when partitions arrive, the timer when a retry is
+            // due; the slow poll only guards against a missed wake-up.
+            let mut wait = shared.settings.poll_interval * 4;
             if let Some(at) = next {
                 let until = (at - shared.clock.now()).to_std().unwrap_or_default();
                 wait = wait.min(until + Duration::from_millis(1));
