@@ -1,0 +1,180 @@
+//! `ferry bench`: how fast Ferry moves events on this machine, beside the
+//! broker's own ceiling measured in the same run.
+//!
+//! Scenarios, each in its own module: `broker` (RabbitMQ's confirmed-publish
+//! rate), `drain` (a backlog through the relay; also the hot-key run),
+//! `latency` (commit to consumer), `idle` (what a relay with nothing to do
+//! costs the database) and `producer` (what the outbox costs a committing
+//! application). The relay runs in this process.
+//!
+//! The bench works in a database of its own, `ferry_bench_<hex>`, and in
+//! uniquely named RabbitMQ topology per scenario; it removes both at the end,
+//! also after an error or Ctrl-C. Progress goes to stderr, the markdown
+//! report to stdout and, with `--write`, into a file.
+
+mod broker;
+mod db;
+mod drain;
+mod idle;
+mod latency;
+mod machine;
+mod producer;
+mod progress;
+mod relay;
+mod report;
+mod topology;
+mod workload;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::anyhow;
+use tokio::time::Instant;
+
+use crate::config::{LogConfig, LogFormat};
+use db::BenchDb;
+use report::Report;
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// A PostgreSQL URL whose user may create databases. The bench creates
+    /// `ferry_bench_<hex>` on that server and drops it at the end.
+    #[arg(long, value_name = "URL", default_value = "postgres://root@127.0.0.1:5432/postgres")]
+    pub database_url: String,
+    /// The RabbitMQ broker.
+    #[arg(long, value_name = "URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    pub amqp_url: String,
+    /// Events in the broker, drain and hot-key runs.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub events: u64,
+    /// Distinct event keys.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub keys: u64,
+    /// The relay's batch size, and the broker baseline's publish window.
+    #[arg(long, default_value_t = 500, value_parser = positive_usize)]
+    pub batch_size: usize,
+    /// Events per second in the latency run.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub latency_rate: u32,
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub latency_seconds: u64,
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_seconds: u64,
+    /// Seconds per producer variant.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub producer_seconds: u64,
+    /// Concurrent connections in the producer runs.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub producer_clients: u32,
+    /// Run only these scenarios (comma-separated). The broker baseline runs
+    /// with `drain` or `hotkey`.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
+    pub only: Vec<Scenario>,
+    /// Also write the report into FILE, between `<!-- ferry bench: begin -->`
+    /// and `<!-- ferry bench: end -->` if those lines are there (the rest of
+    /// the file is kept), else appended.
+    #[arg(long, value_name = "FILE")]
+    pub write: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    Drain,
+    Latency,
+    Idle,
+    Producer,
+    Hotkey,
+}
+
+fn positive_usize(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s:?} is not a whole number of at least 1")),
+    }
+}
+
+/// What the scenarios share.
+pub(crate) struct Ctx<'a> {
+    pub db: &'a BenchDb,
+    pub args: &'a BenchArgs,
+}
+
+impl BenchArgs {
+    fn runs(&self, scenario: Scenario) -> bool {
+        self.only.is_empty() || self.only.contains(&scenario)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} events over {} keys, batch {}; latency {}/s for {} s; idle {} s; producers {} × {} s",
+            report::thousands(self.events),
+            report::thousands(self.keys),
+            self.batch_size,
+            self.latency_rate,
+            self.latency_seconds,
+            self.idle_seconds,
+            self.producer_clients,
+            self.producer_seconds
+        )
+    }
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    crate::telemetry::init_logs(&LogConfig {
+        format: LogFormat::Text,
+        level: "warn".into(),
+    });
+    let started = Instant::now();
+    let db = BenchDb::create(&args.database_url).await?;
+    eprintln!("bench database {} created", db.name());
+    let mut report = Report {
+        settings: args.describe(),
+        ..Report::default()
+    };
+    let ctx = Ctx { db: &db, args: &args };
+    let outcome = tokio::select! {
+        outcome = run_scenarios(&ctx, &mut report) => outcome,
+        _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
+    };
+    let name = db.name().to_owned();
+    match db.drop_db().await {
+        Ok(()) => eprintln!("bench database {name} dropped"),
+        Err(e) => eprintln!("warning: could not drop bench database {name}: {e:#}"),
+    }
+    report.wall = Some(started.elapsed());
+    let markdown = report.render();
+    print!("{markdown}");
+    outcome?;
+    if let Some(path) = &args.write {
+        report::write_into(path, &markdown)?;
+        eprintln!("report written into {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs the chosen scenarios, filling `report` as each one ends. Idle runs
+/// first, on the freshly migrated database, so that autovacuum catching up
+/// after the bulk scenarios does not count against the relay.
+async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()> {
+    let args = ctx.args;
+    report.machine = Some(machine::gather(ctx.db.pool()).await);
+    if args.runs(Scenario::Idle) {
+        report.idle = Some(idle::run(ctx).await?);
+    }
+    if args.runs(Scenario::Drain) || args.runs(Scenario::Hotkey) {
+        report.broker = Some(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys).await?);
+    }
+    if args.runs(Scenario::Drain) {
+        report.drain = Some(drain::run(ctx, "drain", args.keys).await?);
+    }
+    if args.runs(Scenario::Hotkey) {
+        report.hotkey = Some(drain::run(ctx, "hotkey", 1).await?);
+    }
+    if args.runs(Scenario::Latency) {
+        report.latency = Some(latency::run(ctx).await?);
+    }
+    if args.runs(Scenario::Producer) {
+        report.producer = producer::run(ctx).await?;
+    }
+    Ok(())
+}

@@ -1,0 +1,119 @@
+//! The relay under test, run in this process against the bench database and
+//! one scenario's exchange, with the production settings the brief asks for
+//! (lease 30 s, fallback poll 30 s).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, anyhow};
+use ferry_core::{Glob, Route, Sink, SystemClock};
+use ferry_relay::{Relay, RelaySettings, RunReport};
+use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
+use ferry_store::postgres::PgStore;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, sleep};
+
+use super::db::BenchDb;
+use super::workload::ROUTE_GLOB;
+
+/// `ferry run`'s default pool size.
+const POOL_CONNECTIONS: u32 = 10;
+const SINK: &str = "rabbitmq";
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub(crate) struct RunningRelay {
+    id: String,
+    pool: PgPool,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<RunReport, ferry_relay::RelayError>>,
+}
+
+/// Starts a relay named `id` that routes `bench.**` to `exchange`.
+pub(crate) fn start(
+    db: &BenchDb,
+    amqp_url: &str,
+    exchange: &str,
+    id: &str,
+    batch_size: usize,
+) -> anyhow::Result<RunningRelay> {
+    let pool = PgPoolOptions::new()
+        .max_connections(POOL_CONNECTIONS)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(db.options().clone().application_name("ferry-bench-relay"));
+    let sink: Arc<dyn Sink> = Arc::new(RabbitMqSink::new(RabbitMqOptions {
+        url: amqp_url.to_owned(),
+        ..RabbitMqOptions::default()
+    }));
+    let route = Route {
+        name: "bench".into(),
+        matcher: Glob::new(ROUTE_GLOB).map_err(|e| anyhow!("route glob: {e}"))?,
+        sink: SINK.into(),
+        destination: exchange.to_owned(),
+        routing_key: None,
+    };
+    let settings = RelaySettings {
+        batch_size,
+        lease: Duration::from_secs(30),
+        poll_interval: Duration::from_secs(30),
+        ..RelaySettings::new(id)
+    };
+    let sinks = HashMap::from([(SINK.to_owned(), sink)]);
+    let relay = Relay::new(PgStore::new(pool.clone()), SystemClock, settings, vec![route], sinks)?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(relay.run(async move {
+        let _ = stopped.await;
+    }));
+    Ok(RunningRelay {
+        id: id.to_owned(),
+        pool,
+        stop,
+        task,
+    })
+}
+
+impl RunningRelay {
+    /// Fails if the relay has already stopped on its own (an error).
+    pub(crate) fn ensure_running(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(!self.task.is_finished(), "relay {} stopped unexpectedly", self.id);
+        Ok(())
+    }
+
+    /// Waits until the relay has caught up and told producers it sleeps:
+    /// from then on a commit wakes it through NOTIFY.
+    pub(crate) async fn wait_until_sleeping(&self, pool: &PgPool, within: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            self.ensure_running()?;
+            let sleeping: Option<bool> = sqlx::query_scalar("SELECT sleeping FROM ferry.relays WHERE id = $1")
+                .bind(&self.id)
+                .fetch_optional(pool)
+                .await?;
+            if sleeping == Some(true) {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "relay {} did not go idle within {within:?}",
+                self.id
+            );
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Stops the relay, returns what it did, and closes its connections so
+    /// that their statistics reach `pg_stat_database`.
+    pub(crate) async fn stop(self) -> anyhow::Result<RunReport> {
+        let _ = self.stop.send(());
+        let report = tokio::time::timeout(STOP_TIMEOUT, self.task)
+            .await
+            .with_context(|| format!("relay {} did not stop within {STOP_TIMEOUT:?}", self.id))?
+            .context("the relay task panicked")?
+            .context("the relay failed")?;
+        self.pool.close().await;
+        Ok(report)
+    }
+}

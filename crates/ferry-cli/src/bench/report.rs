@@ -1,0 +1,290 @@
+//! The report: machine facts, then one table of scenario | figure | target |
+//! met?, in markdown. Also the percentile summary and the number formats.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use hdrhistogram::Histogram;
+
+use super::broker::BrokerResult;
+use super::drain::DrainResult;
+use super::idle::IdleResult;
+use super::latency::LatencyResult;
+use super::machine::Machine;
+use super::producer::{ProducerResult, Variant};
+
+/// Drain rate as a share of the broker's own rate.
+pub(crate) const DRAIN_TARGET: f64 = 0.75;
+pub(crate) const P50_TARGET_US: u64 = 3_000;
+pub(crate) const P99_TARGET_US: u64 = 15_000;
+/// Transactions per second an idle relay may cost.
+pub(crate) const IDLE_TARGET: f64 = 0.2;
+/// `ferry.enqueue` with a busy relay, as a share of a plain INSERT.
+pub(crate) const PRODUCER_TARGET: f64 = 0.90;
+/// Hot-key drain as a share of the many-keys drain.
+pub(crate) const HOTKEY_TARGET: f64 = 0.5;
+
+/// `--write` replaces what lies between these lines and keeps the rest.
+pub(crate) const BEGIN_MARK: &str = "<!-- ferry bench: begin -->";
+pub(crate) const END_MARK: &str = "<!-- ferry bench: end -->";
+
+/// Latency percentiles, in microseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Percentiles {
+    pub count: u64,
+    pub p50: u64,
+    pub p90: u64,
+    pub p99: u64,
+    pub max: u64,
+}
+
+impl Percentiles {
+    /// `None` for an empty histogram.
+    pub(crate) fn of(h: &Histogram<u64>) -> Option<Self> {
+        (!h.is_empty()).then(|| Self {
+            count: h.len(),
+            p50: h.value_at_quantile(0.50),
+            p90: h.value_at_quantile(0.90),
+            p99: h.value_at_quantile(0.99),
+            max: h.max(),
+        })
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        format!(
+            "p50 {}, p90 {}, p99 {}, max {}",
+            ms(self.p50),
+            ms(self.p90),
+            ms(self.p99),
+            ms(self.max)
+        )
+    }
+}
+
+/// Everything one run measured; scenarios not run stay empty.
+#[derive(Debug, Default)]
+pub(crate) struct Report {
+    pub machine: Option<Machine>,
+    /// The flags that shape the figures, already described.
+    pub settings: String,
+    pub broker: Option<BrokerResult>,
+    pub drain: Option<DrainResult>,
+    pub latency: Option<LatencyResult>,
+    pub idle: Option<IdleResult>,
+    pub producer: Vec<ProducerResult>,
+    pub hotkey: Option<DrainResult>,
+    pub wall: Option<Duration>,
+}
+
+struct Row {
+    scenario: String,
+    figure: String,
+    target: &'static str,
+    met: Option<bool>,
+}
+
+impl Report {
+    pub(crate) fn render(&self) -> String {
+        let mut out = String::from("## Results\n\n");
+        if let Some(m) = &self.machine {
+            let memory = m
+                .memory_kib
+                .map_or_else(String::new, |k| format!(", {} memory", gib(k)));
+            let cpu = m.cpu_model.as_deref().map_or_else(String::new, |c| format!(" ({c})"));
+            let build = if m.release_build {
+                "release"
+            } else {
+                "**debug** (not representative)"
+            };
+            let _ = writeln!(out, "- date: {}", m.date);
+            let _ = writeln!(out, "- command: `{}` ({build} build)", m.command);
+            let _ = writeln!(out, "- machine: {} CPUs{cpu}{memory}", m.cpus);
+            let _ = writeln!(out, "- PostgreSQL {}", m.postgres);
+        }
+        if !self.settings.is_empty() {
+            let _ = writeln!(out, "- settings: {}", self.settings);
+        }
+        if let Some(wall) = self.wall {
+            let _ = writeln!(out, "- wall time: {}", minutes(wall));
+        }
+        out.push_str("\n| scenario | figure | target | met? |\n| --- | --- | --- | --- |\n");
+        for row in self.rows() {
+            let met = match row.met {
+                Some(true) => "yes",
+                Some(false) => "**no**",
+                None => "–",
+            };
+            let _ = writeln!(out, "| {} | {} | {} | {met} |", row.scenario, row.figure, row.target);
+        }
+        out
+    }
+
+    fn rows(&self) -> Vec<Row> {
+        let mut rows = Vec::new();
+        let mut row = |scenario: &str, figure: String, target: &'static str, met: Option<bool>| {
+            rows.push(Row {
+                scenario: scenario.to_owned(),
+                figure,
+                target,
+                met,
+            })
+        };
+        let broker = self.broker.as_ref().map(BrokerResult::rate);
+        if let Some(b) = &self.broker {
+            let figure = format!(
+                "{} confirmed publishes/s ({} in windows of {})",
+                rate(b.rate()),
+                thousands(b.events),
+                thousands(b.window as u64)
+            );
+            row("broker", figure, "baseline", None);
+        }
+        if let Some(d) = &self.drain {
+            let share = broker.map(|b| d.rate() / b);
+            let figure = match share {
+                Some(s) => format!("{} events/s = {} of broker", rate(d.rate()), pct(s)),
+                None => format!("{} events/s", rate(d.rate())),
+            };
+            row("drain", figure, "≥ 75% of broker", share.map(|s| s >= DRAIN_TARGET));
+            let figure = format!(
+                "{} events/s (enqueue_batch, 1,000 per transaction)",
+                rate(d.prefill_rate())
+            );
+            row("drain: prefill", figure, "–", None);
+            if let (Some(before), Some(peak)) = (d.rss_before_kib, d.peak_rss_kib) {
+                let figure = format!("peak RSS {} (at relay start: {})", mib(peak), mib(before));
+                row("drain: memory", figure, "bounded", None);
+            }
+            if let Some(t) = d.transactions_per_batch() {
+                let figure = format!("{t:.1} transactions per batch of {}", d.batch_size);
+                row("drain: database", figure, "–", None);
+            }
+        }
+        if let Some(l) = &self.latency {
+            if let Some(p) = l.latency {
+                row("latency p50", ms(p.p50), "< 3 ms", Some(p.p50 < P50_TARGET_US));
+                row("latency p90", ms(p.p90), "–", None);
+                row("latency p99", ms(p.p99), "< 15 ms", Some(p.p99 < P99_TARGET_US));
+                row("latency max", ms(p.max), "–", None);
+            }
+            let figure = format!(
+                "{} of {} at {}/s ({} missing)",
+                thousands(l.sent - l.missing),
+                thousands(l.sent),
+                rate(l.achieved_rate()),
+                l.missing
+            );
+            row("latency: delivered", figure, "all", Some(l.missing == 0));
+        }
+        if let Some(i) = &self.idle {
+            let figure = format!(
+                "{:.3} transactions/s ({} in {:.0} s)",
+                i.per_second(),
+                i.transactions,
+                i.window.as_secs_f64()
+            );
+            row("idle", figure, "< 0.2/s", Some(i.per_second() < IDLE_TARGET));
+        }
+        let plain = self
+            .producer
+            .iter()
+            .find(|p| p.variant == Variant::PlainInsert)
+            .map(ProducerResult::rate);
+        for p in &self.producer {
+            let share = plain
+                .filter(|_| p.variant != Variant::PlainInsert)
+                .map(|b| p.rate() / b);
+            let figure = match share {
+                Some(s) => format!("{} commits/s = {} of (a)", rate(p.rate()), pct(s)),
+                None => format!("{} commits/s", rate(p.rate())),
+            };
+            let (target, met) = match p.variant {
+                Variant::PlainInsert => ("baseline", None),
+                Variant::SqlBusy => ("≥ 90% of (a)", share.map(|s| s >= PRODUCER_TARGET)),
+                _ => ("–", None),
+            };
+            row(&format!("producer {}", p.variant.label()), figure, target, met);
+        }
+        if let Some(h) = &self.hotkey {
+            let share = self.drain.as_ref().map(|d| h.rate() / d.rate());
+            let figure = match share {
+                Some(s) => format!("{} events/s = {} of drain", rate(h.rate()), pct(s)),
+                None => format!("{} events/s", rate(h.rate())),
+            };
+            row(
+                "hot key (1 key)",
+                figure,
+                "≥ 50% of drain",
+                share.map(|s| s >= HOTKEY_TARGET),
+            );
+        }
+        rows
+    }
+}
+
+/// Writes `section` into `path` between [`BEGIN_MARK`] and [`END_MARK`],
+/// keeping the rest of the file; appends it when the marks are missing.
+pub(crate) fn write_into(path: &Path, section: &str) -> anyhow::Result<()> {
+    let existing = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    std::fs::write(path, splice(&existing, section)).with_context(|| format!("writing {}", path.display()))
+}
+
+fn splice(existing: &str, section: &str) -> String {
+    let block = format!("{BEGIN_MARK}\n{}\n{END_MARK}", section.trim_end());
+    if let (Some(begin), Some(end)) = (existing.find(BEGIN_MARK), existing.find(END_MARK))
+        && begin < end
+    {
+        return format!("{}{block}{}", &existing[..begin], &existing[end + END_MARK.len()..]);
+    }
+    if existing.trim().is_empty() {
+        format!("{block}\n")
+    } else {
+        format!("{}\n\n{block}\n", existing.trim_end())
+    }
+}
+
+pub(crate) fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn rate(per_second: f64) -> String {
+    thousands(per_second.round().max(0.0) as u64)
+}
+
+fn pct(share: f64) -> String {
+    format!("{:.1}%", share * 100.0)
+}
+
+fn ms(micros: u64) -> String {
+    format!("{:.2} ms", micros as f64 / 1000.0)
+}
+
+fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
+fn gib(kib: u64) -> String {
+    format!("{:.1} GiB", kib as f64 / (1024.0 * 1024.0))
+}
+
+fn minutes(d: Duration) -> String {
+    let s = d.as_secs();
+    format!("{} min {:02} s", s / 60, s % 60)
+}
+
+#[cfg(test)]
+mod tests;

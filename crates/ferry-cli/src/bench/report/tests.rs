@@ -1,0 +1,113 @@
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+
+use super::*;
+
+#[test]
+fn percentiles_of_a_known_distribution() {
+    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).unwrap();
+    for us in 1..=1000 {
+        h.record(us * 10).unwrap();
+    }
+    let p = Percentiles::of(&h).unwrap();
+    assert_eq!(p.count, 1000);
+    // Three significant figures: within 0.1% of the exact value.
+    assert!((4995..=5005).contains(&p.p50), "{p:?}");
+    assert!((8991..=9009).contains(&p.p90), "{p:?}");
+    assert!((9890..=9910).contains(&p.p99), "{p:?}");
+    assert!((9990..=10_010).contains(&p.max), "{p:?}");
+    assert_eq!(Percentiles::of(&Histogram::<u64>::new(3).unwrap()), None);
+    assert_eq!(
+        Percentiles {
+            count: 1,
+            p50: 2_100,
+            p90: 4_000,
+            p99: 15_000,
+            max: 123_456
+        }
+        .describe(),
+        "p50 2.10 ms, p90 4.00 ms, p99 15.00 ms, max 123.46 ms"
+    );
+}
+
+#[test]
+fn numbers_read_well() {
+    assert_eq!(thousands(0), "0");
+    assert_eq!(thousands(999), "999");
+    assert_eq!(thousands(1_000), "1,000");
+    assert_eq!(thousands(13_300), "13,300");
+    assert_eq!(thousands(1_234_567), "1,234,567");
+    assert_eq!(rate(12_345.6), "12,346");
+    assert_eq!(pct(0.7671), "76.7%");
+    assert_eq!(mib(46_080), "45.0 MiB");
+    assert_eq!(minutes(Duration::from_secs(605)), "10 min 05 s");
+}
+
+fn drain(events: u64, secs: u64) -> DrainResult {
+    DrainResult {
+        events,
+        keys: 1000,
+        batch_size: 500,
+        prefill: Duration::from_secs(10),
+        drain: Duration::from_secs(secs),
+        rss_before_kib: Some(20_480),
+        peak_rss_kib: Some(40_960),
+        transactions: Some(1_040),
+        retried: 0,
+    }
+}
+
+#[test]
+fn the_table_marks_targets_met_and_missed() {
+    let report = Report {
+        broker: Some(BrokerResult {
+            events: 100_000,
+            window: 500,
+            elapsed: Duration::from_secs(10),
+        }),
+        // 8,000/s against 10,000/s: 80%, met.
+        drain: Some(drain(80_000, 10)),
+        // 3,000/s against 8,000/s: 37.5%, missed.
+        hotkey: Some(drain(30_000, 10)),
+        idle: Some(IdleResult {
+            window: Duration::from_secs(30),
+            transactions: 9,
+        }),
+        ..Report::default()
+    };
+    let text = report.render();
+    assert!(text.contains("| scenario | figure | target | met? |"), "{text}");
+    assert!(text.contains("| broker | 10,000 confirmed publishes/s"), "{text}");
+    assert!(
+        text.contains("| drain | 8,000 events/s = 80.0% of broker | ≥ 75% of broker | yes |"),
+        "{text}"
+    );
+    assert!(
+        text.contains("| hot key (1 key) | 3,000 events/s = 37.5% of drain | ≥ 50% of drain | **no** |"),
+        "{text}"
+    );
+    assert!(
+        text.contains("| idle | 0.300 transactions/s (9 in 30 s) | < 0.2/s | **no** |"),
+        "{text}"
+    );
+    assert!(
+        text.contains("| drain: database | 6.5 transactions per batch of 500 |"),
+        "{text}"
+    );
+    assert!(!text.contains("latency"), "scenarios not run have no rows");
+}
+
+#[test]
+fn writing_keeps_the_prose_around_the_marks() {
+    let fresh = splice("", "## Results\n");
+    assert_eq!(fresh, format!("{BEGIN_MARK}\n## Results\n{END_MARK}\n"));
+    let doc = format!("# Benchmarks\n\nintro\n\n{BEGIN_MARK}\nold\n{END_MARK}\n\n## Analysis\n");
+    let updated = splice(&doc, "new\n");
+    assert_eq!(
+        updated,
+        format!("# Benchmarks\n\nintro\n\n{BEGIN_MARK}\nnew\n{END_MARK}\n\n## Analysis\n")
+    );
+    let appended = splice("# Notes\n", "new");
+    assert_eq!(appended, format!("# Notes\n\n{BEGIN_MARK}\nnew\n{END_MARK}\n"));
+}

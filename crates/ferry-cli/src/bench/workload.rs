@@ -1,0 +1,67 @@
+//! What the bench writes: one event type, keys drawn from a fixed set, and a
+//! JSON body of about 500 bytes, the same in every scenario so that their
+//! figures compare.
+
+use serde_json::{Value, json};
+
+/// The type of every bench event; the relay's route matches `bench.**`.
+pub(crate) const EVENT_TYPE: &str = "bench.order.created";
+/// The glob the bench route uses.
+pub(crate) const ROUTE_GLOB: &str = "bench.**";
+/// The body size the bench aims for.
+pub(crate) const PAYLOAD_BYTES: usize = 500;
+
+/// The `i`-th of `keys` keys (keys are taken round-robin).
+pub(crate) fn key(i: u64, keys: u64) -> String {
+    format!("customer-{:06}", i % keys.max(1))
+}
+
+/// A key chosen at random among `keys`.
+pub(crate) fn random_key(keys: u64) -> String {
+    key(rand::random_range(0..keys.max(1)), keys)
+}
+
+/// A plausible order body, padded to about [`PAYLOAD_BYTES`] once serialised.
+pub(crate) fn payload(seq: u64, key: &str) -> Value {
+    let mut body = json!({
+        "order_id": seq,
+        "customer": key,
+        "currency": "EUR",
+        "total_cents": 12_345 + seq % 1000,
+        "items": [
+            {"sku": "SKU-000123", "quantity": 2, "unit_cents": 2_500},
+            {"sku": "SKU-004567", "quantity": 1, "unit_cents": 7_345},
+        ],
+        "shipping": {"method": "standard", "country": "DE", "postcode": "10115"},
+        "note": "",
+    });
+    let len = serde_json::to_vec(&body).map_or(0, |b| b.len());
+    body["note"] = Value::String("x".repeat(PAYLOAD_BYTES.saturating_sub(len)));
+    body
+}
+
+/// The serialised body, as the broker baseline sends it.
+pub(crate) fn payload_bytes(seq: u64, key: &str) -> Vec<u8> {
+    serde_json::to_vec(&payload(seq, key)).expect("a JSON value serialises")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_about_500_bytes() {
+        for seq in [0, 7, 99_999, u64::MAX] {
+            let len = payload_bytes(seq, &key(seq, 1000)).len();
+            assert!((PAYLOAD_BYTES..PAYLOAD_BYTES + 20).contains(&len), "{len}");
+        }
+    }
+
+    #[test]
+    fn keys_cycle_through_the_set() {
+        assert_eq!(key(0, 3), key(3, 3));
+        assert_ne!(key(0, 3), key(1, 3));
+        assert_eq!(key(5, 1), key(0, 1));
+        assert!(random_key(1) == key(0, 1));
+    }
+}

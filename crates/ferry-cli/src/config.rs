@@ -1,0 +1,778 @@
+//! Ferry's configuration, read in two steps.
+//!
+//! Step one reads a TOML file (see `ferry.example.toml` beside this crate's
+//! manifest) and the `FERRY_<SECTION>__<FIELD>` environment overrides into
+//! serde structs that mirror the file and reject unknown fields. Step two turns
+//! those into a [`Config`] of checked, typed values with defaults filled in.
+//! Every problem found names the field and says how to fix it, and step two
+//! reports all of them at once rather than one per run.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use ferry_core::{Glob, RetryPolicy, Route};
+use figment::Figment;
+use figment::providers::{Format, Toml};
+
+use crate::duration::{format_duration, parse_duration};
+
+mod raw;
+
+use raw::{DurationText, EnvOverrides, RawConfig, RawDatabase, RawLog, RawRelay, RawRoute, RawSink, extract};
+
+/// Environment variables starting with this (and containing `__`) override
+/// config fields: `FERRY_DATABASE__URL` sets `database.url`.
+pub const ENV_PREFIX: &str = "FERRY_";
+
+/// The checked configuration of a Ferry relay.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub database: DatabaseConfig,
+    pub relay: RelaySettings,
+    /// Where the Prometheus endpoint listens; `None` serves no metrics.
+    pub metrics: Option<SocketAddr>,
+    pub log: LogConfig,
+    /// Sinks by name, as routes refer to them.
+    pub sinks: BTreeMap<String, SinkSpec>,
+    /// In file order.
+    pub routes: Vec<Route>,
+}
+
+/// The outbox database.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DatabaseConfig {
+    /// A `postgres://` or `postgresql://` URL.
+    pub url: String,
+    /// Upper bound of the relay's connection pool.
+    pub max_connections: u32,
+}
+
+/// How the relay claims and retries events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelaySettings {
+    /// Names this relay in leases, logs and metrics; unique per process.
+    pub id: String,
+    /// Events claimed per round trip.
+    pub batch_size: usize,
+    /// How long a claim stays valid; after it lapses another relay may take
+    /// the events.
+    pub lease: Duration,
+    /// Attempts before an event is dead; the first publish counts.
+    pub max_attempts: u32,
+    /// Delay after the first failure; doubles per further failure.
+    pub backoff_base: Duration,
+    /// The retry delay never grows past this.
+    pub backoff_max: Duration,
+    /// Fallback poll while idle, catching anything a wake-up missed.
+    pub poll_interval: Duration,
+    /// On SIGTERM, how long in-flight publishes may finish before their
+    /// events are released.
+    pub shutdown_timeout: Duration,
+}
+
+/// Logging.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// A level (`info`) or a `tracing` filter (`info,ferry=debug`).
+    pub level: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+/// A configured destination; routes name it.
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SinkSpec {
+    RabbitMq {
+        /// `amqp://` or `amqps://` URL.
+        url: String,
+        /// How long to wait for a publisher confirm before the publish counts
+        /// as failed (transiently).
+        publish_timeout: Duration,
+        /// Larger events are dead at once: the broker would reject them.
+        max_message_bytes: usize,
+    },
+    /// Writes each event to standard output.
+    Stdout,
+}
+
+impl Config {
+    /// The retry policy the relay applies to failed publishes.
+    pub fn retry_policy(&self) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: self.relay.max_attempts,
+            base_delay: self.relay.backoff_base,
+            max_delay: self.relay.backoff_max,
+            jitter: 0.2,
+        }
+    }
+}
+
+// Config is logged at start-up; the URLs may carry passwords.
+impl fmt::Debug for DatabaseConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DatabaseConfig")
+            .field("url", &redact_url(&self.url))
+            .field("max_connections", &self.max_connections)
+            .finish()
+    }
+}
+
+impl fmt::Debug for SinkSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SinkSpec::RabbitMq {
+                url,
+                publish_timeout,
+                max_message_bytes,
+            } => f
+                .debug_struct("RabbitMq")
+                .field("url", &redact_url(url))
+                .field("publish_timeout", publish_timeout)
+                .field("max_message_bytes", max_message_bytes)
+                .finish(),
+            SinkSpec::Stdout => f.write_str("Stdout"),
+        }
+    }
+}
+
+/// Why a configuration was rejected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    problems: Vec<Problem>,
+}
+
+/// One thing wrong with a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// The field (`routes[1].sink`), or the file for problems with the file
+    /// itself.
+    pub field: String,
+    /// What is wrong and how to fix it.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn one(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            problems: vec![Problem {
+                field: field.into(),
+                message: message.into(),
+            }],
+        }
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.problems.as_slice() {
+            [one] => write!(f, "{one}"),
+            many => {
+                write!(f, "{} problems in the configuration:", many.len())?;
+                many.iter().try_for_each(|p| write!(f, "\n  {p}"))
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Reads the config file at `path` (none: environment only) and applies the
+/// `FERRY_*__*` overrides from the process environment.
+pub fn load(path: Option<&Path>) -> Result<Config, ConfigError> {
+    // Variables that are not Unicode cannot be config values; vars() would
+    // panic on them.
+    let env = std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+    load_with_env(path, env)
+}
+
+/// [`load`] with the environment passed in, so tests need not mutate the
+/// process's own.
+pub fn load_with_env(
+    path: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<Config, ConfigError> {
+    let mut figment = Figment::new();
+    if let Some(path) = path {
+        // Read it here rather than through figment's file provider, which
+        // treats a missing file as empty and searches parent directories.
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            let fix = if e.kind() == std::io::ErrorKind::NotFound {
+                "check the path given with --config or FERRY_CONFIG"
+            } else {
+                "make the file readable by this user"
+            };
+            ConfigError::one(
+                path.display().to_string(),
+                format!("cannot read the config file ({e}); {fix}"),
+            )
+        })?;
+        figment = figment.merge(Toml::string(&text));
+    }
+    let figment = figment.merge(EnvOverrides::new(env)?);
+    let file = path.map_or_else(|| "config".to_owned(), |p| p.display().to_string());
+    let raw = extract(&figment, &file)?;
+    validate(raw, path.is_some())
+}
+
+/// Parses a config from TOML text alone, without the environment: the
+/// tests' way in, which no process environment can disturb.
+#[cfg(test)]
+pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
+    let raw = extract(&Figment::from(Toml::string(toml)), "config")?;
+    validate(raw, true)
+}
+
+const DEFAULT_MAX_CONNECTIONS: u32 = 10;
+const DEFAULT_BATCH_SIZE: usize = 500;
+const MAX_BATCH_SIZE: i64 = 10_000;
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+const MIN_LEASE: Duration = Duration::from_secs(2);
+const DEFAULT_MAX_ATTEMPTS: u32 = 12;
+const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(500);
+const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(300);
+const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(30);
+const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
+/// RabbitMQ refuses messages above 512 MiB whatever its configuration.
+const RABBITMQ_MAX_MESSAGE_BYTES: i64 = 512 * 1024 * 1024;
+/// Every sink kind, and whether this binary was built with it.
+const SINK_KINDS: [(&str, bool); 2] = [
+    ("rabbitmq", cfg!(feature = "rabbitmq")),
+    ("stdout", cfg!(feature = "stdout")),
+];
+const TEMPLATE_PLACEHOLDERS: [&str; 4] = ["type", "domain", "key", "id"];
+
+/// Collects problems; each check returns a usable value (the default when
+/// the input is bad) so one pass finds every problem.
+#[derive(Default)]
+struct Checker {
+    problems: Vec<Problem>,
+}
+
+impl Checker {
+    fn problem(&mut self, field: impl Into<String>, message: impl Into<String>) {
+        self.problems.push(Problem {
+            field: field.into(),
+            message: message.into(),
+        });
+    }
+
+    fn duration(&mut self, field: &str, raw: Option<DurationText>, default: Duration) -> Duration {
+        match raw.map(|t| parse_duration(&t.0)) {
+            None => default,
+            Some(Ok(d)) => d,
+            Some(Err(e)) => {
+                self.problem(field, e);
+                default
+            }
+        }
+    }
+
+    fn duration_at_least(
+        &mut self,
+        field: &str,
+        raw: Option<DurationText>,
+        default: Duration,
+        min: Duration,
+    ) -> Duration {
+        let d = self.duration(field, raw, default);
+        if d < min {
+            let min_text = if min == Duration::from_millis(1) {
+                "more than 0s".to_owned()
+            } else {
+                format!("at least {}", format_duration(min))
+            };
+            self.problem(
+                field,
+                format!("{} is too short; it must be {min_text}", format_duration(d)),
+            );
+        }
+        d
+    }
+
+    /// `max: None` leaves the upper bound to the target type.
+    fn integer<T: TryFrom<i64>>(&mut self, field: &str, raw: Option<i64>, default: T, min: i64, max: Option<i64>) -> T {
+        let Some(value) = raw else { return default };
+        let message = if value < min || max.is_some_and(|max| value > max) {
+            match max {
+                Some(max) => format!("must be between {min} and {max}, got {value}"),
+                None => format!("must be at least {min}, got {value}"),
+            }
+        } else {
+            match T::try_from(value) {
+                Ok(v) => return v,
+                Err(_) => format!("{value} is too large"),
+            }
+        };
+        self.problem(field, message);
+        default
+    }
+
+    fn finish(self, config: Config) -> Result<Config, ConfigError> {
+        if self.problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError {
+                problems: self.problems,
+            })
+        }
+    }
+}
+
+fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
+    let mut check = Checker::default();
+    let database = database(&mut check, raw.database, from_file);
+    let relay = relay(&mut check, raw.relay);
+    let metrics = raw
+        .metrics
+        .listen
+        .and_then(|listen| match SocketAddr::from_str(&listen) {
+            Ok(addr) => Some(addr),
+            Err(_) => {
+                check.problem(
+                    "metrics.listen",
+                    format!("{listen:?} is not an address; write it like \"127.0.0.1:9464\" or \"[::]:9464\""),
+                );
+                None
+            }
+        });
+    let log = log(&mut check, raw.log);
+    // Routes are checked against every sink the file declares, so a sink with
+    // a problem of its own does not also show up as "no sink named".
+    let declared: BTreeSet<String> = raw.sinks.keys().cloned().collect();
+    let sinks: BTreeMap<String, SinkSpec> = raw
+        .sinks
+        .into_iter()
+        .filter_map(|(name, sink)| Some((name.clone(), sink_spec(&mut check, &name, sink)?)))
+        .collect();
+    for (name, sink) in &sinks {
+        if let SinkSpec::RabbitMq { publish_timeout, .. } = sink
+            && relay.lease <= *publish_timeout
+        {
+            check.problem(
+                "relay.lease",
+                format!(
+                    "{} is not longer than sinks.{name}.publish_timeout ({}); a publish could outlast its lease \
+                     and the event be delivered twice, so raise relay.lease or lower the timeout",
+                    format_duration(relay.lease),
+                    format_duration(*publish_timeout)
+                ),
+            );
+        }
+    }
+    let routes = routes(&mut check, raw.routes, &declared);
+    check.finish(Config {
+        database,
+        relay,
+        metrics,
+        log,
+        sinks,
+        routes,
+    })
+}
+
+fn database(check: &mut Checker, raw: RawDatabase, from_file: bool) -> DatabaseConfig {
+    let max_connections = check.integer(
+        "database.max_connections",
+        raw.max_connections,
+        DEFAULT_MAX_CONNECTIONS,
+        1,
+        None,
+    );
+    let Some(url) = raw.url else {
+        let hint = if from_file {
+            ""
+        } else {
+            " (no config file was given: pass --config FILE or set FERRY_CONFIG)"
+        };
+        check.problem(
+            "database.url",
+            format!("missing; set it in the config file or FERRY_DATABASE__URL{hint}"),
+        );
+        return DatabaseConfig {
+            url: String::new(),
+            max_connections,
+        };
+    };
+    // Only the scheme is echoed: the rest may hold a password.
+    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("postgres" | "postgresql") => {
+            if let Err(e) = sqlx::postgres::PgConnectOptions::from_str(&url) {
+                check.problem(
+                    "database.url",
+                    format!(
+                        "not a valid PostgreSQL URL ({e}); write it like postgres://user:password@host:5432/dbname"
+                    ),
+                );
+            }
+        }
+        Some("sqlite") => check.problem(
+            "database.url",
+            "SQLite is not supported yet; use a postgres:// or postgresql:// URL",
+        ),
+        Some(other) => check.problem(
+            "database.url",
+            format!("unsupported database {other:?}; use a postgres:// or postgresql:// URL"),
+        ),
+        None => check.problem(
+            "database.url",
+            "not a URL; write it like postgres://user:password@host:5432/dbname",
+        ),
+    }
+    DatabaseConfig { url, max_connections }
+}
+
+fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
+    let id = match raw.id {
+        None => default_relay_id(),
+        Some(id) if id.trim().is_empty() || id.chars().any(char::is_control) => {
+            check.problem(
+                "relay.id",
+                "must be non-empty text without control characters; remove it to use <hostname>-<pid>-<hex>",
+            );
+            id
+        }
+        Some(id) => id,
+    };
+    let millisecond = Duration::from_millis(1);
+    let backoff_base = check.duration_at_least(
+        "relay.backoff_base",
+        raw.backoff_base,
+        DEFAULT_BACKOFF_BASE,
+        millisecond,
+    );
+    let backoff_max = check.duration("relay.backoff_max", raw.backoff_max, DEFAULT_BACKOFF_MAX);
+    if backoff_max < backoff_base {
+        check.problem(
+            "relay.backoff_max",
+            format!(
+                "{} is less than relay.backoff_base ({}); raise backoff_max or lower backoff_base",
+                format_duration(backoff_max),
+                format_duration(backoff_base)
+            ),
+        );
+    }
+    RelaySettings {
+        id,
+        batch_size: check.integer(
+            "relay.batch_size",
+            raw.batch_size,
+            DEFAULT_BATCH_SIZE,
+            1,
+            Some(MAX_BATCH_SIZE),
+        ),
+        lease: check.duration_at_least("relay.lease", raw.lease, DEFAULT_LEASE, MIN_LEASE),
+        max_attempts: check.integer("relay.max_attempts", raw.max_attempts, DEFAULT_MAX_ATTEMPTS, 1, None),
+        backoff_base,
+        backoff_max,
+        poll_interval: check.duration_at_least(
+            "relay.poll_interval",
+            raw.poll_interval,
+            DEFAULT_POLL_INTERVAL,
+            millisecond,
+        ),
+        shutdown_timeout: check.duration("relay.shutdown_timeout", raw.shutdown_timeout, DEFAULT_SHUTDOWN_TIMEOUT),
+    }
+}
+
+/// `<hostname>-<pid>-<4 hex>`: readable in `ferry status`, and unique even
+/// when a supervisor restarts a relay that reuses its predecessor's pid.
+fn default_relay_id() -> String {
+    format!("{}-{}-{:04x}", hostname(), std::process::id(), rand::random::<u16>())
+}
+
+fn hostname() -> String {
+    #[cfg(unix)]
+    {
+        let mut buf = [0u8; 256];
+        // SAFETY: `buf` is valid for writes of `buf.len()` bytes, which is the
+        // length passed; gethostname writes nothing beyond it.
+        let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+        // POSIX leaves a truncated name without its NUL; stop at the buffer's end then.
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        if rc == 0
+            && let Ok(name) = std::str::from_utf8(&buf[..end])
+            && !name.is_empty()
+        {
+            return name.to_owned();
+        }
+    }
+    "ferry".to_owned()
+}
+
+fn log(check: &mut Checker, raw: RawLog) -> LogConfig {
+    let format = match raw.format.as_deref() {
+        None | Some("text") => LogFormat::Text,
+        Some("json") => LogFormat::Json,
+        Some(other) => {
+            check.problem(
+                "log.format",
+                format!("unknown format {other:?}; use \"text\" or \"json\""),
+            );
+            LogFormat::Text
+        }
+    };
+    let level = raw.level.unwrap_or_else(|| "info".to_owned());
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    let fix = "use one of off, error, warn, info, debug, trace, or a filter like \"info,ferry=debug\"";
+    // A bare word that is not a level would be read by tracing as a target
+    // name ("verbose" = everything from target `verbose`): almost surely a typo.
+    let is_filter = level.contains(['=', ',', '[']);
+    if !is_filter && !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
+        check.problem("log.level", format!("unknown level {level:?}; {fix}"));
+    } else if let Err(e) = tracing_subscriber::EnvFilter::try_new(&level) {
+        check.problem("log.level", format!("{level:?} is not a valid filter ({e}); {fix}"));
+    }
+    LogConfig { format, level }
+}
+
+fn sink_spec(check: &mut Checker, name: &str, raw: RawSink) -> Option<SinkSpec> {
+    let field = |f: &str| format!("sinks.{name}.{f}");
+    let kinds = || SINK_KINDS.map(|(kind, _)| kind).join(", ");
+    let Some(kind) = raw.kind.as_deref() else {
+        check.problem(field("kind"), format!("missing; set kind to one of: {}", kinds()));
+        return None;
+    };
+    let Some(&(kind, compiled_in)) = SINK_KINDS.iter().find(|(k, _)| *k == kind) else {
+        check.problem(
+            field("kind"),
+            format!("unknown kind {kind:?}; supported kinds: {}", kinds()),
+        );
+        return None;
+    };
+    if !compiled_in {
+        check.problem(
+            field("kind"),
+            format!("this ferry was built without the {kind:?} feature; rebuild it with --features {kind}"),
+        );
+    }
+    // Each kind-specific field, whether it is set, and the kinds that take it.
+    let fields: [(&str, bool, &[&str]); 3] = [
+        ("url", raw.url.is_some(), &["rabbitmq"]),
+        ("publish_timeout", raw.publish_timeout.is_some(), &["rabbitmq"]),
+        ("max_message_bytes", raw.max_message_bytes.is_some(), &["rabbitmq"]),
+    ];
+    for (name, set, kinds) in fields {
+        if set && !kinds.contains(&kind) {
+            check.problem(
+                field(name),
+                format!(
+                    "{kind} sinks take no {name} (it belongs to {} sinks); remove it",
+                    kinds.join(", ")
+                ),
+            );
+        }
+    }
+    match kind {
+        "rabbitmq" => {
+            let url = match raw.url {
+                Some(url) if url.starts_with("amqp://") || url.starts_with("amqps://") => url,
+                Some(_) => {
+                    check.problem(
+                        field("url"),
+                        "must start with amqp:// or amqps://, like amqp://user:password@host:5672/%2f",
+                    );
+                    String::new()
+                }
+                None => {
+                    check.problem(
+                        field("url"),
+                        "missing; set it like url = \"amqp://user:password@host:5672/%2f\"",
+                    );
+                    String::new()
+                }
+            };
+            let publish_timeout = check.duration_at_least(
+                &field("publish_timeout"),
+                raw.publish_timeout,
+                DEFAULT_PUBLISH_TIMEOUT,
+                Duration::from_millis(1),
+            );
+            let max_message_bytes = check.integer(
+                &field("max_message_bytes"),
+                raw.max_message_bytes,
+                DEFAULT_MAX_MESSAGE_BYTES,
+                1,
+                Some(RABBITMQ_MAX_MESSAGE_BYTES),
+            );
+            Some(SinkSpec::RabbitMq {
+                url,
+                publish_timeout,
+                max_message_bytes,
+            })
+        }
+        "stdout" => Some(SinkSpec::Stdout),
+        _ => {
+            check.problem(
+                field("kind"),
+                format!("{kind} sinks cannot be configured by this version"),
+            );
+            None
+        }
+    }
+}
+
+fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> Vec<Route> {
+    // Route names key per-route delivery state, so a collision would merge
+    // two routes' progress.
+    let mut names: BTreeMap<String, usize> = BTreeMap::new();
+    let mut routes = Vec::with_capacity(raw.len());
+    for (i, r) in raw.into_iter().enumerate() {
+        let field = |f: &str| format!("routes[{i}].{f}");
+        let matcher = match r.matcher {
+            None => {
+                check.problem(
+                    field("match"),
+                    "missing; set match to a glob on the event type, like \"order.*\"",
+                );
+                None
+            }
+            Some(pattern) => Glob::new(pattern).map_err(|e| check.problem(field("match"), e)).ok(),
+        };
+        let sink = match r.sink {
+            None => {
+                let fix = match sink_names(sinks) {
+                    Some(names) => format!("set sink to one of: {names}"),
+                    None => "no sinks are defined yet; add a [sinks.<name>] table and name it here".to_owned(),
+                };
+                check.problem(field("sink"), format!("missing; {fix}"));
+                String::new()
+            }
+            Some(sink) => {
+                if !sinks.contains(&sink) {
+                    let others = sink_names(sinks).map(|names| format!(" or use one of: {names}"));
+                    check.problem(
+                        field("sink"),
+                        format!(
+                            "no sink named {sink:?}; define [sinks.{sink}]{}",
+                            others.unwrap_or_default()
+                        ),
+                    );
+                }
+                sink
+            }
+        };
+        let destination = match r.destination {
+            Some(d) if !d.is_empty() => {
+                check_template(check, &field("destination"), &d);
+                d
+            }
+            _ => {
+                check.problem(
+                    field("destination"),
+                    "missing; set destination to where the sink sends (for RabbitMQ, the exchange)",
+                );
+                String::new()
+            }
+        };
+        if let Some(key) = &r.routing_key {
+            check_template(check, &field("routing_key"), key);
+        }
+        let (name, explicit) = match r.name {
+            Some(name) => (name, true),
+            None => (format!("{sink}:{destination}"), false),
+        };
+        if explicit && name.trim().is_empty() {
+            check.problem(
+                field("name"),
+                "must not be empty; remove it to use the default <sink>:<destination>",
+            );
+        }
+        if let Some(first) = names.get(&name) {
+            let whose = if explicit {
+                "the name"
+            } else {
+                "the default name (<sink>:<destination>)"
+            };
+            check.problem(
+                field("name"),
+                format!("{whose} {name:?} is already used by routes[{first}]; set name = \"...\" to tell them apart"),
+            );
+        } else {
+            names.insert(name.clone(), i);
+        }
+        if let Some(matcher) = matcher {
+            routes.push(Route {
+                name,
+                matcher,
+                sink,
+                destination,
+                routing_key: r.routing_key,
+            });
+        }
+    }
+    routes
+}
+
+/// The defined sinks' names, comma-separated; `None` when there are none.
+fn sink_names(sinks: &BTreeSet<String>) -> Option<String> {
+    (!sinks.is_empty()).then(|| sinks.iter().map(String::as_str).collect::<Vec<_>>().join(", "))
+}
+
+/// Catches a misspelt placeholder, which would otherwise send every event to
+/// a destination literally named `{tpye}`.
+fn check_template(check: &mut Checker, field: &str, template: &str) {
+    let mut rest = template;
+    let mut unknown = BTreeSet::new();
+    while let Some(open) = rest.find('{') {
+        let Some(close) = rest[open..].find('}') else {
+            check.problem(field, format!("{template:?} has an unclosed {{"));
+            return;
+        };
+        let name = &rest[open + 1..open + close];
+        if !TEMPLATE_PLACEHOLDERS.contains(&name) {
+            unknown.insert(format!("{{{name}}}"));
+        }
+        rest = &rest[open + close + 1..];
+    }
+    if !unknown.is_empty() {
+        let known: Vec<String> = TEMPLATE_PLACEHOLDERS.iter().map(|p| format!("{{{p}}}")).collect();
+        check.problem(
+            field,
+            format!(
+                "unknown placeholder {}; use {}",
+                unknown.into_iter().collect::<Vec<_>>().join(", "),
+                known.join(", ")
+            ),
+        );
+    }
+}
+
+/// `scheme://user:***@host/...`, for Debug output.
+fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    match rest[..authority_end].rsplit_once('@') {
+        Some((userinfo, _)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            let hidden = if user.len() < userinfo.len() { ":***" } else { "" };
+            format!("{scheme}://{user}{hidden}@{}", &rest[userinfo.len() + 1..])
+        }
+        None => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,257 @@
+//! Step one: the file's shape, and the environment overrides layered on it.
+//!
+//! These structs mirror the TOML file field for field and reject unknown
+//! fields; they check nothing else. Every value is optional here so that
+//! step two (in the parent module) can say what is missing and why.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use figment::value::{Dict, Map, Value};
+use figment::{Figment, Metadata, Profile, Provider};
+use serde::Deserialize;
+use serde::de::{self, Deserializer, Visitor};
+
+use super::{ConfigError, ENV_PREFIX, Problem};
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    #[serde(default)]
+    pub(super) database: RawDatabase,
+    #[serde(default)]
+    pub(super) relay: RawRelay,
+    #[serde(default)]
+    pub(super) metrics: RawMetrics,
+    #[serde(default)]
+    pub(super) log: RawLog,
+    #[serde(default)]
+    pub(super) sinks: BTreeMap<String, RawSink>,
+    #[serde(default)]
+    pub(super) routes: Vec<RawRoute>,
+}
+
+// Numbers are read as i64 so that a negative or zero value reaches step two
+// and gets a message with the allowed range, not a serde type error.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawDatabase {
+    pub(super) url: Option<String>,
+    pub(super) max_connections: Option<i64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRelay {
+    pub(super) id: Option<String>,
+    pub(super) batch_size: Option<i64>,
+    pub(super) lease: Option<DurationText>,
+    pub(super) max_attempts: Option<i64>,
+    pub(super) backoff_base: Option<DurationText>,
+    pub(super) backoff_max: Option<DurationText>,
+    pub(super) poll_interval: Option<DurationText>,
+    pub(super) shutdown_timeout: Option<DurationText>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawMetrics {
+    pub(super) listen: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLog {
+    pub(super) format: Option<String>,
+    pub(super) level: Option<String>,
+}
+
+/// The fields of every sink kind side by side, so that a field set on the
+/// wrong kind gets a message saying which kind it belongs to.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSink {
+    pub(super) kind: Option<String>,
+    pub(super) url: Option<String>,
+    pub(super) publish_timeout: Option<DurationText>,
+    pub(super) max_message_bytes: Option<i64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRoute {
+    pub(super) name: Option<String>,
+    #[serde(rename = "match")]
+    pub(super) matcher: Option<String>,
+    pub(super) sink: Option<String>,
+    pub(super) destination: Option<String>,
+    pub(super) routing_key: Option<String>,
+}
+
+/// A duration as written. Numbers are accepted here so that `lease = 30`
+/// gets the duration message in step two instead of a type error.
+#[derive(Debug, Clone)]
+pub(super) struct DurationText(pub(super) String);
+
+impl<'de> Deserialize<'de> for DurationText {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct TextVisitor;
+        impl Visitor<'_> for TextVisitor {
+            type Value = DurationText;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a duration such as \"30s\"")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<DurationText, E> {
+                Ok(DurationText(v.to_owned()))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<DurationText, E> {
+                Ok(DurationText(v.to_string()))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<DurationText, E> {
+                Ok(DurationText(v.to_string()))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<DurationText, E> {
+                Ok(DurationText(v.to_string()))
+            }
+        }
+        deserializer.deserialize_any(TextVisitor)
+    }
+}
+
+const ENV_SOURCE: &str = "environment";
+
+/// The `FERRY_<SECTION>__<FIELD>` variables as a figment provider.
+///
+/// figment's own `Env` provider reads the process environment directly; this
+/// one takes the variables as a value so tests can pass their own. Only names
+/// containing `__` count: every field lives in a section, and this keeps
+/// `FERRY_CONFIG` and unrelated variables such as `FERRY_TEST_PG_URL` from
+/// being read as (unknown) fields.
+pub(super) struct EnvOverrides(Vec<(Vec<String>, String)>);
+
+impl EnvOverrides {
+    pub(super) fn new(env: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+        let mut vars = Vec::new();
+        for (name, value) in env {
+            let Some(rest) = name
+                .get(..ENV_PREFIX.len())
+                .filter(|head| head.eq_ignore_ascii_case(ENV_PREFIX))
+                .map(|_| &name[ENV_PREFIX.len()..])
+            else {
+                continue;
+            };
+            if !rest.contains("__") {
+                continue;
+            }
+            let keys: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+            if keys.iter().any(String::is_empty) {
+                return Err(ConfigError::one(
+                    name,
+                    "empty field name; separate sections and fields with exactly \"__\", as in FERRY_DATABASE__URL",
+                ));
+            }
+            vars.push((keys, value));
+        }
+        Ok(Self(vars))
+    }
+}
+
+impl Provider for EnvOverrides {
+    fn metadata(&self) -> Metadata {
+        Metadata::named(ENV_SOURCE).interpolater(|_: &Profile, keys: &[&str]| {
+            let keys: Vec<String> = keys.iter().map(|k| k.to_ascii_uppercase()).collect();
+            format!("{ENV_PREFIX}{}", keys.join("__"))
+        })
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        let mut root = Dict::new();
+        for (keys, value) in &self.0 {
+            // Values stay strings: extract_lossy reads "10" as a number where
+            // a number is expected, and a password such as "12345" stays text.
+            insert(&mut root, keys, Value::from(value.clone()));
+        }
+        Ok(Profile::Default.collect(root))
+    }
+}
+
+fn insert(dict: &mut Dict, keys: &[String], value: Value) {
+    match keys {
+        [] => {}
+        [last] => {
+            dict.insert(last.clone(), value);
+        }
+        [first, rest @ ..] => {
+            let entry = dict.entry(first.clone()).or_insert_with(|| Value::from(Dict::new()));
+            if !matches!(entry, Value::Dict(..)) {
+                *entry = Value::from(Dict::new());
+            }
+            if let Value::Dict(_, child) = entry {
+                insert(child, rest, value);
+            }
+        }
+    }
+}
+
+pub(super) fn extract(figment: &Figment, file: &str) -> Result<RawConfig, ConfigError> {
+    figment.extract_lossy().map_err(|error| ConfigError {
+        problems: error.into_iter().map(|e| figment_problem(e, file)).collect(),
+    })
+}
+
+fn figment_problem(error: figment::Error, file: &str) -> Problem {
+    use figment::error::Kind;
+    // For an unknown field the path already ends with the field's name.
+    let path = &error.path;
+    let message = match &error.kind {
+        Kind::UnknownField(_, expected) => {
+            format!(
+                "unknown field{}; remove it or use one of: {}",
+                env_source(&error, path),
+                expected.join(", ")
+            )
+        }
+        Kind::InvalidType(actual, expected) => {
+            format!("expected {expected}, found {actual}{}", env_source(&error, path))
+        }
+        kind => format!("{kind}{}", env_source(&error, path)),
+    };
+    if path.is_empty() {
+        // No field: a syntax error in the file, whose message has the line.
+        return Problem {
+            field: file.to_owned(),
+            message,
+        };
+    }
+    Problem {
+        field: field_path(path),
+        message,
+    }
+}
+
+/// ` (set by FERRY_X__Y)` when the value came from the environment, which the
+/// field path alone would not reveal.
+fn env_source(error: &figment::Error, path: &[String]) -> String {
+    match &error.metadata {
+        Some(md) if md.name == ENV_SOURCE => {
+            format!(" (set by {})", md.interpolate(&Profile::Default, path))
+        }
+        _ => String::new(),
+    }
+}
+
+/// `["routes", "1", "sink"]` -> `routes[1].sink`.
+pub(super) fn field_path(keys: &[String]) -> String {
+    let mut out = String::new();
+    for key in keys {
+        if key.parse::<usize>().is_ok() && !out.is_empty() {
+            out.push_str(&format!("[{key}]"));
+        } else {
+            if !out.is_empty() {
+                out.push('.');
+            }
+            out.push_str(key);
+        }
+    }
+    out
+}

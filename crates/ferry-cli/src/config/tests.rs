@@ -1,0 +1,476 @@
+use super::raw::field_path;
+use super::*;
+
+const EXAMPLE: &str = include_str!("../../ferry.example.toml");
+const MINIMAL: &str = "[database]\nurl = \"postgres://root@127.0.0.1:5432/test\"\n";
+
+fn errors(toml: &str) -> String {
+    from_toml_str(toml).expect_err("config should be rejected").to_string()
+}
+
+/// `MINIMAL` plus `extra`, so each error test shows only what it breaks.
+fn errors_with(extra: &str) -> String {
+    errors(&format!("{MINIMAL}{extra}"))
+}
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+#[test]
+fn the_example_file_parses_to_its_documented_values() {
+    let c = from_toml_str(EXAMPLE).unwrap();
+    assert_eq!(c.database.url, "postgres://root@127.0.0.1:5432/test");
+    assert_eq!(c.database.max_connections, 10);
+    assert_eq!(
+        c.relay,
+        RelaySettings {
+            id: "relay-a".into(),
+            batch_size: 500,
+            lease: Duration::from_secs(30),
+            max_attempts: 12,
+            backoff_base: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(300),
+            poll_interval: Duration::from_secs(30),
+            shutdown_timeout: Duration::from_secs(10),
+        }
+    );
+    assert_eq!(c.metrics, Some("127.0.0.1:9464".parse().unwrap()));
+    assert_eq!(
+        c.log,
+        LogConfig {
+            format: LogFormat::Text,
+            level: "info".into()
+        }
+    );
+    assert_eq!(
+        c.sinks["rabbit"],
+        SinkSpec::RabbitMq {
+            url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            publish_timeout: Duration::from_secs(10),
+            max_message_bytes: 16_777_216,
+        }
+    );
+    assert_eq!(c.sinks["out"], SinkSpec::Stdout);
+    assert_eq!(c.sinks.len(), 2);
+    assert_eq!(
+        c.routes,
+        vec![
+            Route {
+                name: "orders".into(),
+                matcher: Glob::new("order.*").unwrap(),
+                sink: "rabbit".into(),
+                destination: "orders".into(),
+                routing_key: Some("{type}".into()),
+            },
+            Route {
+                name: "out:all-events".into(),
+                matcher: Glob::new("**").unwrap(),
+                sink: "out".into(),
+                destination: "all-events".into(),
+                routing_key: None,
+            },
+        ]
+    );
+}
+
+#[test]
+fn the_example_file_states_the_real_defaults() {
+    // Every default the example writes out must be what omitting it gives.
+    let defaults = from_toml_str(&format!(
+        "{MINIMAL}[sinks.rabbit]\nkind = \"rabbitmq\"\nurl = \"amqp://127.0.0.1\"\n"
+    ))
+    .unwrap();
+    let example = from_toml_str(EXAMPLE).unwrap();
+    assert_eq!(defaults.database.max_connections, example.database.max_connections);
+    assert_eq!(
+        RelaySettings {
+            id: example.relay.id.clone(),
+            ..defaults.relay.clone()
+        },
+        example.relay
+    );
+    assert_eq!(defaults.log, example.log);
+    let timeouts = |c: &Config| match &c.sinks["rabbit"] {
+        SinkSpec::RabbitMq {
+            publish_timeout,
+            max_message_bytes,
+            ..
+        } => (*publish_timeout, *max_message_bytes),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(timeouts(&defaults), timeouts(&example));
+    assert_eq!(defaults.metrics, None);
+    assert!(defaults.routes.is_empty());
+}
+
+#[test]
+fn default_relay_id_is_host_pid_and_random_hex() {
+    let c = from_toml_str(MINIMAL).unwrap();
+    let pid = format!("-{}-", std::process::id());
+    let (host, hex) = c.relay.id.split_once(&pid).expect(&c.relay.id);
+    assert!(!host.is_empty());
+    assert!(
+        hex.len() == 4 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+        "{}",
+        c.relay.id
+    );
+}
+
+#[test]
+fn retry_policy_comes_from_relay_settings() {
+    let c = from_toml_str(&format!(
+        "{MINIMAL}[relay]\nmax_attempts = 3\nbackoff_base = \"1s\"\nbackoff_max = \"1m\"\n"
+    ))
+    .unwrap();
+    let p = c.retry_policy();
+    assert_eq!(
+        (p.max_attempts, p.base_delay, p.max_delay, p.jitter),
+        (3, Duration::from_secs(1), Duration::from_secs(60), 0.2)
+    );
+}
+
+#[test]
+fn unknown_sink_in_a_route() {
+    let e = errors(EXAMPLE.replace("sink = \"rabbit\"", "sink = \"rabit\"").as_str());
+    assert_eq!(
+        e,
+        "routes[0].sink: no sink named \"rabit\"; define [sinks.rabit] or use one of: out, rabbit"
+    );
+}
+
+#[test]
+fn a_sink_with_its_own_problem_is_not_also_unknown() {
+    let e = errors_with("[sinks.k]\nkind = \"kafka\"\n[[routes]]\nmatch = \"**\"\nsink = \"k\"\ndestination = \"d\"\n");
+    assert_eq!(
+        e,
+        "sinks.k.kind: unknown kind \"kafka\"; supported kinds: rabbitmq, stdout"
+    );
+}
+
+#[test]
+fn bad_durations() {
+    let e = errors_with("[relay]\nlease = \"30\"\n");
+    assert_eq!(
+        e,
+        "relay.lease: \"30\" is not a duration; write it like \"30s\", \"500ms\" or \"2m\""
+    );
+    // A TOML number gets the same message, not a type error.
+    let e = errors_with("[relay]\nlease = 30\n");
+    assert_eq!(
+        e,
+        "relay.lease: \"30\" is not a duration; write it like \"30s\", \"500ms\" or \"2m\""
+    );
+    let e = errors_with("[relay]\nlease = \"1s\"\n");
+    assert_eq!(e, "relay.lease: 1s is too short; it must be at least 2s");
+    let e = errors_with("[relay]\npoll_interval = \"0s\"\n");
+    assert_eq!(e, "relay.poll_interval: 0s is too short; it must be more than 0s");
+    let e = errors_with("[relay]\nbackoff_base = \"10s\"\nbackoff_max = \"1s\"\n");
+    assert_eq!(
+        e,
+        "relay.backoff_max: 1s is less than relay.backoff_base (10s); raise backoff_max or lower backoff_base"
+    );
+}
+
+#[test]
+fn lease_must_outlast_a_publish() {
+    let e = errors_with("[relay]\nlease = \"5s\"\n[sinks.r]\nkind = \"rabbitmq\"\nurl = \"amqp://h\"\n");
+    assert!(
+        e.starts_with("relay.lease: 5s is not longer than sinks.r.publish_timeout (10s)"),
+        "{e}"
+    );
+}
+
+#[test]
+fn bad_glob() {
+    let e = errors(&EXAMPLE.replace("match = \"order.*\"", "match = \"Order.*\""));
+    assert!(
+        e.starts_with("routes[0].match: \"Order.*\" has an invalid segment \"Order\""),
+        "{e}"
+    );
+    let e = errors_with("[sinks.o]\nkind = \"stdout\"\n[[routes]]\nsink = \"o\"\ndestination = \"d\"\n");
+    assert!(e.starts_with("routes[0].match: missing"), "{e}");
+}
+
+#[test]
+fn duplicate_route_names() {
+    let routes = "[sinks.o]\nkind = \"stdout\"\n\
+        [[routes]]\nmatch = \"a.*\"\nsink = \"o\"\ndestination = \"d\"\n\
+        [[routes]]\nmatch = \"b.*\"\nsink = \"o\"\ndestination = \"d\"\n";
+    let e = errors_with(routes);
+    assert_eq!(
+        e,
+        "routes[1].name: the default name (<sink>:<destination>) \"o:d\" is already used by routes[0]; \
+         set name = \"...\" to tell them apart"
+    );
+    let named = routes
+        .replace("match = \"a.*\"", "name = \"x\"\nmatch = \"a.*\"")
+        .replace("match = \"b.*\"", "name = \"x\"\nmatch = \"b.*\"");
+    assert!(errors_with(&named).starts_with("routes[1].name: the name \"x\" is already used by routes[0]"));
+    let distinct = named.replacen("name = \"x\"", "name = \"y\"", 1);
+    assert_eq!(from_toml_str(&format!("{MINIMAL}{distinct}")).unwrap().routes.len(), 2);
+}
+
+#[test]
+fn bad_template_placeholders() {
+    let e = errors(&EXAMPLE.replace("routing_key = \"{type}\"", "routing_key = \"{tpye}.{key}\""));
+    assert_eq!(
+        e,
+        "routes[0].routing_key: unknown placeholder {tpye}; use {type}, {domain}, {key}, {id}"
+    );
+    let e = errors(&EXAMPLE.replace("destination = \"orders\"", "destination = \"orders.{type\""));
+    assert!(
+        e.starts_with("routes[0].destination: \"orders.{type\" has an unclosed {"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_fields_are_named() {
+    let e = errors_with("[relay]\nleese = \"30s\"\n");
+    assert!(
+        e.starts_with("relay.leese: unknown field; remove it or use one of: id, batch_size, lease,"),
+        "{e}"
+    );
+    let e = errors_with("[[routes]]\nmatch = \"**\"\nsink = \"o\"\ndestination = \"d\"\nexchange = \"x\"\n");
+    assert!(e.starts_with("routes[0].exchange: unknown field"), "{e}");
+    let e = errors_with("[databse]\nurl = \"x\"\n");
+    assert!(
+        e.starts_with("databse: unknown field; remove it or use one of: database, relay,"),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_and_missing_sink_kind() {
+    let e = errors_with("[sinks.k]\nkind = \"kafka\"\n");
+    assert_eq!(
+        e,
+        "sinks.k.kind: unknown kind \"kafka\"; supported kinds: rabbitmq, stdout"
+    );
+    let e = errors_with("[sinks.k]\nurl = \"amqp://h\"\n");
+    assert_eq!(e, "sinks.k.kind: missing; set kind to one of: rabbitmq, stdout");
+}
+
+#[test]
+fn fields_of_another_sink_kind() {
+    let e = errors_with("[sinks.o]\nkind = \"stdout\"\nurl = \"amqp://h\"\n");
+    assert_eq!(
+        e,
+        "sinks.o.url: stdout sinks take no url (it belongs to rabbitmq sinks); remove it"
+    );
+    let e = errors_with("[sinks.r]\nkind = \"rabbitmq\"\n");
+    assert!(e.starts_with("sinks.r.url: missing"), "{e}");
+    let e = errors_with("[sinks.r]\nkind = \"rabbitmq\"\nurl = \"http://h\"\n");
+    assert!(e.starts_with("sinks.r.url: must start with amqp:// or amqps://"), "{e}");
+    let e = errors_with("[sinks.r]\nkind = \"rabbitmq\"\nurl = \"amqp://h\"\nmax_message_bytes = 0\n");
+    assert_eq!(e, "sinks.r.max_message_bytes: must be between 1 and 536870912, got 0");
+}
+
+#[test]
+fn database_url_problems() {
+    assert_eq!(
+        errors(""),
+        "database.url: missing; set it in the config file or FERRY_DATABASE__URL"
+    );
+    assert_eq!(
+        errors("[database]\nurl = \"sqlite://ferry.db\"\n"),
+        "database.url: SQLite is not supported yet; use a postgres:// or postgresql:// URL"
+    );
+    let e = errors("[database]\nurl = \"mysql://u:hunter2@h/db\"\n");
+    assert_eq!(
+        e,
+        "database.url: unsupported database \"mysql\"; use a postgres:// or postgresql:// URL"
+    );
+    let e = errors("[database]\nurl = \"postgres://u:hunter2@h:notaport/db\"\n");
+    assert!(e.starts_with("database.url: not a valid PostgreSQL URL"), "{e}");
+    assert!(!e.contains("hunter2"), "the password leaked: {e}");
+    assert!(from_toml_str("[database]\nurl = \"postgresql://h/db\"\n").is_ok());
+}
+
+#[test]
+fn numbers_out_of_range() {
+    assert_eq!(
+        errors_with("[relay]\nbatch_size = 0\n"),
+        "relay.batch_size: must be between 1 and 10000, got 0"
+    );
+    assert_eq!(
+        errors_with("[relay]\nbatch_size = 10001\n"),
+        "relay.batch_size: must be between 1 and 10000, got 10001"
+    );
+    assert_eq!(
+        errors_with("[relay]\nmax_attempts = 0\n"),
+        "relay.max_attempts: must be at least 1, got 0"
+    );
+    assert_eq!(
+        errors("[database]\nurl = \"postgres://h/db\"\nmax_connections = -1\n"),
+        "database.max_connections: must be at least 1, got -1"
+    );
+}
+
+#[test]
+fn other_section_problems() {
+    let e = errors_with("[metrics]\nlisten = \"localhost:9464\"\n");
+    assert!(
+        e.starts_with("metrics.listen: \"localhost:9464\" is not an address"),
+        "{e}"
+    );
+    assert!(errors_with("[log]\nformat = \"xml\"\n").starts_with("log.format: unknown format \"xml\""));
+    assert!(errors_with("[log]\nlevel = \"verbose\"\n").starts_with("log.level: unknown level \"verbose\""));
+    assert!(
+        errors_with("[log]\nlevel = \"info,ferry=nope\"\n")
+            .starts_with("log.level: \"info,ferry=nope\" is not a valid filter")
+    );
+    let ok = from_toml_str(&format!(
+        "{MINIMAL}[log]\nformat = \"json\"\nlevel = \"info,ferry=debug\"\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        ok.log,
+        LogConfig {
+            format: LogFormat::Json,
+            level: "info,ferry=debug".into()
+        }
+    );
+    assert!(errors_with("[relay]\nid = \" \"\n").starts_with("relay.id: must be non-empty"));
+}
+
+#[test]
+fn all_problems_are_reported_at_once() {
+    let e = from_toml_str("[relay]\nbatch_size = 0\nlease = \"soon\"\n").unwrap_err();
+    let fields: Vec<&str> = e.problems.iter().map(|p| p.field.as_str()).collect();
+    assert_eq!(fields, ["database.url", "relay.batch_size", "relay.lease"]);
+    assert!(
+        e.to_string()
+            .starts_with("3 problems in the configuration:\n  database.url: missing"),
+        "{e}"
+    );
+}
+
+#[test]
+fn toml_syntax_errors_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ferry.toml");
+    std::fs::write(&path, "[database\nurl = 1\n").unwrap();
+    let e = load_with_env(Some(&path), []).unwrap_err().to_string();
+    assert!(e.starts_with(&format!("{}: ", path.display())), "{e}");
+    assert!(e.contains("line 1"), "{e}");
+}
+
+#[test]
+fn a_missing_file_is_named() {
+    let path = Path::new("/nonexistent/ferry.toml");
+    let e = load_with_env(Some(path), []).unwrap_err().to_string();
+    assert!(
+        e.starts_with("/nonexistent/ferry.toml: cannot read the config file (")
+            && e.ends_with("check the path given with --config or FERRY_CONFIG"),
+        "{e}"
+    );
+}
+
+#[test]
+fn environment_overrides_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ferry.toml");
+    std::fs::write(&path, EXAMPLE).unwrap();
+    let c = load_with_env(
+        Some(&path),
+        env(&[
+            ("FERRY_DATABASE__URL", "postgres://app:12345@db:5432/prod"),
+            ("FERRY_DATABASE__MAX_CONNECTIONS", "20"),
+            ("ferry_relay__lease", "1m"),
+            // Looks like a number, must stay text.
+            ("FERRY_RELAY__ID", "12345"),
+            ("FERRY_SINKS__RABBIT__URL", "amqps://broker/%2f"),
+            // Not config fields: no "__" after the prefix.
+            ("FERRY_CONFIG", "/elsewhere.toml"),
+            ("FERRY_TEST_PG_URL", "postgres://x"),
+            ("OTHER__THING", "1"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.database.url, "postgres://app:12345@db:5432/prod");
+    assert_eq!(c.database.max_connections, 20);
+    assert_eq!(c.relay.lease, Duration::from_secs(60));
+    assert_eq!(c.relay.id, "12345");
+    // Fields the environment does not set keep the file's values.
+    assert_eq!(c.relay.batch_size, 500);
+    assert!(
+        matches!(&c.sinks["rabbit"], SinkSpec::RabbitMq { url, publish_timeout, .. }
+        if url == "amqps://broker/%2f" && *publish_timeout == Duration::from_secs(10))
+    );
+    assert_eq!(c.routes.len(), 2);
+}
+
+#[test]
+fn environment_alone_is_enough() {
+    let c = load_with_env(None, env(&[("FERRY_DATABASE__URL", "postgres://h/db")])).unwrap();
+    assert_eq!(c.database.url, "postgres://h/db");
+    let e = load_with_env(None, []).unwrap_err().to_string();
+    assert!(e.contains("pass --config FILE or set FERRY_CONFIG"), "{e}");
+}
+
+#[test]
+fn environment_errors_name_the_variable() {
+    let e = load_with_env(
+        None,
+        env(&[("FERRY_DATABASE__URL", "postgres://h/db"), ("FERRY_RELAY__LEESE", "1s")]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("relay.leese: unknown field (set by FERRY_RELAY__LEESE)"),
+        "{e}"
+    );
+    let e = load_with_env(
+        None,
+        env(&[
+            ("FERRY_DATABASE__URL", "postgres://h/db"),
+            ("FERRY_RELAY__BATCH_SIZE", "many"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("relay.batch_size: expected i64, found string \"many\" (set by FERRY_RELAY__BATCH_SIZE)"),
+        "{e}"
+    );
+    let e = load_with_env(None, env(&[("FERRY_DATABASE____URL", "x")]))
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("FERRY_DATABASE____URL: empty field name"), "{e}");
+}
+
+#[test]
+fn debug_output_hides_passwords() {
+    let c = from_toml_str(
+        &EXAMPLE
+            .replace("root@", "root:hunter2@")
+            .replace("guest:guest", "guest:s3cret"),
+    )
+    .unwrap();
+    let debug = format!("{c:?}");
+    assert!(!debug.contains("hunter2") && !debug.contains("s3cret"), "{debug}");
+    assert!(debug.contains("postgres://root:***@127.0.0.1:5432/test"), "{debug}");
+    assert_eq!(redact_url("amqp://h/%2f"), "amqp://h/%2f");
+    assert_eq!(redact_url("amqp://user@h"), "amqp://user@h");
+}
+
+#[test]
+fn field_paths_render_indices() {
+    let keys = |k: &[&str]| k.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(field_path(&keys(&["routes", "1", "sink"])), "routes[1].sink");
+    assert_eq!(field_path(&keys(&["sinks", "rabbit", "url"])), "sinks.rabbit.url");
+}
+
+#[test]
+fn load_reads_the_file() {
+    // The process environment is whatever the test runner has; it may hold
+    // FERRY_* overrides, so only what it cannot change is asserted.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ferry.toml");
+    std::fs::write(&path, EXAMPLE).unwrap();
+    let c = load(Some(&path)).unwrap();
+    assert_eq!(c.routes.len(), 2);
+    assert!(load(Some(&dir.path().join("missing.toml"))).is_err());
+}

@@ -1,0 +1,32 @@
+//! The `ferry` binary: parses flags, sets up logging and calls one library
+//! function per subcommand. Errors map to exit codes here and only here.
+
+mod bench;
+mod cli;
+mod commands;
+mod config;
+mod duration;
+mod sinks;
+mod telemetry;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(commands::dispatch(cli)) {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(commands::exit_code(&err))
+        }
+    }
+}

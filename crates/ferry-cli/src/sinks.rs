@@ -1,0 +1,41 @@
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ferry_core::Sink;
+
+use crate::commands::UsageError;
+use crate::config::{Config, SinkSpec};
+
+/// Builds every configured sink. Connections are made lazily, on first use.
+pub fn build(cfg: &Config) -> Result<HashMap<String, Arc<dyn Sink>>, UsageError> {
+    let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
+    for (name, spec) in &cfg.sinks {
+        let sink: Arc<dyn Sink> = match spec {
+            #[cfg(feature = "rabbitmq")]
+            SinkSpec::RabbitMq {
+                url,
+                publish_timeout,
+                max_message_bytes,
+            } => {
+                use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
+                Arc::new(RabbitMqSink::new(RabbitMqOptions {
+                    url: url.clone(),
+                    publish_timeout: *publish_timeout,
+                    max_message_bytes: *max_message_bytes,
+                    ..RabbitMqOptions::default()
+                }))
+            }
+            #[cfg(feature = "stdout")]
+            SinkSpec::Stdout => Arc::new(ferry_sink::stdout::StdoutSink::new()),
+            #[allow(unreachable_patterns)]
+            _ => {
+                return Err(UsageError(format!(
+                    "sinks.{name}: this ferry was built without support for this sink kind; \
+                     rebuild with its cargo feature"
+                )));
+            }
+        };
+        sinks.insert(name.clone(), sink);
+    }
+    Ok(sinks)
+}

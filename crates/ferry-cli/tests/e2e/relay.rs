@@ -1,0 +1,213 @@
+use std::time::Duration;
+
+use ferry_testkit::proxy::Proxy;
+use ferry_testkit::rabbit::{TestTopology, amqp_url};
+use serde_json::json;
+
+use crate::support::{Overrides, Stack, Tally, order, produce, produce_events, produce_from};
+
+const PATIENCE: Duration = Duration::from_secs(120);
+
+fn published(status: &serde_json::Value, route: &str) -> (u64, u64, u64) {
+    let r = status["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["route"] == route)
+        .expect("route in status");
+    (
+        r["published"].as_u64().unwrap(),
+        r["pending"].as_u64().unwrap(),
+        r["dead"].as_u64().unwrap(),
+    )
+}
+
+#[tokio::test]
+async fn ten_thousand_events_over_a_hundred_keys_arrive_complete_and_in_order() {
+    let s = Stack::new(TestTopology::create("e2e-all").await).await;
+    produce(&s.pool, 10_000, 100).await;
+    let cfg = s.config(&Overrides::default());
+    let relay = s.spawn(&cfg, "relay-a");
+    let mut tally = Tally::default();
+    tally.collect(&s.topo, 10_000, PATIENCE).await;
+    assert_eq!(tally.unique(), 10_000, "lost events; relay log:\n{}", relay.log());
+    assert_eq!(tally.assert_per_key_order(), 100);
+    let status = relay.terminate();
+    assert!(status.success(), "SIGTERM must exit 0, got {status:?}");
+    // Nothing was in doubt, so nothing was sent twice.
+    tally.collect(&s.topo, 10_001, Duration::from_millis(500)).await;
+    assert_eq!(tally.duplicates(), 0);
+    let st = s.status(&cfg).await;
+    assert_eq!(published(&st, "orders"), (10_000, 0, 0));
+    assert_eq!(
+        st["leases"].as_array().unwrap().len(),
+        0,
+        "a clean shutdown hands its leases back"
+    );
+}
+
+#[tokio::test]
+async fn a_relay_killed_mid_drain_and_restarted_loses_nothing() {
+    let s = Stack::new(TestTopology::create("e2e-kill").await).await;
+    produce(&s.pool, 10_000, 100).await;
+    let cfg = s.config(&Overrides::default());
+    let first = s.spawn(&cfg, "relay-a");
+    let mut tally = Tally::default();
+    tally.collect(&s.topo, 2_000, PATIENCE).await;
+    assert!(
+        tally.unique() >= 2_000,
+        "first relay made no progress:\n{}",
+        first.log()
+    );
+    first.kill();
+    // A new process; it waits out the dead relay's leases, then takes over.
+    let second = s.spawn(&cfg, "relay-b");
+    tally.collect(&s.topo, 10_000, PATIENCE).await;
+    assert_eq!(tally.unique(), 10_000, "lost events; log:\n{}", second.log());
+    tally.assert_per_key_order();
+    // Only what was in flight at the kill can come twice: one batch at most.
+    assert!(tally.duplicates() <= 500, "{} duplicates", tally.duplicates());
+    assert!(second.terminate().success());
+    assert_eq!(published(&s.status(&cfg).await, "orders"), (10_000, 0, 0));
+}
+
+#[tokio::test]
+async fn two_relays_at_once_share_the_work_with_no_loss_duplicates_or_reordering() {
+    let s = Stack::new(TestTopology::create("e2e-two").await).await;
+    produce(&s.pool, 5_000, 100).await;
+    let cfg = s.config(&Overrides {
+        lease: Some("6s".into()),
+        ..Overrides::default()
+    });
+    let a = s.spawn(&cfg, "relay-a");
+    let b = s.spawn(&cfg, "relay-b");
+    produce_from(&s.pool, 5_000, 5_000, 100).await;
+    let mut tally = Tally::default();
+    tally.collect(&s.topo, 10_000, PATIENCE).await;
+    assert_eq!(tally.unique(), 10_000, "lost events; logs:\n{}\n{}", a.log(), b.log());
+    tally.collect(&s.topo, 10_001, Duration::from_secs(1)).await;
+    assert_eq!(tally.duplicates(), 0);
+    tally.assert_per_key_order();
+    let st = s.status(&cfg).await;
+    let leases = st["leases"].as_array().unwrap();
+    assert_eq!(leases.len(), 2, "both relays hold leases: {leases:?}");
+    assert!(a.terminate().success());
+    assert!(b.terminate().success());
+}
+
+#[tokio::test]
+async fn an_exchange_with_no_bound_queue_marks_nothing_published() {
+    let s = Stack::new(TestTopology::create_unbound("e2e-nobody").await).await;
+    produce(&s.pool, 50, 5).await;
+    let cfg = s.config(&Overrides::default());
+    let relay = s.spawn(&cfg, "relay-a");
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let st = s.status(&cfg).await;
+        let (published_n, _, dead) = published(&st, "orders");
+        assert_eq!(published_n, 0, "an unroutable event is never published");
+        // Each key's first event is dead; the rest of the key waits behind it.
+        if dead >= 5 {
+            let reasons = st["dead_reasons"].to_string();
+            assert!(reasons.contains("unroutable"), "{reasons}");
+            assert_eq!(st["routes"][0]["blocked"]["keys"], 5);
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "failures never showed in status:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(relay.terminate().success());
+}
+
+#[tokio::test]
+async fn a_poison_event_is_dead_and_holds_back_only_its_own_key() {
+    let s = Stack::new(TestTopology::create("e2e-poison").await).await;
+    let mut events: Vec<_> = (0..500).map(|i| order(i / 10, &format!("k{}", i % 10))).collect();
+    // k3's sixth event is over the sink's size limit.
+    events[53] = ferry_core::Event::new(
+        "order.item.created",
+        json!({"key": "k3", "n": 5, "pad": "x".repeat(20_000)}),
+    )
+    .key("k3");
+    produce_events(&s.pool, events).await;
+    let cfg = s.config(&Overrides {
+        max_message_bytes: Some(8_192),
+        ..Overrides::default()
+    });
+    let relay = s.spawn(&cfg, "relay-a");
+    let mut tally = Tally::default();
+    // 9 keys x 50, plus k3's five events before the poison.
+    tally.collect(&s.topo, 455, PATIENCE).await;
+    tally.collect(&s.topo, 456, Duration::from_secs(2)).await;
+    assert_eq!(tally.unique(), 455, "log:\n{}", relay.log());
+    tally.assert_per_key_order();
+    let st = s.status(&cfg).await;
+    assert_eq!(published(&st, "orders"), (455, 44, 1));
+    assert!(
+        st["dead_reasons"].to_string().contains("too large"),
+        "{}",
+        st["dead_reasons"]
+    );
+    assert!(relay.terminate().success());
+}
+
+#[tokio::test]
+async fn a_rabbitmq_connection_cut_mid_drain_loses_nothing() {
+    let topo = TestTopology::create("e2e-cut-amqp").await;
+    let s = Stack::new(topo).await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap()).unwrap();
+    let url = amqp_url().replace("127.0.0.1:5672", &proxy.addr().to_string());
+    assert_ne!(url, amqp_url(), "the AMQP URL must go through the proxy");
+    produce(&s.pool, 5_000, 50).await;
+    let cfg = s.config(&Overrides {
+        amqp_url: Some(url),
+        ..Overrides::default()
+    });
+    let relay = s.spawn(&cfg, "relay-a");
+    let mut tally = Tally::default();
+    tally.collect(&s.topo, 1_000, PATIENCE).await;
+    proxy.cut();
+    tally.collect(&s.topo, 2_500, PATIENCE).await;
+    // Down for a while: connections are refused, then come back.
+    proxy.set_refuse(true);
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.set_refuse(false);
+    tally.collect(&s.topo, 5_000, PATIENCE).await;
+    assert_eq!(tally.unique(), 5_000, "lost events; log:\n{}", relay.log());
+    tally.assert_per_key_order();
+    assert!(relay.terminate().success());
+    assert_eq!(published(&s.status(&cfg).await, "orders"), (5_000, 0, 0));
+}
+
+#[tokio::test]
+async fn a_database_connection_cut_mid_drain_loses_nothing() {
+    let s = Stack::new(TestTopology::create("e2e-cut-pg").await).await;
+    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).unwrap();
+    let url = s.db.url().replace("127.0.0.1:5432", &proxy.addr().to_string());
+    assert_ne!(url, s.db.url(), "the database URL must go through the proxy");
+    produce(&s.pool, 5_000, 50).await;
+    let cfg = s.config(&Overrides {
+        db_url: Some(url),
+        ..Overrides::default()
+    });
+    let relay = s.spawn(&cfg, "relay-a");
+    let mut tally = Tally::default();
+    tally.collect(&s.topo, 1_000, PATIENCE).await;
+    proxy.cut();
+    tally.collect(&s.topo, 2_500, PATIENCE).await;
+    proxy.set_refuse(true);
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.set_refuse(false);
+    tally.collect(&s.topo, 5_000, PATIENCE).await;
+    assert_eq!(tally.unique(), 5_000, "lost events; log:\n{}", relay.log());
+    tally.assert_per_key_order();
+    assert!(relay.terminate().success());
+    let direct = s.config(&Overrides::default());
+    assert_eq!(published(&s.status(&direct).await, "orders"), (5_000, 0, 0));
+}
