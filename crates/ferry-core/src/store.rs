@@ -181,13 +181,15 @@ pub trait Store: Send + Sync + 'static {
 
     /// Up to `limit` due deliveries of `route` in seq order, skipping any key
     /// held back by an earlier delivery of the same key and route that failed
-    /// and waits for its retry, or is dead.
+    /// and waits for its retry, or is dead, and skipping the seqs in `exclude`
+    /// (deliveries published whose outcomes are still being recorded).
     async fn claim(
         &self,
         owned: &Ownership,
         route: &str,
         limit: usize,
         now: DateTime<Utc>,
+        exclude: &[i64],
     ) -> Result<Vec<Claimed>, StoreError>;
 
     /// Applies outcomes, fenced by leases and by each delivery's attempt count.

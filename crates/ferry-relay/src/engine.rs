@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use ferry_core::{Clock, ErrorKind, Ownership, Route, Sink, Store, StoreError};
 use tokio::sync::{Notify, RwLock, watch};
@@ -64,6 +64,10 @@ pub(crate) struct Shared<S, C> {
     /// Workers hold a read guard for each unit of work; the lease keeper takes
     /// the write guard to hand partitions back only when nothing is in flight.
     pub gate: RwLock<()>,
+    /// Set while the lease keeper waits for `gate` to hand partitions back:
+    /// workers then record each batch before letting go of the gate instead
+    /// of overlapping the record with the next batch.
+    pub quiesce: AtomicBool,
     pub router_wake: Notify,
     pub route_wake: HashMap<String, Notify>,
     pub cancel: CancellationToken,
@@ -203,6 +207,7 @@ impl<S: Store, C: Clock> Relay<S, C> {
             sinks,
             lease: lease_rx,
             gate: RwLock::new(()),
+            quiesce: AtomicBool::new(false),
             router_wake: Notify::new(),
             route_wake,
             cancel: CancellationToken::new(),

@@ -17,7 +17,9 @@ pub(crate) async fn keep<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, tx: watc
         let mut gate = None;
         if !release.is_empty() {
             // Quiesce: wait for the current units of work to finish.
+            shared.quiesce.store(true, std::sync::atomic::Ordering::SeqCst);
             gate = Some(shared.gate.write().await);
+            shared.quiesce.store(false, std::sync::atomic::Ordering::SeqCst);
         }
         let sent = Instant::now();
         match shared.store.tick(&settings.id, settings.lease, &release).await {

@@ -1,3 +1,4 @@
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -10,29 +11,70 @@ use crate::batch::publish_in_order;
 use crate::engine::Shared;
 use crate::metrics;
 
+/// Outcomes of a published batch on their way into the store.
+struct Unrecorded {
+    owned: Ownership,
+    recorded: Vec<Recorded>,
+    now: chrono::DateTime<chrono::Utc>,
+    /// Keys with a failed or held-back delivery in the batch: until the
+    /// failure is recorded the store cannot hold their later deliveries back,
+    /// so the worker does.
+    failed_keys: HashSet<String>,
+}
+
 /// One route's worker: claim due deliveries in outbox order, publish them as
-/// one pipelined batch, record every outcome. Units of work never overlap, so
-/// a key's failure is recorded before its next delivery can be claimed.
+/// one pipelined batch, record every outcome.
+///
+/// Recording a batch overlaps claiming and publishing the next one, so the
+/// store's write is off the publish path. The next batch is claimed without
+/// the deliveries being recorded, and is published only after the previous
+/// batch was confirmed, so a key's events still reach the destination in
+/// order; keys that failed in the unrecorded batch are left out of it.
 pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Route) {
     let sink = shared.sinks[&route.sink].clone();
     let wake = &shared.route_wake[&route.name];
     let mut backoff = Duration::from_millis(50);
+    let mut unrecorded: Option<Unrecorded> = None;
+    // Held from a batch's publish until its outcomes are recorded, across
+    // iterations: the lease keeper hands partitions back only while no
+    // outcome is unrecorded (see `Shared::quiesce`).
+    let mut held = None;
     loop {
         if shared.cancel.is_cancelled() {
+            if let Some(u) = unrecorded.take() {
+                record(&shared, &route, u).await;
+            }
             return;
         }
-        let gate = shared.gate.read().await;
+        let gate = match held.take() {
+            Some(gate) => gate,
+            None => shared.gate.read().await,
+        };
         let Some(owned) = shared.valid_ownership() else {
+            if let Some(u) = unrecorded.take() {
+                record(&shared, &route, u).await;
+            }
             drop(gate);
             shared.wait_for_lease().await;
             continue;
         };
+        let previous = unrecorded.take();
+        let (exclude, failed_keys): (Vec<i64>, HashSet<String>) = match &previous {
+            Some(u) => (u.recorded.iter().map(|r| r.seq).collect(), u.failed_keys.clone()),
+            None => (Vec::new(), HashSet::new()),
+        };
+        let recording = async {
+            if let Some(u) = previous {
+                record(&shared, &route, u).await;
+            }
+        };
         let now = shared.clock.now();
-        let claimed = match shared
+        let claim_started = Instant::now();
+        let claiming = shared
             .store
-            .claim(&owned, &route.name, shared.settings.batch_size, now)
-            .await
-        {
+            .claim(&owned, &route.name, shared.settings.batch_size, now, &exclude);
+        let (claimed, ()) = tokio::join!(claiming, recording);
+        let claimed = match claimed {
             Ok(c) => c,
             Err(e) => {
                 drop(gate);
@@ -44,7 +86,24 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             }
         };
         backoff = Duration::from_millis(50);
+        let claim_took = claim_started.elapsed();
+        // Left out, they stay pending and are claimed again once the failure
+        // before them is recorded (and then held back by the store).
+        let claimed: Vec<Claimed> = if failed_keys.is_empty() {
+            claimed
+        } else {
+            claimed
+                .into_iter()
+                .filter(|c| c.event.key.as_ref().is_none_or(|k| !failed_keys.contains(k)))
+                .collect()
+        };
         if claimed.is_empty() {
+            if !exclude.is_empty() {
+                // The previous batch was just recorded; what it held back
+                // may be due now.
+                drop(gate);
+                continue;
+            }
             let next = shared.store.next_due(&owned, &route.name, now).await.ok().flatten();
             drop(gate);
             // The router wakes this worker when it creates deliveries, the
@@ -69,8 +128,9 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
         ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);
         let started = Instant::now();
         let published = publish_in_order(sink.as_ref(), &route, &claimed).await;
+        let publish_took = started.elapsed();
         ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
-            .record(started.elapsed().as_secs_f64());
+            .record(publish_took.as_secs_f64());
         if published.order_breaks > 0 {
             warn!(
                 route = %route.name,
@@ -84,6 +144,12 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(published.order_breaks);
         }
         let now = shared.clock.now();
+        let mut failed_keys = HashSet::new();
+        for (c, outcome) in claimed.iter().zip(&published.outcomes) {
+            if let (Some(key), None | Some(Err(_))) = (&c.event.key, outcome) {
+                failed_keys.insert(key.clone());
+            }
+        }
         // Held-back deliveries are not recorded: they stay pending, behind
         // the failure that stopped their key.
         let (claimed, recorded): (Vec<Claimed>, Vec<Recorded>) = {
@@ -104,20 +170,34 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 .unzip()
         };
         account(&shared, &route, &claimed, &recorded, now);
-        record(&shared, &owned, &route, &recorded, now).await;
-        drop(gate);
+        debug!(route = %route.name, events = claimed.len(), ?claim_took, ?publish_took, "batch published");
+        let batch = Unrecorded {
+            owned,
+            recorded,
+            now,
+            failed_keys,
+        };
+        if shared.quiesce.load(Ordering::SeqCst) {
+            record(&shared, &route, batch).await;
+            drop(gate);
+        } else {
+            unrecorded = Some(batch);
+            held = Some(gate);
+        }
     }
 }
 
 /// Records outcomes, retrying while the lease lasts: a failed write only
 /// costs a duplicate publish later, but retrying spares it.
-async fn record<S: Store, C: Clock>(
-    shared: &Shared<S, C>,
-    owned: &Ownership,
-    route: &Route,
-    recorded: &[Recorded],
-    now: chrono::DateTime<chrono::Utc>,
-) {
+async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch: Unrecorded) {
+    let Unrecorded {
+        owned, recorded, now, ..
+    } = batch;
+    if recorded.is_empty() {
+        return;
+    }
+    let owned = &owned;
+    let recorded = &recorded[..];
     let mut backoff = Duration::from_millis(20);
     loop {
         match shared.store.record(owned, &route.name, recorded, now).await {

@@ -242,7 +242,11 @@ async fn status_counts_states_and_blocked_keys() {
     let events = h.store.fetch_unrouted(&owned, 10).await.unwrap();
     let plans = ferry_relay_free_plan(events);
     h.store.route(&owned, &plans, chrono::Utc::now()).await.unwrap();
-    let c = h.store.claim(&owned, "orders", 10, chrono::Utc::now()).await.unwrap();
+    let c = h
+        .store
+        .claim(&owned, "orders", 10, chrono::Utc::now(), &[])
+        .await
+        .unwrap();
     let dead = ferry_core::Recorded {
         seq: c[0].event.seq,
         expected_attempts: 0,

@@ -173,6 +173,7 @@ impl Store for PgStore {
         route: &str,
         limit: usize,
         now: DateTime<Utc>,
+        exclude: &[i64],
     ) -> Result<Vec<Claimed>, StoreError> {
         if owned.is_empty() {
             return Ok(Vec::new());
@@ -182,6 +183,7 @@ impl Store for PgStore {
             .bind(owned.partitions())
             .bind(now)
             .bind(limit as i64)
+            .bind(exclude)
             .fetch_all(&self.pool)
             .await
             .map_err(store_error)?;

@@ -1,6 +1,14 @@
 -- Applies outcomes, each only if its delivery is still pending with the
 -- attempt count the relay saw, and its partition lease is still this relay's.
 -- Failed attempts are logged to `failures`.
+-- "Still pending" is spelled as NOT IN the other states (equivalent under the
+-- table's CHECK constraint) on purpose: `state = 'pending'` lets the planner,
+-- on statistics that lag a burst of inserts, scan the whole pending index
+-- once per outcome; this form keeps it on one primary-key lookup per outcome.
+-- The commit is asynchronous (no wait for the WAL flush): if the database
+-- crashes before the flush, this write is lost as a whole and the relay
+-- repeats the work: a duplicate publish, never a lost event (ARCHITECTURE.md,
+-- "Durability of the relay's own writes").
 -- $1 relay, $2 partitions, $3 tokens, $4 route,
 -- $5..$11 per outcome: seq, expected attempts, state, attempts, next attempt, error, published at
 WITH fence AS (
@@ -23,7 +31,7 @@ WITH fence AS (
            updated_at = $12
       FROM o, fence
      WHERE d.route = $4 AND d.seq = o.seq AND d.partition = fence.partition
-       AND d.state = 'pending' AND d.attempts = o.expected
+       AND d.state NOT IN ('published', 'dead', 'cancelled') AND d.attempts = o.expected
     RETURNING d.seq, d.attempts, d.state, o.error
 ), logged AS (
     INSERT INTO ferry.failures (seq, route, attempt, at, dead, error)
@@ -31,4 +39,4 @@ WITH fence AS (
       FROM done WHERE done.state <> 'published'
     ON CONFLICT DO NOTHING
 )
-SELECT count(*) FROM done
+SELECT count(*), set_config('synchronous_commit', 'off', true) AS durability FROM done

@@ -1,5 +1,9 @@
 -- Creates deliveries for routed events and removes them from `unrouted`, in
 -- one statement, only for partitions whose lease this relay still holds.
+-- The commit is asynchronous (no wait for the WAL flush): if the database
+-- crashes before the flush, this write is lost as a whole and the relay
+-- repeats the work: a duplicate publish, never a lost event (ARCHITECTURE.md,
+-- "Durability of the relay's own writes").
 -- $1 relay, $2 partitions, $3 tokens, $4 event seqs,
 -- $5..$10 one row per delivery: seq, route, partition, key, state, error; $11 now
 WITH fence AS (
@@ -22,4 +26,5 @@ WITH fence AS (
     ON CONFLICT (seq, route) DO NOTHING
     RETURNING 1
 )
-SELECT (SELECT count(*) FROM gone) AS routed, (SELECT count(*) FROM made) AS deliveries
+SELECT (SELECT count(*) FROM gone) AS routed, (SELECT count(*) FROM made) AS deliveries,
+       set_config('synchronous_commit', 'off', true) AS durability
