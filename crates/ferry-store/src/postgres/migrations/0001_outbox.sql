@@ -132,7 +132,8 @@ BEGIN
                   HINT = 'store large bodies elsewhere and put a reference in the event';
     END IF;
     IF p_headers IS NULL OR jsonb_typeof(p_headers) <> 'object'
-       OR EXISTS (SELECT 1 FROM jsonb_each(p_headers) h WHERE jsonb_typeof(h.value) <> 'string') THEN
+       OR (p_headers <> '{}'::jsonb
+           AND EXISTS (SELECT 1 FROM jsonb_each(p_headers) h WHERE jsonb_typeof(h.value) <> 'string')) THEN
         RAISE EXCEPTION 'ferry: invalid event headers: %', p_headers
             USING ERRCODE = '22023',
                   HINT = 'headers must be a JSON object whose values are strings';
