@@ -1,0 +1,208 @@
+//! librdkafka properties derived from [`KafkaOptions`], and the checks that
+//! keep `extra` from switching off what the delivery guarantees rest on.
+
+use ferry_core::SinkError;
+use rdkafka::ClientConfig;
+
+use super::KafkaOptions;
+
+/// Room librdkafka's `message.max.bytes` leaves above the payload limit for
+/// the key (at most 512 bytes), the headers and the record framing, so a
+/// payload at `max_message_bytes` is never refused by the client.
+pub(crate) const RECORD_HEADROOM: usize = 64 * 1024;
+/// librdkafka's upper bound for `message.max.bytes`.
+const LIBRDKAFKA_MAX_MESSAGE_BYTES: usize = 1_000_000_000;
+
+/// Properties the sink sets itself. Each is either what the ordering and
+/// delivery guarantees depend on, or has its own field in [`KafkaOptions`].
+const RESERVED: [(&str, &str); 12] = [
+    ("bootstrap.servers", "use bootstrap_servers"),
+    ("metadata.broker.list", "use bootstrap_servers"),
+    ("message.timeout.ms", "use publish_timeout"),
+    ("delivery.timeout.ms", "use publish_timeout"),
+    ("message.max.bytes", "use max_message_bytes"),
+    ("enable.idempotence", "per-key order across retries depends on it"),
+    ("acks", "only acks=all confirms what survives a broker loss"),
+    (
+        "request.required.acks",
+        "only acks=all confirms what survives a broker loss",
+    ),
+    (
+        "max.in.flight.requests.per.connection",
+        "idempotence keeps order only up to 5",
+    ),
+    ("max.in.flight", "idempotence keeps order only up to 5"),
+    (
+        "allow.auto.create.topics",
+        "Ferry never creates topics; create them yourself",
+    ),
+    ("transactional.id", "Ferry's producer is idempotent, not transactional"),
+];
+
+impl KafkaOptions {
+    /// Checks every field, naming the one that is wrong.
+    pub fn validate(&self) -> Result<(), SinkError> {
+        let bad = |field: &str, why: String| Err(SinkError::config(format!("sinks.<kafka>.{field} {why}")));
+        if self.bootstrap_servers.trim().is_empty() {
+            return bad("bootstrap_servers", "is empty; give host:port[,host:port...]".into());
+        }
+        let ms = self.publish_timeout.as_millis();
+        if ms == 0 || ms > i32::MAX as u128 {
+            return bad(
+                "publish_timeout",
+                format!("is {:?}; use 1 ms to 24 days", self.publish_timeout),
+            );
+        }
+        let most = LIBRDKAFKA_MAX_MESSAGE_BYTES - RECORD_HEADROOM;
+        if self.max_message_bytes == 0 || self.max_message_bytes > most {
+            return bad(
+                "max_message_bytes",
+                format!("is {}; use 1 to {most}", self.max_message_bytes),
+            );
+        }
+        if self.source.is_empty() {
+            return bad("source", "is empty; it is the CloudEvents source attribute".into());
+        }
+        for name in self.extra.keys() {
+            if let Some((_, why)) = RESERVED.iter().find(|(r, _)| r == name) {
+                return bad(&format!("extra.{name:?}"), format!("is set by Ferry itself: {why}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// librdkafka's `message.max.bytes`: the payload limit plus headroom.
+    pub(crate) fn max_record_bytes(&self) -> usize {
+        self.max_message_bytes + RECORD_HEADROOM
+    }
+
+    /// Properties shared by the producer and the admin client: the cluster,
+    /// security settings and anything else in `extra`.
+    pub(crate) fn client_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.bootstrap_servers);
+        config.set("client.id", "ferry");
+        for (name, value) in &self.extra {
+            config.set(name, value);
+        }
+        config
+    }
+
+    /// The producer's properties: idempotent, `acks=all`, Java-compatible
+    /// key partitioning, no topic auto-creation.
+    pub(crate) fn producer_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.bootstrap_servers);
+        config.set("client.id", "ferry");
+        // Same partition per key as the Java client's default partitioner,
+        // so Ferry and other producers of a topic agree on where a key lives.
+        config.set("partitioner", "murmur2_random");
+        for (name, value) in &self.extra {
+            config.set(name, value);
+        }
+        config.set("enable.idempotence", "true");
+        config.set("acks", "all");
+        config.set("max.in.flight.requests.per.connection", "5");
+        config.set("allow.auto.create.topics", "false");
+        config.set("message.timeout.ms", self.publish_timeout.as_millis().to_string());
+        config.set("message.max.bytes", self.max_record_bytes().to_string());
+        config
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::ErrorKind;
+    use std::time::Duration;
+
+    fn with_extra(name: &str, value: &str) -> KafkaOptions {
+        let mut o = KafkaOptions::default();
+        o.extra.insert(name.into(), value.into());
+        o
+    }
+
+    #[test]
+    fn defaults_are_valid_and_idempotent() {
+        let o = KafkaOptions::default();
+        assert_eq!(o.validate(), Ok(()));
+        let c = o.producer_config();
+        assert_eq!(c.get("enable.idempotence"), Some("true"));
+        assert_eq!(c.get("acks"), Some("all"));
+        assert_eq!(c.get("max.in.flight.requests.per.connection"), Some("5"));
+        assert_eq!(c.get("allow.auto.create.topics"), Some("false"));
+        assert_eq!(c.get("message.timeout.ms"), Some("30000"));
+        assert_eq!(c.get("message.max.bytes"), Some("1065536"));
+        assert_eq!(c.get("partitioner"), Some("murmur2_random"));
+        assert_eq!(c.get("bootstrap.servers"), Some("127.0.0.1:9092"));
+    }
+
+    #[test]
+    fn extra_properties_pass_through_and_may_replace_soft_defaults() {
+        let mut o = with_extra("linger.ms", "20");
+        o.extra.insert("partitioner".into(), "consistent_random".into());
+        o.extra.insert("security.protocol".into(), "sasl_plaintext".into());
+        assert_eq!(o.validate(), Ok(()));
+        let c = o.producer_config();
+        assert_eq!(c.get("linger.ms"), Some("20"));
+        assert_eq!(c.get("partitioner"), Some("consistent_random"));
+        let admin = o.client_config();
+        assert_eq!(admin.get("security.protocol"), Some("sasl_plaintext"));
+        assert_eq!(admin.get("enable.idempotence"), None);
+    }
+
+    #[test]
+    fn extra_cannot_weaken_the_guarantees() {
+        for (name, _) in RESERVED {
+            let err = with_extra(name, "x").validate().unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Config, "{name}");
+            assert!(err.message.contains(&format!("extra.{name:?}")), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn invalid_fields_are_named() {
+        let cases: [(KafkaOptions, &str); 5] = [
+            (
+                KafkaOptions {
+                    bootstrap_servers: " ".into(),
+                    ..KafkaOptions::default()
+                },
+                "bootstrap_servers",
+            ),
+            (
+                KafkaOptions {
+                    publish_timeout: Duration::ZERO,
+                    ..KafkaOptions::default()
+                },
+                "publish_timeout",
+            ),
+            (
+                KafkaOptions {
+                    max_message_bytes: 0,
+                    ..KafkaOptions::default()
+                },
+                "max_message_bytes",
+            ),
+            (
+                KafkaOptions {
+                    max_message_bytes: 999_999_999,
+                    ..KafkaOptions::default()
+                },
+                "max_message_bytes",
+            ),
+            (
+                KafkaOptions {
+                    source: String::new(),
+                    ..KafkaOptions::default()
+                },
+                "source",
+            ),
+        ];
+        for (options, field) in cases {
+            let err = options.validate().unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Config);
+            assert!(err.message.contains(field), "{field}: {}", err.message);
+        }
+    }
+}

@@ -1,0 +1,279 @@
+//! The Kafka sink: an idempotent librdkafka producer with `acks=all`, the
+//! event key as message key, and CloudEvents headers.
+//!
+//! An event is reported published only when its delivery report says the
+//! partition leader and its in-sync replicas have it (`acks=all`). A batch is
+//! enqueued whole, in order, then every delivery report is awaited.
+//!
+//! Per-key order: the key is the message key, so a key's events share a
+//! partition, and with `enable.idempotence=true` and at most 5 requests in
+//! flight librdkafka's internal retries cannot reorder (or duplicate) a
+//! partition's messages. What it cannot undo: when the cluster stays away
+//! longer than `publish_timeout`, a key's queued messages expire in order and
+//! fail transiently; in the rare case that the cluster comes back between the
+//! expiry of two messages of one key, the later one is delivered and the relay
+//! counts an order break. Retried events may arrive twice (a message whose
+//! report timed out may have been written); consumers deduplicate on `ce_id`.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use ferry_sink::kafka::{KafkaOptions, KafkaSink};
+//!
+//! let sink = KafkaSink::new(KafkaOptions {
+//!     bootstrap_servers: "kafka-1:9092,kafka-2:9092".into(),
+//!     publish_timeout: Duration::from_secs(30),
+//!     ..KafkaOptions::default()
+//! })
+//! .expect("valid options");
+//! ```
+
+mod check;
+mod codes;
+mod config;
+mod message;
+mod publish;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use rdkafka::producer::{FutureProducer, Producer};
+use tracing::{info, warn};
+
+pub use codes::error_code_kind;
+pub use message::{CONTENT_TYPE_HEADER, SPEC_VERSION};
+
+use crate::backoff::Backoff;
+use crate::batch::prepare_in_key_order;
+use message::{Limits, Record};
+
+/// How a [`KafkaSink`] connects and publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KafkaOptions {
+    /// `host:port[,host:port...]`. Default `127.0.0.1:9092`.
+    pub bootstrap_servers: String,
+    /// librdkafka's `message.timeout.ms`: how long a message may take from
+    /// enqueue to acknowledgement, retries included; also bounds waiting
+    /// for space in a full local queue and for metadata. Default 30 s.
+    pub publish_timeout: Duration,
+    /// Payloads larger than this are refused (permanently) before sending.
+    /// librdkafka's `message.max.bytes` is set 64 KiB higher for the key,
+    /// the headers and framing. Default 1,000,000 (librdkafka's default).
+    pub max_message_bytes: usize,
+    /// The CloudEvents `source` attribute. Default `"ferry"`.
+    pub source: String,
+    /// More librdkafka properties (`security.protocol`, `sasl.*`,
+    /// `linger.ms`, `compression.type`, ...). Properties the guarantees rest
+    /// on (`acks`, `enable.idempotence`, ...) are refused by
+    /// [`KafkaOptions::validate`].
+    pub extra: BTreeMap<String, String>,
+}
+
+impl Default for KafkaOptions {
+    fn default() -> Self {
+        Self {
+            bootstrap_servers: "127.0.0.1:9092".into(),
+            publish_timeout: Duration::from_secs(30),
+            max_message_bytes: 1_000_000,
+            source: "ferry".into(),
+            extra: BTreeMap::new(),
+        }
+    }
+}
+
+struct Slot {
+    producer: Option<FutureProducer>,
+    backoff: Backoff,
+}
+
+/// Publishes to Kafka topics through one idempotent producer shared by all
+/// routes. The route's `destination` is the topic, possibly a template such
+/// as `events.{domain}`; routes take no `routing_key`.
+pub struct KafkaSink {
+    options: KafkaOptions,
+    slot: Mutex<Slot>,
+    /// `max.message.bytes` of topics `check` could read, by topic.
+    topic_limits: Mutex<HashMap<String, usize>>,
+}
+
+impl KafkaSink {
+    /// Validates the options and creates the producer. librdkafka connects
+    /// in the background and reconnects on its own, so the sink can be
+    /// created while the cluster is down.
+    pub fn new(options: KafkaOptions) -> Result<Self, SinkError> {
+        options.validate()?;
+        let producer = create_producer(&options)?;
+        Ok(Self {
+            slot: Mutex::new(Slot {
+                producer: Some(producer),
+                backoff: Backoff::new(Duration::from_secs(30)),
+            }),
+            options,
+            topic_limits: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn options(&self) -> &KafkaOptions {
+        &self.options
+    }
+
+    /// The producer, replaced first if librdkafka raised a fatal error
+    /// (possible with idempotence, e.g. after an unrecoverable sequence gap):
+    /// a producer in that state refuses everything until it is recreated.
+    fn producer(&self) -> Result<FutureProducer, SinkError> {
+        let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
+        if let Some(producer) = &slot.producer {
+            match producer.client().fatal_error() {
+                None => return Ok(producer.clone()),
+                Some((code, reason)) => {
+                    warn!(%code, %reason, "Kafka producer hit a fatal error; replacing it");
+                    slot.producer = None;
+                    slot.backoff
+                        .failed(Instant::now(), format!("fatal producer error {code}: {reason}"));
+                }
+            }
+        }
+        if let Err(wait) = slot.backoff.ready(Instant::now()) {
+            return Err(SinkError::transient(format!(
+                "the Kafka producer is being replaced; next attempt in {wait:?} (last error: {})",
+                slot.backoff.last_error().unwrap_or("none")
+            )));
+        }
+        let producer = create_producer(&self.options)?;
+        info!(bootstrap = %self.options.bootstrap_servers, "created a new Kafka producer");
+        slot.producer = Some(producer.clone());
+        Ok(producer)
+    }
+
+    fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Record, SinkError> {
+        let record = Record::prepare(route, event, &self.options.source)?;
+        let topic_max = self
+            .topic_limits
+            .lock()
+            .expect("the topic limits are never poisoned")
+            .get(&record.topic)
+            .copied();
+        let limits = Limits {
+            max_payload: self.options.max_message_bytes,
+            max_record: self.options.max_record_bytes(),
+            topic_max,
+        };
+        record.admit(&route.sink, limits)?;
+        Ok(record)
+    }
+}
+
+fn create_producer(options: &KafkaOptions) -> Result<FutureProducer, SinkError> {
+    options
+        .producer_config()
+        .create()
+        .map_err(|e| SinkError::config(format!("creating the Kafka producer (check sinks.<kafka>.extra): {e}")))
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `extra` may hold SASL passwords: only its keys are shown.
+        f.debug_struct("KafkaSink")
+            .field("bootstrap_servers", &self.options.bootstrap_servers)
+            .field("publish_timeout", &self.options.publish_timeout)
+            .field("extra", &self.options.extra.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Sink for KafkaSink {
+    fn kind(&self) -> &'static str {
+        "kafka"
+    }
+
+    fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
+        self.prepare(route, event).map(drop)
+    }
+
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        let producer = match self.producer() {
+            Ok(producer) => producer,
+            Err(e) => return vec![Err(e); events.len()],
+        };
+        // The relay admits events first; checking again keeps a direct caller
+        // from sending what admit() would have refused, out of key order.
+        let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
+        let outcomes = publish::publish_batch(&producer, events, prepared, self.options.publish_timeout).await;
+        if outcomes.iter().any(Result::is_ok) {
+            // A producer that delivers is healthy: a later fatal error starts
+            // the replacement backoff from its base delay again.
+            self.slot
+                .lock()
+                .expect("the producer slot is never poisoned")
+                .backoff
+                .succeeded();
+        }
+        outcomes
+    }
+
+    async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        if route.routing_key.is_some() {
+            return Err(SinkError::config(format!(
+                "route {:?}: Kafka routes take no routing_key (the message key is the event key); \
+                 remove routes[].routing_key",
+                route.name
+            )));
+        }
+        let producer = self.producer()?;
+        let opts = &self.options;
+        let topic = route.destination.as_str();
+        // A template names many topics, known only per event: connectivity
+        // is all there is to check.
+        if topic.contains('{') {
+            return check::topic_exists(
+                &producer,
+                &route.name,
+                None,
+                &opts.bootstrap_servers,
+                opts.publish_timeout,
+            )
+            .await;
+        }
+        message::validate_topic(topic).map_err(|why| {
+            SinkError::config(format!("route {:?}: routes[].destination {topic:?} {why}", route.name))
+        })?;
+        check::topic_exists(
+            &producer,
+            &route.name,
+            Some(topic),
+            &opts.bootstrap_servers,
+            opts.publish_timeout,
+        )
+        .await?;
+        let limit = check::topic_max_message_bytes(&opts.client_config(), topic, opts.publish_timeout).await;
+        if let Some(limit) = limit {
+            self.topic_limits
+                .lock()
+                .expect("the topic limits are never poisoned")
+                .insert(topic.to_owned(), limit);
+        }
+        Ok(())
+    }
+
+    async fn close(&self) {
+        let producer = self
+            .slot
+            .lock()
+            .expect("the producer slot is never poisoned")
+            .producer
+            .clone();
+        let Some(producer) = producer else { return };
+        let timeout = self.options.publish_timeout;
+        match tokio::task::spawn_blocking(move || producer.flush(timeout)).await {
+            Ok(Ok(())) => info!("flushed the Kafka producer"),
+            Ok(Err(e)) => warn!(error = %e, "messages were still unacknowledged when the Kafka sink closed"),
+            Err(e) => warn!(error = %e, "flushing the Kafka producer"),
+        }
+    }
+}

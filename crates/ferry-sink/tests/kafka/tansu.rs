@@ -1,0 +1,103 @@
+//! End to end against a real Kafka-protocol broker: tansu on
+//! 127.0.0.1:19092, or whatever `FERRY_TEST_KAFKA_URL` names. `scripts/test`
+//! starts it; these tests fail (never skip) when it is not running.
+
+use std::time::Duration;
+
+use ferry_core::{ErrorKind, Sink};
+use ferry_testkit::sink_suite::{self, event};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use serde_json::json;
+
+use crate::kafka_support::{Harness, TopicReader, route, sink_at, unique};
+
+fn broker() -> String {
+    let url = std::env::var("FERRY_TEST_KAFKA_URL").unwrap_or_else(|_| "127.0.0.1:19092".into());
+    let addr = url.trim_start_matches("kafka://").to_owned();
+    let reachable = std::net::ToSocketAddrs::to_socket_addrs(&addr.as_str())
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .is_some_and(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(2)).is_ok());
+    assert!(
+        reachable,
+        "no Kafka broker at {addr} (FERRY_TEST_KAFKA_URL); run scripts/test, which starts tansu there"
+    );
+    addr
+}
+
+/// A topic created with the admin API, deleted on [`TestTopic::delete`].
+struct TestTopic {
+    admin: AdminClient<DefaultClientContext>,
+    name: String,
+}
+
+impl TestTopic {
+    async fn create(bootstrap: &str, prefix: &str, partitions: i32, config: &[(&str, &str)]) -> Self {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", bootstrap)
+            .create()
+            .expect("an admin client");
+        let name = unique(prefix);
+        let mut new = NewTopic::new(&name, partitions, TopicReplication::Fixed(1));
+        for (k, v) in config {
+            new = new.set(k, v);
+        }
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = admin.create_topics([&new], &options).await.expect("CreateTopics");
+        for r in results {
+            r.unwrap_or_else(|(topic, code)| panic!("creating {topic}: {code}"));
+        }
+        Self { admin, name }
+    }
+
+    async fn delete(self) {
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = self.admin.delete_topics(&[&self.name], &options).await;
+        if let Err(e) = results.map(|r| r.into_iter().collect::<Result<Vec<_>, _>>()) {
+            eprintln!("could not delete {}: {e:?}", self.name);
+        }
+    }
+}
+
+#[tokio::test]
+async fn passes_the_sink_conformance_suite_on_tansu() {
+    let bootstrap = broker();
+    let topic = TestTopic::create(&bootstrap, "suite", 3, &[]).await;
+    let harness = Harness {
+        reader: TopicReader::new(&bootstrap, &topic.name).await,
+        missing: unique("missing"),
+        topic: topic.name.clone(),
+    };
+    let sink = sink_at(&bootstrap);
+    sink_suite::run(&sink, &harness).await;
+    sink.close().await;
+    topic.delete().await;
+}
+
+#[tokio::test]
+async fn check_reads_the_topic_message_limit_on_tansu() {
+    let bootstrap = broker();
+    let topic = TestTopic::create(&bootstrap, "limit", 1, &[("max.message.bytes", "4096")]).await;
+    let sink = sink_at(&bootstrap);
+    let big = event(0, "test.item.created", Some("k"), json!("x".repeat(8000)));
+    let to = route(&topic.name);
+    assert_eq!(sink.admit(&to, &big), Ok(()), "under the sink's own limit");
+    sink.check(&to).await.expect("the topic exists");
+    let err = sink.admit(&to, &big).expect_err("over the topic's limit");
+    assert_eq!(err.kind, ErrorKind::Permanent);
+    assert!(err.message.contains("max.message.bytes is 4096"), "{err}");
+    let small = event(1, "test.item.created", Some("k"), json!({ "n": 1 }));
+    assert_eq!(sink.admit(&to, &small), Ok(()));
+    sink.close().await;
+    topic.delete().await;
+}
+
+#[tokio::test]
+async fn wire_format_round_trips_through_tansu() {
+    let bootstrap = broker();
+    let topic = TestTopic::create(&bootstrap, "wire", 1, &[]).await;
+    crate::assert_wire_format(&bootstrap, &topic.name).await;
+    topic.delete().await;
+}
