@@ -1,0 +1,248 @@
+//! Turning a stored event into a JetStream message: the subject, the
+//! `Nats-Msg-Id` dedup header and the CloudEvents 1.0 binary-mode headers.
+
+use std::str::FromStr;
+
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use bytes::Bytes;
+use chrono::SecondsFormat;
+use ferry_core::{Route, SinkError, StoredEvent, render_template};
+
+/// JetStream drops a second message with the same id inside the stream's
+/// duplicate window, so a re-publish after a crash is stored once.
+pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+/// CloudEvents specification version written in `ce-specversion`.
+pub const SPEC_VERSION: &str = "1.0";
+
+/// One event, ready for `HPUB`.
+#[derive(Debug, Clone)]
+pub(crate) struct Message {
+    pub(crate) subject: String,
+    pub(crate) headers: HeaderMap,
+    pub(crate) payload: Bytes,
+}
+
+impl Message {
+    /// Renders the subject and builds the headers, refusing (permanently)
+    /// what the server would reject: a payload over `max_message_bytes`, a
+    /// message over the server's `max_payload` (`0` when not yet known), a
+    /// subject that is not a valid publish subject, a header NATS cannot carry.
+    pub(crate) fn prepare(
+        route: &Route,
+        event: &StoredEvent,
+        source: &str,
+        max_message_bytes: usize,
+        server_max_payload: usize,
+    ) -> Result<Self, SinkError> {
+        if event.payload.len() > max_message_bytes {
+            return Err(SinkError::permanent(format!(
+                "payload too large: {} bytes, limit {max_message_bytes} (sinks.{}.max_message_bytes)",
+                event.payload.len(),
+                route.sink
+            )));
+        }
+        let subject = render_template(&route.destination, event);
+        if let Err(why) = validate_subject(&subject) {
+            let message = format!("subject {subject:?} {why}; fix routes[].destination");
+            // A fixed subject is the route's fault; a rendered one, this event's.
+            return Err(if route.destination.contains('{') {
+                SinkError::permanent(message)
+            } else {
+                SinkError::config(message)
+            });
+        }
+
+        let mut headers = HeaderMap::new();
+        for (name, value) in &event.headers {
+            headers.insert(header_name(name)?, header_value(name, value)?);
+        }
+        // Inserted after the producer's headers so a producer cannot spoof them.
+        let id = event.id.to_string();
+        let time = event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
+        let own: [(&str, &str); 6] = [
+            (MSG_ID_HEADER, &id),
+            ("ce-specversion", SPEC_VERSION),
+            ("ce-id", &id),
+            ("ce-type", &event.event_type),
+            ("ce-source", source),
+            ("ce-time", &time),
+        ];
+        for (name, value) in own {
+            headers.insert(header_name(name)?, header_value(name, value)?);
+        }
+        headers.insert(
+            header_name("content-type")?,
+            header_value("content-type", &event.content_type)?,
+        );
+        if let Some(key) = &event.key {
+            headers.insert(header_name("ce-subject")?, header_value("ce-subject", key)?);
+        }
+
+        let size = wire_len(&headers) + event.payload.len();
+        if server_max_payload > 0 && size > server_max_payload {
+            return Err(SinkError::permanent(format!(
+                "message too large: {size} bytes with headers, the NATS server's max_payload is \
+                 {server_max_payload}"
+            )));
+        }
+        Ok(Self {
+            subject,
+            headers,
+            payload: event.payload.clone(),
+        })
+    }
+}
+
+/// The size of the headers block as written on the wire.
+fn wire_len(headers: &HeaderMap) -> usize {
+    let fields: usize = headers
+        .iter()
+        .map(|(name, values)| {
+            values
+                .iter()
+                .map(|v| AsRef::<str>::as_ref(name).len() + v.as_str().len() + 4)
+                .sum::<usize>()
+        })
+        .sum();
+    "NATS/1.0\r\n".len() + fields + 2
+}
+
+/// `Err(why)` unless `subject` is a valid subject to publish to: non-empty
+/// dot-separated tokens, no whitespace, no wildcards.
+pub(crate) fn validate_subject(subject: &str) -> Result<(), &'static str> {
+    if subject.is_empty() {
+        return Err("is empty");
+    }
+    if subject.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err("contains whitespace");
+    }
+    for token in subject.split('.') {
+        if token.is_empty() {
+            return Err("has an empty token");
+        }
+        if token == "*" || token == ">" {
+            return Err("contains a wildcard, which cannot be published to");
+        }
+    }
+    Ok(())
+}
+
+fn header_name(name: &str) -> Result<HeaderName, SinkError> {
+    HeaderName::from_str(name)
+        .map_err(|e| SinkError::permanent(format!("header name {name:?} is invalid for NATS: {e}")))
+}
+
+fn header_value(name: &str, value: &str) -> Result<HeaderValue, SinkError> {
+    HeaderValue::from_str(value)
+        .map_err(|e| SinkError::permanent(format!("the value of header {name:?} is invalid for NATS: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::{ErrorKind, EventId, Glob};
+
+    fn route(destination: &str) -> Route {
+        Route {
+            name: "orders".into(),
+            matcher: Glob::new("**").unwrap(),
+            sink: "nats".into(),
+            destination: destination.into(),
+            routing_key: None,
+        }
+    }
+
+    fn event(key: Option<&str>) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq: 7,
+            event_type: "order.item.created".into(),
+            key: key.map(str::to_owned),
+            payload: Bytes::from_static(b"{\"n\":1}"),
+            content_type: "application/json".into(),
+            headers: [("traceparent".to_owned(), "00-abc-01".to_owned())].into(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    fn header(m: &Message, name: &str) -> Option<String> {
+        m.headers.get(name).map(|v| v.as_str().to_owned())
+    }
+
+    #[test]
+    fn subject_and_headers() {
+        let e = event(Some("o-1"));
+        let m = Message::prepare(&route("events.{domain}.{type}"), &e, "ferry-test", 100, 0).unwrap();
+        assert_eq!(m.subject, "events.order.order.item.created");
+        let id = e.id.to_string();
+        assert_eq!(header(&m, "Nats-Msg-Id").as_deref(), Some(id.as_str()));
+        assert_eq!(header(&m, "ce-id").as_deref(), Some(id.as_str()));
+        assert_eq!(header(&m, "ce-specversion").as_deref(), Some("1.0"));
+        assert_eq!(header(&m, "ce-type").as_deref(), Some("order.item.created"));
+        assert_eq!(header(&m, "ce-source").as_deref(), Some("ferry-test"));
+        assert_eq!(header(&m, "ce-subject").as_deref(), Some("o-1"));
+        assert_eq!(header(&m, "content-type").as_deref(), Some("application/json"));
+        assert_eq!(header(&m, "traceparent").as_deref(), Some("00-abc-01"));
+        let time = chrono::DateTime::parse_from_rfc3339(&header(&m, "ce-time").unwrap()).unwrap();
+        assert_eq!(time, e.created_at);
+        assert_eq!(m.payload, e.payload);
+
+        let m = Message::prepare(&route("events"), &event(None), "ferry", 100, 0).unwrap();
+        assert_eq!(header(&m, "ce-subject"), None);
+    }
+
+    #[test]
+    fn producers_cannot_spoof_the_message_id() {
+        let mut e = event(None);
+        e.headers.insert("Nats-Msg-Id".into(), "forged".into());
+        e.headers.insert("ce-id".into(), "forged".into());
+        let m = Message::prepare(&route("events"), &e, "ferry", 100, 0).unwrap();
+        let id = e.id.to_string();
+        assert_eq!(m.headers.get_all("Nats-Msg-Id").count(), 1);
+        assert_eq!(header(&m, "Nats-Msg-Id").as_deref(), Some(id.as_str()));
+        assert_eq!(header(&m, "ce-id").as_deref(), Some(id.as_str()));
+    }
+
+    #[test]
+    fn refusals() {
+        let e = event(Some("o 1"));
+        let err = Message::prepare(&route("events"), &e, "ferry", 3, 0).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert!(err.message.contains("sinks.nats.max_message_bytes"), "{err}");
+
+        // The server's max_payload counts the headers too.
+        let err = Message::prepare(&route("events"), &e, "ferry", 100, 50).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert!(err.message.contains("max_payload is 50"), "{err}");
+        assert!(Message::prepare(&route("events"), &e, "ferry", 100, 4096).is_ok());
+
+        let err = Message::prepare(&route("events.{key}"), &e, "ferry", 100, 0).unwrap_err();
+        assert_eq!(
+            err.kind,
+            ErrorKind::Permanent,
+            "a rendered subject is the event's fault"
+        );
+        assert!(err.message.contains("whitespace"), "{err}");
+        for bad in ["events.*", "events.>", "a..b", "", "a b"] {
+            let err = Message::prepare(&route(bad), &e, "ferry", 100, 0).unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Config, "{bad:?}: {err}");
+        }
+
+        let mut e = event(None);
+        e.headers.insert("bad:name".into(), "v".into());
+        assert_eq!(
+            Message::prepare(&route("events"), &e, "ferry", 100, 0)
+                .unwrap_err()
+                .kind,
+            ErrorKind::Permanent
+        );
+        let mut e = event(None);
+        e.headers.insert("x".into(), "line\r\nbreak".into());
+        assert_eq!(
+            Message::prepare(&route("events"), &e, "ferry", 100, 0)
+                .unwrap_err()
+                .kind,
+            ErrorKind::Permanent
+        );
+    }
+}

@@ -1,0 +1,291 @@
+//! The NATS JetStream sink: every event is published to a subject with a
+//! reply inbox and counts as published only once a stream's PubAck says it
+//! is stored.
+//!
+//! - The event id travels as `Nats-Msg-Id`, so the stream's duplicate window
+//!   drops a re-publish after a crash; a PubAck with `duplicate: true` is a
+//!   success.
+//! - CloudEvents 1.0 binary mode: `ce-id`, `ce-type`, `ce-source`, `ce-time`,
+//!   `ce-specversion`, and `ce-subject` for the aggregate key; `content-type`
+//!   and the producer's own headers ride along.
+//! - A subject that no stream captures gets "no responders" (`503`) from the
+//!   server: a configuration error naming the subject, never a success.
+//! - A batch is pipelined: every publish is queued, then every PubAck awaited,
+//!   all within `publish_timeout`.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use ferry_sink::nats::{NatsOptions, NatsSink};
+//!
+//! let sink = NatsSink::new(NatsOptions {
+//!     url: "nats://ferry:secret@nats:4222".into(),
+//!     publish_timeout: Duration::from_secs(5),
+//!     ..NatsOptions::default()
+//! });
+//! ```
+
+mod codes;
+mod connector;
+mod message;
+mod publish;
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_nats::RequestErrorKind;
+use async_trait::async_trait;
+use bytes::Bytes;
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use serde::Deserialize;
+use tokio::sync::Mutex;
+use tokio::time::timeout;
+use tracing::info;
+
+pub use codes::{
+    ACCOUNT_RESOURCES_EXCEEDED, CLUSTER_NOT_AVAILABLE, CLUSTER_NOT_LEADER, EXPECTED_STREAM_MISMATCH,
+    HEADER_EXCEEDS_MAXIMUM, INSUFFICIENT_RESOURCES, JETSTREAM_NOT_ENABLED, JETSTREAM_NOT_ENABLED_FOR_ACCOUNT,
+    MEMORY_RESOURCES_EXCEEDED, MESSAGE_EXCEEDS_MAXIMUM, STORAGE_RESOURCES_EXCEEDED, STORE_FAILED, STREAM_NOT_FOUND,
+    STREAM_OFFLINE, STREAM_SEALED, WRONG_LAST_MSG_ID, WRONG_LAST_SEQUENCE, api_error_kind, status_kind,
+};
+pub use message::{MSG_ID_HEADER, SPEC_VERSION};
+
+use crate::batch::prepare_in_key_order;
+use connector::Connector;
+use message::{Message, validate_subject};
+
+/// How a [`NatsSink`] connects and publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsOptions {
+    /// `nats://[user:password@]host:port` (or `tls://`); a token goes in the
+    /// user part. Default `nats://127.0.0.1:4222`.
+    pub url: String,
+    /// How long to wait for NATS: for the PubAcks of a batch once it is
+    /// queued, and for each connect or check. Default 10 s.
+    pub publish_timeout: Duration,
+    /// The longest pause between failed connection attempts. Default 30 s.
+    pub reconnect_max_delay: Duration,
+    /// Payloads larger than this are refused (permanently) before sending;
+    /// so is a message larger than the server's `max_payload` (1 MiB by
+    /// default), headers included. Default 1 MiB.
+    pub max_message_bytes: usize,
+    /// The CloudEvents `source` attribute. Default `"ferry"`.
+    pub source: String,
+}
+
+impl Default for NatsOptions {
+    fn default() -> Self {
+        Self {
+            url: "nats://127.0.0.1:4222".into(),
+            publish_timeout: Duration::from_secs(10),
+            reconnect_max_delay: Duration::from_secs(30),
+            max_message_bytes: 1024 * 1024,
+            source: "ferry".into(),
+        }
+    }
+}
+
+impl NatsOptions {
+    /// Checks the options, naming the field that is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if async_nats::ServerAddr::from_str(&self.url).is_err() {
+            return Err(format!(
+                "url: {:?} is not a nats:// or tls:// URL",
+                connector::redact(&self.url)
+            ));
+        }
+        if self.publish_timeout.is_zero() {
+            return Err("publish_timeout: must be above zero".into());
+        }
+        if self.max_message_bytes == 0 {
+            return Err("max_message_bytes: must be above zero".into());
+        }
+        Ok(())
+    }
+}
+
+/// Publishes to JetStream subjects over one connection, reused across
+/// batches. The route's `destination` is the subject and may be a template
+/// (`events.{domain}.{type}`); `routing_key` is not used.
+pub struct NatsSink {
+    options: NatsOptions,
+    connector: Mutex<Connector>,
+    /// The server's `max_payload` once connected, `0` before.
+    server_max_payload: Arc<AtomicUsize>,
+}
+
+impl NatsSink {
+    /// Creates the sink without connecting: the connection is made on first
+    /// use, so a relay can start while NATS is still down.
+    pub fn new(options: NatsOptions) -> Self {
+        let connector = Connector::new(
+            options.url.clone(),
+            options.publish_timeout,
+            options.reconnect_max_delay,
+        );
+        Self {
+            server_max_payload: connector.max_payload(),
+            options,
+            connector: Mutex::new(connector),
+        }
+    }
+
+    pub fn options(&self) -> &NatsOptions {
+        &self.options
+    }
+
+    fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Message, SinkError> {
+        let opts = &self.options;
+        let server_max = self.server_max_payload.load(Ordering::Relaxed);
+        Message::prepare(route, event, &opts.source, opts.max_message_bytes, server_max)
+    }
+}
+
+impl std::fmt::Debug for NatsSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsSink")
+            .field("publish_timeout", &self.options.publish_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamNames {
+    streams: Option<Vec<String>>,
+    error: Option<ApiError>,
+}
+
+#[derive(Deserialize)]
+struct ApiError {
+    #[serde(default)]
+    err_code: u16,
+    #[serde(default)]
+    description: String,
+}
+
+#[async_trait]
+impl Sink for NatsSink {
+    fn kind(&self) -> &'static str {
+        "nats"
+    }
+
+    fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
+        self.prepare(route, event).map(drop)
+    }
+
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        let mut connector = self.connector.lock().await;
+        // Connect first so the server's max_payload is known when preparing.
+        if let Err(e) = connector.handle().await {
+            return events.iter().map(|_| Err(e.clone())).collect();
+        }
+        // The relay admits events first; checking again keeps a direct caller
+        // from sending what admit() would have refused, out of key order.
+        let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
+        publish::publish_batch(&mut connector, prepared, self.options.publish_timeout).await
+    }
+
+    /// Connects, and for a plain subject asks JetStream which stream
+    /// captures it. A template names many subjects, known only per event:
+    /// for it, only JetStream's availability is checked.
+    async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        let mut connector = self.connector.lock().await;
+        let client = connector.handle().await?.client;
+        let limit = self.options.publish_timeout;
+        let subject = route.destination.as_str();
+        let templated = subject.contains('{');
+        if !templated && let Err(why) = validate_subject(subject) {
+            return Err(SinkError::config(format!(
+                "route {:?}: subject {subject:?} {why}; fix routes[].destination",
+                route.name
+            )));
+        }
+        let (api, body) = if templated {
+            ("$JS.API.INFO", Bytes::new())
+        } else {
+            let body = serde_json::json!({ "subject": subject }).to_string();
+            ("$JS.API.STREAM.NAMES", Bytes::from(body))
+        };
+        let answer = match timeout(limit, client.request(api, body)).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders => {
+                return Err(SinkError::config(format!(
+                    "JetStream is not enabled on the NATS server at {} (no responders on {api}); \
+                     start nats-server with -js or use an account with JetStream",
+                    connector.display_url()
+                )));
+            }
+            Ok(Err(e)) => return Err(SinkError::transient(format!("asking JetStream ({api}): {e}"))),
+            Err(_) => {
+                return Err(connector.lost(SinkError::transient(format!(
+                    "asking JetStream ({api}): no answer within {limit:?}"
+                ))));
+            }
+        };
+        if templated {
+            return Ok(());
+        }
+        let names: StreamNames = serde_json::from_slice(&answer.payload)
+            .map_err(|e| SinkError::transient(format!("unreadable answer to {api}: {e}")))?;
+        if let Some(err) = names.error {
+            return Err(codes::error(
+                api_error_kind(err.err_code),
+                format!(
+                    "asking JetStream which stream captures {subject:?}: {}",
+                    err.description
+                ),
+            ));
+        }
+        match names.streams.unwrap_or_default().first() {
+            Some(stream) => {
+                info!(route = %route.name, subject, stream, "subject is captured by a JetStream stream");
+                Ok(())
+            }
+            None => Err(SinkError::config(format!(
+                "route {:?}: no JetStream stream captures subject {subject:?}; create one whose subjects \
+                 include it (e.g. `nats stream add EVENTS --subjects '{subject}'`) or fix routes[].destination",
+                route.name
+            ))),
+        }
+    }
+
+    async fn close(&self) {
+        self.connector.lock().await.close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation_names_the_field() {
+        assert_eq!(NatsOptions::default().validate(), Ok(()));
+        let field = |options: NatsOptions| options.validate().unwrap_err().split(':').next().unwrap().to_owned();
+        assert_eq!(
+            field(NatsOptions {
+                url: "http://[::1".into(),
+                ..NatsOptions::default()
+            }),
+            "url"
+        );
+        assert_eq!(
+            field(NatsOptions {
+                publish_timeout: Duration::ZERO,
+                ..NatsOptions::default()
+            }),
+            "publish_timeout"
+        );
+        assert_eq!(
+            field(NatsOptions {
+                max_message_bytes: 0,
+                ..NatsOptions::default()
+            }),
+            "max_message_bytes"
+        );
+    }
+}
