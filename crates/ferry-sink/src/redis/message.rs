@@ -1,0 +1,186 @@
+//! Turning a stored event into one `XADD`: the stream key, optional
+//! approximate trimming, and the entry's fields.
+
+use chrono::SecondsFormat;
+use ferry_core::{Route, SinkError, StoredEvent, render_template};
+
+/// The entry fields, in the order they are written.
+pub const FIELDS: [&str; 9] = [
+    "id",
+    "type",
+    "key",
+    "payload",
+    "content-type",
+    "time",
+    "source",
+    "specversion",
+    "headers",
+];
+/// CloudEvents specification version written in the `specversion` field.
+pub const SPEC_VERSION: &str = "1.0";
+
+/// One event, ready to go into the batch's pipeline.
+#[derive(Debug, Clone)]
+pub(crate) struct Entry {
+    pub(crate) stream_key: String,
+    pub(crate) command: ::redis::Cmd,
+}
+
+impl Entry {
+    /// Renders the stream key and builds `XADD key [MAXLEN ~ n] * field value ...`,
+    /// refusing (permanently) a payload over `max_message_bytes`.
+    pub(crate) fn prepare(
+        route: &Route,
+        event: &StoredEvent,
+        source: &str,
+        max_message_bytes: usize,
+        maxlen: Option<u64>,
+    ) -> Result<Self, SinkError> {
+        if event.payload.len() > max_message_bytes {
+            return Err(SinkError::permanent(format!(
+                "payload too large: {} bytes, limit {max_message_bytes} (sinks.{}.max_message_bytes)",
+                event.payload.len(),
+                route.sink
+            )));
+        }
+        let stream_key = render_template(&route.destination, event);
+        if stream_key.is_empty() {
+            let message = "the stream key is empty; fix routes[].destination".to_owned();
+            return Err(if route.destination.contains('{') {
+                SinkError::permanent(message)
+            } else {
+                SinkError::config(message)
+            });
+        }
+        let mut command = ::redis::cmd("XADD");
+        command.arg(&stream_key);
+        if let Some(maxlen) = maxlen {
+            if maxlen > i64::MAX as u64 {
+                return Err(SinkError::config(format!(
+                    "MAXLEN {maxlen} for route {:?} is above Redis's limit of {}; lower it in sinks.{}",
+                    route.name,
+                    i64::MAX,
+                    route.sink
+                )));
+            }
+            command.arg("MAXLEN").arg("~").arg(maxlen);
+        }
+        command.arg("*");
+        let id = event.id.to_string();
+        let time = event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
+        let headers = serde_json::to_string(&event.headers).expect("a string map serialises");
+        command.arg("id").arg(&id).arg("type").arg(&event.event_type);
+        if let Some(key) = &event.key {
+            command.arg("key").arg(key);
+        }
+        command
+            .arg("payload")
+            .arg(event.payload.as_ref())
+            .arg("content-type")
+            .arg(&event.content_type)
+            .arg("time")
+            .arg(&time)
+            .arg("source")
+            .arg(source)
+            .arg("specversion")
+            .arg(SPEC_VERSION)
+            .arg("headers")
+            .arg(&headers);
+        Ok(Self { stream_key, command })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use ferry_core::{ErrorKind, EventId, Glob};
+
+    fn route(destination: &str) -> Route {
+        Route {
+            name: "orders".into(),
+            matcher: Glob::new("**").unwrap(),
+            sink: "redis".into(),
+            destination: destination.into(),
+            routing_key: None,
+        }
+    }
+
+    fn event(key: Option<&str>) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq: 7,
+            event_type: "order.item.created".into(),
+            key: key.map(str::to_owned),
+            payload: Bytes::from_static(b"{\"n\":1}"),
+            content_type: "application/json".into(),
+            headers: [("traceparent".to_owned(), "00-abc-01".to_owned())].into(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    fn args(entry: &Entry) -> Vec<String> {
+        entry
+            .command
+            .args_iter()
+            .map(|a| match a {
+                ::redis::Arg::Simple(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+                _ => "<other>".into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn xadd_with_every_field() {
+        let e = event(Some("o-1"));
+        let entry = Entry::prepare(&route("events:{domain}"), &e, "ferry-test", 100, None).unwrap();
+        assert_eq!(entry.stream_key, "events:order");
+        let time = e.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
+        let id = e.id.to_string();
+        let expected = [
+            "XADD",
+            "events:order",
+            "*",
+            "id",
+            &id,
+            "type",
+            "order.item.created",
+            "key",
+            "o-1",
+            "payload",
+            "{\"n\":1}",
+            "content-type",
+            "application/json",
+            "time",
+            &time,
+            "source",
+            "ferry-test",
+            "specversion",
+            "1.0",
+            "headers",
+            "{\"traceparent\":\"00-abc-01\"}",
+        ];
+        assert_eq!(args(&entry), expected);
+    }
+
+    #[test]
+    fn maxlen_trims_approximately_and_no_key_means_no_key_field() {
+        let entry = Entry::prepare(&route("events"), &event(None), "ferry", 100, Some(1000)).unwrap();
+        let args = args(&entry);
+        assert_eq!(args[..6], ["XADD", "events", "MAXLEN", "~", "1000", "*"]);
+        assert!(!args.contains(&"key".to_owned()));
+    }
+
+    #[test]
+    fn refusals() {
+        let err = Entry::prepare(&route("events"), &event(None), "ferry", 3, None).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert!(err.message.contains("sinks.redis.max_message_bytes"), "{err}");
+        let err = Entry::prepare(&route(""), &event(None), "ferry", 100, None).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Config);
+        let err = Entry::prepare(&route("{key}"), &event(None), "ferry", 100, None).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        let err = Entry::prepare(&route("events"), &event(None), "ferry", 100, Some(u64::MAX)).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Config);
+    }
+}

@@ -1,0 +1,375 @@
+//! The Redis Streams sink: one `XADD` per event, a batch per pipeline, and an
+//! event counts as published only once Redis answered its XADD with an entry
+//! id.
+//!
+//! Each entry carries the fields `id` (the event id), `type`, `key` (when the
+//! event has one), `payload` (the event's bytes), `content-type`, `time`,
+//! `source`, `specversion` and `headers` (the producer's headers as a JSON
+//! object). Entry ids are `*`: Redis cannot drop a re-publish, so delivery is
+//! at least once and consumers deduplicate by `id`. See `publish.rs` for what
+//! a partial pipeline means.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use ferry_sink::redis::{RedisOptions, RedisSink};
+//!
+//! let sink = RedisSink::new(RedisOptions {
+//!     url: "redis://:secret@redis:6379/0".into(),
+//!     maxlen_default: Some(1_000_000),
+//!     ..RedisOptions::default()
+//! });
+//! ```
+
+mod codes;
+mod message;
+mod publish;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use async_trait::async_trait;
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use tokio::sync::Mutex;
+use tokio::time::timeout;
+use tracing::{info, warn};
+
+use crate::backoff::Backoff;
+use std::time::Instant;
+
+pub use codes::server_code_kind;
+pub use message::{FIELDS, SPEC_VERSION};
+
+use crate::batch::prepare_in_key_order;
+use message::Entry;
+
+/// How a [`RedisSink`] connects and publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisOptions {
+    /// `redis://[user:password@]host:port[/db]` or `rediss://` for TLS.
+    /// Default `redis://127.0.0.1:6379`.
+    pub url: String,
+    /// How long to wait for the replies of a batch's pipeline, and for each
+    /// connect or check. Default 10 s.
+    pub publish_timeout: Duration,
+    /// The longest pause between reconnect attempts. Default 30 s.
+    pub reconnect_max_delay: Duration,
+    /// Payloads larger than this are refused (permanently) before sending.
+    /// Default 16 MiB: Redis itself takes up to 512 MiB per value, far more
+    /// than a stream entry should hold.
+    pub max_message_bytes: usize,
+    /// Approximate trimming (`MAXLEN ~ n`) for routes not named in
+    /// `maxlen_per_route`. Default `None`: streams grow until trimmed elsewhere.
+    pub maxlen_default: Option<u64>,
+    /// Approximate trimming per route name; overrides `maxlen_default`, and
+    /// `0` turns trimming off for that route.
+    pub maxlen_per_route: HashMap<String, u64>,
+    /// The `source` field. Default `"ferry"`.
+    pub source: String,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        Self {
+            url: "redis://127.0.0.1:6379".into(),
+            publish_timeout: Duration::from_secs(10),
+            reconnect_max_delay: Duration::from_secs(30),
+            max_message_bytes: 16 * 1024 * 1024,
+            maxlen_default: None,
+            maxlen_per_route: HashMap::new(),
+            source: "ferry".into(),
+        }
+    }
+}
+
+impl RedisOptions {
+    /// The trimming for `route`, if any.
+    pub fn maxlen_for(&self, route: &str) -> Option<u64> {
+        match self.maxlen_per_route.get(route) {
+            Some(0) => None,
+            Some(&n) => Some(n),
+            None => self.maxlen_default,
+        }
+    }
+
+    /// Checks the options, naming the field that is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if ::redis::parse_redis_url(&self.url).is_none() {
+            return Err("url: not a redis://, rediss:// or unix:// URL".into());
+        }
+        if self.publish_timeout.is_zero() {
+            return Err("publish_timeout: must be above zero".into());
+        }
+        if self.max_message_bytes == 0 {
+            return Err("max_message_bytes: must be above zero".into());
+        }
+        if self.maxlen_default == Some(0) {
+            return Err("maxlen_default: 0 would trim every entry; leave it unset for no trimming".into());
+        }
+        let too_big = |n: u64| n > MAX_MAXLEN;
+        if self.maxlen_default.is_some_and(too_big) {
+            return Err(format!("maxlen_default: at most {MAX_MAXLEN}"));
+        }
+        if let Some((route, _)) = self.maxlen_per_route.iter().find(|(_, n)| too_big(**n)) {
+            return Err(format!("maxlen_per_route.{route}: at most {MAX_MAXLEN}"));
+        }
+        Ok(())
+    }
+}
+
+/// Redis takes a MAXLEN up to `i64::MAX`.
+pub const MAX_MAXLEN: u64 = i64::MAX as u64;
+
+/// Appends to Redis streams over one multiplexed connection, which
+/// reconnects on its own (with exponential backoff) after a loss. The
+/// route's `destination` is the stream key and may be a template
+/// (`events:{domain}`); `routing_key` is not used.
+pub struct RedisSink {
+    options: RedisOptions,
+    link: Mutex<Link>,
+}
+
+struct Link {
+    /// Created on first use; replaced when a batch left it in doubt.
+    connection: Option<ConnectionManager>,
+    /// Paces attempts while Redis cannot be reached, so a publish against a
+    /// down server fails at once instead of waiting out a connect.
+    backoff: Backoff,
+    /// Whether the last request got through: the first failure after that
+    /// is a loss, retried at once; only repeated failures back off.
+    up: bool,
+}
+
+impl Link {
+    fn failed(&mut self, error: &SinkError) {
+        self.connection = None;
+        if std::mem::take(&mut self.up) {
+            warn!(%error, "Redis connection lost; reconnecting on next use");
+        } else {
+            let delay = self.backoff.failed(Instant::now(), error.message.clone());
+            warn!(%error, retry_in = ?delay, "Redis still unreachable");
+        }
+    }
+
+    fn succeeded(&mut self) {
+        self.up = true;
+        self.backoff.succeeded();
+    }
+}
+
+impl RedisSink {
+    /// Creates the sink without connecting: the connection is made on first
+    /// use, so a relay can start while Redis is still down.
+    pub fn new(options: RedisOptions) -> Self {
+        Self {
+            link: Mutex::new(Link {
+                connection: None,
+                backoff: Backoff::new(options.reconnect_max_delay),
+                up: false,
+            }),
+            options,
+        }
+    }
+
+    pub fn options(&self) -> &RedisOptions {
+        &self.options
+    }
+
+    fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Entry, SinkError> {
+        let opts = &self.options;
+        Entry::prepare(
+            route,
+            event,
+            &opts.source,
+            opts.max_message_bytes,
+            opts.maxlen_for(&route.name),
+        )
+    }
+
+    fn connection(&self, link: &mut Link) -> Result<ConnectionManager, SinkError> {
+        if let Some(connection) = &link.connection {
+            return Ok(connection.clone());
+        }
+        if let Err(wait) = link.backoff.ready(Instant::now()) {
+            return Err(SinkError::transient(format!(
+                "not connected to Redis; next attempt in {wait:?} (last error: {})",
+                link.backoff.last_error().unwrap_or("none")
+            )));
+        }
+        let client = ::redis::Client::open(self.options.url.as_str())
+            .map_err(|e| SinkError::config(format!("sinks.redis.url is not a valid Redis URL: {e}")))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.options.publish_timeout))
+            .set_response_timeout(Some(self.options.publish_timeout))
+            .set_min_delay(crate::backoff::BASE_DELAY)
+            .set_max_delay(self.options.reconnect_max_delay)
+            .set_exponent_base(2.0)
+            .set_number_of_retries(1);
+        let connection = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| SinkError::config(format!("setting up the Redis connection: {e}")))?;
+        link.connection = Some(connection.clone());
+        Ok(connection)
+    }
+}
+
+impl std::fmt::Debug for RedisSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisSink")
+            .field("publish_timeout", &self.options.publish_timeout)
+            .field("maxlen_default", &self.options.maxlen_default)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Sink for RedisSink {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
+        self.prepare(route, event).map(drop)
+    }
+
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        // One batch at a time keeps batches of a route in order on the wire.
+        let mut link = self.link.lock().await;
+        let mut connection = match self.connection(&mut link) {
+            Ok(connection) => connection,
+            Err(e) => return events.iter().map(|_| Err(e.clone())).collect(),
+        };
+        // The relay admits events first; checking again keeps a direct caller
+        // from sending what admit() would have refused, out of key order.
+        let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
+        let published = publish::publish_batch(&mut connection, events, prepared, self.options.publish_timeout).await;
+        match &published.connection_in_doubt {
+            Some(error) => link.failed(error),
+            None => link.succeeded(),
+        }
+        published.outcomes
+    }
+
+    /// PING, then for a plain key: it must be a stream, or not exist yet (the
+    /// first XADD creates it). A template names many keys, known only per
+    /// event: for it, only connectivity is checked.
+    async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        let mut link = self.link.lock().await;
+        let mut connection = self.connection(&mut link)?;
+        let limit = self.options.publish_timeout;
+        let failed = |what: &str, e: ::redis::RedisError| {
+            codes::error(codes::redis_error_kind(&e), format!("{what} Redis: {e}"))
+        };
+        match timeout(limit, ::redis::cmd("PING").query_async::<String>(&mut connection)).await {
+            Ok(Ok(_)) => link.succeeded(),
+            Ok(Err(e)) => {
+                let error = failed("pinging", e);
+                if error.is_transient() {
+                    link.failed(&error);
+                }
+                return Err(error);
+            }
+            Err(_) => {
+                let error = SinkError::transient(format!("pinging Redis: no answer within {limit:?}"));
+                link.failed(&error);
+                return Err(error);
+            }
+        }
+        let key = route.destination.as_str();
+        if key.contains('{') {
+            return Ok(());
+        }
+        if key.is_empty() {
+            return Err(SinkError::config(format!(
+                "route {:?}: the stream key is empty; set routes[].destination",
+                route.name
+            )));
+        }
+        let kind = match timeout(
+            limit,
+            ::redis::cmd("TYPE").arg(key).query_async::<String>(&mut connection),
+        )
+        .await
+        {
+            Ok(Ok(kind)) => kind,
+            Ok(Err(e)) => return Err(failed("asking the type of a key in", e)),
+            Err(_) => {
+                let error = SinkError::transient(format!("TYPE {key:?}: no answer within {limit:?}"));
+                link.failed(&error);
+                return Err(error);
+            }
+        };
+        match kind.as_str() {
+            "stream" => Ok(()),
+            "none" => {
+                info!(route = %route.name, key, "stream does not exist yet; the first XADD creates it");
+                Ok(())
+            }
+            other => Err(SinkError::config(format!(
+                "route {:?}: key {key:?} holds a {other}, not a stream; delete it or fix routes[].destination",
+                route.name
+            ))),
+        }
+    }
+
+    async fn close(&self) {
+        // Dropping the last handle closes the multiplexed connection; nothing
+        // is left unconfirmed between batches.
+        self.link.lock().await.connection.take();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maxlen_per_route_overrides_the_default_and_zero_turns_it_off() {
+        let options = RedisOptions {
+            maxlen_default: Some(100),
+            maxlen_per_route: [("short".to_owned(), 10), ("all".to_owned(), 0)].into(),
+            ..RedisOptions::default()
+        };
+        assert_eq!(options.maxlen_for("short"), Some(10));
+        assert_eq!(options.maxlen_for("all"), None);
+        assert_eq!(options.maxlen_for("other"), Some(100));
+        assert_eq!(RedisOptions::default().maxlen_for("other"), None);
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        assert_eq!(RedisOptions::default().validate(), Ok(()));
+        let bad = |options: RedisOptions| options.validate().unwrap_err();
+        let field = |e: String| e.split(':').next().unwrap().to_owned();
+        assert_eq!(
+            field(bad(RedisOptions {
+                url: "http://x".into(),
+                ..RedisOptions::default()
+            })),
+            "url"
+        );
+        assert_eq!(
+            field(bad(RedisOptions {
+                publish_timeout: Duration::ZERO,
+                ..RedisOptions::default()
+            })),
+            "publish_timeout"
+        );
+        assert_eq!(
+            field(bad(RedisOptions {
+                maxlen_default: Some(0),
+                ..RedisOptions::default()
+            })),
+            "maxlen_default"
+        );
+        assert_eq!(
+            field(bad(RedisOptions {
+                maxlen_per_route: [("orders".to_owned(), u64::MAX)].into(),
+                ..RedisOptions::default()
+            })),
+            "maxlen_per_route.orders"
+        );
+    }
+}

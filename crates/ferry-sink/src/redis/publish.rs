@@ -1,0 +1,173 @@
+//! One pipelined batch: every XADD in one write, every reply read back, then
+//! one outcome per event.
+//!
+//! What a partial pipeline means: Redis executes a pipeline's commands in
+//! order and answers each. An error reply fails only its own XADD; the
+//! others still run. When the connection breaks (or the replies do not come
+//! within the timeout), the commands that reached Redis before the break
+//! were executed and the rest were not, but which is which is unknown: every
+//! event of the batch is reported transient and retried. The stream then
+//! holds the executed prefix twice (entry ids are `*`, so Redis cannot
+//! deduplicate); consumers deduplicate by the `id` field. A key's first
+//! occurrences stay in commit order, because the prefix is in order and the
+//! retry starts from the first failed event.
+
+use std::collections::HashMap;
+
+use ::redis::Value;
+use ::redis::aio::ConnectionManager;
+use ferry_core::{PublishOutcome, SinkError, StoredEvent};
+use std::time::Duration;
+use tokio::time::timeout;
+use tracing::debug;
+
+use super::codes;
+use super::message::Entry;
+
+pub(super) struct Published {
+    pub(super) outcomes: Vec<PublishOutcome>,
+    /// Set when the request itself failed in a way that puts the connection
+    /// in doubt; the caller then replaces it.
+    pub(super) connection_in_doubt: Option<SinkError>,
+}
+
+pub(super) async fn publish_batch(
+    connection: &mut ConnectionManager,
+    events: &[StoredEvent],
+    prepared: Vec<Result<Entry, SinkError>>,
+    publish_timeout: Duration,
+) -> Published {
+    let mut pipe = ::redis::pipe();
+    pipe.ignore_errors();
+    let mut keys = Vec::new();
+    for entry in prepared.iter().flatten() {
+        pipe.add_command(entry.command.clone());
+        keys.push(entry.stream_key.clone());
+    }
+    let mut in_doubt = false;
+    let replies: Result<Vec<Value>, SinkError> = if keys.is_empty() {
+        Ok(Vec::new())
+    } else {
+        match timeout(publish_timeout, pipe.query_async::<Vec<Value>>(connection)).await {
+            Ok(Ok(replies)) if replies.len() == keys.len() => Ok(replies),
+            Ok(Ok(replies)) => {
+                in_doubt = true;
+                Err(SinkError::transient(format!(
+                    "Redis answered {} of {} XADDs; part of the batch may be stored",
+                    replies.len(),
+                    keys.len()
+                )))
+            }
+            Ok(Err(e)) => {
+                in_doubt = e.is_io_error() || e.is_connection_dropped() || e.is_timeout();
+                Err(codes::error(
+                    codes::redis_error_kind(&e),
+                    format!("XADD pipeline to Redis failed: {e}; part of the batch may be stored"),
+                ))
+            }
+            Err(_) => {
+                in_doubt = true;
+                Err(SinkError::transient(format!(
+                    "no reply from Redis within {publish_timeout:?}; part of the batch may be stored"
+                )))
+            }
+        }
+    };
+
+    let connection_in_doubt = match (&replies, in_doubt) {
+        (Err(e), true) => Some(e.clone()),
+        _ => None,
+    };
+    let mut replies = replies.map(|r| r.into_iter().zip(keys));
+    let mut outcomes: Vec<PublishOutcome> = prepared
+        .into_iter()
+        .map(|entry| {
+            entry?;
+            match &mut replies {
+                Ok(replies) => match replies.next() {
+                    Some((Value::ServerError(e), key)) => {
+                        Err(codes::reply_error(&key, e.code(), e.details().unwrap_or("")))
+                    }
+                    Some(_) => Ok(()),
+                    None => Err(SinkError::transient("no reply for this XADD")),
+                },
+                Err(e) => Err(e.clone()),
+            }
+        })
+        .collect();
+    hold_back_after_failures(events, &mut outcomes);
+    let failed = outcomes.iter().filter(|o| o.is_err()).count();
+    debug!(events = outcomes.len(), failed, "published batch to Redis");
+    Published {
+        outcomes,
+        connection_in_doubt,
+    }
+}
+
+/// Once an event of some key failed, later events of that key in the batch
+/// are reported failed (transient) even if Redis stored them: the relay must
+/// not mark a key's later event delivered while an earlier one is not. The
+/// retry adds those entries again, as duplicates a consumer drops by `id`.
+fn hold_back_after_failures(events: &[StoredEvent], outcomes: &mut [PublishOutcome]) {
+    let mut failed: HashMap<&str, &StoredEvent> = HashMap::new();
+    for (event, outcome) in events.iter().zip(outcomes.iter_mut()) {
+        let Some(key) = event.key.as_deref() else { continue };
+        match (failed.get(key), &outcome) {
+            (Some(first), Ok(())) => {
+                *outcome = Err(SinkError::transient(format!(
+                    "held back: event {} of key {key:?} earlier in this batch failed (this entry may \
+                     be stored and will be added again on retry)",
+                    first.id
+                )));
+            }
+            (None, Err(_)) => {
+                failed.insert(key, event);
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::{ErrorKind, EventId};
+
+    fn ev(seq: i64, key: Option<&str>) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq,
+            event_type: "test.item.created".into(),
+            key: key.map(str::to_owned),
+            payload: Default::default(),
+            content_type: "application/json".into(),
+            headers: Default::default(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn later_events_of_a_failed_key_are_held_back() {
+        let events = [
+            ev(1, Some("a")),
+            ev(2, Some("b")),
+            ev(3, Some("a")),
+            ev(4, None),
+            ev(5, Some("b")),
+        ];
+        let mut outcomes = vec![
+            Err(SinkError::transient("OOM")),
+            Ok(()),
+            Ok(()),
+            Err(SinkError::transient("OOM")),
+            Ok(()),
+        ];
+        hold_back_after_failures(&events, &mut outcomes);
+        assert_eq!(outcomes[0].as_ref().unwrap_err().message, "OOM");
+        assert_eq!(outcomes[1], Ok(()));
+        let held = outcomes[2].as_ref().unwrap_err();
+        assert_eq!(held.kind, ErrorKind::Transient);
+        assert!(held.message.contains(&events[0].id.to_string()), "{held}");
+        assert_eq!(outcomes[4], Ok(()), "key b never failed; no key means no order");
+    }
+}

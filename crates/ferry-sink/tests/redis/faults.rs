@@ -1,0 +1,218 @@
+//! Faults between the sink and Redis: a closed port, a connection cut in the
+//! middle of a drain, new connections refused for a while.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_core::{ErrorKind, Sink, StoredEvent};
+use ferry_sink::redis::{RedisOptions, RedisSink};
+use ferry_testkit::proxy::Proxy;
+use ferry_testkit::sink_suite::{ARRIVAL_TIMEOUT, event};
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::support::{TestStream, expect_err, keyed, redis_url, route};
+
+fn upstream() -> SocketAddr {
+    let url = redis_url();
+    let host = url.rsplit('@').next().unwrap().trim_start_matches("redis://");
+    let host = host.split('/').next().unwrap();
+    host.parse()
+        .expect("FERRY_TEST_REDIS_URL as redis://host:port with an IP")
+}
+
+fn sink_through(addr: SocketAddr, publish_timeout: Duration) -> RedisSink {
+    RedisSink::new(RedisOptions {
+        url: format!("redis://{addr}"),
+        publish_timeout,
+        reconnect_max_delay: Duration::from_millis(400),
+        ..RedisOptions::default()
+    })
+}
+
+#[tokio::test]
+async fn an_unreachable_server_fails_fast_and_transiently() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let sink = sink_through(closed, Duration::from_secs(2));
+    let events = keyed(3, |seq| format!("k{seq}"));
+    let attempt = async {
+        for round in 0..3 {
+            let outcomes = sink.publish(&route("test", "anything"), &events).await;
+            assert_eq!(outcomes.len(), 3);
+            for outcome in &outcomes {
+                expect_err(outcome, ErrorKind::Transient, "");
+            }
+            if round == 2 {
+                // Two failures in a row: the third attempt waits out a backoff.
+                expect_err(&outcomes[0], ErrorKind::Transient, "next attempt in");
+            }
+        }
+        let err = sink.check(&route("test", "anything")).await.expect_err("unreachable");
+        assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+        sink.close().await;
+    };
+    tokio::time::timeout(Duration::from_secs(10), attempt)
+        .await
+        .expect("returned instead of hanging");
+}
+
+#[tokio::test]
+async fn a_publish_during_an_outage_fails_transiently_and_the_sink_recovers() {
+    let stream = TestStream::new("outage").await;
+    let proxy = Proxy::start(upstream()).unwrap();
+    let sink = sink_through(proxy.addr(), Duration::from_secs(2));
+    let to = route("test", &stream.key);
+    assert!(
+        sink.publish(&to, &keyed(3, |s| format!("w{s}")))
+            .await
+            .iter()
+            .all(Result::is_ok)
+    );
+
+    proxy.set_refuse(true);
+    proxy.cut();
+    let during = keyed(20, |s| format!("d{}", s % 3));
+    let outcomes = tokio::time::timeout(Duration::from_secs(20), sink.publish(&to, &during))
+        .await
+        .expect("a publish during an outage must not hang");
+    for outcome in &outcomes {
+        expect_err(outcome, ErrorKind::Transient, "");
+    }
+
+    proxy.set_refuse(false);
+    let after = keyed(10, |s| format!("a{}", s % 2));
+    let deadline = Instant::now() + ARRIVAL_TIMEOUT;
+    loop {
+        let outcomes = sink.publish(&to, &after).await;
+        if outcomes.iter().all(Result::is_ok) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never recovered: {outcomes:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stored: HashSet<String> = stream.all().await.iter().map(|m| m.id()).collect();
+    assert!(after.iter().all(|e| stored.contains(&e.id.to_string())));
+    sink.close().await;
+    stream.delete().await;
+}
+
+/// The relay's loop in miniature: publish the oldest pending events in
+/// batches; what failed stays pending, in seq order, and goes out again.
+#[tokio::test]
+async fn a_cut_mid_drain_loses_nothing_and_keeps_key_order() {
+    const EVENTS: i64 = 3000;
+    const BATCH: usize = 250;
+    let stream = TestStream::new("cut").await;
+    let proxy = Arc::new(Proxy::start(upstream()).unwrap());
+    let sink = sink_through(proxy.addr(), Duration::from_secs(3));
+    let to = route("test", &stream.key);
+    let padding = "p".repeat(1000);
+    let events: Vec<StoredEvent> = (0..EVENTS)
+        .map(|seq| {
+            event(
+                seq,
+                "test.item.created",
+                Some(&format!("k{}", seq % 7)),
+                json!({ "seq": seq, "pad": padding }),
+            )
+        })
+        .collect();
+
+    // Cut every connection once the stream holds a third of the events, keep
+    // new connections refused for a while, then cut once more later.
+    let faults = {
+        let proxy = Arc::clone(&proxy);
+        let watcher = TestStream::at(stream.key.clone()).await;
+        tokio::spawn(async move {
+            while watcher.len().await < (EVENTS as u64) / 3 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            proxy.set_refuse(true);
+            proxy.cut();
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            proxy.set_refuse(false);
+            while watcher.len().await < (EVENTS as u64) * 2 / 3 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            proxy.cut();
+        })
+    };
+
+    let mut pending: VecDeque<StoredEvent> = events.iter().cloned().collect();
+    let mut failures = 0;
+    let mut ok_reported = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !pending.is_empty() {
+        assert!(Instant::now() < deadline, "{} events never published", pending.len());
+        let batch: Vec<StoredEvent> = pending.iter().take(BATCH).cloned().collect();
+        let outcomes = sink.publish(&to, &batch).await;
+        assert_eq!(outcomes.len(), batch.len());
+        let mut failed_keys = HashSet::new();
+        let mut retry = Vec::new();
+        for (e, outcome) in batch.iter().zip(&outcomes) {
+            match outcome {
+                Ok(()) => {
+                    assert!(
+                        !failed_keys.contains(&e.key),
+                        "event {} of key {:?} confirmed after an earlier one failed",
+                        e.seq,
+                        e.key
+                    );
+                    ok_reported.insert(e.id.to_string());
+                }
+                Err(err) => {
+                    assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+                    failures += 1;
+                    failed_keys.insert(e.key.clone());
+                    retry.push(e.clone());
+                }
+            }
+        }
+        pending.drain(..batch.len());
+        for e in retry.into_iter().rev() {
+            pending.push_front(e);
+        }
+        if outcomes.iter().all(Result::is_err) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    faults.await.unwrap();
+    assert!(failures > 0, "the faults never reached the sink");
+
+    // At least once: every event is stored; a retried prefix may be stored
+    // twice. Per key, first occurrences are in commit order.
+    let stored = stream.all().await;
+    let by_id: HashMap<String, &StoredEvent> = events.iter().map(|e| (e.id.to_string(), e)).collect();
+    let mut seen = HashSet::new();
+    let mut last_seq: HashMap<&str, i64> = HashMap::new();
+    let mut duplicates = 0;
+    for entry in &stored {
+        let id = entry.id();
+        let e = by_id.get(&id).unwrap_or_else(|| panic!("unknown entry {id}"));
+        if !seen.insert(id.clone()) {
+            duplicates += 1;
+            continue;
+        }
+        let key = e.key.as_deref().unwrap();
+        if let Some(previous) = last_seq.insert(key, e.seq) {
+            assert!(
+                previous < e.seq,
+                "key {key}: seq {} first stored after seq {previous}",
+                e.seq
+            );
+        }
+    }
+    assert_eq!(seen.len(), events.len(), "{} events lost", events.len() - seen.len());
+    assert!(ok_reported.is_subset(&seen));
+    assert!(
+        duplicates <= failures,
+        "{duplicates} duplicates from {failures} failures"
+    );
+    sink.close().await;
+    stream.delete().await;
+}
