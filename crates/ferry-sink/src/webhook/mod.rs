@@ -1,0 +1,456 @@
+//! The webhook sink: one signed HTTP POST per event, CloudEvents 1.0 in
+//! structured mode, signed per the Standard Webhooks convention.
+//!
+//! Each event is POSTed to the route's destination URL (a template such as
+//! `https://hooks.example/{domain}` is allowed) with
+//! `content-type: application/cloudevents+json` and the body
+//! `{"id","type","source","time","subject","specversion":"1.0","datacontenttype","data"}`
+//! (`data_base64` instead of `data` when the payload is not JSON, no
+//! `subject` when the event has no key). The headers `webhook-id` (the event
+//! id), `webhook-timestamp` (unix seconds) and, when secrets are configured,
+//! `webhook-signature` let the receiver verify the request and drop
+//! duplicates. The event's own headers travel as HTTP headers.
+//!
+//! Only a 2xx answer counts as published. Redirects are not followed.
+//!
+//! ```no_run
+//! use std::time::{Duration, Instant};
+//! use ferry_sink::webhook::{WebhookOptions, WebhookSink};
+//!
+//! let sink = WebhookSink::new(WebhookOptions {
+//!     secrets: vec!["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into()],
+//!     timeout: Duration::from_secs(5),
+//!     ..WebhookOptions::default()
+//! })?;
+//! # Ok::<(), ferry_core::SinkError>(())
+//! ```
+
+mod client;
+mod message;
+mod signature;
+mod status;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use futures::future::join_all;
+use reqwest::header::{HeaderMap, HeaderValue};
+use tokio::sync::Semaphore;
+
+pub use message::{CONTENT_TYPE, SPEC_VERSION};
+pub use signature::{MIN_SECRET_BYTES, SECRET_PREFIX};
+pub use status::{parse_retry_after, status_kind};
+
+use crate::backoff::Backoff;
+use crate::batch::prepare_in_key_order;
+use message::Request;
+use signature::{SigningKey, signature_header};
+
+/// Limiters of idle destinations are forgotten once there are this many.
+const MAX_IDLE_LIMITERS: usize = 1024;
+/// The longest an unreachable endpoint is left alone between attempts.
+const MAX_BACKOFF: Duration = Duration::from_secs(10);
+
+/// How a [`WebhookSink`] signs and sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebhookOptions {
+    /// Signing secrets as `whsec_<base64>`. Each one adds a signature to
+    /// `webhook-signature`, so a receiver can rotate its secret. Empty (the
+    /// default) sends unsigned requests.
+    pub secrets: Vec<String>,
+    /// Bound on one request, from connecting to the end of the response.
+    /// Default 10 s.
+    pub timeout: Duration,
+    /// Requests in flight at once per destination URL. Default 8.
+    pub concurrency: usize,
+    /// Request bodies (the payload in its CloudEvents envelope) larger than
+    /// this are refused, permanently, before sending. Default 1 MiB.
+    pub max_body_bytes: usize,
+    /// The CloudEvents `source` attribute. Default `"ferry"`.
+    pub source: String,
+    /// Headers sent with every request, e.g. `Authorization`; they win over
+    /// an event's header of the same name. Default none.
+    pub headers: BTreeMap<String, String>,
+}
+
+impl Default for WebhookOptions {
+    fn default() -> Self {
+        Self {
+            secrets: Vec::new(),
+            timeout: Duration::from_secs(10),
+            concurrency: 8,
+            max_body_bytes: 1024 * 1024,
+            source: "ferry".into(),
+            headers: BTreeMap::new(),
+        }
+    }
+}
+
+/// POSTs events to HTTP endpoints.
+///
+/// Within a batch, the events of one key are sent one after another, each
+/// once the previous one was answered with a 2xx; once one fails, the later
+/// ones of its key are held back (transient) and not sent. Events of
+/// different keys, and events without a key, go out concurrently, at most
+/// `concurrency` at a time per destination URL.
+pub struct WebhookSink {
+    options: WebhookOptions,
+    keys: Vec<SigningKey>,
+    headers: HeaderMap,
+    client: reqwest::Client,
+    /// How many CA certificates were loaded; https needs at least one.
+    roots: usize,
+    limiters: Mutex<HashMap<String, Arc<Endpoint>>>,
+}
+
+/// Per destination URL: the concurrency limit, and the backoff that makes
+/// requests to an endpoint that just failed to connect fail fast instead of
+/// each waiting out its own timeout.
+struct Endpoint {
+    slots: Semaphore,
+    backoff: Mutex<Backoff>,
+}
+
+impl WebhookSink {
+    /// Validates the options (secrets, headers, limits) and builds the HTTP
+    /// client; errors are configuration errors naming the field.
+    pub fn new(options: WebhookOptions) -> Result<Self, SinkError> {
+        let keys = options
+            .secrets
+            .iter()
+            .enumerate()
+            .map(|(i, s)| SigningKey::parse(s, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let headers = message::configured_headers(&options.headers)?;
+        if options.concurrency == 0 {
+            return Err(SinkError::config(
+                "concurrency is 0; allow at least 1 request in flight",
+            ));
+        }
+        if options.timeout.is_zero() {
+            return Err(SinkError::config("timeout is 0; give a bound such as 10s"));
+        }
+        let (client, roots) = client::build(options.timeout)?;
+        Ok(Self {
+            options,
+            keys,
+            headers,
+            client,
+            roots,
+            limiters: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn options(&self) -> &WebhookOptions {
+        &self.options
+    }
+
+    fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Request, SinkError> {
+        let opts = &self.options;
+        let request = Request::prepare(route, event, &opts.source, &self.headers, opts.max_body_bytes)?;
+        if request.url.scheme() == "https" && self.roots == 0 {
+            return Err(SinkError::config(format!(
+                "route {:?}: no CA certificates were found for https; set SSL_CERT_FILE to a PEM bundle",
+                route.name
+            )));
+        }
+        Ok(request)
+    }
+
+    /// The limiter shared by every request to `url`.
+    fn limiter(&self, url: &str) -> Arc<Endpoint> {
+        let mut limiters = lock(&self.limiters);
+        if let Some(limiter) = limiters.get(url) {
+            return Arc::clone(limiter);
+        }
+        // Templated URLs can name endless destinations; forget idle ones.
+        if limiters.len() >= MAX_IDLE_LIMITERS {
+            limiters.retain(|_, l| Arc::strong_count(l) > 1);
+        }
+        let limiter = Arc::new(Endpoint {
+            slots: Semaphore::new(self.options.concurrency),
+            backoff: Mutex::new(Backoff::new(MAX_BACKOFF)),
+        });
+        limiters.insert(url.to_owned(), Arc::clone(&limiter));
+        limiter
+    }
+
+    async fn send(&self, route: &Route, request: &Request) -> PublishOutcome {
+        let endpoint = self.limiter(request.url.as_str());
+        let _permit = endpoint.slots.acquire().await.expect("limiters are never closed");
+        let backing_off = {
+            let backoff = lock(&endpoint.backoff);
+            let last = backoff.last_error().unwrap_or("unreachable").to_owned();
+            backoff.ready(Instant::now()).err().map(|wait| (wait, last))
+        };
+        if let Some((wait, last)) = backing_off {
+            return Err(SinkError::transient(format!(
+                "not sent, next attempt in {} ms; the last one failed: {last}",
+                wait.as_millis()
+            )));
+        }
+        let timestamp = chrono::Utc::now().timestamp();
+        let mut headers = request.headers.clone();
+        headers.insert("webhook-id", header_value(&request.id));
+        headers.insert("webhook-timestamp", header_value(&timestamp.to_string()));
+        if !self.keys.is_empty() {
+            let signature = signature_header(&self.keys, &request.id, timestamp, &request.body);
+            headers.insert("webhook-signature", header_value(&signature));
+        }
+        let sent = self
+            .client
+            .post(request.url.clone())
+            .headers(headers)
+            .body(request.body.clone())
+            .send()
+            .await;
+        match sent {
+            Ok(response) => {
+                lock(&endpoint.backoff).succeeded();
+                client::outcome("POST", &request.url, response).await
+            }
+            Err(e) => {
+                // A reset on a pooled connection says little about the
+                // endpoint; failing to connect or to get an answer in time does.
+                let endpoint_down = e.is_connect() || e.is_timeout();
+                let err = client::transport_error("POST", &request.url, e, &route.sink);
+                if endpoint_down {
+                    lock(&endpoint.backoff).failed(Instant::now(), err.message.clone());
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Sends one key's events in order, holding back the rest after a failure.
+    async fn send_chain(
+        &self,
+        route: &Route,
+        events: &[StoredEvent],
+        prepared: &[Result<Request, SinkError>],
+        chain: &[usize],
+    ) -> Vec<(usize, PublishOutcome)> {
+        let mut out = Vec::with_capacity(chain.len());
+        let mut failed: Option<usize> = None;
+        for &i in chain {
+            let outcome = match (&prepared[i], failed) {
+                (Err(e), _) => Err(e.clone()),
+                (Ok(_), Some(first)) => Err(SinkError::transient(format!(
+                    "held back: event {} of key {:?} earlier in this batch failed",
+                    events[first].id,
+                    events[i].key.as_deref().unwrap_or_default()
+                ))),
+                (Ok(request), None) => self.send(route, request).await,
+            };
+            if outcome.is_err() && failed.is_none() {
+                failed = Some(i);
+            }
+            out.push((i, outcome));
+        }
+        out
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Ids, timestamps and base64 signatures are visible ASCII.
+fn header_value(text: &str) -> HeaderValue {
+    HeaderValue::from_str(text).expect("visible ASCII is a valid header value")
+}
+
+/// Indices of `events` grouped by key in batch order; each keyless event is
+/// a group of its own.
+fn chains(events: &[StoredEvent]) -> Vec<Vec<usize>> {
+    let mut chains: Vec<Vec<usize>> = Vec::new();
+    let mut by_key: HashMap<&str, usize> = HashMap::new();
+    for (i, event) in events.iter().enumerate() {
+        match event.key.as_deref() {
+            Some(key) => match by_key.get(key) {
+                Some(&chain) => chains[chain].push(i),
+                None => {
+                    by_key.insert(key, chains.len());
+                    chains.push(vec![i]);
+                }
+            },
+            None => chains.push(vec![i]),
+        }
+    }
+    chains
+}
+
+impl std::fmt::Debug for WebhookSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WebhookSink")
+            .field("secrets", &self.keys.len())
+            .field("timeout", &self.options.timeout)
+            .field("concurrency", &self.options.concurrency)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl Sink for WebhookSink {
+    fn kind(&self) -> &'static str {
+        "webhook"
+    }
+
+    fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
+        self.prepare(route, event).map(drop)
+    }
+
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
+        let chains = chains(events);
+        let sent = join_all(
+            chains
+                .iter()
+                .map(|chain| self.send_chain(route, events, &prepared, chain)),
+        )
+        .await;
+        let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
+        for (i, outcome) in sent.into_iter().flatten() {
+            outcomes[i] = Some(outcome);
+        }
+        outcomes
+            .into_iter()
+            .map(|o| o.expect("every event belongs to one chain"))
+            .collect()
+    }
+
+    /// A fixed URL is checked with a `HEAD` request: any HTTP answer, even
+    /// 404 or 405, shows the receiver is reachable; only a transport failure
+    /// (refused, timed out, TLS) fails the check. A template is only checked
+    /// for being an http(s) URL, since its host may depend on the event.
+    async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        let destination = route.destination.as_str();
+        if destination.contains('{') {
+            let scheme = destination.split("://").next().unwrap_or_default();
+            return if matches!(scheme, "http" | "https") {
+                Ok(())
+            } else {
+                Err(SinkError::config(format!(
+                    "route {:?}: destination {:?} must start with http:// or https:// \
+                     (routes[].destination)",
+                    route.name,
+                    message::redact(destination)
+                )))
+            };
+        }
+        let url = message::parse_url(destination).map_err(|problem| {
+            SinkError::config(format!(
+                "route {:?}: destination {:?} {problem}; routes[].destination must be an http:// or \
+                 https:// URL",
+                route.name,
+                message::redact(destination)
+            ))
+        })?;
+        if url.scheme() == "https" && self.roots == 0 {
+            return Err(SinkError::config(
+                "no CA certificates were found for https; set SSL_CERT_FILE to a PEM bundle",
+            ));
+        }
+        match self.client.head(url.clone()).headers(self.headers.clone()).send().await {
+            Ok(response) => {
+                tracing::info!(
+                    route = %route.name,
+                    url = %message::redact(url.as_str()),
+                    status = %response.status(),
+                    "webhook endpoint reachable (HEAD answered)"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                let err = client::transport_error("HEAD", &url, e, &route.sink);
+                Err(SinkError::transient(format!(
+                    "route {:?}: the webhook endpoint is unreachable: {}; start the receiver or fix \
+                     routes[].destination",
+                    route.name, err.message
+                )))
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::{ErrorKind, EventId};
+
+    fn ev(key: Option<&str>) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq: 0,
+            event_type: "a.b".into(),
+            key: key.map(str::to_owned),
+            payload: Default::default(),
+            content_type: "application/json".into(),
+            headers: Default::default(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn chains_keep_key_order_and_split_keyless_events() {
+        let events = [
+            ev(Some("a")),
+            ev(None),
+            ev(Some("b")),
+            ev(Some("a")),
+            ev(None),
+            ev(Some("b")),
+        ];
+        assert_eq!(chains(&events), vec![vec![0, 3], vec![1], vec![2, 5], vec![4]]);
+    }
+
+    #[test]
+    fn options_are_validated_naming_the_field() {
+        let err = WebhookSink::new(WebhookOptions {
+            secrets: vec!["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into(), "nope".into()],
+            ..WebhookOptions::default()
+        })
+        .unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Config);
+        assert!(err.message.starts_with("secrets[1]"), "{err}");
+        let err = WebhookSink::new(WebhookOptions {
+            concurrency: 0,
+            ..WebhookOptions::default()
+        })
+        .unwrap_err();
+        assert!(err.message.starts_with("concurrency"), "{err}");
+        let err = WebhookSink::new(WebhookOptions {
+            timeout: Duration::ZERO,
+            ..WebhookOptions::default()
+        })
+        .unwrap_err();
+        assert!(err.message.starts_with("timeout"), "{err}");
+        let err = WebhookSink::new(WebhookOptions {
+            headers: [("bad header".to_owned(), "x".to_owned())].into(),
+            ..WebhookOptions::default()
+        })
+        .unwrap_err();
+        assert!(err.message.starts_with("headers.bad header"), "{err}");
+        assert!(WebhookSink::new(WebhookOptions::default()).is_ok());
+    }
+
+    #[test]
+    fn idle_limiters_are_forgotten() {
+        let sink = WebhookSink::new(WebhookOptions::default()).unwrap();
+        let held = sink.limiter("http://h/held");
+        for i in 0..MAX_IDLE_LIMITERS + 10 {
+            sink.limiter(&format!("http://h/{i}"));
+        }
+        assert!(sink.limiters.lock().unwrap().len() <= MAX_IDLE_LIMITERS);
+        assert!(
+            Arc::ptr_eq(&held, &sink.limiter("http://h/held")),
+            "a limiter in use was dropped"
+        );
+    }
+}

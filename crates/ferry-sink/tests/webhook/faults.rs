@@ -1,0 +1,171 @@
+//! Faults between the sink and the receiver: a receiver that is down for a
+//! while mid-drain, and one that never answers.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use ferry_core::{ErrorKind, Sink, StoredEvent};
+use ferry_sink::webhook::WebhookOptions;
+use ferry_testkit::proxy::Proxy;
+
+use crate::receiver::Receiver;
+use crate::{SECRET, closed_port_url, expect_err, keyed, route, sink};
+
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// Polls `condition` until it holds; panics naming `what` after `DEADLINE`.
+async fn until(what: &str, condition: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_receiver_down_mid_drain_loses_nothing() {
+    let receiver = Receiver::start(&[SECRET]).await;
+    let proxy = Proxy::start(receiver.addr()).unwrap();
+    let sink = Arc::new(sink(WebhookOptions {
+        timeout: Duration::from_secs(5),
+        ..WebhookOptions::default()
+    }));
+    let to = route(&format!("http://{}/hook", proxy.addr()));
+    let events = keyed(3000, |seq| format!("k{}", seq % 10));
+    let failures = Arc::new(AtomicUsize::new(0));
+
+    // The relay's part: publish in batches of 100 in outbox order, keep what
+    // failed at the front, pause briefly after a failed round.
+    let drain = tokio::spawn({
+        let (sink, to, failures) = (Arc::clone(&sink), to.clone(), Arc::clone(&failures));
+        let mut pending: VecDeque<StoredEvent> = events.iter().cloned().collect();
+        async move {
+            let deadline = tokio::time::Instant::now() + DEADLINE;
+            while !pending.is_empty() {
+                assert!(tokio::time::Instant::now() < deadline, "the drain never finished");
+                let n = pending.len().min(100);
+                let batch: Vec<StoredEvent> = pending.drain(..n).collect();
+                let outcomes = sink.publish(&to, &batch).await;
+                assert_eq!(outcomes.len(), batch.len());
+                let failed: Vec<StoredEvent> = batch
+                    .into_iter()
+                    .zip(&outcomes)
+                    .filter(|(_, o)| o.is_err())
+                    .map(|(e, _)| e)
+                    .collect();
+                for outcome in outcomes.iter().filter(|o| o.is_err()) {
+                    expect_err(outcome, ErrorKind::Transient, "");
+                }
+                if !failed.is_empty() {
+                    failures.fetch_add(failed.len(), Ordering::SeqCst);
+                    for e in failed.into_iter().rev() {
+                        pending.push_front(e);
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    });
+
+    // A third in: requests start hanging in the receiver, then the network
+    // goes: live connections are reset and new ones refused.
+    until("a third of the events", || receiver.count() >= 1000).await;
+    receiver.set_gate(false);
+    until("a request stuck in the receiver", || receiver.in_flight() > 0).await;
+    proxy.set_refuse(true);
+    proxy.cut();
+    until("failed publishes during the outage", || {
+        failures.load(Ordering::SeqCst) >= 50
+    })
+    .await;
+    receiver.set_gate(true);
+    proxy.set_refuse(false);
+    drain.await.expect("the drain panicked");
+
+    let received = receiver.all();
+    let wanted: HashSet<String> = events.iter().map(|e| e.id.to_string()).collect();
+    let mut first_seen: HashSet<String> = HashSet::new();
+    let mut last_seq: HashMap<String, i64> = HashMap::new();
+    for r in &received {
+        assert!(wanted.contains(&r.id), "an unknown event {}", r.id);
+        assert_eq!(r.signed_with, vec![true], "a bad signature on {}", r.id);
+        // A request cut after the receiver took it is sent again: a
+        // duplicate, which the receiver drops by webhook-id. A first arrival
+        // must come after every earlier event of its key.
+        if first_seen.insert(r.id.clone())
+            && let Some(previous) = last_seq.insert(r.key().unwrap(), r.seq())
+        {
+            assert!(
+                previous < r.seq(),
+                "key {:?}: seq {} after {previous}",
+                r.key(),
+                r.seq()
+            );
+        }
+    }
+    let lost = wanted.difference(&first_seen).count();
+    assert_eq!(lost, 0, "{lost} events never arrived");
+    assert!(failures.load(Ordering::SeqCst) > 0);
+    let duplicates = received.len() - first_seen.len();
+    println!(
+        "{} events, {} failed publishes, {duplicates} duplicates",
+        events.len(),
+        failures.load(Ordering::SeqCst)
+    );
+}
+
+#[tokio::test]
+async fn a_receiver_that_never_answers_times_out_transiently() {
+    let receiver = Receiver::start(&[SECRET]).await;
+    let sink = sink(WebhookOptions {
+        timeout: Duration::from_millis(300),
+        ..WebhookOptions::default()
+    });
+    let to = route(&receiver.url("/hook"));
+    receiver.set_gate(false);
+    let stalled = keyed(1, |_| "k".into());
+    let outcomes = tokio::time::timeout(Duration::from_secs(10), sink.publish(&to, &stalled))
+        .await
+        .expect("bounded by the timeout");
+    expect_err(&outcomes[0], ErrorKind::Transient, "timed out (sinks.web.timeout)");
+    // Right after, the endpoint is left alone instead of waiting out
+    // another timeout per event.
+    let outcomes = sink.publish(&to, &keyed(3, |seq| format!("n{seq}"))).await;
+    for outcome in &outcomes {
+        expect_err(outcome, ErrorKind::Transient, "not sent, next attempt in");
+    }
+
+    receiver.set_gate(true);
+    let after = keyed(5, |seq| format!("a{seq}"));
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut pending = after.clone();
+    while !pending.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "never recovered");
+        let outcomes = sink.publish(&to, &pending).await;
+        pending = pending
+            .into_iter()
+            .zip(&outcomes)
+            .filter(|(_, o)| o.is_err())
+            .map(|(e, _)| e)
+            .collect();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_closed_port_fails_every_event_transiently_and_fast() {
+    let sink = sink(WebhookOptions::default());
+    let events = keyed(20, |seq| format!("k{}", seq % 4));
+    let outcomes = tokio::time::timeout(
+        Duration::from_secs(5),
+        sink.publish(&route(&closed_port_url()), &events),
+    )
+    .await
+    .expect("returned promptly");
+    for outcome in &outcomes {
+        expect_err(outcome, ErrorKind::Transient, "");
+    }
+    expect_err(&outcomes[0], ErrorKind::Transient, "could not connect");
+}
