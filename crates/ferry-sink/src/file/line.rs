@@ -1,0 +1,175 @@
+//! The JSON line written per event: the same fields, in the same order, as
+//! the stdout sink's, so tools reading either read both.
+
+use chrono::SecondsFormat;
+use ferry_core::{Headers, Route, StoredEvent};
+use serde::Serialize;
+
+#[derive(Serialize)]
+struct Line<'a> {
+    id: String,
+    #[serde(rename = "type")]
+    event_type: &'a str,
+    key: Option<&'a str>,
+    time: String,
+    source: &'static str,
+    route: &'a str,
+    destination: &'a str,
+    content_type: &'a str,
+    headers: &'a Headers,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data: Option<serde_json::Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    data_base64: Option<String>,
+}
+
+/// One event as a JSON line ending in `\n`; `destination` is the rendered path.
+pub(crate) fn render(route: &Route, event: &StoredEvent, destination: &str) -> Vec<u8> {
+    let data = is_json(&event.content_type)
+        .then(|| serde_json::from_slice::<serde_json::Value>(&event.payload).ok())
+        .flatten();
+    let line = Line {
+        id: event.id.to_string(),
+        event_type: &event.event_type,
+        key: event.key.as_deref(),
+        time: event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true),
+        source: "ferry",
+        route: &route.name,
+        destination,
+        content_type: &event.content_type,
+        headers: &event.headers,
+        data_base64: data.is_none().then(|| base64(&event.payload)),
+        data,
+    };
+    // Compact output escapes the payload's own newlines: one event, one line.
+    let mut bytes = serde_json::to_vec(&line).expect("a JSON line serialises");
+    bytes.push(b'\n');
+    bytes
+}
+
+/// `application/json`, or any `+json` type, ignoring parameters and case.
+fn is_json(content_type: &str) -> bool {
+    let essence = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    essence == "application/json" || essence.ends_with("+json")
+}
+
+/// Standard base64 with padding (RFC 4648 section 4). The `file` feature
+/// carries no base64 dependency, and the stdout sink's encoder is private.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use ferry_core::{EventId, Glob};
+
+    fn route(destination: &str) -> Route {
+        Route {
+            name: "audit".into(),
+            matcher: Glob::new("**").unwrap(),
+            sink: "out".into(),
+            destination: destination.into(),
+            routing_key: None,
+        }
+    }
+
+    fn event(payload: &'static [u8], content_type: &str) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq: 1,
+            event_type: "order.item.created".into(),
+            key: Some("o-1".into()),
+            payload: Bytes::from_static(payload),
+            content_type: content_type.into(),
+            headers: [("tenant".to_owned(), "acme".to_owned())].into(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn base64_matches_rfc_4648_vectors() {
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(plain.as_bytes()), encoded, "{plain}");
+        }
+    }
+
+    #[test]
+    fn one_line_per_event_with_data_or_data_base64() {
+        let e = event(b"{\"note\":\"two\\nlines\"}", "application/json");
+        let line = render(&route("/x"), &e, "/x");
+        assert_eq!(line.iter().filter(|b| **b == b'\n').count(), 1);
+        let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(v["data"]["note"], "two\nlines");
+        assert_eq!(v["destination"], "/x");
+        let v: serde_json::Value = serde_json::from_slice(&render(
+            &route("/x"),
+            &event(b"\x00raw", "application/octet-stream"),
+            "/x",
+        ))
+        .unwrap();
+        assert_eq!(v["data_base64"], "AHJhdw==");
+        assert!(v.get("data").is_none());
+    }
+
+    /// The stdout sink's lines and these must not drift apart.
+    #[cfg(feature = "stdout")]
+    #[tokio::test]
+    async fn lines_match_the_stdout_sinks_byte_for_byte() {
+        use std::io::Write;
+        use std::sync::{Arc, Mutex};
+
+        use ferry_core::Sink;
+
+        #[derive(Clone, Default)]
+        struct Capture(Arc<Mutex<Vec<u8>>>);
+        impl Write for Capture {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+
+        let capture = Capture::default();
+        let stdout = crate::stdout::StdoutSink::with_writer(Box::new(capture.clone()));
+        let r = route("events/{domain}.jsonl");
+        let events = [
+            event(b"{\"n\":1}", "application/json"),
+            event(b"\x00raw", "application/octet-stream"),
+        ];
+        assert!(stdout.publish(&r, &events).await.iter().all(Result::is_ok));
+        let ours: Vec<u8> = events
+            .iter()
+            .flat_map(|e| render(&r, e, "events/order.jsonl"))
+            .collect();
+        assert_eq!(
+            String::from_utf8(ours).unwrap(),
+            String::from_utf8(capture.0.lock().unwrap().clone()).unwrap()
+        );
+    }
+}

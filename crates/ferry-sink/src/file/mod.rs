@@ -1,0 +1,312 @@
+//! The file sink: one JSON line per event appended to a file, synced to disk
+//! before a batch is reported published, rotated by size.
+//!
+//! The line format is the stdout sink's: `{"id", "type", "key", "time",
+//! "source", "route", "destination", "content_type", "headers", "data" |
+//! "data_base64"}`, where `destination` is the rendered file path.
+//!
+//! ```no_run
+//! use ferry_sink::file::{FileOptions, FileSink};
+//!
+//! let sink = FileSink::new(FileOptions {
+//!     max_file_bytes: 10 * 1024 * 1024,
+//! })?;
+//! # Ok::<(), ferry_core::SinkError>(())
+//! ```
+
+mod line;
+mod writer;
+
+use std::io;
+use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
+
+use crate::batch::prepare_in_key_order;
+
+/// How a [`FileSink`] writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileOptions {
+    /// A file is rotated before a line would take it past this size: it is
+    /// renamed to `<name>.<UTC timestamp>.<n>` (e.g.
+    /// `events.jsonl.20261130T082231Z.1`, `n` counting from 1 within the
+    /// second) and a new file is started. A line is never split; an event
+    /// whose line alone exceeds the limit is refused (permanent).
+    /// Default 100 MiB.
+    pub max_file_bytes: u64,
+}
+
+impl Default for FileOptions {
+    fn default() -> Self {
+        Self {
+            max_file_bytes: 100 * 1024 * 1024,
+        }
+    }
+}
+
+/// Appends events as JSON lines to the route's destination path (a template
+/// such as `/var/log/ferry/{domain}.jsonl` is allowed).
+///
+/// A batch is written in order and each file it touched is synced
+/// (`sync_data`, plus the directory when a file was created or rotated)
+/// before any event is reported published. If a write or a sync fails, every
+/// event of the batch fails (transient): lines written before the failure
+/// stay in the file, so a retried event can appear twice. Readers drop
+/// duplicates by `id`.
+pub struct FileSink {
+    options: FileOptions,
+    /// One batch at a time, so concurrent batches never interleave a file.
+    lock: Arc<Mutex<()>>,
+}
+
+impl FileSink {
+    pub fn new(options: FileOptions) -> Result<Self, SinkError> {
+        if options.max_file_bytes == 0 {
+            return Err(SinkError::config(
+                "max_file_bytes is 0; give a size such as 104857600 (100 MiB)",
+            ));
+        }
+        Ok(Self {
+            options,
+            lock: Arc::new(Mutex::new(())),
+        })
+    }
+
+    pub fn options(&self) -> &FileOptions {
+        &self.options
+    }
+
+    fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<(PathBuf, Vec<u8>), SinkError> {
+        let path = destination_path(route, event)?;
+        let line = line::render(route, event, &path.to_string_lossy());
+        if line.len() as u64 > self.options.max_file_bytes {
+            return Err(SinkError::permanent(format!(
+                "the event's line is {} bytes, more than a whole file may hold ({} bytes, \
+                 sinks.{}.max_file_bytes)",
+                line.len(),
+                self.options.max_file_bytes,
+                route.sink
+            )));
+        }
+        Ok((path, line))
+    }
+}
+
+impl std::fmt::Debug for FileSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileSink").field("options", &self.options).finish()
+    }
+}
+
+/// Renders the destination. A value substituted into a template may not add
+/// path separators or `..`, so an event's key cannot write outside the
+/// directory the operator chose.
+fn destination_path(route: &Route, event: &StoredEvent) -> Result<PathBuf, SinkError> {
+    let template = &route.destination;
+    let rendered = render_template(template, event);
+    let last = rendered.rsplit('/').next().unwrap_or_default();
+    let problem = if matches!(last, "" | "." | "..") {
+        Some("does not name a file")
+    } else if rendered.contains('\0') {
+        Some("contains a NUL byte")
+    } else if rendered.matches('/').count() != template.matches('/').count()
+        || Path::new(&rendered).components().any(|c| c == Component::ParentDir)
+            && !Path::new(template).components().any(|c| c == Component::ParentDir)
+    {
+        Some("has a template value that adds a directory (a \"/\" or \"..\" in the event's type or key)")
+    } else {
+        None
+    };
+    let Some(problem) = problem else {
+        return Ok(PathBuf::from(rendered));
+    };
+    let message = format!(
+        "route {:?}: the file path {rendered:?} {problem}; fix routes[].destination",
+        route.name
+    );
+    if template.contains('{') {
+        Err(SinkError::permanent(message))
+    } else {
+        Err(SinkError::config(message))
+    }
+}
+
+#[async_trait]
+impl Sink for FileSink {
+    fn kind(&self) -> &'static str {
+        "file"
+    }
+
+    fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
+        self.prepare(route, event).map(drop)
+    }
+
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        if events.is_empty() {
+            return Vec::new();
+        }
+        let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
+        let lines: Vec<(PathBuf, Vec<u8>)> = prepared.iter().filter_map(|p| p.as_ref().ok().cloned()).collect();
+        let written = if lines.is_empty() {
+            Ok(())
+        } else {
+            let lock = Arc::clone(&self.lock);
+            let max = self.options.max_file_bytes;
+            // A slow disk must stall a blocking-pool thread, not the runtime.
+            let task = tokio::task::spawn_blocking(move || {
+                let _one_batch_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
+                let refs: Vec<(&Path, &[u8])> = lines.iter().map(|(p, l)| (p.as_path(), l.as_slice())).collect();
+                writer::write_lines(&refs, max, chrono::Utc::now())
+                    .map_err(|e| format!("writing {}: {}", e.path.display(), e.error))
+            });
+            task.await
+                .unwrap_or_else(|e| Err(format!("the file writer task failed: {e}")))
+                .map_err(|message| {
+                    SinkError::transient(format!("{message}; nothing in this batch is reported written"))
+                })
+        };
+        prepared
+            .into_iter()
+            .map(|p| match (p, &written) {
+                (Err(e), _) => Err(e),
+                (Ok(_), Ok(())) => Ok(()),
+                (Ok(_), Err(e)) => Err(e.clone()),
+            })
+            .collect()
+    }
+
+    /// The destination's directory exists and a file can be created in it.
+    /// A template whose directory depends on the event is not checked.
+    async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        let path = PathBuf::from(&route.destination);
+        let dir = writer::parent(&path).to_owned();
+        if dir.to_string_lossy().contains('{') {
+            return Ok(());
+        }
+        let name = route.name.clone();
+        let static_path = (!route.destination.contains('{')).then_some(path);
+        tokio::task::spawn_blocking(move || check_dir(&name, &dir, static_path.as_deref()))
+            .await
+            .unwrap_or_else(|e| Err(SinkError::transient(format!("the file check task failed: {e}"))))
+    }
+}
+
+fn check_dir(route: &str, dir: &Path, path: Option<&Path>) -> Result<(), SinkError> {
+    let fix = "create it or fix routes[].destination";
+    match std::fs::metadata(dir) {
+        Ok(meta) if meta.is_dir() => {}
+        Ok(_) => {
+            return Err(SinkError::config(format!(
+                "route {route:?}: {} is not a directory; {fix}",
+                dir.display()
+            )));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Err(SinkError::config(format!(
+                "route {route:?}: the directory {} does not exist; {fix}",
+                dir.display()
+            )));
+        }
+        Err(e) => return Err(io_error(route, dir, "cannot be read", &e)),
+    }
+    if let Some(path) = path
+        && path.is_dir()
+    {
+        return Err(SinkError::config(format!(
+            "route {route:?}: {} is a directory, not a file; {fix}",
+            path.display()
+        )));
+    }
+    // Permissions alone do not tell (root, ACLs, read-only mounts): try it.
+    let probe = dir.join(format!(".ferry-check-{}-{}", std::process::id(), uuid_like()));
+    let created = std::fs::OpenOptions::new().write(true).create_new(true).open(&probe);
+    match created {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(e) => Err(io_error(route, dir, "is not writable", &e)),
+    }
+}
+
+fn io_error(route: &str, dir: &Path, what: &str, e: &io::Error) -> SinkError {
+    let message = format!(
+        "route {route:?}: the directory {} {what} ({e}); fix its permissions or routes[].destination",
+        dir.display()
+    );
+    if e.kind() == io::ErrorKind::PermissionDenied || e.raw_os_error() == Some(30) {
+        SinkError::config(message)
+    } else {
+        SinkError::transient(message)
+    }
+}
+
+/// A name unlikely to collide with a concurrent check's probe.
+fn uuid_like() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::{ErrorKind, EventId, Glob};
+
+    fn route(destination: &str) -> Route {
+        Route {
+            name: "audit".into(),
+            matcher: Glob::new("**").unwrap(),
+            sink: "files".into(),
+            destination: destination.into(),
+            routing_key: None,
+        }
+    }
+
+    fn event(key: &str) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq: 1,
+            event_type: "order.item.created".into(),
+            key: Some(key.into()),
+            payload: bytes::Bytes::from_static(b"{}"),
+            content_type: "application/json".into(),
+            headers: Default::default(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn templates_cannot_escape_their_directory() {
+        let ok = destination_path(&route("/var/ferry/{domain}-{key}.jsonl"), &event("o-1")).unwrap();
+        assert_eq!(ok, PathBuf::from("/var/ferry/order-o-1.jsonl"));
+        assert!(destination_path(&route("../out/x.jsonl"), &event("k")).is_ok());
+        for key in ["../../etc/passwd", "a/b", "..", "."] {
+            let err = destination_path(&route("/var/ferry/{key}"), &event(key)).unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Permanent, "{key}");
+            assert!(err.message.contains("routes[].destination"), "{}", err.message);
+        }
+        let err = destination_path(&route("/var/ferry/"), &event("k")).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Config);
+    }
+
+    #[test]
+    fn options_and_line_limits() {
+        assert_eq!(
+            FileSink::new(FileOptions { max_file_bytes: 0 }).unwrap_err().kind,
+            ErrorKind::Config
+        );
+        let sink = FileSink::new(FileOptions { max_file_bytes: 50 }).unwrap();
+        let err = sink.admit(&route("/tmp/x"), &event("k")).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert!(err.message.contains("sinks.files.max_file_bytes"), "{}", err.message);
+        assert!(
+            FileSink::new(FileOptions::default())
+                .unwrap()
+                .admit(&route("/tmp/x"), &event("k"))
+                .is_ok()
+        );
+    }
+}

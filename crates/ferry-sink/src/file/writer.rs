@@ -1,0 +1,157 @@
+//! Appending a batch's lines to their files: rotation by size, then one
+//! `sync_data` per file touched. Blocking; runs on tokio's blocking pool.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use chrono::{DateTime, Utc};
+
+/// An open destination file and how many bytes it holds.
+struct Open {
+    writer: BufWriter<File>,
+    size: u64,
+}
+
+impl Open {
+    fn append(path: &Path, created: &mut BTreeSet<PathBuf>) -> io::Result<Self> {
+        if !path.exists() {
+            created.insert(parent(path).to_owned());
+        }
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        let size = file.metadata()?.len();
+        Ok(Self {
+            writer: BufWriter::with_capacity(64 * 1024, file),
+            size,
+        })
+    }
+
+    fn sync(&mut self) -> io::Result<()> {
+        self.writer.flush()?;
+        self.writer.get_ref().sync_data()
+    }
+}
+
+/// A failure, with the file it happened on.
+#[derive(Debug)]
+pub(crate) struct WriteError {
+    pub(crate) path: PathBuf,
+    pub(crate) error: io::Error,
+}
+
+/// Appends `lines` (each with its file) in order. A line never straddles two
+/// files: when it would take a non-empty file past `max_file_bytes`, the file
+/// is rotated first. Returns only once every touched file, and the directory
+/// of every created or renamed one, is synced.
+pub(crate) fn write_lines(lines: &[(&Path, &[u8])], max_file_bytes: u64, now: DateTime<Utc>) -> Result<(), WriteError> {
+    let mut open: HashMap<&Path, Open> = HashMap::new();
+    let mut dirs: BTreeSet<PathBuf> = BTreeSet::new();
+    let at = |path: &Path| {
+        let path = path.to_owned();
+        move |error| WriteError { path, error }
+    };
+    for &(path, line) in lines {
+        if !open.contains_key(path) {
+            open.insert(path, Open::append(path, &mut dirs).map_err(at(path))?);
+        }
+        let file = open.get_mut(path).expect("opened above");
+        let len = line.len() as u64;
+        if file.size > 0 && file.size + len > max_file_bytes {
+            file.sync().map_err(at(path))?;
+            fs::rename(path, rotated_name(path, now)).map_err(at(path))?;
+            dirs.insert(parent(path).to_owned());
+            *file = Open::append(path, &mut dirs).map_err(at(path))?;
+        }
+        file.writer.write_all(line).map_err(at(path))?;
+        file.size += len;
+    }
+    for (path, file) in &mut open {
+        file.sync().map_err(at(path))?;
+    }
+    for dir in dirs {
+        sync_dir(&dir).map_err(at(&dir))?;
+    }
+    Ok(())
+}
+
+/// `<name>.<UTC timestamp>.<n>` beside `path`, with the smallest `n` from 1
+/// not yet taken.
+pub(crate) fn rotated_name(path: &Path, now: DateTime<Utc>) -> PathBuf {
+    let stamp = now.format("%Y%m%dT%H%M%SZ");
+    let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+    (1u64..)
+        .map(|n| path.with_file_name(format!("{name}.{stamp}.{n}")))
+        .find(|candidate| !candidate.exists())
+        .expect("some suffix is free")
+}
+
+pub(crate) fn parent(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+/// Makes a created or renamed directory entry durable.
+#[cfg(unix)]
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(not(unix))]
+fn sync_dir(_dir: &Path) -> io::Result<()> {
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotated_names_take_the_next_free_number() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let now = DateTime::parse_from_rfc3339("2026-11-30T08:22:31Z").unwrap().to_utc();
+        let first = rotated_name(&path, now);
+        assert_eq!(first, dir.path().join("events.jsonl.20261130T082231Z.1"));
+        fs::write(&first, b"").unwrap();
+        assert_eq!(
+            rotated_name(&path, now),
+            dir.path().join("events.jsonl.20261130T082231Z.2")
+        );
+    }
+
+    #[test]
+    fn rotation_keeps_lines_whole_and_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        let now = Utc::now();
+        let lines: Vec<Vec<u8>> = (0..10).map(|i| format!("line-{i}\n").into_bytes()).collect();
+        let batch: Vec<(&Path, &[u8])> = lines.iter().map(|l| (path.as_path(), l.as_slice())).collect();
+        // Each line is 7 bytes: two fit in 15, a third would not.
+        write_lines(&batch, 15, now).unwrap();
+        let mut files: Vec<PathBuf> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect();
+        files.sort_by_key(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let n: u64 = name.rsplit('.').next().unwrap().parse().unwrap_or(u64::MAX);
+            n
+        });
+        assert_eq!(files.len(), 5, "{files:?}");
+        let all: String = files.iter().map(|f| fs::read_to_string(f).unwrap()).collect();
+        let expected: String = lines.iter().map(|l| String::from_utf8_lossy(l).into_owned()).collect();
+        assert_eq!(all, expected);
+        for f in &files {
+            assert!(fs::metadata(f).unwrap().len() <= 15, "{f:?}");
+        }
+    }
+
+    #[test]
+    fn a_directory_in_the_way_is_an_error_naming_the_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("taken");
+        fs::create_dir(&path).unwrap();
+        let err = write_lines(&[(path.as_path(), b"x\n")], 100, Utc::now()).unwrap_err();
+        assert_eq!(err.path, path);
+    }
+}

@@ -1,0 +1,249 @@
+//! The file sink, writing into a temporary directory and read back.
+#![cfg(feature = "file")]
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ferry_core::{ErrorKind, Glob, PublishOutcome, Route, Sink, StoredEvent};
+use ferry_sink::file::{FileOptions, FileSink};
+use ferry_testkit::sink_suite::{self, ReceivedMessage, SinkHarness, event};
+use serde_json::{Value, json};
+
+fn route(destination: &Path) -> Route {
+    Route {
+        name: "audit".into(),
+        matcher: Glob::new("**").unwrap(),
+        sink: "files".into(),
+        destination: destination.to_string_lossy().into_owned(),
+        routing_key: None,
+    }
+}
+
+fn sink(max_file_bytes: u64) -> FileSink {
+    FileSink::new(FileOptions { max_file_bytes }).unwrap()
+}
+
+/// The files of `base` (`<dir>/<name>`) in write order: rotated ones by
+/// timestamp and number, then the current file.
+fn files(base: &Path) -> Vec<PathBuf> {
+    let name = base.file_name().unwrap().to_string_lossy().into_owned();
+    let mut rotated: Vec<(String, u64, PathBuf)> = Vec::new();
+    let mut current = None;
+    for entry in fs::read_dir(base.parent().unwrap()).unwrap() {
+        let path = entry.unwrap().path();
+        let file = path.file_name().unwrap().to_string_lossy().into_owned();
+        if file == name {
+            current = Some(path);
+        } else if let Some(rest) = file.strip_prefix(&format!("{name}.")) {
+            let (stamp, n) = rest.split_once('.').expect("<timestamp>.<n>");
+            assert_eq!(stamp.len(), 16, "a UTC timestamp such as 20261130T082231Z: {file}");
+            rotated.push((stamp.to_owned(), n.parse().expect("a number"), path));
+        }
+    }
+    rotated.sort();
+    rotated.into_iter().map(|(_, _, p)| p).chain(current).collect()
+}
+
+/// Every line of every file of `base`, in order; panics on a partial line.
+fn lines(base: &Path) -> Vec<Value> {
+    let mut out = Vec::new();
+    for file in files(base) {
+        let text = fs::read_to_string(&file).unwrap();
+        assert!(text.is_empty() || text.ends_with('\n'), "a partial line in {file:?}");
+        for line in text.lines() {
+            out.push(serde_json::from_str(line).unwrap_or_else(|e| panic!("{file:?}: {e}: {line}")));
+        }
+    }
+    out
+}
+
+fn expect_err(outcome: &PublishOutcome, kind: ErrorKind, text: &str) {
+    match outcome {
+        Ok(()) => panic!("reported written; expected a {kind} error mentioning {text:?}"),
+        Err(e) => {
+            assert_eq!(e.kind, kind, "{e}");
+            assert!(e.message.contains(text), "{e} should mention {text:?}");
+        }
+    }
+}
+
+struct Harness {
+    base: PathBuf,
+    missing: PathBuf,
+    read: Mutex<usize>,
+}
+
+#[async_trait]
+impl SinkHarness for Harness {
+    fn route(&self) -> Route {
+        route(&self.base)
+    }
+    fn missing_route(&self) -> Option<Route> {
+        Some(route(&self.missing))
+    }
+    async fn received(&self, n: usize, _timeout: Duration) -> Vec<ReceivedMessage> {
+        // publish() returns after the sync, so everything is already there.
+        let all = if self.base.exists() {
+            lines(&self.base)
+        } else {
+            Vec::new()
+        };
+        let mut read = self.read.lock().unwrap();
+        let new: Vec<ReceivedMessage> = all[*read..]
+            .iter()
+            .take(n)
+            .map(|line| ReceivedMessage {
+                id: line["id"].as_str().expect("an id").to_owned(),
+                key: line["key"].as_str().map(str::to_owned),
+                body: serde_json::to_vec(&line["data"]).unwrap(),
+            })
+            .collect();
+        *read += new.len();
+        new
+    }
+}
+
+#[tokio::test]
+async fn passes_the_sink_conformance_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let harness = Harness {
+        base: dir.path().join("events.jsonl"),
+        missing: dir.path().join("no-such-dir").join("events.jsonl"),
+        read: Mutex::new(0),
+    };
+    let sink = sink(64 * 1024);
+    sink_suite::run(&sink, &harness).await;
+    sink.close().await;
+}
+
+#[tokio::test]
+async fn rotation_splits_files_between_lines_and_keeps_every_event_once_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("events.jsonl");
+    let max = 4096;
+    let sink = sink(max);
+    let events: Vec<StoredEvent> = (0..600)
+        .map(|seq| {
+            let key = format!("k{}", seq % 7);
+            // Varying sizes, so lines end at varying offsets.
+            event(
+                seq,
+                "test.item.created",
+                Some(&key),
+                json!({ "seq": seq, "pad": "p".repeat((seq % 13) as usize * 20) }),
+            )
+        })
+        .collect();
+    for batch in events.chunks(45) {
+        let outcomes = sink.publish(&route(&base), batch).await;
+        assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    }
+    let written = files(&base);
+    assert!(written.len() >= 5, "only {} files", written.len());
+    for file in &written {
+        let size = fs::metadata(file).unwrap().len();
+        assert!(size <= max, "{file:?} is {size} bytes, over {max}");
+        assert!(size > 0, "{file:?} is empty");
+    }
+    let got: Vec<(String, i64)> = lines(&base)
+        .iter()
+        .map(|l| (l["id"].as_str().unwrap().to_owned(), l["data"]["seq"].as_i64().unwrap()))
+        .collect();
+    let want: Vec<(String, i64)> = events.iter().map(|e| (e.id.to_string(), e.seq)).collect();
+    assert_eq!(got, want, "every event once, in order");
+}
+
+#[tokio::test]
+async fn a_failing_write_fails_the_whole_batch_transiently() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("events.jsonl");
+    let sink = sink(1024 * 1024);
+    let first: Vec<StoredEvent> = (0..3)
+        .map(|seq| event(seq, "test.item.created", Some("k"), json!({ "seq": seq })))
+        .collect();
+    assert!(sink.publish(&route(&base), &first).await.iter().all(Result::is_ok));
+
+    // Permissions do not stop root; a directory where the file should be
+    // does. The second file of a templated batch fails after the first was
+    // written, and still nothing of the batch counts as written.
+    let templated = route(&dir.path().join("{domain}.jsonl"));
+    fs::create_dir(dir.path().join("blocked.jsonl")).unwrap();
+    let batch = vec![
+        event(10, "fine.item.created", Some("a"), json!({ "seq": 10 })),
+        event(11, "blocked.item.created", Some("b"), json!({ "seq": 11 })),
+        event(12, "fine.item.created", Some("c"), json!({ "seq": 12 })),
+    ];
+    let outcomes = sink.publish(&templated, &batch).await;
+    assert_eq!(outcomes.len(), 3);
+    for outcome in &outcomes {
+        expect_err(outcome, ErrorKind::Transient, "blocked.jsonl");
+        expect_err(
+            outcome,
+            ErrorKind::Transient,
+            "nothing in this batch is reported written",
+        );
+    }
+    let err = sink.check(&route(&dir.path().join("blocked.jsonl"))).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Config);
+    assert!(err.message.contains("is a directory"), "{err}");
+
+    // Once the path is free again the batch goes through; lines written
+    // before the failure may now appear twice, never fewer than once.
+    fs::remove_dir(dir.path().join("blocked.jsonl")).unwrap();
+    assert!(sink.publish(&templated, &batch).await.iter().all(Result::is_ok));
+    let fine: Vec<i64> = lines(&dir.path().join("fine.jsonl"))
+        .iter()
+        .map(|l| l["data"]["seq"].as_i64().unwrap())
+        .collect();
+    assert!(fine.ends_with(&[10, 12]), "{fine:?}");
+    let blocked = lines(&dir.path().join("blocked.jsonl"));
+    assert_eq!(blocked.len(), 1);
+    assert_eq!(blocked[0]["id"], batch[1].id.to_string());
+    assert_eq!(lines(&base).len(), 3, "the first file was untouched");
+}
+
+#[tokio::test]
+async fn check_names_what_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = sink(1024);
+    sink.check(&route(&dir.path().join("events.jsonl")))
+        .await
+        .expect("a writable directory");
+    sink.check(&route(&dir.path().join("{domain}.jsonl")))
+        .await
+        .expect("a template in the name");
+    sink.check(&route(Path::new("relative-{domain}.jsonl")))
+        .await
+        .expect("the current directory");
+    let missing = dir.path().join("nope");
+    let err = sink.check(&route(&missing.join("events.jsonl"))).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Config);
+    assert!(
+        err.message.contains(&format!("{} does not exist", missing.display())),
+        "{err}"
+    );
+    assert!(err.message.contains("routes[].destination"), "{err}");
+    let leftovers: Vec<_> = fs::read_dir(dir.path()).unwrap().collect();
+    assert!(leftovers.is_empty(), "check() left files behind: {leftovers:?}");
+}
+
+#[tokio::test]
+async fn a_key_that_would_leave_the_directory_is_refused_and_holds_back_its_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = sink(1024 * 1024);
+    let templated = route(&dir.path().join("by-key-{key}.jsonl"));
+    let batch = vec![
+        event(0, "test.item.created", Some("../escape"), json!({ "seq": 0 })),
+        event(1, "test.item.created", Some("../escape"), json!({ "seq": 1 })),
+        event(2, "test.item.created", Some("fine"), json!({ "seq": 2 })),
+    ];
+    let outcomes = sink.publish(&templated, &batch).await;
+    expect_err(&outcomes[0], ErrorKind::Permanent, "adds a directory");
+    expect_err(&outcomes[1], ErrorKind::Transient, "held back");
+    assert_eq!(outcomes[2], Ok(()));
+    assert_eq!(lines(&dir.path().join("by-key-fine.jsonl")).len(), 1);
+    assert!(!dir.path().parent().unwrap().join("escape.jsonl").exists());
+}
