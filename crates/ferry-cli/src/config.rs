@@ -21,8 +21,10 @@ use figment::providers::{Format, Toml};
 use crate::duration::{format_duration, parse_duration};
 
 mod raw;
+mod sinks;
 
-use raw::{DurationText, EnvOverrides, RawConfig, RawDatabase, RawLog, RawRelay, RawRoute, RawSink, extract};
+use raw::{DurationText, EnvOverrides, RawConfig, RawDatabase, RawLog, RawRelay, RawRoute, extract};
+pub use sinks::{FileSpec, KafkaSpec, NatsSpec, RedisSpec, WebhookSpec};
 
 /// Environment variables starting with this (and containing `__`) override
 /// config fields: `FERRY_DATABASE__URL` sets `database.url`.
@@ -103,6 +105,16 @@ pub enum SinkSpec {
         /// Larger events are dead at once: the broker would reject them.
         max_message_bytes: usize,
     },
+    /// Kafka, through an idempotent producer.
+    Kafka(KafkaSpec),
+    /// NATS JetStream.
+    Nats(NatsSpec),
+    /// Redis Streams.
+    Redis(RedisSpec),
+    /// HTTP POSTs, signed.
+    Webhook(WebhookSpec),
+    /// JSON lines appended to files.
+    File(FileSpec),
     /// Writes each event to standard output.
     Stdout,
 }
@@ -142,6 +154,11 @@ impl fmt::Debug for SinkSpec {
                 .field("publish_timeout", publish_timeout)
                 .field("max_message_bytes", max_message_bytes)
                 .finish(),
+            SinkSpec::Kafka(k) => f.debug_tuple("Kafka").field(k).finish(),
+            SinkSpec::Nats(n) => f.debug_tuple("Nats").field(n).finish(),
+            SinkSpec::Redis(r) => f.debug_tuple("Redis").field(r).finish(),
+            SinkSpec::Webhook(w) => f.debug_tuple("Webhook").field(w).finish(),
+            SinkSpec::File(file) => f.debug_tuple("File").field(file).finish(),
             SinkSpec::Stdout => f.write_str("Stdout"),
         }
     }
@@ -250,15 +267,6 @@ const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(500);
 const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(300);
 const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(30);
 const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
-const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
-const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
-/// RabbitMQ refuses messages above 512 MiB whatever its configuration.
-const RABBITMQ_MAX_MESSAGE_BYTES: i64 = 512 * 1024 * 1024;
-/// Every sink kind, and whether this binary was built with it.
-const SINK_KINDS: [(&str, bool); 2] = [
-    ("rabbitmq", cfg!(feature = "rabbitmq")),
-    ("stdout", cfg!(feature = "stdout")),
-];
 const TEMPLATE_PLACEHOLDERS: [&str; 4] = ["type", "domain", "key", "id"];
 
 /// Collects problems; each check returns a usable value (the default when
@@ -362,24 +370,25 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
     let sinks: BTreeMap<String, SinkSpec> = raw
         .sinks
         .into_iter()
-        .filter_map(|(name, sink)| Some((name.clone(), sink_spec(&mut check, &name, sink)?)))
+        .filter_map(|(name, sink)| Some((name.clone(), sinks::sink_spec(&mut check, &name, sink)?)))
         .collect();
     for (name, sink) in &sinks {
-        if let SinkSpec::RabbitMq { publish_timeout, .. } = sink
-            && relay.lease <= *publish_timeout
+        if let Some((field, timeout)) = sink.publish_bound()
+            && relay.lease <= timeout
         {
             check.problem(
                 "relay.lease",
                 format!(
-                    "{} is not longer than sinks.{name}.publish_timeout ({}); a publish could outlast its lease \
+                    "{} is not longer than sinks.{name}.{field} ({}); a publish could outlast its lease \
                      and the event be delivered twice, so raise relay.lease or lower the timeout",
                     format_duration(relay.lease),
-                    format_duration(*publish_timeout)
+                    format_duration(timeout)
                 ),
             );
         }
     }
     let routes = routes(&mut check, raw.routes, &declared);
+    maxlen_routes(&mut check, &sinks, &routes);
     check.finish(Config {
         database,
         relay,
@@ -546,92 +555,6 @@ fn log(check: &mut Checker, raw: RawLog) -> LogConfig {
     LogConfig { format, level }
 }
 
-fn sink_spec(check: &mut Checker, name: &str, raw: RawSink) -> Option<SinkSpec> {
-    let field = |f: &str| format!("sinks.{name}.{f}");
-    let kinds = || SINK_KINDS.map(|(kind, _)| kind).join(", ");
-    let Some(kind) = raw.kind.as_deref() else {
-        check.problem(field("kind"), format!("missing; set kind to one of: {}", kinds()));
-        return None;
-    };
-    let Some(&(kind, compiled_in)) = SINK_KINDS.iter().find(|(k, _)| *k == kind) else {
-        check.problem(
-            field("kind"),
-            format!("unknown kind {kind:?}; supported kinds: {}", kinds()),
-        );
-        return None;
-    };
-    if !compiled_in {
-        check.problem(
-            field("kind"),
-            format!("this ferry was built without the {kind:?} feature; rebuild it with --features {kind}"),
-        );
-    }
-    // Each kind-specific field, whether it is set, and the kinds that take it.
-    let fields: [(&str, bool, &[&str]); 3] = [
-        ("url", raw.url.is_some(), &["rabbitmq"]),
-        ("publish_timeout", raw.publish_timeout.is_some(), &["rabbitmq"]),
-        ("max_message_bytes", raw.max_message_bytes.is_some(), &["rabbitmq"]),
-    ];
-    for (name, set, kinds) in fields {
-        if set && !kinds.contains(&kind) {
-            check.problem(
-                field(name),
-                format!(
-                    "{kind} sinks take no {name} (it belongs to {} sinks); remove it",
-                    kinds.join(", ")
-                ),
-            );
-        }
-    }
-    match kind {
-        "rabbitmq" => {
-            let url = match raw.url {
-                Some(url) if url.starts_with("amqp://") || url.starts_with("amqps://") => url,
-                Some(_) => {
-                    check.problem(
-                        field("url"),
-                        "must start with amqp:// or amqps://, like amqp://user:password@host:5672/%2f",
-                    );
-                    String::new()
-                }
-                None => {
-                    check.problem(
-                        field("url"),
-                        "missing; set it like url = \"amqp://user:password@host:5672/%2f\"",
-                    );
-                    String::new()
-                }
-            };
-            let publish_timeout = check.duration_at_least(
-                &field("publish_timeout"),
-                raw.publish_timeout,
-                DEFAULT_PUBLISH_TIMEOUT,
-                Duration::from_millis(1),
-            );
-            let max_message_bytes = check.integer(
-                &field("max_message_bytes"),
-                raw.max_message_bytes,
-                DEFAULT_MAX_MESSAGE_BYTES,
-                1,
-                Some(RABBITMQ_MAX_MESSAGE_BYTES),
-            );
-            Some(SinkSpec::RabbitMq {
-                url,
-                publish_timeout,
-                max_message_bytes,
-            })
-        }
-        "stdout" => Some(SinkSpec::Stdout),
-        _ => {
-            check.problem(
-                field("kind"),
-                format!("{kind} sinks cannot be configured by this version"),
-            );
-            None
-        }
-    }
-}
-
 fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> Vec<Route> {
     // Route names key per-route delivery state, so a collision would merge
     // two routes' progress.
@@ -722,6 +645,34 @@ fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> 
         }
     }
     routes
+}
+
+/// A Redis sink's `maxlen_per_route` may only name routes that send to it:
+/// a misspelt name would silently leave a stream untrimmed.
+fn maxlen_routes(check: &mut Checker, sinks: &BTreeMap<String, SinkSpec>, routes: &[Route]) {
+    for (name, sink) in sinks {
+        let SinkSpec::Redis(redis) = sink else { continue };
+        let own: Vec<&str> = routes
+            .iter()
+            .filter(|r| r.sink == *name)
+            .map(|r| r.name.as_str())
+            .collect();
+        let fix = if own.is_empty() {
+            format!("no route sends to sinks.{name} yet; remove the entry or add a route with sink = \"{name}\"")
+        } else {
+            format!("use the name of one of its routes: {}", own.join(", "))
+        };
+        for route in redis.maxlen_per_route.keys() {
+            let message = match routes.iter().find(|r| r.name == *route) {
+                None => format!("no route is named {route:?}; {fix}"),
+                Some(r) if r.sink != *name => {
+                    format!("route {route:?} sends to sink {:?}, not to this one; {fix}", r.sink)
+                }
+                Some(_) => continue,
+            };
+            check.problem(format!("sinks.{name}.maxlen_per_route.{route}"), message);
+        }
+    }
 }
 
 /// The defined sinks' names, comma-separated; `None` when there are none.

@@ -25,6 +25,25 @@ pub fn build(cfg: &Config) -> Result<HashMap<String, Arc<dyn Sink>>, UsageError>
                     ..RabbitMqOptions::default()
                 }))
             }
+            #[cfg(feature = "kafka")]
+            SinkSpec::Kafka(spec) => Arc::new(
+                ferry_sink::kafka::KafkaSink::new(spec.options())
+                    .map_err(|e| UsageError(format!("sinks.{name}: {e}")))?,
+            ),
+            #[cfg(feature = "nats")]
+            SinkSpec::Nats(spec) => Arc::new(ferry_sink::nats::NatsSink::new(spec.options())),
+            #[cfg(feature = "redis")]
+            SinkSpec::Redis(spec) => Arc::new(ferry_sink::redis::RedisSink::new(spec.options())),
+            #[cfg(feature = "webhook")]
+            SinkSpec::Webhook(spec) => Arc::new(
+                ferry_sink::webhook::WebhookSink::new(spec.options())
+                    .map_err(|e| UsageError(format!("sinks.{name}: {e}")))?,
+            ),
+            #[cfg(feature = "file")]
+            SinkSpec::File(spec) => Arc::new(
+                ferry_sink::file::FileSink::new(spec.options())
+                    .map_err(|e| UsageError(format!("sinks.{name}: {e}")))?,
+            ),
             #[cfg(feature = "stdout")]
             SinkSpec::Stdout => Arc::new(ferry_sink::stdout::StdoutSink::new()),
             #[allow(unreachable_patterns)]

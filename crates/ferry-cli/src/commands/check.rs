@@ -18,8 +18,17 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     findings.push(check_database(cfg).await);
     let sinks = sinks::build(cfg)?;
     for (i, route) in cfg.routes.iter().enumerate() {
-        let what = format!("routes[{i}] ({}) -> {} {}", route.name, route.sink, route.destination);
-        findings.push(match sinks[&route.sink].check(route).await {
+        let sink = &sinks[&route.sink];
+        // Route, sink name and kind, and the destination as configured (a
+        // template is checked only as far as the sink can without an event).
+        let what = format!(
+            "routes[{i}] ({}) -> sinks.{} ({}) {}",
+            route.name,
+            route.sink,
+            sink.kind(),
+            super::redact(&route.destination)
+        );
+        findings.push(match sink.check(route).await {
             Ok(()) => Finding {
                 what,
                 ok: true,

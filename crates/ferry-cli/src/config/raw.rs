@@ -75,6 +75,18 @@ pub(super) struct RawSink {
     pub(super) url: Option<String>,
     pub(super) publish_timeout: Option<DurationText>,
     pub(super) max_message_bytes: Option<i64>,
+    pub(super) reconnect_max_delay: Option<DurationText>,
+    pub(super) source: Option<String>,
+    pub(super) bootstrap_servers: Option<String>,
+    pub(super) extra: Option<BTreeMap<String, String>>,
+    pub(super) maxlen: Option<i64>,
+    pub(super) maxlen_per_route: Option<BTreeMap<String, i64>>,
+    pub(super) secrets: Option<Vec<String>>,
+    pub(super) timeout: Option<DurationText>,
+    pub(super) concurrency: Option<i64>,
+    pub(super) max_body_bytes: Option<i64>,
+    pub(super) headers: Option<BTreeMap<String, String>>,
+    pub(super) max_file_bytes: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -52,9 +52,50 @@ fn the_example_file_parses_to_its_documented_values() {
         }
     );
     assert_eq!(c.sinks["out"], SinkSpec::Stdout);
-    assert_eq!(c.sinks.len(), 2);
     assert_eq!(
-        c.routes,
+        c.sinks["kafka"],
+        SinkSpec::Kafka(KafkaSpec {
+            bootstrap_servers: "127.0.0.1:9092".into(),
+            publish_timeout: Duration::from_secs(10),
+            max_message_bytes: 1_000_000,
+            source: "ferry".into(),
+            extra: [("linger.ms".to_owned(), "5".to_owned())].into(),
+        })
+    );
+    assert_eq!(
+        c.sinks["redis"],
+        SinkSpec::Redis(RedisSpec {
+            url: "redis://127.0.0.1:6379".into(),
+            publish_timeout: Duration::from_secs(10),
+            reconnect_max_delay: Duration::from_secs(30),
+            max_message_bytes: 16_777_216,
+            maxlen_default: Some(1_000_000),
+            maxlen_per_route: [("order-stream".to_owned(), 100_000)].into(),
+            source: "ferry".into(),
+        })
+    );
+    assert_eq!(
+        c.sinks["archive"],
+        SinkSpec::File(FileSpec {
+            max_file_bytes: 104_857_600
+        })
+    );
+    assert!(matches!(&c.sinks["nats"], SinkSpec::Nats(_)));
+    assert!(matches!(&c.sinks["hooks"], SinkSpec::Webhook(w) if w.secrets.len() == 1 && w.headers.len() == 1));
+    assert_eq!(c.sinks.len(), 7);
+    let names: Vec<&str> = c.routes[2..].iter().map(|r| r.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "kafka:events.{domain}",
+            "nats:events.{domain}.{type}",
+            "order-stream",
+            "hooks:https://billing.example.com/hooks/{domain}",
+            "archive:/var/lib/ferry/events-{domain}.jsonl"
+        ]
+    );
+    assert_eq!(
+        c.routes[..2],
         vec![
             Route {
                 name: "orders".into(),
@@ -100,6 +141,30 @@ fn the_example_file_states_the_real_defaults() {
         other => panic!("{other:?}"),
     };
     assert_eq!(timeouts(&defaults), timeouts(&example));
+    // The other kinds: everything the example writes out but what it marks
+    // as not the default (Kafka's publish_timeout, the optional tables).
+    let defaults = from_toml_str(&format!("{MINIMAL}{}", sink_kinds::ALL_KINDS_BARE)).unwrap();
+    let mut example_sinks = example.sinks.clone();
+    for (_, sink) in example_sinks.iter_mut() {
+        match sink {
+            SinkSpec::Kafka(k) => {
+                k.publish_timeout = Duration::from_secs(10);
+                k.extra.clear();
+            }
+            SinkSpec::Redis(r) => {
+                r.maxlen_default = None;
+                r.maxlen_per_route.clear();
+            }
+            SinkSpec::Webhook(w) => {
+                w.secrets.clear();
+                w.headers.clear();
+            }
+            _ => {}
+        }
+    }
+    for name in ["kafka", "nats", "redis", "hooks", "archive"] {
+        assert_eq!(defaults.sinks[name], example_sinks[name], "sinks.{name}");
+    }
     assert_eq!(defaults.metrics, None);
     assert!(defaults.routes.is_empty());
 }
@@ -135,16 +200,17 @@ fn unknown_sink_in_a_route() {
     let e = errors(EXAMPLE.replace("sink = \"rabbit\"", "sink = \"rabit\"").as_str());
     assert_eq!(
         e,
-        "routes[0].sink: no sink named \"rabit\"; define [sinks.rabit] or use one of: out, rabbit"
+        "routes[0].sink: no sink named \"rabit\"; define [sinks.rabit] or use one of: archive, hooks, kafka, nats, \
+         out, rabbit, redis"
     );
 }
 
 #[test]
 fn a_sink_with_its_own_problem_is_not_also_unknown() {
-    let e = errors_with("[sinks.k]\nkind = \"kafka\"\n[[routes]]\nmatch = \"**\"\nsink = \"k\"\ndestination = \"d\"\n");
+    let e = errors_with("[sinks.k]\nkind = \"kafca\"\n[[routes]]\nmatch = \"**\"\nsink = \"k\"\ndestination = \"d\"\n");
     assert_eq!(
         e,
-        "sinks.k.kind: unknown kind \"kafka\"; supported kinds: rabbitmq, stdout"
+        "sinks.k.kind: unknown kind \"kafca\"; supported kinds: rabbitmq, kafka, nats, redis, webhook, file, stdout"
     );
 }
 
@@ -183,7 +249,7 @@ fn lease_must_outlast_a_publish() {
 
 #[test]
 fn bad_glob() {
-    let e = errors(&EXAMPLE.replace("match = \"order.*\"", "match = \"Order.*\""));
+    let e = errors(&EXAMPLE.replacen("match = \"order.*\"", "match = \"Order.*\"", 1));
     assert!(
         e.starts_with("routes[0].match: \"Order.*\" has an invalid segment \"Order\""),
         "{e}"
@@ -243,13 +309,16 @@ fn unknown_fields_are_named() {
 
 #[test]
 fn unknown_and_missing_sink_kind() {
-    let e = errors_with("[sinks.k]\nkind = \"kafka\"\n");
+    let e = errors_with("[sinks.k]\nkind = \"kafca\"\n");
     assert_eq!(
         e,
-        "sinks.k.kind: unknown kind \"kafka\"; supported kinds: rabbitmq, stdout"
+        "sinks.k.kind: unknown kind \"kafca\"; supported kinds: rabbitmq, kafka, nats, redis, webhook, file, stdout"
     );
     let e = errors_with("[sinks.k]\nurl = \"amqp://h\"\n");
-    assert_eq!(e, "sinks.k.kind: missing; set kind to one of: rabbitmq, stdout");
+    assert_eq!(
+        e,
+        "sinks.k.kind: missing; set kind to one of: rabbitmq, kafka, nats, redis, webhook, file, stdout"
+    );
 }
 
 #[test]
@@ -257,7 +326,7 @@ fn fields_of_another_sink_kind() {
     let e = errors_with("[sinks.o]\nkind = \"stdout\"\nurl = \"amqp://h\"\n");
     assert_eq!(
         e,
-        "sinks.o.url: stdout sinks take no url (it belongs to rabbitmq sinks); remove it"
+        "sinks.o.url: stdout sinks take no url (it belongs to rabbitmq, nats, redis sinks); remove it"
     );
     let e = errors_with("[sinks.r]\nkind = \"rabbitmq\"\n");
     assert!(e.starts_with("sinks.r.url: missing"), "{e}");
@@ -399,7 +468,7 @@ fn environment_overrides_the_file() {
         matches!(&c.sinks["rabbit"], SinkSpec::RabbitMq { url, publish_timeout, .. }
         if url == "amqps://broker/%2f" && *publish_timeout == Duration::from_secs(10))
     );
-    assert_eq!(c.routes.len(), 2);
+    assert_eq!(c.routes.len(), 7);
 }
 
 #[test]
@@ -471,6 +540,8 @@ fn load_reads_the_file() {
     let path = dir.path().join("ferry.toml");
     std::fs::write(&path, EXAMPLE).unwrap();
     let c = load(Some(&path)).unwrap();
-    assert_eq!(c.routes.len(), 2);
+    assert_eq!(c.routes.len(), 7);
     assert!(load(Some(&dir.path().join("missing.toml"))).is_err());
 }
+
+mod sink_kinds;

@@ -2,5 +2,6 @@
 //! counting every event through crashes, concurrent relays and cut
 //! connections. One test binary for all of them.
 
+mod fanout;
 mod relay;
 mod support;

@@ -21,7 +21,7 @@
 //!
 //! let sink = KafkaSink::new(KafkaOptions {
 //!     bootstrap_servers: "kafka-1:9092,kafka-2:9092".into(),
-//!     publish_timeout: Duration::from_secs(30),
+//!     publish_timeout: Duration::from_secs(10),
 //!     ..KafkaOptions::default()
 //! })
 //! .expect("valid options");
@@ -56,7 +56,7 @@ pub struct KafkaOptions {
     pub bootstrap_servers: String,
     /// librdkafka's `message.timeout.ms`: how long a message may take from
     /// enqueue to acknowledgement, retries included; also bounds waiting
-    /// for space in a full local queue and for metadata. Default 30 s.
+    /// for space in a full local queue and for metadata. Default 10 s.
     pub publish_timeout: Duration,
     /// Payloads larger than this are refused (permanently) before sending.
     /// librdkafka's `message.max.bytes` is set 64 KiB higher for the key,
@@ -75,7 +75,7 @@ impl Default for KafkaOptions {
     fn default() -> Self {
         Self {
             bootstrap_servers: "127.0.0.1:9092".into(),
-            publish_timeout: Duration::from_secs(30),
+            publish_timeout: Duration::from_secs(10),
             max_message_bytes: 1_000_000,
             source: "ferry".into(),
             extra: BTreeMap::new(),
