@@ -64,16 +64,22 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             None => (Vec::new(), HashSet::new()),
         };
         let recording = async {
+            let started = Instant::now();
             if let Some(u) = previous {
                 record(&shared, &route, u).await;
             }
+            started.elapsed()
         };
         let now = shared.clock.now();
         let claim_started = Instant::now();
-        let claiming = shared
-            .store
-            .claim(&owned, &route.name, shared.settings.batch_size, now, &exclude);
-        let (claimed, ()) = tokio::join!(claiming, recording);
+        let claiming = async {
+            let claimed = shared
+                .store
+                .claim(&owned, &route.name, shared.settings.batch_size, now, &exclude)
+                .await;
+            (claimed, claim_started.elapsed())
+        };
+        let ((claimed, claim_took), record_took) = tokio::join!(claiming, recording);
         let claimed = match claimed {
             Ok(c) => c,
             Err(e) => {
@@ -86,7 +92,6 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             }
         };
         backoff = Duration::from_millis(50);
-        let claim_took = claim_started.elapsed();
         // Left out, they stay pending and are claimed again once the failure
         // before them is recorded (and then held back by the store).
         let claimed: Vec<Claimed> = if failed_keys.is_empty() {
@@ -170,7 +175,7 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 .unzip()
         };
         account(&shared, &route, &claimed, &recorded, now);
-        debug!(route = %route.name, events = claimed.len(), ?claim_took, ?publish_took, "batch published");
+        debug!(route = %route.name, events = claimed.len(), ?claim_took, ?record_took, ?publish_took, "batch published");
         let batch = Unrecorded {
             owned,
             recorded,

@@ -150,6 +150,10 @@ impl Store for PgStore {
             }
         }
         let row = sqlx::query(include_str!("sql/route.sql"))
+            // Unprepared: planned for the actual arrays on every run. A cached
+            // generic plan guesses their sizes and can turn a batch's
+            // primary-key lookups into repeated scans.
+            .persistent(false)
             .bind(relay_of(owned))
             .bind(owned.partitions())
             .bind(owned.tokens())
@@ -179,6 +183,10 @@ impl Store for PgStore {
             return Ok(Vec::new());
         }
         let rows = sqlx::query(include_str!("sql/claim.sql"))
+            // Unprepared: planned for the actual arrays on every run. A cached
+            // generic plan guesses their sizes and can turn a batch's
+            // primary-key lookups into repeated scans.
+            .persistent(false)
             .bind(route)
             .bind(owned.partitions())
             .bind(now)

@@ -184,6 +184,68 @@ LANGUAGE sql AS $$
                           'application/json', coalesce(headers, '{}'::jsonb), dispatch_key)
 $$;
 
+-- Applies a batch of outcomes of one route: each only if its delivery is
+-- still pending with the attempt count the relay saw, and its partition is
+-- still leased to this relay under the token it was granted (the partition
+-- rows are share-locked, so a takeover waits for this transaction). Failed
+-- attempts are logged to `failures`. Returns how many outcomes applied.
+--
+-- One primary-key update per outcome, on purpose: as a single set-based
+-- UPDATE the plan depends on statistics, and on a table that just took a
+-- burst of inserts (or with a generic plan) it degrades to a scan per
+-- outcome, seconds per batch.
+--
+-- The commit is asynchronous: if the database crashes before the WAL flush,
+-- the outcomes are lost together and the relay publishes those events
+-- again; a duplicate, never a loss (ARCHITECTURE.md, "Durability of the
+-- relay's own writes").
+CREATE FUNCTION ferry.record_outcomes(
+    p_relay text, p_partitions int[], p_tokens bigint[], p_route text,
+    p_seq bigint[], p_expected int[], p_state text[], p_attempts int[],
+    p_next_at timestamptz[], p_error text[], p_published_at timestamptz[], p_now timestamptz
+) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_fenced int[];
+    v_applied bigint := 0;
+    v_rows int;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    SELECT coalesce(array_agg(f.partition), '{}') INTO v_fenced
+      FROM (SELECT p.partition
+              FROM ferry.partitions p
+              JOIN unnest(p_partitions, p_tokens) AS l(partition, token)
+                ON l.partition = p.partition AND l.token = p.token
+             WHERE p.owner = p_relay
+               FOR SHARE OF p) f;
+    IF cardinality(v_fenced) = 0 THEN
+        RETURN 0;
+    END IF;
+    FOR i IN 1 .. coalesce(cardinality(p_seq), 0) LOOP
+        UPDATE ferry.deliveries d
+           SET state = p_state[i],
+               attempts = p_attempts[i],
+               next_attempt_at = coalesce(p_next_at[i], d.next_attempt_at),
+               last_error = coalesce(p_error[i], d.last_error),
+               published_at = p_published_at[i],
+               updated_at = p_now
+         WHERE d.seq = p_seq[i] AND d.route = p_route
+           AND d.state = 'pending' AND d.attempts = p_expected[i]
+           AND d.partition = ANY (v_fenced);
+        GET DIAGNOSTICS v_rows = ROW_COUNT;
+        IF v_rows > 0 THEN
+            v_applied := v_applied + 1;
+            IF p_state[i] <> 'published' THEN
+                INSERT INTO ferry.failures (seq, route, attempt, at, dead, error)
+                VALUES (p_seq[i], p_route, p_attempts[i], p_now, p_state[i] = 'dead', p_error[i])
+                ON CONFLICT DO NOTHING;
+            END IF;
+        END IF;
+    END LOOP;
+    RETURN v_applied;
+END
+$$;
+
 -- One relay heartbeat: renew this relay's leases, release what it hands
 -- back, and take free or expired partitions up to its fair share.
 CREATE FUNCTION ferry.relay_tick(p_relay text, p_lease interval, p_release int[])
