@@ -265,7 +265,7 @@ const MIN_LEASE: Duration = Duration::from_secs(2);
 const DEFAULT_MAX_ATTEMPTS: u32 = 12;
 const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(500);
 const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(300);
-const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(30);
+const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(60);
 const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 const TEMPLATE_PLACEHOLDERS: [&str; 4] = ["type", "domain", "key", "id"];
 

@@ -24,7 +24,7 @@ impl RelaySettings {
             batch_size: 500,
             lease: Duration::from_secs(30),
             retry: RetryPolicy::default(),
-            poll_interval: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(10),
         }
     }

@@ -58,7 +58,7 @@ pub(crate) fn start(
     let settings = RelaySettings {
         batch_size,
         lease: Duration::from_secs(30),
-        poll_interval: Duration::from_secs(30),
+        poll_interval: Duration::from_secs(60),
         ..RelaySettings::new(id)
     };
     let sinks = HashMap::from([(SINK.to_owned(), sink)]);

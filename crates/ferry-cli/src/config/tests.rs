@@ -31,7 +31,7 @@ fn the_example_file_parses_to_its_documented_values() {
             max_attempts: 12,
             backoff_base: Duration::from_millis(500),
             backoff_max: Duration::from_secs(300),
-            poll_interval: Duration::from_secs(30),
+            poll_interval: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(10),
         }
     );
