@@ -131,7 +131,7 @@ mod tests {
         assert_eq!(c.get("acks"), Some("all"));
         assert_eq!(c.get("max.in.flight.requests.per.connection"), Some("5"));
         assert_eq!(c.get("allow.auto.create.topics"), Some("false"));
-        assert_eq!(c.get("message.timeout.ms"), Some("30000"));
+        assert_eq!(c.get("message.timeout.ms"), Some("10000"));
         assert_eq!(c.get("message.max.bytes"), Some("1065536"));
         assert_eq!(c.get("partitioner"), Some("murmur2_random"));
         assert_eq!(c.get("bootstrap.servers"), Some("127.0.0.1:9092"));
