@@ -54,11 +54,18 @@ mod backoff;
     allow(dead_code)
 )]
 mod batch;
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "redis")),
+    allow(dead_code)
+)]
+mod limits;
 
 #[cfg(feature = "file")]
 pub mod file;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+#[cfg(any(feature = "stdout", feature = "file"))]
+mod line;
 #[cfg(feature = "nats")]
 pub mod nats;
 #[cfg(feature = "rabbitmq")]

@@ -10,9 +10,9 @@ use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use chrono::SecondsFormat;
-use ferry_core::{Headers, PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
-use serde::Serialize;
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
+
+use crate::line;
 
 /// Writes each event as one JSON line and flushes after every batch.
 ///
@@ -50,76 +50,6 @@ impl std::fmt::Debug for StdoutSink {
     }
 }
 
-#[derive(Serialize)]
-struct Line<'a> {
-    id: String,
-    #[serde(rename = "type")]
-    event_type: &'a str,
-    key: Option<&'a str>,
-    time: String,
-    source: &'static str,
-    route: &'a str,
-    destination: String,
-    content_type: &'a str,
-    headers: &'a Headers,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    data: Option<serde_json::Value>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    data_base64: Option<String>,
-}
-
-fn render(route: &Route, event: &StoredEvent) -> Vec<u8> {
-    let data = is_json(&event.content_type)
-        .then(|| serde_json::from_slice::<serde_json::Value>(&event.payload).ok())
-        .flatten();
-    let line = Line {
-        id: event.id.to_string(),
-        event_type: &event.event_type,
-        key: event.key.as_deref(),
-        time: event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true),
-        source: "ferry",
-        route: &route.name,
-        destination: render_template(&route.destination, event),
-        content_type: &event.content_type,
-        headers: &event.headers,
-        data_base64: data.is_none().then(|| base64(&event.payload)),
-        data,
-    };
-    // Serialising strings, maps of strings and a parsed Value cannot fail;
-    // compact output keeps the payload's own newlines escaped, one event a line.
-    let mut bytes = serde_json::to_vec(&line).expect("a JSON line serialises");
-    bytes.push(b'\n');
-    bytes
-}
-
-/// `application/json`, or any `+json` type, ignoring parameters and case.
-fn is_json(content_type: &str) -> bool {
-    let essence = content_type.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
-    essence == "application/json" || essence.ends_with("+json")
-}
-
-/// Standard base64 with padding (RFC 4648 section 4).
-fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, b)| n | u32::from(*b) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-/// Writes the lines, then flushes. An event counts as written only if its
-/// line and everything before it reached the writer and the flush succeeded.
 fn write_batch(writer: &mut dyn Write, lines: &[Vec<u8>]) -> Vec<PublishOutcome> {
     let mut written = 0;
     let mut failure = None;
@@ -152,7 +82,10 @@ impl Sink for StdoutSink {
         if events.is_empty() {
             return Vec::new();
         }
-        let lines: Vec<Vec<u8>> = events.iter().map(|e| render(route, e)).collect();
+        let lines: Vec<Vec<u8>> = events
+            .iter()
+            .map(|e| line::render(route, e, &render_template(&route.destination, e)))
+            .collect();
         let writer = Arc::clone(&self.writer);
         // A blocked pipe must stall a blocking-pool thread, not the runtime.
         let written = tokio::task::spawn_blocking(move || {
@@ -183,32 +116,6 @@ impl Sink for StdoutSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn base64_matches_rfc_4648_vectors() {
-        let cases = [
-            ("", ""),
-            ("f", "Zg=="),
-            ("fo", "Zm8="),
-            ("foo", "Zm9v"),
-            ("foob", "Zm9vYg=="),
-            ("fooba", "Zm9vYmE="),
-            ("foobar", "Zm9vYmFy"),
-        ];
-        for (plain, encoded) in cases {
-            assert_eq!(base64(plain.as_bytes()), encoded, "{plain}");
-        }
-        assert_eq!(base64(&[0xff, 0xfe, 0x00]), "//4A");
-    }
-
-    #[test]
-    fn json_content_types() {
-        assert!(is_json("application/json"));
-        assert!(is_json("Application/JSON; charset=utf-8"));
-        assert!(is_json("application/cloudevents+json"));
-        assert!(!is_json("text/plain"));
-        assert!(!is_json("application/jsonl"));
-    }
 
     struct FailAfter(usize);
 

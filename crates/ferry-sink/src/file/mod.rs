@@ -14,7 +14,6 @@
 //! # Ok::<(), ferry_core::SinkError>(())
 //! ```
 
-mod line;
 mod writer;
 
 use std::io;
@@ -80,7 +79,7 @@ impl FileSink {
 
     fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<(PathBuf, Vec<u8>), SinkError> {
         let path = destination_path(route, event)?;
-        let line = line::render(route, event, &path.to_string_lossy());
+        let line = crate::line::render(route, event, &path.to_string_lossy());
         if line.len() as u64 > self.options.max_file_bytes {
             return Err(SinkError::permanent(format!(
                 "the event's line is {} bytes, more than a whole file may hold ({} bytes, \

@@ -154,29 +154,11 @@ pub(crate) fn validate_topic(topic: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_core::{ErrorKind, EventId, Glob};
+    use crate::limits::fixtures::{self, event};
+    use ferry_core::ErrorKind;
 
     fn route(destination: &str) -> Route {
-        Route {
-            name: "orders".into(),
-            matcher: Glob::new("**").unwrap(),
-            sink: "kafka".into(),
-            destination: destination.into(),
-            routing_key: None,
-        }
-    }
-
-    fn event(key: Option<&str>) -> StoredEvent {
-        StoredEvent {
-            id: EventId::new(),
-            seq: 7,
-            event_type: "order.item.created".into(),
-            key: key.map(str::to_owned),
-            payload: Bytes::from_static(b"{\"n\":1}"),
-            content_type: "application/json".into(),
-            headers: [("traceparent".to_owned(), "00-abc-01".to_owned())].into(),
-            created_at: chrono::Utc::now(),
-        }
+        fixtures::route("kafka", destination)
     }
 
     fn header<'a>(r: &'a Record, name: &str) -> Option<&'a str> {

@@ -34,13 +34,7 @@ impl Message {
         max_message_bytes: usize,
         server_max_payload: usize,
     ) -> Result<Self, SinkError> {
-        if event.payload.len() > max_message_bytes {
-            return Err(SinkError::permanent(format!(
-                "payload too large: {} bytes, limit {max_message_bytes} (sinks.{}.max_message_bytes)",
-                event.payload.len(),
-                route.sink
-            )));
-        }
+        crate::limits::check_payload_size(route, event, max_message_bytes)?;
         let subject = render_template(&route.destination, event);
         if let Err(why) = validate_subject(&subject) {
             let message = format!("subject {subject:?} {why}; fix routes[].destination");
@@ -140,29 +134,11 @@ fn header_value(name: &str, value: &str) -> Result<HeaderValue, SinkError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_core::{ErrorKind, EventId, Glob};
+    use crate::limits::fixtures::{self, event};
+    use ferry_core::ErrorKind;
 
     fn route(destination: &str) -> Route {
-        Route {
-            name: "orders".into(),
-            matcher: Glob::new("**").unwrap(),
-            sink: "nats".into(),
-            destination: destination.into(),
-            routing_key: None,
-        }
-    }
-
-    fn event(key: Option<&str>) -> StoredEvent {
-        StoredEvent {
-            id: EventId::new(),
-            seq: 7,
-            event_type: "order.item.created".into(),
-            key: key.map(str::to_owned),
-            payload: Bytes::from_static(b"{\"n\":1}"),
-            content_type: "application/json".into(),
-            headers: [("traceparent".to_owned(), "00-abc-01".to_owned())].into(),
-            created_at: chrono::Utc::now(),
-        }
+        fixtures::route("nats", destination)
     }
 
     fn header(m: &Message, name: &str) -> Option<String> {

@@ -34,13 +34,7 @@ impl Message {
         source: &str,
         max_message_bytes: usize,
     ) -> Result<Self, SinkError> {
-        if event.payload.len() > max_message_bytes {
-            return Err(SinkError::permanent(format!(
-                "payload too large: {} bytes, limit {max_message_bytes} (sinks.{}.max_message_bytes)",
-                event.payload.len(),
-                route.sink
-            )));
-        }
+        crate::limits::check_payload_size(route, event, max_message_bytes)?;
         let exchange = render_template(&route.destination, event);
         let exchange = short("exchange name", "routes[].destination", exchange)?;
         let routing_key = render_template(route.routing_key.as_deref().unwrap_or("{type}"), event);
@@ -100,7 +94,8 @@ fn short(what: &str, field: &str, value: String) -> Result<ShortString, SinkErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_core::{ErrorKind, EventId, Glob};
+    use crate::limits::fixtures::event;
+    use ferry_core::{ErrorKind, Glob};
 
     fn route(destination: &str, routing_key: Option<&str>) -> Route {
         Route {
@@ -109,19 +104,6 @@ mod tests {
             sink: "rabbit".into(),
             destination: destination.into(),
             routing_key: routing_key.map(str::to_owned),
-        }
-    }
-
-    fn event(key: Option<&str>) -> StoredEvent {
-        StoredEvent {
-            id: EventId::new(),
-            seq: 7,
-            event_type: "order.item.created".into(),
-            key: key.map(str::to_owned),
-            payload: Bytes::from_static(b"{\"n\":1}"),
-            content_type: "application/json".into(),
-            headers: [("traceparent".to_owned(), "00-abc-01".to_owned())].into(),
-            created_at: chrono::Utc::now(),
         }
     }
 

@@ -36,13 +36,7 @@ impl Entry {
         max_message_bytes: usize,
         maxlen: Option<u64>,
     ) -> Result<Self, SinkError> {
-        if event.payload.len() > max_message_bytes {
-            return Err(SinkError::permanent(format!(
-                "payload too large: {} bytes, limit {max_message_bytes} (sinks.{}.max_message_bytes)",
-                event.payload.len(),
-                route.sink
-            )));
-        }
+        crate::limits::check_payload_size(route, event, max_message_bytes)?;
         let stream_key = render_template(&route.destination, event);
         if stream_key.is_empty() {
             let message = "the stream key is empty; fix routes[].destination".to_owned();
@@ -93,30 +87,11 @@ impl Entry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use bytes::Bytes;
-    use ferry_core::{ErrorKind, EventId, Glob};
+    use crate::limits::fixtures::{self, event};
+    use ferry_core::ErrorKind;
 
     fn route(destination: &str) -> Route {
-        Route {
-            name: "orders".into(),
-            matcher: Glob::new("**").unwrap(),
-            sink: "redis".into(),
-            destination: destination.into(),
-            routing_key: None,
-        }
-    }
-
-    fn event(key: Option<&str>) -> StoredEvent {
-        StoredEvent {
-            id: EventId::new(),
-            seq: 7,
-            event_type: "order.item.created".into(),
-            key: key.map(str::to_owned),
-            payload: Bytes::from_static(b"{\"n\":1}"),
-            content_type: "application/json".into(),
-            headers: [("traceparent".to_owned(), "00-abc-01".to_owned())].into(),
-            created_at: chrono::Utc::now(),
-        }
+        fixtures::route("redis", destination)
     }
 
     fn args(entry: &Entry) -> Vec<String> {
