@@ -128,7 +128,7 @@ async fn drain(ctx: &Ctx<'_>, topology: &Topology, scenario: &str, keys: u64) ->
 /// Commits `events` events in transactions of [`PREFILL_TX`] on a connection
 /// of its own, closed afterwards so that its statistics are flushed before
 /// the drain is counted. Returns how long the commits took.
-async fn prefill(ctx: &Ctx<'_>, scenario: &str, events: u64, keys: u64) -> anyhow::Result<Duration> {
+pub(crate) async fn prefill(ctx: &Ctx<'_>, scenario: &str, events: u64, keys: u64) -> anyhow::Result<Duration> {
     let mut conn = PgConnection::connect_with(ctx.db.options()).await?;
     let bar = progress::bar(events, "prefill");
     let started = Instant::now();

@@ -4,16 +4,22 @@
 //! Scenarios, each in its own module: `broker` (RabbitMQ's confirmed-publish
 //! rate), `drain` (a backlog through the relay; also the hot-key run),
 //! `latency` (commit to consumer), `idle` (what a relay with nothing to do
-//! costs the database) and `producer` (what the outbox costs a committing
-//! application). The relay runs in this process.
+//! costs the database), `producer` (what the outbox costs a committing
+//! application) and `sinks` (Kafka, NATS JetStream, Redis Streams and a
+//! webhook, each beside its own confirmed-publish rate, plus one event type
+//! fanned out to RabbitMQ, Redis and NATS at once). The relay runs in this
+//! process.
 //!
 //! The bench works in a database of its own, `ferry_bench_<hex>`, and in
-//! uniquely named RabbitMQ topology per scenario; it removes both at the end,
-//! also after an error or Ctrl-C. Progress goes to stderr, the markdown
+//! uniquely named RabbitMQ topology per scenario (and, for `sinks`, Kafka
+//! topics, NATS streams and Redis streams); it removes them at the end, also
+//! after an error or Ctrl-C. Progress goes to stderr, the markdown
 //! report to stdout and, with `--write`, into a file.
 
 mod broker;
 mod db;
+#[cfg(feature = "bench-sinks")]
+mod dest;
 mod drain;
 mod idle;
 mod latency;
@@ -22,6 +28,7 @@ mod producer;
 mod progress;
 mod relay;
 mod report;
+mod sinks;
 mod topology;
 mod workload;
 
@@ -66,6 +73,8 @@ pub struct BenchArgs {
     /// Concurrent connections in the producer runs.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub producer_clients: u32,
+    #[command(flatten)]
+    pub sinks: Box<SinkArgs>,
     /// Run only these scenarios (comma-separated). The broker baseline runs
     /// with `drain` or `hotkey`.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
@@ -77,6 +86,24 @@ pub struct BenchArgs {
     pub write: Option<PathBuf>,
 }
 
+/// The sinks scenario's flags (boxed: they would make `BenchArgs` the
+/// largest command by far).
+#[derive(Debug, clap::Args)]
+pub struct SinkArgs {
+    /// Events per run in the sinks scenario.
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub sink_events: u64,
+    /// The Kafka brokers of the sinks scenario.
+    #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:19092")]
+    pub kafka_brokers: String,
+    /// The NATS server (with JetStream) of the sinks scenario.
+    #[arg(long, value_name = "URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// The Redis server of the sinks scenario.
+    #[arg(long, value_name = "URL", default_value = "redis://127.0.0.1:6379")]
+    pub redis_url: String,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Scenario {
     Drain,
@@ -84,6 +111,7 @@ pub enum Scenario {
     Idle,
     Producer,
     Hotkey,
+    Sinks,
 }
 
 fn positive_usize(s: &str) -> Result<usize, String> {
@@ -106,7 +134,8 @@ impl BenchArgs {
 
     fn describe(&self) -> String {
         format!(
-            "{} events over {} keys, batch {}; latency {}/s for {} s; idle {} s; producers {} × {} s",
+            "{} events over {} keys, batch {}; latency {}/s for {} s; idle {} s; producers {} × {} s; \
+             sinks {} events",
             report::thousands(self.events),
             report::thousands(self.keys),
             self.batch_size,
@@ -114,7 +143,8 @@ impl BenchArgs {
             self.latency_seconds,
             self.idle_seconds,
             self.producer_clients,
-            self.producer_seconds
+            self.producer_seconds,
+            report::thousands(self.sinks.sink_events)
         )
     }
 }
@@ -175,6 +205,20 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
     }
     if args.runs(Scenario::Producer) {
         report.producer = producer::run(ctx).await?;
+    }
+    if args.runs(Scenario::Sinks) {
+        #[cfg(feature = "bench-sinks")]
+        {
+            report.sinks = Some(sinks::run(ctx).await?);
+        }
+        #[cfg(not(feature = "bench-sinks"))]
+        {
+            anyhow::ensure!(
+                args.only.is_empty(),
+                "the sinks scenario needs a ferry built with the bench-sinks feature"
+            );
+            eprintln!("sinks: skipped (this ferry was built without the bench-sinks feature)");
+        }
     }
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The relay under test, run in this process against the bench database and
 //! one scenario's exchange, with the production settings the brief asks for
-//! (lease 30 s, fallback poll 30 s).
+//! (lease 30 s, fallback poll 60 s).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,29 +40,44 @@ pub(crate) fn start(
     id: &str,
     batch_size: usize,
 ) -> anyhow::Result<RunningRelay> {
-    let pool = PgPoolOptions::new()
-        .max_connections(POOL_CONNECTIONS)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with(db.options().clone().application_name("ferry-bench-relay"));
     let sink: Arc<dyn Sink> = Arc::new(RabbitMqSink::new(RabbitMqOptions {
         url: amqp_url.to_owned(),
         ..RabbitMqOptions::default()
     }));
-    let route = Route {
-        name: "bench".into(),
-        matcher: Glob::new(ROUTE_GLOB).map_err(|e| anyhow!("route glob: {e}"))?,
-        sink: SINK.into(),
-        destination: exchange.to_owned(),
-        routing_key: None,
-    };
+    start_routes(db, id, batch_size, vec![(SINK.to_owned(), sink, exchange.to_owned())])
+}
+
+/// Starts a relay named `id` with one route per `(sink name, sink,
+/// destination)`, each matching `bench.**`: several targets fan one event out.
+pub(crate) fn start_routes(
+    db: &BenchDb,
+    id: &str,
+    batch_size: usize,
+    targets: Vec<(String, Arc<dyn Sink>, String)>,
+) -> anyhow::Result<RunningRelay> {
+    let pool = PgPoolOptions::new()
+        .max_connections(POOL_CONNECTIONS)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy_with(db.options().clone().application_name("ferry-bench-relay"));
+    let mut routes = Vec::with_capacity(targets.len());
+    let mut sinks = HashMap::new();
+    for (name, sink, destination) in targets {
+        routes.push(Route {
+            name: format!("bench-{name}"),
+            matcher: Glob::new(ROUTE_GLOB).map_err(|e| anyhow!("route glob: {e}"))?,
+            sink: name.clone(),
+            destination,
+            routing_key: None,
+        });
+        sinks.insert(name, sink);
+    }
     let settings = RelaySettings {
         batch_size,
         lease: Duration::from_secs(30),
         poll_interval: Duration::from_secs(60),
         ..RelaySettings::new(id)
     };
-    let sinks = HashMap::from([(SINK.to_owned(), sink)]);
-    let relay = Relay::new(PgStore::new(pool.clone()), SystemClock, settings, vec![route], sinks)?;
+    let relay = Relay::new(PgStore::new(pool.clone()), SystemClock, settings, routes, sinks)?;
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(relay.run(async move {
         let _ = stopped.await;

@@ -14,6 +14,7 @@ use super::idle::IdleResult;
 use super::latency::LatencyResult;
 use super::machine::Machine;
 use super::producer::{ProducerResult, Variant};
+use super::sinks::SinksResult;
 
 /// Drain rate as a share of the broker's own rate.
 pub(crate) const DRAIN_TARGET: f64 = 0.75;
@@ -25,6 +26,11 @@ pub(crate) const IDLE_TARGET: f64 = 0.2;
 pub(crate) const PRODUCER_TARGET: f64 = 0.90;
 /// Hot-key drain as a share of the many-keys drain.
 pub(crate) const HOTKEY_TARGET: f64 = 0.5;
+
+/// A sink's drain as a share of its own baseline (or of the hand-over rate).
+pub(crate) const SINK_DRAIN_TARGET: f64 = 0.75;
+/// Fan-out time as a multiple of the slowest single-sink drain.
+pub(crate) const FANOUT_TARGET: f64 = 1.0;
 
 /// `--write` replaces what lies between these lines and keeps the rest.
 pub(crate) const BEGIN_MARK: &str = "<!-- ferry bench: begin -->";
@@ -75,6 +81,7 @@ pub(crate) struct Report {
     pub idle: Option<IdleResult>,
     pub producer: Vec<ProducerResult>,
     pub hotkey: Option<DrainResult>,
+    pub sinks: Option<SinksResult>,
     pub wall: Option<Duration>,
 }
 
@@ -220,8 +227,65 @@ impl Report {
                 share.map(|s| s >= HOTKEY_TARGET),
             );
         }
+        if let Some(s) = &self.sinks {
+            sink_rows(s, &mut row);
+        }
         rows
     }
+}
+
+fn sink_rows(s: &SinksResult, row: &mut impl FnMut(&str, String, &'static str, Option<bool>)) {
+    let n = s.events;
+    let handover = s.handover.map(|d| per_second(n, d));
+    if let Some(h) = handover {
+        let figure = format!("{} events/s (relay into a sink that only counts)", rate(h));
+        row("sinks: hand-over", figure, "–", None);
+    }
+    for k in &s.sinks {
+        let base = k.baseline_rate(n);
+        let shape = match k.in_flight {
+            Some(c) => format!("{c} requests in flight"),
+            None => format!("windows of {}", thousands(s.window as u64)),
+        };
+        let figure = format!("{} confirmed publishes/s ({} in {shape})", rate(base), thousands(n));
+        row(&format!("sinks: {} baseline", k.kind), figure, "baseline", None);
+        let drained = k.drain_rate(n);
+        let share = drained / base;
+        let mut figure = format!("{} events/s = {} of baseline", rate(drained), pct(share));
+        if let Some(h) = handover {
+            let _ = write!(figure, ", {} of hand-over", pct(drained / h));
+        }
+        let met = share >= SINK_DRAIN_TARGET || handover.is_some_and(|h| drained / h >= SINK_DRAIN_TARGET);
+        row(
+            &format!("sinks: {} drain", k.kind),
+            figure,
+            "≥ 75% of baseline or the database's hand-over rate",
+            Some(met),
+        );
+    }
+    if let Some(fanout) = s.fanout {
+        let slowest = s.slowest_fanout_single();
+        let ratio = slowest.map(|k| fanout.as_secs_f64() / k.drain.as_secs_f64().max(f64::EPSILON));
+        let mut figure = format!("{} events/s to each", rate(per_second(n, fanout)));
+        if let (Some(k), Some(r)) = (slowest, ratio) {
+            let _ = write!(
+                figure,
+                "; {r:.2}× the time of the slowest single drain ({}, {} events/s)",
+                k.kind,
+                rate(k.drain_rate(n))
+            );
+        }
+        row(
+            "sinks: fan-out (3 destinations)",
+            figure,
+            "≤ 1× the slowest single drain",
+            ratio.map(|r| r <= FANOUT_TARGET),
+        );
+    }
+}
+
+fn per_second(n: u64, d: Duration) -> f64 {
+    super::broker::per_second(n, d)
 }
 
 /// Writes `section` into `path` between [`BEGIN_MARK`] and [`END_MARK`],

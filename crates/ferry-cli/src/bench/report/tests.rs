@@ -111,3 +111,49 @@ fn writing_keeps_the_prose_around_the_marks() {
     let appended = splice("# Notes\n", "new");
     assert_eq!(appended, format!("# Notes\n\n{BEGIN_MARK}\nnew\n{END_MARK}\n"));
 }
+
+#[test]
+fn the_sinks_section_reads_against_baselines_and_the_slowest_drain() {
+    use crate::bench::sinks::{SinkFigures, SinksResult};
+    let figures = |kind, baseline, drain| SinkFigures {
+        kind,
+        in_flight: None,
+        baseline: Duration::from_secs(baseline),
+        drain: Duration::from_secs(drain),
+    };
+    let report = Report {
+        sinks: Some(SinksResult {
+            events: 20_000,
+            window: 500,
+            // 4,000/s.
+            handover: Some(Duration::from_secs(5)),
+            sinks: vec![
+                // 2,000/s against 4,000/s: 50% of baseline, 50% of hand-over: missed.
+                figures("rabbitmq", 5, 10),
+                // 1,000/s against 1,250/s: 80%, met.
+                figures("redis", 16, 20),
+                // 4,000/s against 10,000/s: 40% of baseline but 100% of hand-over: met.
+                figures("nats", 2, 5),
+                SinkFigures {
+                    in_flight: Some(8),
+                    ..figures("webhook", 10, 10)
+                },
+            ],
+            // 20 s against redis' 20 s: 1.00×, met.
+            fanout: Some(Duration::from_secs(20)),
+        }),
+        ..Report::default()
+    };
+    let table = report.render();
+    for line in [
+        "| sinks: hand-over | 4,000 events/s (relay into a sink that only counts) | – | – |",
+        "| sinks: rabbitmq baseline | 4,000 confirmed publishes/s (20,000 in windows of 500) | baseline | – |",
+        "| sinks: rabbitmq drain | 2,000 events/s = 50.0% of baseline, 50.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | **no** |",
+        "| sinks: redis drain | 1,000 events/s = 80.0% of baseline, 25.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | yes |",
+        "| sinks: nats drain | 4,000 events/s = 40.0% of baseline, 100.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | yes |",
+        "| sinks: webhook baseline | 2,000 confirmed publishes/s (20,000 in 8 requests in flight) | baseline | – |",
+        "| sinks: fan-out (3 destinations) | 1,000 events/s to each; 1.00× the time of the slowest single drain (redis, 1,000 events/s) | ≤ 1× the slowest single drain | yes |",
+    ] {
+        assert!(table.contains(line), "missing {line:?} in\n{table}");
+    }
+}

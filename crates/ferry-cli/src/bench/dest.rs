@@ -1,0 +1,556 @@
+//! The sinks scenario's destinations: a uniquely named Kafka topic, NATS
+//! JetStream stream, Redis stream or in-process webhook receiver per run,
+//! each able to say how many messages it holds, to take `n` confirmed
+//! publishes from one plain client (the baseline), to hand the relay a sink
+//! and a route destination, and to delete itself.
+//!
+//! Should the bench be killed before it deletes them, the Kafka topic and the
+//! Redis stream stay (named `ferry-bench-…`); the NATS stream is memory-backed
+//! and keeps at most an hour of messages.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use async_trait::async_trait;
+use bytes::Bytes;
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use futures::StreamExt;
+use futures::future::join_all;
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::{Value, json};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::progress;
+use super::workload;
+
+/// Partitions of the bench topic.
+const KAFKA_PARTITIONS: i32 = 3;
+/// How long a destination may take to show what it confirmed.
+const SETTLE: Duration = Duration::from_secs(10);
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// Requests in flight in the webhook baseline: the webhook sink's default.
+pub(crate) const WEBHOOK_CONCURRENCY: usize = 8;
+
+/// The kinds the scenario measures, in report order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Kafka,
+    Nats,
+    Redis,
+    Webhook,
+}
+
+impl Kind {
+    pub(crate) const ALL: [Kind; 4] = [Kind::Kafka, Kind::Nats, Kind::Redis, Kind::Webhook];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Kind::Kafka => "kafka",
+            Kind::Nats => "nats",
+            Kind::Redis => "redis",
+            Kind::Webhook => "webhook",
+        }
+    }
+}
+
+/// Where the destinations live.
+#[derive(Debug, Clone)]
+pub(crate) struct Endpoints {
+    pub kafka: String,
+    pub nats: String,
+    pub redis: String,
+}
+
+pub(crate) enum Dest {
+    Kafka {
+        bootstrap: String,
+        admin: AdminClient<DefaultClientContext>,
+        /// Records a consumer on every partition has read so far: tansu's
+        /// end offsets do not always count records one by one.
+        consumed: Arc<AtomicU64>,
+        reader: JoinHandle<()>,
+        topic: String,
+    },
+    Nats {
+        url: String,
+        client: async_nats::Client,
+        stream: String,
+        subject: String,
+    },
+    Redis {
+        url: String,
+        conn: redis::aio::MultiplexedConnection,
+        key: String,
+    },
+    Webhook {
+        url: String,
+        received: Arc<AtomicU64>,
+        server: JoinHandle<()>,
+    },
+}
+
+fn unique(kind: Kind, phase: &str) -> String {
+    format!("ferry-bench-{}-{phase}-{:08x}", kind.label(), rand::random::<u32>())
+}
+
+impl Dest {
+    /// Creates a fresh destination of `kind` for `phase` (`baseline`, `drain`…).
+    pub(crate) async fn create(kind: Kind, phase: &str, at: &Endpoints) -> anyhow::Result<Self> {
+        match kind {
+            Kind::Kafka => {
+                let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+                    .set("bootstrap.servers", &at.kafka)
+                    .create()
+                    .context("creating a Kafka admin client")?;
+                let topic = unique(kind, phase);
+                let new = NewTopic::new(&topic, KAFKA_PARTITIONS, TopicReplication::Fixed(1));
+                let options = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
+                let results = admin
+                    .create_topics([&new], &options)
+                    .await
+                    .with_context(|| format!("creating Kafka topic {topic} at {}", at.kafka))?;
+                for r in results {
+                    r.map_err(|(t, code)| anyhow!("creating Kafka topic {t}: {code}"))?;
+                }
+                let consumer: StreamConsumer = ClientConfig::new()
+                    .set("bootstrap.servers", &at.kafka)
+                    .set("group.id", format!("{topic}-reader"))
+                    .set("enable.auto.commit", "false")
+                    .set("enable.partition.eof", "false")
+                    .create()
+                    .context("creating a Kafka consumer")?;
+                let mut assignment = TopicPartitionList::new();
+                for p in 0..KAFKA_PARTITIONS {
+                    assignment.add_partition_offset(&topic, p, Offset::Beginning)?;
+                }
+                consumer.assign(&assignment).context("assigning the bench topic")?;
+                let consumed = Arc::new(AtomicU64::new(0));
+                let counter = Arc::clone(&consumed);
+                let reader = tokio::spawn(async move {
+                    loop {
+                        match consumer.recv().await {
+                            Ok(_) => {
+                                counter.fetch_add(1, Ordering::Relaxed);
+                            }
+                            // Mostly "unknown partition" until the new topic's
+                            // metadata arrives; the consumer retries by itself.
+                            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                        }
+                    }
+                });
+                Ok(Dest::Kafka {
+                    bootstrap: at.kafka.clone(),
+                    admin,
+                    consumed,
+                    reader,
+                    topic,
+                })
+            }
+            Kind::Nats => {
+                let client = async_nats::connect(&at.nats)
+                    .await
+                    .with_context(|| format!("cannot connect to NATS at {}", at.nats))?;
+                let stream = unique(kind, phase).replace('-', "_").to_uppercase();
+                let subject = unique(kind, phase).replace('-', ".");
+                let config = json!({
+                    "name": stream,
+                    "subjects": [subject],
+                    "storage": "memory",
+                    "retention": "limits",
+                    "discard": "old",
+                    "num_replicas": 1,
+                    "max_age": 3_600_000_000_000u64,
+                    "duplicate_window": 120_000_000_000u64,
+                });
+                let answer = js_api(&client, &format!("$JS.API.STREAM.CREATE.{stream}"), Some(config)).await?;
+                if let Some(error) = answer.get("error") {
+                    bail!("creating NATS stream {stream}: {error}");
+                }
+                Ok(Dest::Nats {
+                    url: at.nats.clone(),
+                    client,
+                    stream,
+                    subject,
+                })
+            }
+            Kind::Redis => {
+                let client = redis::Client::open(at.redis.as_str()).context("the Redis URL")?;
+                let conn = client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .with_context(|| format!("cannot connect to Redis at {}", at.redis))?;
+                Ok(Dest::Redis {
+                    url: at.redis.clone(),
+                    conn,
+                    key: unique(kind, phase),
+                })
+            }
+            Kind::Webhook => {
+                let received = Arc::new(AtomicU64::new(0));
+                let counter = Arc::clone(&received);
+                let app = axum::Router::new().route(
+                    "/hook",
+                    axum::routing::post(move |_body: axum::body::Bytes| {
+                        let counter = Arc::clone(&counter);
+                        async move {
+                            counter.fetch_add(1, Ordering::Relaxed);
+                            axum::http::StatusCode::NO_CONTENT
+                        }
+                    }),
+                );
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .context("binding the webhook receiver")?;
+                let addr = listener.local_addr()?;
+                let server = tokio::spawn(async move {
+                    if let Err(e) = axum::serve(listener, app).await {
+                        eprintln!("warning: the webhook receiver failed: {e}");
+                    }
+                });
+                Ok(Dest::Webhook {
+                    url: format!("http://{addr}/hook"),
+                    received,
+                    server,
+                })
+            }
+        }
+    }
+
+    pub(crate) fn kind(&self) -> Kind {
+        match self {
+            Dest::Kafka { .. } => Kind::Kafka,
+            Dest::Nats { .. } => Kind::Nats,
+            Dest::Redis { .. } => Kind::Redis,
+            Dest::Webhook { .. } => Kind::Webhook,
+        }
+    }
+
+    /// The route destination the sink publishes to.
+    pub(crate) fn destination(&self) -> &str {
+        match self {
+            Dest::Kafka { topic, .. } => topic,
+            Dest::Nats { subject, .. } => subject,
+            Dest::Redis { key, .. } => key,
+            Dest::Webhook { url, .. } => url,
+        }
+    }
+
+    /// A production sink for this destination, built as `ferry run` would.
+    pub(crate) fn sink(&self) -> anyhow::Result<Arc<dyn Sink>> {
+        Ok(match self {
+            Dest::Kafka { bootstrap, .. } => {
+                use ferry_sink::kafka::{KafkaOptions, KafkaSink};
+                Arc::new(
+                    KafkaSink::new(KafkaOptions {
+                        bootstrap_servers: bootstrap.clone(),
+                        ..KafkaOptions::default()
+                    })
+                    .map_err(|e| anyhow!("the Kafka sink: {e}"))?,
+                )
+            }
+            Dest::Nats { url, .. } => {
+                use ferry_sink::nats::{NatsOptions, NatsSink};
+                Arc::new(NatsSink::new(NatsOptions {
+                    url: url.clone(),
+                    ..NatsOptions::default()
+                }))
+            }
+            Dest::Redis { url, .. } => {
+                use ferry_sink::redis::{RedisOptions, RedisSink};
+                Arc::new(RedisSink::new(RedisOptions {
+                    url: url.clone(),
+                    ..RedisOptions::default()
+                }))
+            }
+            Dest::Webhook { .. } => {
+                use ferry_sink::webhook::{WebhookOptions, WebhookSink};
+                Arc::new(
+                    WebhookSink::new(WebhookOptions {
+                        concurrency: WEBHOOK_CONCURRENCY,
+                        ..WebhookOptions::default()
+                    })
+                    .map_err(|e| anyhow!("the webhook sink: {e}"))?,
+                )
+            }
+        })
+    }
+
+    /// Messages the destination holds (requests received, for the webhook).
+    pub(crate) async fn count(&self) -> anyhow::Result<u64> {
+        match self {
+            Dest::Kafka { consumed, .. } => Ok(consumed.load(Ordering::Relaxed)),
+            Dest::Nats { client, stream, .. } => {
+                let info = js_api(client, &format!("$JS.API.STREAM.INFO.{stream}"), None).await?;
+                info["state"]["messages"]
+                    .as_u64()
+                    .ok_or_else(|| anyhow!("NATS stream info for {stream} has no message count: {info}"))
+            }
+            Dest::Redis { conn, key, .. } => {
+                let mut conn = conn.clone();
+                let len: u64 = redis::cmd("XLEN")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .with_context(|| format!("XLEN {key}"))?;
+                Ok(len)
+            }
+            Dest::Webhook { received, .. } => Ok(received.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// `events` confirmed publishes from one client, in windows of `window`
+    /// (the webhook: `WEBHOOK_CONCURRENCY` requests in flight). Returns how
+    /// long they took; checks the destination then holds them all.
+    pub(crate) async fn baseline(&self, events: u64, window: usize, keys: u64) -> anyhow::Result<Duration> {
+        let label = format!("{} base", self.kind().label());
+        let bar = progress::bar(events, &label);
+        let window = window.max(1) as u64;
+        let body = |seq: u64| {
+            let key = workload::key(seq, keys);
+            (workload::payload_bytes(seq, &key), key)
+        };
+        let started = Instant::now();
+        match self {
+            Dest::Kafka { bootstrap, topic, .. } => {
+                let producer: FutureProducer = ClientConfig::new()
+                    .set("bootstrap.servers", bootstrap)
+                    .set("enable.idempotence", "true")
+                    .set("acks", "all")
+                    .set("max.in.flight.requests.per.connection", "5")
+                    .set("message.timeout.ms", "30000")
+                    .create()
+                    .context("creating a Kafka producer")?;
+                let mut sent = 0;
+                while sent < events {
+                    let n = (events - sent).min(window);
+                    let mut deliveries = Vec::with_capacity(n as usize);
+                    for seq in sent..sent + n {
+                        let (payload, key) = body(seq);
+                        let record = FutureRecord::to(topic).key(&key).payload(&payload);
+                        let delivery = producer
+                            .send_result(record)
+                            .map_err(|(e, _)| anyhow!("enqueueing a Kafka message: {e}"))?;
+                        deliveries.push(delivery);
+                    }
+                    for delivery in deliveries {
+                        delivery
+                            .await
+                            .map_err(|_| anyhow!("a Kafka delivery report was dropped"))?
+                            .map_err(|(e, _)| anyhow!("Kafka refused a message: {e}"))?;
+                    }
+                    sent += n;
+                    bar.set_position(sent);
+                }
+            }
+            Dest::Nats { client, subject, .. } => {
+                let mut sent = 0;
+                while sent < events {
+                    let n = (events - sent).min(window);
+                    let mut acks = Vec::with_capacity(n as usize);
+                    for seq in sent..sent + n {
+                        let (payload, _) = body(seq);
+                        let mut headers = async_nats::HeaderMap::new();
+                        headers.insert("Nats-Msg-Id", uuid::Uuid::now_v7().to_string().as_str());
+                        acks.push(client.request_with_headers(subject.clone(), headers, Bytes::from(payload)));
+                    }
+                    for ack in join_all(acks).await {
+                        let ack = ack.context("awaiting a JetStream PubAck")?;
+                        let ack: Value = serde_json::from_slice(&ack.payload).context("a JetStream PubAck")?;
+                        if let Some(error) = ack.get("error") {
+                            bail!("JetStream refused a message: {error}");
+                        }
+                    }
+                    sent += n;
+                    bar.set_position(sent);
+                }
+            }
+            Dest::Redis { conn, key, .. } => {
+                let mut conn = conn.clone();
+                let mut sent = 0;
+                while sent < events {
+                    let n = (events - sent).min(window);
+                    let mut pipe = redis::pipe();
+                    for seq in sent..sent + n {
+                        let (payload, k) = body(seq);
+                        let id = uuid::Uuid::now_v7().to_string();
+                        pipe.xadd(
+                            key,
+                            "*",
+                            &[
+                                ("id", id.into_bytes()),
+                                ("type", workload::EVENT_TYPE.as_bytes().to_vec()),
+                                ("key", k.into_bytes()),
+                                ("payload", payload),
+                            ],
+                        );
+                    }
+                    let ids: Vec<String> = pipe.query_async(&mut conn).await.context("pipelined XADD")?;
+                    anyhow::ensure!(ids.len() as u64 == n, "Redis answered {} of {n} XADDs", ids.len());
+                    sent += n;
+                    bar.set_position(sent);
+                }
+            }
+            Dest::Webhook { url, .. } => {
+                let client = http_client()?;
+                let posted = futures::stream::iter(0..events)
+                    .map(|seq| {
+                        let client = client.clone();
+                        let (payload, _) = body(seq);
+                        async move {
+                            let response = client
+                                .post(url.as_str())
+                                .header("content-type", "application/json")
+                                .header("webhook-id", uuid::Uuid::now_v7().to_string())
+                                .body(payload)
+                                .send()
+                                .await
+                                .context("POST to the webhook receiver")?;
+                            anyhow::ensure!(
+                                response.status().is_success(),
+                                "the webhook receiver answered {}",
+                                response.status()
+                            );
+                            anyhow::Ok(())
+                        }
+                    })
+                    .buffer_unordered(WEBHOOK_CONCURRENCY);
+                futures::pin_mut!(posted);
+                let mut sent = 0;
+                while let Some(result) = posted.next().await {
+                    result?;
+                    sent += 1;
+                    if sent % window == 0 {
+                        bar.set_position(sent);
+                    }
+                }
+            }
+        }
+        let elapsed = started.elapsed();
+        progress::done(
+            &bar,
+            format!(
+                "sinks: {} baseline: {events} confirmed publishes in {:.1} s: {:.0}/s",
+                self.kind().label(),
+                elapsed.as_secs_f64(),
+                super::broker::per_second(events, elapsed)
+            ),
+        );
+        // A destination may report what it stored a moment late (Kafka's
+        // end offsets); the figure stands, but every message must be there.
+        let deadline = Instant::now() + SETTLE;
+        let mut held = self.count().await?;
+        while held < events && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            held = self.count().await?;
+        }
+        anyhow::ensure!(
+            held >= events,
+            "the {} destination holds {held} messages, expected {events}",
+            self.kind().label()
+        );
+        Ok(elapsed)
+    }
+
+    /// Deletes the topic, stream or key, or stops the receiver.
+    pub(crate) async fn delete(self) -> anyhow::Result<()> {
+        match self {
+            Dest::Kafka {
+                admin, topic, reader, ..
+            } => {
+                reader.abort();
+                let options = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
+                let results = admin
+                    .delete_topics(&[&topic], &options)
+                    .await
+                    .with_context(|| format!("deleting Kafka topic {topic}"))?;
+                for r in results {
+                    r.map_err(|(t, code)| anyhow!("deleting Kafka topic {t}: {code}"))?;
+                }
+            }
+            Dest::Nats { client, stream, .. } => {
+                let answer = js_api(&client, &format!("$JS.API.STREAM.DELETE.{stream}"), None).await?;
+                if let Some(error) = answer.get("error") {
+                    bail!("deleting NATS stream {stream}: {error}");
+                }
+            }
+            Dest::Redis { mut conn, key, .. } => {
+                let _: u64 = redis::cmd("DEL")
+                    .arg(&key)
+                    .query_async(&mut conn)
+                    .await
+                    .with_context(|| format!("DEL {key}"))?;
+            }
+            Dest::Webhook { server, .. } => server.abort(),
+        }
+        Ok(())
+    }
+}
+
+/// Runs `body` with a fresh destination and deletes it afterwards, whatever
+/// `body` returned.
+pub(crate) async fn with_dest<T, F>(kind: Kind, phase: &str, at: &Endpoints, body: F) -> anyhow::Result<T>
+where
+    F: AsyncFnOnce(&Dest) -> anyhow::Result<T>,
+{
+    let dest = Dest::create(kind, phase, at).await?;
+    let result = body(&dest).await;
+    let deleted = dest.delete().await;
+    let value = result?;
+    deleted?;
+    Ok(value)
+}
+
+/// A JetStream API request; `None` sends an empty body.
+async fn js_api(client: &async_nats::Client, subject: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    let body = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
+    let answer = client
+        .request(subject.to_owned(), body)
+        .await
+        .with_context(|| format!("NATS request {subject} (is JetStream enabled?)"))?;
+    serde_json::from_slice(&answer.payload).with_context(|| format!("the answer to {subject}"))
+}
+
+/// A plain-HTTP client for the webhook baseline; rustls is configured with
+/// the ring provider only because reqwest insists on a TLS backend.
+fn http_client() -> anyhow::Result<reqwest::Client> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth();
+    reqwest::Client::builder()
+        .tls_backend_preconfigured(tls)
+        .timeout(Duration::from_secs(30))
+        .build()
+        .context("building the HTTP client")
+}
+
+/// A sink that accepts everything and only counts: what the relay and the
+/// database hand over when the destination costs nothing.
+pub(crate) struct Discard {
+    pub received: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Sink for Discard {
+    fn kind(&self) -> &'static str {
+        "discard"
+    }
+
+    async fn publish(&self, _route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        self.received.fetch_add(events.len() as u64, Ordering::Relaxed);
+        events.iter().map(|_| Ok(())).collect()
+    }
+
+    async fn check(&self, _route: &Route) -> Result<(), SinkError> {
+        Ok(())
+    }
+}

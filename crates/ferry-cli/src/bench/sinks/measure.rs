@@ -1,0 +1,193 @@
+//! The measurements of the sinks scenario (feature `bench-sinks`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use ferry_core::Sink;
+use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
+use tokio::time::{Instant, MissedTickBehavior, interval};
+
+use super::{SinkFigures, SinksResult};
+use crate::bench::broker::{self, per_second};
+use crate::bench::dest::{Dest, Discard, Endpoints, Kind, WEBHOOK_CONCURRENCY, with_dest};
+use crate::bench::topology::{self, Topology};
+use crate::bench::{Ctx, drain, progress, relay};
+
+const POLL: Duration = Duration::from_millis(50);
+/// A drain that makes no progress for this long has failed.
+const STALL: Duration = Duration::from_secs(60);
+
+/// One destination's two figures.
+/// What a drain waits on.
+enum Counter<'a> {
+    Dest(&'a Dest),
+    Queue(&'a Topology),
+    Atomic(Arc<AtomicU64>),
+}
+
+impl Counter<'_> {
+    async fn count(&self) -> anyhow::Result<u64> {
+        match self {
+            Counter::Dest(d) => d.count().await,
+            Counter::Queue(t) => t.depth().await,
+            Counter::Atomic(n) => Ok(n.load(Ordering::Relaxed)),
+        }
+    }
+}
+
+type Target = (String, Arc<dyn Sink>, String);
+
+pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
+    let args = ctx.args;
+    let (events, window, keys) = (args.sinks.sink_events, args.batch_size, args.keys);
+    let at = Endpoints {
+        kafka: args.sinks.kafka_brokers.clone(),
+        nats: args.sinks.nats_url.clone(),
+        redis: args.sinks.redis_url.clone(),
+    };
+    let mut result = SinksResult {
+        events,
+        window,
+        handover: None,
+        sinks: Vec::new(),
+        fanout: None,
+    };
+
+    let received = Arc::new(AtomicU64::new(0));
+    let discard: Arc<dyn Sink> = Arc::new(Discard {
+        received: Arc::clone(&received),
+    });
+    let target = ("discard".to_owned(), discard, "nowhere".to_owned());
+    result.handover = Some(drain_into(ctx, "hand-over", vec![target], &[Counter::Atomic(received)]).await?);
+
+    let rabbit = broker::run(&args.amqp_url, events, window, keys).await?;
+    let drained = topology::with_topology(&args.amqp_url, "sinks", async |t| {
+        drain_into(
+            ctx,
+            "rabbitmq",
+            vec![rabbit_target(&args.amqp_url, t)],
+            &[Counter::Queue(t)],
+        )
+        .await
+    })
+    .await?;
+    result.sinks.push(SinkFigures {
+        kind: "rabbitmq",
+        in_flight: None,
+        baseline: rabbit.elapsed,
+        drain: drained,
+    });
+
+    for kind in Kind::ALL {
+        let baseline = with_dest(kind, "baseline", &at, async |d| d.baseline(events, window, keys).await).await?;
+        let drained = with_dest(kind, "drain", &at, async |d| {
+            let target = (kind.label().to_owned(), d.sink()?, d.destination().to_owned());
+            drain_into(ctx, kind.label(), vec![target], &[Counter::Dest(d)]).await
+        })
+        .await?;
+        result.sinks.push(SinkFigures {
+            kind: kind.label(),
+            in_flight: (kind == Kind::Webhook).then_some(WEBHOOK_CONCURRENCY),
+            baseline,
+            drain: drained,
+        });
+    }
+
+    let fanout = topology::with_topology(&args.amqp_url, "fanout", async |t| {
+        with_dest(Kind::Redis, "fanout", &at, async |redis| {
+            with_dest(Kind::Nats, "fanout", &at, async |nats| {
+                let targets = vec![
+                    rabbit_target(&args.amqp_url, t),
+                    ("redis".to_owned(), redis.sink()?, redis.destination().to_owned()),
+                    ("nats".to_owned(), nats.sink()?, nats.destination().to_owned()),
+                ];
+                let counters = [Counter::Queue(t), Counter::Dest(redis), Counter::Dest(nats)];
+                drain_into(ctx, "fan-out", targets, &counters).await
+            })
+            .await
+        })
+        .await
+    })
+    .await?;
+    result.fanout = Some(fanout);
+    Ok(result)
+}
+
+fn rabbit_target(amqp_url: &str, topology: &Topology) -> Target {
+    let sink: Arc<dyn Sink> = Arc::new(RabbitMqSink::new(RabbitMqOptions {
+        url: amqp_url.to_owned(),
+        ..RabbitMqOptions::default()
+    }));
+    ("rabbitmq".to_owned(), sink, topology.exchange().to_owned())
+}
+
+/// Pre-fills `sink-events` events, starts a relay routing them to every
+/// target, and times it until every counter reached the count.
+async fn drain_into(
+    ctx: &Ctx<'_>,
+    label: &str,
+    targets: Vec<Target>,
+    counters: &[Counter<'_>],
+) -> anyhow::Result<Duration> {
+    let events = ctx.args.sinks.sink_events;
+    ctx.db.reset_outbox().await?;
+    drain::prefill(ctx, &format!("sinks: {label}"), events, ctx.args.keys).await?;
+    let bar = progress::bar(events, label);
+    let id = format!("bench-sinks-{}", label.replace(' ', "-"));
+    let started = Instant::now();
+    let relay = relay::start_routes(ctx.db, &id, ctx.args.batch_size, targets)?;
+    let waited = wait_for_all(counters, &relay, events, &bar).await;
+    let drained = started.elapsed();
+    let report = relay.stop().await;
+    waited?;
+    let report = report?;
+    anyhow::ensure!(
+        report.published >= events && report.dead == 0,
+        "sinks: {label}: the relay published {} and killed {} deliveries of {events} events",
+        report.published,
+        report.dead
+    );
+    progress::done(
+        &bar,
+        format!(
+            "sinks: {label} drain: {events} events in {:.1} s: {:.0}/s",
+            drained.as_secs_f64(),
+            per_second(events, drained)
+        ),
+    );
+    Ok(drained)
+}
+
+async fn wait_for_all(
+    counters: &[Counter<'_>],
+    relay: &relay::RunningRelay,
+    events: u64,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<()> {
+    let mut tick = interval(POLL);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let (mut last, mut moved) = (0, Instant::now());
+    loop {
+        tick.tick().await;
+        relay.ensure_running()?;
+        let mut least = u64::MAX;
+        let mut total = 0;
+        for counter in counters {
+            let n = counter.count().await?;
+            least = least.min(n);
+            total += n;
+        }
+        bar.set_position(least.min(events));
+        if least >= events {
+            return Ok(());
+        }
+        if total > last {
+            (last, moved) = (total, Instant::now());
+        }
+        anyhow::ensure!(
+            moved.elapsed() < STALL,
+            "the drain stalled at {least} of {events} messages for {STALL:?}"
+        );
+    }
+}
