@@ -101,7 +101,7 @@ mod tests {
         );
         assert_eq!(shell_quote("a b"), "'a b'");
         assert_eq!(shell_quote("it's"), r"'it'\''s'");
-        assert_eq!(basename("/work/target/release/ferry"), "ferry");
+        assert_eq!(basename("/opt/ferry/target/release/ferry"), "ferry");
         assert_eq!(kib("24684512 kB"), Some(24_684_512));
         assert_eq!(kib("n/a"), None);
     }
