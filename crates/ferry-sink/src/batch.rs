@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use ferry_core::{SinkError, StoredEvent};
+use ferry_core::{PublishOutcome, Route, SinkError, StoredEvent};
 
 /// Prepares every event in slice order. Once an event of some key fails to
 /// prepare (too large, an invalid name), later events of that key in the same
@@ -34,6 +34,29 @@ pub(crate) fn prepare_in_key_order<T>(
             prepared
         })
         .collect()
+}
+
+/// The one line per published batch: the route and the counts, and for a
+/// batch with failures the first failed event, so that its id leads to the
+/// relay's own line about it.
+pub(crate) fn log_published(sink: &str, route: &Route, events: &[StoredEvent], outcomes: &[PublishOutcome]) {
+    let failed = outcomes.iter().filter(|o| o.is_err()).count();
+    let first_failure = events
+        .iter()
+        .zip(outcomes)
+        .find_map(|(event, outcome)| outcome.as_ref().err().map(|error| (event, error)));
+    match first_failure {
+        None => tracing::debug!(route = %route.name, events = events.len(), "published batch to {sink}"),
+        Some((event, error)) => tracing::debug!(
+            route = %route.name,
+            events = events.len(),
+            failed,
+            event_id = %event.id,
+            key = event.key.as_deref(),
+            %error,
+            "published batch to {sink}; {failed} failed, the first shown"
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -62,6 +62,20 @@ mod limits;
 
 #[cfg(feature = "file")]
 pub mod file;
+#[cfg(any(feature = "webhook", feature = "rabbitmq"))]
+mod http;
+
+/// Connections (Kafka: producers) a sink opened, per kind. One per sink is
+/// the start; each more is a reconnect after the old one failed.
+pub const CONNECTIONS_METRIC: &str = "ferry_sink_connections_total";
+
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "kafka", feature = "nats", feature = "redis")),
+    allow(dead_code)
+)]
+fn connected(kind: &'static str) {
+    metrics::counter!(CONNECTIONS_METRIC, "kind" => kind).increment(1);
+}
 #[cfg(feature = "kafka")]
 pub mod kafka;
 #[cfg(any(feature = "stdout", feature = "file"))]

@@ -51,4 +51,20 @@ pub(crate) mod fixtures {
             created_at: chrono::Utc::now(),
         }
     }
+
+    /// A W3C `traceparent` and a `tracestate` with the `,` and `=` its
+    /// list syntax uses: every sink must forward both unchanged.
+    pub(crate) const TRACE_CONTEXT: [(&str, &str); 2] = [
+        ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        ("tracestate", "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7"),
+    ];
+
+    /// [`event`] carrying [`TRACE_CONTEXT`].
+    pub(crate) fn traced_event() -> StoredEvent {
+        let mut e = event(Some("o-1"));
+        for (name, value) in TRACE_CONTEXT {
+            e.headers.insert(name.to_owned(), value.to_owned());
+        }
+        e
+    }
 }

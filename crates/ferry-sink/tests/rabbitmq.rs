@@ -115,11 +115,14 @@ async fn an_exchange_without_a_queue_fails_every_event_permanently() {
         expect_err(outcome, ErrorKind::Permanent, "unroutable");
         expect_err(outcome, ErrorKind::Permanent, "312 NO_ROUTE");
     }
-    // An AMQP client cannot list bindings: check() sees the exchange, and
-    // the unroutable publish is what reports the missing queue.
-    sink.check(&route(topology.exchange(), None))
+    // check() asks the management API and says so before any publish.
+    let err = sink
+        .check(&route(topology.exchange(), None))
         .await
-        .expect("the exchange exists");
+        .expect_err("nobody home");
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    assert!(err.message.contains("reaches nobody"), "{err}");
+    assert!(err.message.contains("no queue is bound"), "{err}");
     sink.close().await;
     topology.delete().await;
 }
@@ -277,11 +280,15 @@ async fn a_test_topology_dropped_without_delete_leaves_no_exchange() {
         TestTopology::create("dropped").await,
     ] {
         let exchange = route(topology.exchange(), None);
-        sink.check(&exchange).await.expect("declared");
+        let exists = async || match sink.check(&exchange).await {
+            Ok(()) => true,
+            Err(e) => !e.message.contains("does not exist"),
+        };
+        assert!(exists().await, "declared");
         drop(topology);
         // A bound exchange goes with its queue once the broker saw the close.
         let deadline = tokio::time::Instant::now() + ARRIVAL_TIMEOUT;
-        while sink.check(&exchange).await.is_ok() {
+        while exists().await {
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "{} outlived its topology",
@@ -291,4 +298,29 @@ async fn a_test_topology_dropped_without_delete_leaves_no_exchange() {
         }
     }
     sink.close().await;
+}
+
+#[tokio::test]
+async fn check_names_a_route_whose_routing_key_no_queue_takes() {
+    let topology = TestTopology::create_with_binding("nobody", "shop.order.*").await;
+    let sink = sink_at(amqp_url());
+    sink.check(&route(topology.exchange(), Some("shop.order.paid")))
+        .await
+        .expect("a queue takes shop.order.paid");
+    // A key that varies per event: any binding counts.
+    sink.check(&route(topology.exchange(), Some("{type}")))
+        .await
+        .expect("bound");
+    let err = sink
+        .check(&route(topology.exchange(), Some("billing.invoice.sent")))
+        .await
+        .expect_err("no queue takes billing.invoice.sent");
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    assert!(
+        err.message.contains("for routing key \"billing.invoice.sent\""),
+        "{err}"
+    );
+    assert!(err.message.contains("routes[].routing_key"), "{err}");
+    sink.close().await;
+    topology.delete().await;
 }

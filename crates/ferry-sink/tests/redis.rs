@@ -164,18 +164,27 @@ async fn maxlen_trims_per_route_with_a_default() {
 }
 
 #[tokio::test]
-async fn check_accepts_streams_and_absent_keys_and_names_a_wrong_type() {
+async fn check_wants_a_stream_a_consumer_group_reads_and_names_what_is_missing() {
     let stream = TestStream::new("check").await;
     let sink = sink_at(redis_url());
     sink.check(&route("test", &stream.key))
         .await
-        .expect("absent: XADD creates it");
+        .expect("a stream with a group");
+
+    // Nobody home: no stream at all, then a stream that no group reads.
+    let lonely = TestStream::at(format!("{}:lonely", stream.key)).await;
+    let err = sink.check(&route("lonely", &lonely.key)).await.expect_err("absent");
+    assert_eq!(err.kind, ErrorKind::Config);
+    assert!(err.message.contains("route \"lonely\" reaches nobody"), "{err}");
+    assert!(err.message.contains("does not exist"), "{err}");
     assert!(
-        sink.publish(&route("test", &stream.key), &keyed(1, |_| "k".into()))
+        sink.publish(&route("lonely", &lonely.key), &keyed(1, |_| "k".into()))
             .await[0]
             .is_ok()
     );
-    sink.check(&route("test", &stream.key)).await.expect("a stream");
+    let err = sink.check(&route("lonely", &lonely.key)).await.expect_err("no group");
+    assert!(err.message.contains("has no consumer group"), "{err}");
+    assert!(err.message.contains("XGROUP CREATE"), "{err}");
 
     let wrong = string_key("check-string").await;
     let err = sink.check(&route("test", &wrong)).await.expect_err("a string key");
@@ -187,6 +196,7 @@ async fn check_accepts_streams_and_absent_keys_and_names_a_wrong_type() {
     assert!(err.message.contains("routes[].destination"), "{err}");
     sink.close().await;
     stream.delete().await;
+    lonely.delete().await;
     delete(&wrong).await;
 }
 

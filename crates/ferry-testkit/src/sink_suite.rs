@@ -256,3 +256,109 @@ fn assert_received_exactly(events: &[StoredEvent], received: &[ReceivedMessage])
 
 #[cfg(test)]
 mod tests;
+
+/// The relay's loop in miniature, for fault tests: publishes the oldest
+/// pending events in batches of `batch`; what failed stays pending, in seq
+/// order, and goes out again after a short pause. Every failure must be
+/// transient (a fault test injects only outages), and no event may be
+/// confirmed after an earlier event of its key failed in the same batch.
+/// Counts failures into `failures` as they happen, so a fault injector can
+/// watch them. Returns the ids the sink confirmed.
+///
+/// # Panics
+///
+/// On a broken promise above, or when the events are not all confirmed
+/// within `within`.
+pub async fn drain_like_a_relay(
+    sink: &dyn Sink,
+    route: &Route,
+    events: &[StoredEvent],
+    batch: usize,
+    failures: &std::sync::atomic::AtomicUsize,
+    within: Duration,
+) -> HashSet<String> {
+    use std::sync::atomic::Ordering;
+    let mut pending: std::collections::VecDeque<StoredEvent> = events.iter().cloned().collect();
+    let mut confirmed = HashSet::new();
+    let deadline = tokio::time::Instant::now() + within;
+    while !pending.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} events never published",
+            pending.len()
+        );
+        let n = pending.len().min(batch);
+        let sent: Vec<StoredEvent> = pending.drain(..n).collect();
+        let outcomes = sink.publish(route, &sent).await;
+        assert_eq!(outcomes.len(), sent.len(), "one outcome per event");
+        let mut failed_keys = HashSet::new();
+        let mut retry = Vec::new();
+        for (e, outcome) in sent.into_iter().zip(&outcomes) {
+            match outcome {
+                Ok(()) => {
+                    assert!(
+                        !failed_keys.contains(&e.key),
+                        "event {} of key {:?} confirmed after an earlier one failed",
+                        e.seq,
+                        e.key
+                    );
+                    confirmed.insert(e.id.to_string());
+                }
+                Err(err) => {
+                    assert_eq!(err.kind, ErrorKind::Transient, "an outage must be transient: {err}");
+                    failures.fetch_add(1, Ordering::SeqCst);
+                    failed_keys.insert(e.key.clone());
+                    retry.push(e);
+                }
+            }
+        }
+        if !retry.is_empty() {
+            for e in retry.into_iter().rev() {
+                pending.push_front(e);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    confirmed
+}
+
+/// At least once and in order per key, as a destination stored it: every
+/// event's id is among `stored` (ids in arrival order), nothing unknown is,
+/// every `confirmed` id arrived, and per key first arrivals are in seq
+/// order. Returns how many arrivals were repeats.
+///
+/// # Panics
+///
+/// On a lost, unknown or out-of-order event.
+pub fn assert_all_arrived_in_key_order(
+    events: &[StoredEvent],
+    stored: &[String],
+    confirmed: &HashSet<String>,
+) -> usize {
+    let by_id: HashMap<String, &StoredEvent> = events.iter().map(|e| (e.id.to_string(), e)).collect();
+    let mut seen = HashSet::new();
+    let mut last_seq: HashMap<Option<&str>, i64> = HashMap::new();
+    let mut duplicates = 0;
+    for id in stored {
+        let e = by_id.get(id).unwrap_or_else(|| panic!("unknown message {id}"));
+        if !seen.insert(id.clone()) {
+            duplicates += 1;
+            continue;
+        }
+        if let Some(previous) = last_seq.insert(e.key.as_deref(), e.seq)
+            && e.key.is_some()
+        {
+            assert!(
+                previous < e.seq,
+                "key {:?}: seq {} first arrived after seq {previous}",
+                e.key,
+                e.seq
+            );
+        }
+    }
+    let lost = events.len() - seen.len();
+    assert_eq!(lost, 0, "{lost} events lost");
+    let unconfirmed: Vec<&String> = confirmed.difference(&seen).collect();
+    assert!(unconfirmed.is_empty(), "confirmed but never arrived: {unconfirmed:?}");
+    duplicates
+}

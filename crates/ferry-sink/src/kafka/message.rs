@@ -285,4 +285,13 @@ mod tests {
         };
         assert_eq!(r.admit("kafka", fits), Ok(()));
     }
+
+    #[test]
+    fn the_w3c_trace_context_is_forwarded_unchanged() {
+        let e = fixtures::traced_event();
+        let r = Record::prepare(&route("t"), &e, "ferry").unwrap();
+        for (name, value) in fixtures::TRACE_CONTEXT {
+            assert_eq!(header(&r, name), Some(value), "{name}");
+        }
+    }
 }

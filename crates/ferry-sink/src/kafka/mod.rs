@@ -46,7 +46,7 @@ pub use codes::error_code_kind;
 pub use message::{CONTENT_TYPE_HEADER, SPEC_VERSION};
 
 use crate::backoff::Backoff;
-use crate::batch::prepare_in_key_order;
+use crate::batch::{log_published, prepare_in_key_order};
 use message::{Limits, Record};
 
 /// How a [`KafkaSink`] connects and publishes.
@@ -143,6 +143,7 @@ impl KafkaSink {
         }
         let producer = create_producer(&self.options)?;
         info!(bootstrap = %self.options.bootstrap_servers, "created a new Kafka producer");
+        crate::connected("kafka");
         slot.producer = Some(producer.clone());
         Ok(producer)
     }
@@ -205,6 +206,7 @@ impl Sink for KafkaSink {
         // from sending what admit() would have refused, out of key order.
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
         let outcomes = publish::publish_batch(&producer, events, prepared, self.options.publish_timeout).await;
+        log_published("Kafka", route, events, &outcomes);
         if outcomes.iter().any(Result::is_ok) {
             // A producer that delivers is healthy: a later fatal error starts
             // the replacement backoff from its base delay again.

@@ -16,7 +16,6 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use tokio::time::{Instant, sleep, timeout_at};
-use tracing::debug;
 
 use super::codes;
 use super::message::Record;
@@ -63,8 +62,6 @@ pub(super) async fn publish_batch(
         };
         outcomes.push(outcome);
     }
-    let failed = outcomes.iter().filter(|o| o.is_err()).count();
-    debug!(events = outcomes.len(), failed, "published batch to Kafka");
     outcomes
 }
 

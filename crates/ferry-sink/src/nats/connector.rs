@@ -125,6 +125,7 @@ impl Connector {
                 let max_payload = link.client.server_info().max_payload;
                 self.max_payload.store(max_payload, Ordering::Relaxed);
                 info!(url = %self.display_url, max_payload, "connected to NATS");
+                crate::connected("nats");
                 return Ok(link);
             }
             Ok(Err(e)) => e,

@@ -221,4 +221,13 @@ mod tests {
             ErrorKind::Permanent
         );
     }
+
+    #[test]
+    fn the_w3c_trace_context_is_forwarded_unchanged() {
+        let e = fixtures::traced_event();
+        let m = Message::prepare(&route("events"), &e, "ferry", 100, 0).unwrap();
+        for (name, value) in fixtures::TRACE_CONTEXT {
+            assert_eq!(header(&m, name).as_deref(), Some(value), "{name}");
+        }
+    }
 }

@@ -51,7 +51,7 @@ pub use codes::{
 };
 pub use message::{MSG_ID_HEADER, SPEC_VERSION};
 
-use crate::batch::prepare_in_key_order;
+use crate::batch::{log_published, prepare_in_key_order};
 use connector::Connector;
 use message::{Message, validate_subject};
 
@@ -186,7 +186,9 @@ impl Sink for NatsSink {
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
-        publish::publish_batch(&mut connector, prepared, self.options.publish_timeout).await
+        let outcomes = publish::publish_batch(&mut connector, prepared, self.options.publish_timeout).await;
+        log_published("NATS", route, events, &outcomes);
+        outcomes
     }
 
     /// Connects, and for a plain subject asks JetStream which stream

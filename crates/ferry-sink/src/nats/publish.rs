@@ -114,8 +114,6 @@ pub(super) async fn publish_batch(
             Fate::Awaiting { .. } => Err(lost.clone().unwrap_or_else(|| SinkError::transient("no PubAck"))),
         })
         .collect();
-    let failed = outcomes.iter().filter(|o| o.is_err()).count();
-    debug!(events = outcomes.len(), failed, "published batch to NATS");
     outcomes
 }
 

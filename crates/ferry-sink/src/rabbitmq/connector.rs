@@ -181,6 +181,7 @@ impl Connector {
             Ok(Ok(connection)) => {
                 self.backoff.succeeded();
                 info!(url = %self.display_url, "connected to RabbitMQ");
+                crate::connected("rabbitmq");
                 return Ok(connection);
             }
             Ok(Err(e)) => format!("connecting to RabbitMQ at {}: {e}", self.display_url),

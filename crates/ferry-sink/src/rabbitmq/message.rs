@@ -94,7 +94,7 @@ fn short(what: &str, field: &str, value: String) -> Result<ShortString, SinkErro
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limits::fixtures::event;
+    use crate::limits::fixtures::{self, event};
     use ferry_core::{ErrorKind, Glob};
 
     fn route(destination: &str, routing_key: Option<&str>) -> Route {
@@ -171,5 +171,14 @@ mod tests {
             err.message,
             "payload too large: 7 bytes, limit 3 (sinks.rabbit.max_message_bytes)"
         );
+    }
+
+    #[test]
+    fn the_w3c_trace_context_is_forwarded_unchanged() {
+        let e = fixtures::traced_event();
+        let m = Message::prepare(&route("ex", None), &e, "ferry", 100).unwrap();
+        for (name, value) in fixtures::TRACE_CONTEXT {
+            assert_eq!(header(&m, name).as_deref(), Some(value), "{name}");
+        }
     }
 }

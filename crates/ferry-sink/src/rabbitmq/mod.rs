@@ -17,6 +17,7 @@
 //! });
 //! ```
 
+mod bindings;
 mod connector;
 mod message;
 mod publish;
@@ -34,7 +35,8 @@ pub use reply::{
     reply_code_kind,
 };
 
-use crate::batch::prepare_in_key_order;
+use crate::batch::{log_published, prepare_in_key_order};
+use bindings::{Management, Reach};
 use connector::Connector;
 use message::Message;
 
@@ -54,6 +56,12 @@ pub struct RabbitMqOptions {
     pub max_message_bytes: usize,
     /// The CloudEvents `source` attribute. Default `"ferry"`.
     pub source: String,
+    /// The management API (`http://user:password@host:15672`), asked by
+    /// `check` whether a route's exchange has a queue bound for its routing
+    /// key. Default: the AMQP host on port 15672 (15671 for amqps) with the
+    /// AMQP credentials; when that does not answer, bindings go unchecked
+    /// until the first unroutable publish.
+    pub management_url: Option<String>,
 }
 
 impl Default for RabbitMqOptions {
@@ -64,6 +72,7 @@ impl Default for RabbitMqOptions {
             reconnect_max_delay: Duration::from_secs(30),
             max_message_bytes: 16 * 1024 * 1024,
             source: "ferry".into(),
+            management_url: None,
         }
     }
 }
@@ -132,7 +141,9 @@ impl Sink for RabbitMqSink {
             Message::prepare(route, event, &opts.source, opts.max_message_bytes)
         });
         let mut connector = self.connector.lock().await;
-        publish::publish_batch(&mut connector, events, prepared, opts.publish_timeout).await
+        let outcomes = publish::publish_batch(&mut connector, events, prepared, opts.publish_timeout).await;
+        log_published("RabbitMQ", route, events, &outcomes);
+        outcomes
     }
 
     async fn check(&self, route: &Route) -> Result<(), SinkError> {
@@ -143,14 +154,35 @@ impl Sink for RabbitMqSink {
         if exchange.contains('{') || exchange.is_empty() {
             return connector.confirm_channel().await.map(drop);
         }
-        if connector.exchange_exists(exchange).await? {
-            Ok(())
-        } else {
-            Err(SinkError::config(format!(
+        if !connector.exchange_exists(exchange).await? {
+            return Err(SinkError::config(format!(
                 "route {:?}: exchange {exchange:?} does not exist; declare it or fix \
                  routes[].destination",
                 route.name
-            )))
+            )));
+        }
+        drop(connector);
+        // Nobody home: an exchange with no queue for the route's messages
+        // would return every one of them as unroutable.
+        let key = route.routing_key.as_deref().unwrap_or("{type}");
+        let key = (!key.contains('{')).then_some(key);
+        let api = Management::new(
+            &self.options.url,
+            self.options.management_url.as_deref(),
+            self.options.publish_timeout,
+        )?;
+        match api.reach(exchange, key).await? {
+            Reach::Bound(_) => Ok(()),
+            Reach::Nobody(what) => Err(SinkError::config(format!(
+                "route {:?} reaches nobody: {what}, so every event would come back unroutable \
+                 and be retried until dead; bind a consumer's queue to the exchange, or fix \
+                 routes[].destination or routes[].routing_key",
+                route.name
+            ))),
+            Reach::Unknown(why) => {
+                tracing::warn!(route = %route.name, "bindings not checked: {why}");
+                Ok(())
+            }
         }
     }
 

@@ -84,8 +84,6 @@ pub(super) async fn publish_batch(
         connector.lost(SinkError::transient("publisher confirms timed out"));
     }
     connector.discard_dead();
-    let failed = outcomes.iter().filter(|o| o.is_err()).count();
-    debug!(events = outcomes.len(), failed, "published batch to RabbitMQ");
     outcomes
 }
 

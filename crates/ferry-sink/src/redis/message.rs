@@ -158,4 +158,16 @@ mod tests {
         let err = Entry::prepare(&route("events"), &event(None), "ferry", 100, Some(u64::MAX)).unwrap_err();
         assert_eq!(err.kind, ErrorKind::Config);
     }
+
+    #[test]
+    fn the_w3c_trace_context_is_forwarded_unchanged() {
+        let e = fixtures::traced_event();
+        let entry = Entry::prepare(&route("events"), &e, "ferry", 100, None).unwrap();
+        let args = args(&entry);
+        let at = args.iter().position(|a| a == "headers").unwrap();
+        let headers: std::collections::BTreeMap<String, String> = serde_json::from_str(&args[at + 1]).unwrap();
+        for (name, value) in fixtures::TRACE_CONTEXT {
+            assert_eq!(headers.get(name).map(String::as_str), Some(value), "{name}");
+        }
+    }
 }

@@ -40,7 +40,7 @@ use std::time::Instant;
 pub use codes::server_code_kind;
 pub use message::{FIELDS, SPEC_VERSION};
 
-use crate::batch::prepare_in_key_order;
+use crate::batch::{log_published, prepare_in_key_order};
 use message::Entry;
 
 /// How a [`RedisSink`] connects and publishes.
@@ -208,6 +208,7 @@ impl RedisSink {
         let connection = ConnectionManager::new_lazy_with_config(client, config)
             .map_err(|e| SinkError::config(format!("setting up the Redis connection: {e}")))?;
         link.connection = Some(connection.clone());
+        crate::connected("redis");
         Ok(connection)
     }
 }
@@ -249,6 +250,7 @@ impl Sink for RedisSink {
             Some(error) => link.failed(error),
             None => link.succeeded(),
         }
+        log_published("Redis", route, events, &published.outcomes);
         published.outcomes
     }
 
@@ -302,16 +304,51 @@ impl Sink for RedisSink {
             }
         };
         match kind.as_str() {
-            "stream" => Ok(()),
+            "stream" => {}
+            // Nobody home: without a consumer group, nothing reads the
+            // stream the way a consumer that must not miss events does.
             "none" => {
-                info!(route = %route.name, key, "stream does not exist yet; the first XADD creates it");
-                Ok(())
+                return Err(SinkError::config(format!(
+                    "route {:?} reaches nobody: stream {key:?} does not exist and no consumer group \
+                     reads it; create the consumer's group first (XGROUP CREATE {key} <group> 0 \
+                     MKSTREAM), or fix routes[].destination",
+                    route.name
+                )));
             }
-            other => Err(SinkError::config(format!(
-                "route {:?}: key {key:?} holds a {other}, not a stream; delete it or fix routes[].destination",
-                route.name
-            ))),
+            other => {
+                return Err(SinkError::config(format!(
+                    "route {:?}: key {key:?} holds a {other}, not a stream; delete it or fix \
+                     routes[].destination",
+                    route.name
+                )));
+            }
         }
+        let groups = match timeout(
+            limit,
+            ::redis::cmd("XINFO")
+                .arg("GROUPS")
+                .arg(key)
+                .query_async::<Vec<::redis::Value>>(&mut connection),
+        )
+        .await
+        {
+            Ok(Ok(groups)) => groups.len(),
+            Ok(Err(e)) => return Err(failed("listing the consumer groups of a stream in", e)),
+            Err(_) => {
+                let error = SinkError::transient(format!("XINFO GROUPS {key:?}: no answer within {limit:?}"));
+                link.failed(&error);
+                return Err(error);
+            }
+        };
+        if groups == 0 {
+            return Err(SinkError::config(format!(
+                "route {:?} reaches nobody: stream {key:?} has no consumer group; create the \
+                 consumer's group first (XGROUP CREATE {key} <group> 0), or fix routes[].destination",
+                route.name
+            )));
+        }
+        info!(route = %route.name, key, groups, "stream has consumer groups");
+        Ok(())
     }
 
     async fn close(&self) {

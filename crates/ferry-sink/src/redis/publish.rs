@@ -19,7 +19,6 @@ use ::redis::aio::ConnectionManager;
 use ferry_core::{PublishOutcome, SinkError, StoredEvent};
 use std::time::Duration;
 use tokio::time::timeout;
-use tracing::debug;
 
 use super::codes;
 use super::message::Entry;
@@ -96,8 +95,6 @@ pub(super) async fn publish_batch(
         })
         .collect();
     hold_back_after_failures(events, &mut outcomes);
-    let failed = outcomes.iter().filter(|o| o.is_err()).count();
-    debug!(events = outcomes.len(), failed, "published batch to Redis");
     Published {
         outcomes,
         connection_in_doubt,

@@ -1,74 +1,24 @@
 //! The HTTP client: TLS with rustls and the ring provider passed explicitly,
 //! no redirects, and turning responses and transport errors into outcomes.
 
-use std::error::Error as _;
-use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::{ErrorKind, SinkError};
 use reqwest::header::{HeaderMap, LOCATION, RETRY_AFTER};
 use reqwest::{Response, Url};
-use rustls::pki_types::CertificateDer;
-use rustls::pki_types::pem::PemObject;
 
 use super::message::redact;
 use super::status::{parse_retry_after, status_kind};
 
-/// The CA bundles of the common Linux distributions, macOS and the BSDs,
-/// tried in order after `SSL_CERT_FILE`.
-const CA_BUNDLES: &[&str] = &[
-    "/etc/ssl/certs/ca-certificates.crt",
-    "/etc/pki/tls/certs/ca-bundle.crt",
-    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
-    "/etc/ssl/ca-bundle.pem",
-    "/etc/ssl/cert.pem",
-    "/usr/local/share/certs/ca-root-nss.crt",
-];
 /// How much of an error response's body goes into the error message.
 const SNIPPET_BYTES: usize = 256;
 /// Response bodies are read up to this much so the connection can be reused;
 /// a longer body is dropped with its connection.
 const DRAIN_BYTES: usize = 64 * 1024;
 
-/// Builds the client. The crypto provider is handed to rustls here, so the
-/// sink works whether or not the process installed a global default.
+/// Builds the webhook client (see [`crate::http::client`]).
 pub(crate) fn build(timeout: Duration) -> Result<(reqwest::Client, usize), SinkError> {
-    let mut roots = rustls::RootCertStore::empty();
-    let loaded = load_roots(&mut roots);
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let tls = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| SinkError::config(format!("webhook TLS setup failed: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let client = reqwest::Client::builder()
-        .tls_backend_preconfigured(tls)
-        .redirect(reqwest::redirect::Policy::none())
-        .timeout(timeout)
-        .connect_timeout(timeout)
-        .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .map_err(|e| SinkError::config(format!("webhook HTTP client setup failed: {}", chain(&e))))?;
-    Ok((client, loaded))
-}
-
-/// Adds the system's CA certificates; returns how many were added.
-fn load_roots(roots: &mut rustls::RootCertStore) -> usize {
-    let from_env = std::env::var_os("SSL_CERT_FILE");
-    let candidates = from_env.iter().map(Path::new).chain(CA_BUNDLES.iter().map(Path::new));
-    for path in candidates {
-        let Ok(certs) = CertificateDer::pem_file_iter(path) else {
-            continue;
-        };
-        let (added, _ignored) = roots.add_parsable_certificates(certs.filter_map(Result::ok));
-        if added > 0 {
-            tracing::debug!(path = %path.display(), added, "loaded CA certificates for webhooks");
-            return added;
-        }
-    }
-    tracing::warn!("no CA certificates found (set SSL_CERT_FILE); https webhooks will fail");
-    0
+    crate::http::client(timeout, "webhook")
 }
 
 /// Turns a response into an outcome, reading a little of an error body for
@@ -149,17 +99,7 @@ pub(crate) fn transport_error(method: &str, url: &Url, err: reqwest::Error, sink
 
 /// An error with its sources: reqwest's own text rarely names the cause.
 fn chain(err: &reqwest::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
+    crate::http::chain(err)
 }
 
 #[cfg(test)]

@@ -209,6 +209,7 @@ fn is_json(content_type: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limits::fixtures;
     use ferry_core::{ErrorKind, EventId, Glob};
     use serde_json::{Value, json};
 
@@ -340,5 +341,14 @@ mod tests {
     fn redaction_drops_credentials_and_queries() {
         assert_eq!(redact("https://u:p@h.example/a?token=s"), "https://h.example/a?...");
         assert_eq!(redact("http://h.example/a"), "http://h.example/a");
+    }
+
+    #[test]
+    fn the_w3c_trace_context_is_forwarded_unchanged() {
+        let e = fixtures::traced_event();
+        let r = prepare("http://hooks.example/in", &e).unwrap();
+        for (name, value) in fixtures::TRACE_CONTEXT {
+            assert_eq!(r.headers.get(name).map(|v| v.to_str().unwrap()), Some(value), "{name}");
+        }
     }
 }

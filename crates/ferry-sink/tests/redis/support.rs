@@ -94,8 +94,20 @@ pub struct TestStream {
 }
 
 impl TestStream {
+    /// A new stream with a consumer group, as a consumer would leave it.
     pub async fn new(prefix: &str) -> Self {
-        Self::at(unique(prefix)).await
+        let stream = Self::at(unique(prefix)).await;
+        let mut connection = stream.connection.clone();
+        let _: () = ::redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream.key)
+            .arg("readers")
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(&mut connection)
+            .await
+            .expect("XGROUP CREATE");
+        stream
     }
 
     pub async fn at(key: String) -> Self {
