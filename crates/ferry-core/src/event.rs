@@ -200,6 +200,15 @@ impl Event {
         self
     }
 
+    /// Adds the current span's W3C `traceparent` and `tracestate` headers,
+    /// unless the event already has a `traceparent`. The stores' `enqueue`
+    /// calls this when their `otel` feature is on.
+    #[cfg(feature = "otel")]
+    pub fn with_current_trace_context(mut self) -> Self {
+        crate::trace::inject(&crate::trace::current_context(), &mut self.headers);
+        self
+    }
+
     /// Producer idempotency: a second event with the same dispatch key is a no-op.
     pub fn dispatch_key(mut self, key: impl Into<String>) -> Self {
         self.dispatch_key = Some(key.into());

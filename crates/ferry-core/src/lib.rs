@@ -10,6 +10,7 @@
 //!   every outbox database implements. Both classify their errors with
 //!   [`ErrorKind`] so the relay branches on the kind, never on message text.
 //! - [`Clock`] is injected so lease and retry logic is testable without sleeping.
+//! - `trace` (feature `otel`) carries W3C trace context in event headers.
 
 mod clock;
 mod error;
@@ -18,6 +19,8 @@ mod lifecycle;
 mod route;
 mod sink;
 mod store;
+#[cfg(feature = "otel")]
+pub mod trace;
 
 pub use clock::{Clock, SystemClock};
 pub use error::{ErrorKind, ValidationError};
