@@ -24,6 +24,11 @@ pub struct RouteStatus {
     pub dead: u64,
     pub cancelled: u64,
     pub published: u64,
+    /// Published in the last hour: the route's recent throughput.
+    pub published_last_hour: u64,
+    /// Of `pending` and `retrying`, those due now in a partition a live
+    /// relay holds: being published now or next.
+    pub in_flight: u64,
     pub oldest_pending_seconds: Option<f64>,
     pub blocked: BlockedKeys,
 }
@@ -51,6 +56,8 @@ pub struct LeaseInfo {
     pub partitions: u32,
     pub heartbeat_age_seconds: f64,
     pub expires_in_seconds: Option<f64>,
+    /// How long this relay has held its oldest lease.
+    pub oldest_lease_seconds: Option<f64>,
     pub sleeping: bool,
 }
 

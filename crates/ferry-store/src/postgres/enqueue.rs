@@ -1,31 +1,8 @@
-use ferry_core::{Event, EventId, ValidationError};
+use ferry_core::{Event, EventId};
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
-/// The result of an enqueue.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Enqueued {
-    /// The event's id; for a duplicate, the id of the event already stored.
-    pub id: EventId,
-    /// The dispatch key was seen before: nothing was written.
-    pub duplicate: bool,
-}
-
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum EnqueueError {
-    #[error(transparent)]
-    Invalid(#[from] ValidationError),
-    /// Writing outside a transaction would break the outbox's one promise:
-    /// the event commits with the business write or not at all.
-    #[error(
-        "ferry::enqueue must run inside the caller's transaction; \
-         begin one (`let mut tx = pool.begin().await?`) and pass `&mut *tx`"
-    )]
-    NotInTransaction,
-    #[error("the database refused the event: {0}")]
-    Database(#[from] sqlx::Error),
-}
+pub use crate::enqueue::{EnqueueError, Enqueued};
 
 /// Writes `event` in the caller's transaction and returns its id. With a
 /// dispatch key seen before, writes nothing and returns the first event's id.
@@ -56,6 +33,10 @@ pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<Event>) -> Resul
     if events.is_empty() {
         return Ok(Vec::new());
     }
+    // The producer's span travels with the event (an explicit
+    // `traceparent` header wins).
+    #[cfg(feature = "otel")]
+    let events: Vec<Event> = events.into_iter().map(Event::with_current_trace_context).collect();
     let n = events.len();
     let (mut ids, mut types, mut keys, mut payloads, mut cts, mut headers, mut dks) = (
         Vec::with_capacity(n),

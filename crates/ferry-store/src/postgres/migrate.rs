@@ -1,7 +1,12 @@
 use sqlx::{Connection, PgConnection};
 
 /// Ferry's migrations, in order. Each runs once, in its own transaction.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[(1, "outbox", include_str!("migrations/0001_outbox.sql"))];
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (1, "outbox", include_str!("migrations/0001_outbox.sql")),
+    (2, "inbox", include_str!("migrations/0002_inbox.sql")),
+    (3, "admin", include_str!("migrations/0003_admin.sql")),
+    (4, "capture", include_str!("migrations/0004_capture.sql")),
+];
 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

@@ -3,10 +3,14 @@
 //! SQL lives in `sql/` and `migrations/` beside this file. Everything is in the
 //! `ferry` schema, created by [`migrate`].
 
+mod admin;
+pub mod capture;
 mod enqueue;
 mod error;
+mod gauges;
 mod listen;
 mod migrate;
+mod retention;
 mod status;
 mod store;
 

@@ -32,8 +32,16 @@ async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
                 count(*) FILTER (WHERE d.state = 'dead'),
                 count(*) FILTER (WHERE d.state = 'cancelled'),
                 count(*) FILTER (WHERE d.state = 'published'),
-                extract(epoch FROM now() - min(e.created_at) FILTER (WHERE d.state = 'pending'))::float8
+                extract(epoch FROM now() - min(e.created_at) FILTER (WHERE d.state = 'pending'))::float8,
+                count(*) FILTER (WHERE d.state = 'published' AND d.published_at > now() - interval '1 hour'),
+                count(*) FILTER (WHERE d.state = 'pending' AND d.next_attempt_at <= now()
+                                   AND p.owner IS NOT NULL AND p.expires_at > now()
+                                   AND NOT EXISTS (
+                                       SELECT 1 FROM ferry.deliveries b
+                                        WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
+                                          AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))
            FROM ferry.deliveries d JOIN ferry.events e ON e.seq = d.seq
+           JOIN ferry.partitions p ON p.partition = d.partition
           GROUP BY d.route ORDER BY d.route",
     )
     .fetch_all(pool)
@@ -48,6 +56,8 @@ async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
             cancelled: r.get::<i64, _>(4) as u64,
             published: r.get::<i64, _>(5) as u64,
             oldest_pending_seconds: r.get(6),
+            published_last_hour: r.get::<i64, _>(7) as u64,
+            in_flight: r.get::<i64, _>(8) as u64,
             blocked: BlockedKeys::default(),
         });
     }
@@ -106,7 +116,8 @@ async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
         "SELECT r.id, count(p.partition),
                 extract(epoch FROM now() - r.heartbeat_at)::float8,
                 extract(epoch FROM min(p.expires_at) - now())::float8,
-                r.sleeping
+                r.sleeping,
+                extract(epoch FROM now() - min(p.acquired_at))::float8
            FROM ferry.relays r LEFT JOIN ferry.partitions p ON p.owner = r.id
           GROUP BY r.id ORDER BY r.id",
     )
@@ -121,6 +132,7 @@ async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
             heartbeat_age_seconds: r.get(2),
             expires_in_seconds: r.get(3),
             sleeping: r.get(4),
+            oldest_lease_seconds: r.get(5),
         })
         .collect();
     report.partitions = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ferry.partitions")

@@ -1,0 +1,26 @@
+use ferry_core::{EventId, ValidationError};
+
+/// The result of an enqueue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Enqueued {
+    /// The event's id; for a duplicate, the id of the event already stored.
+    pub id: EventId,
+    /// The dispatch key was seen before: nothing was written.
+    pub duplicate: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EnqueueError {
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    /// Writing outside a transaction would break the outbox's one promise:
+    /// the event commits with the business write or not at all.
+    #[error(
+        "ferry::enqueue must run inside the caller's transaction; \
+         begin one (`let mut tx = pool.begin().await?`) and pass `&mut *tx`"
+    )]
+    NotInTransaction,
+    #[error("the database refused the event: {0}")]
+    Database(#[from] sqlx::Error),
+}

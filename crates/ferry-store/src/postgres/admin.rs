@@ -1,0 +1,547 @@
+//! [`Admin`] for PostgreSQL.
+//!
+//! How requeue and cancel stay safe beside running relays: a relay only ever
+//! writes deliveries that are `pending`, and its write is fenced by the
+//! partition token and the attempt count it claimed with. Requeue touches
+//! only dead, cancelled and published deliveries, which no relay holds, so
+//! it cannot reset anything under one. Cancel may touch pending ones, so it
+//! refuses any that a relay could have claimed (due, not held back by its
+//! key, in a leased partition), and it first locks the partition rows so no
+//! relay can take a lease or record an outcome there until it commits; its
+//! check then reads what was committed before the lock.
+
+use std::collections::{BTreeMap, HashSet};
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use ferry_core::{EventId, Glob, NO_ROUTE, StoreError};
+use sqlx::postgres::PgRow;
+use sqlx::{PgPool, Row};
+use uuid::Uuid;
+
+use super::PgStore;
+use super::error::store_error;
+use crate::{
+    Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
+    EventView, Filter, ListPage, Page, Plan, Refusal, StatusReport, Target,
+};
+
+/// The filter's conditions on `d` (deliveries) and `e` (events).
+/// $1 ids, $2 states, $3 route, $4 type regex, $5 key, $6 since, $7 until, $8 error text.
+const FILTER: &str = "
+       (cardinality($1::uuid[]) = 0 OR e.id = ANY($1::uuid[]))
+   AND (cardinality($2::text[]) = 0
+        OR (CASE WHEN d.state = 'pending' AND d.attempts > 0 THEN 'retrying' ELSE d.state END) = ANY($2::text[]))
+   AND ($3::text IS NULL OR d.route = $3)
+   AND ($4::text IS NULL OR ('.' || e.type) ~ $4)
+   AND ($5::text IS NULL OR d.key = $5)
+   AND ($6::timestamptz IS NULL OR e.created_at >= $6)
+   AND ($7::timestamptz IS NULL OR e.created_at < $7)
+   AND ($8::text IS NULL OR strpos(lower(coalesce(d.last_error, '')), lower($8)) > 0)";
+
+/// A pending delivery of `d` that a relay may hold right now: due (with a
+/// margin for the relay's clock running ahead), not held back by an earlier
+/// failed delivery of its key, and in a partition under a live lease.
+const MAYBE_IN_FLIGHT: &str = "
+       d.state = 'pending'
+   AND d.next_attempt_at <= now() + interval '5 seconds'
+   AND EXISTS (SELECT 1 FROM ferry.partitions p
+                WHERE p.partition = d.partition AND p.owner IS NOT NULL AND p.expires_at > now())
+   AND (d.key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM ferry.deliveries b
+         WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
+           AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))";
+
+const IN_FLIGHT_REASON: &str =
+    "may be in flight: a relay can be publishing it now; wait for its outcome, or stop the relays and retry";
+
+/// Why `d` cannot be requeued, or NULL; `include_published` is the
+/// parameter that says whether published deliveries may go again.
+fn requeue_refusal(include_published: &str) -> String {
+    format!(
+        "CASE
+       WHEN d.state = 'pending' AND d.attempts > 0
+         THEN 'retrying: still being worked on; cancel it first to requeue it'
+       WHEN d.state = 'pending' THEN 'pending or in flight: not failed, nothing to requeue'
+       WHEN d.state = 'published' AND NOT {include_published}::bool
+         THEN 'published already; pass --include-published to deliver it again'
+     END"
+    )
+}
+
+/// Why `d` cannot be cancelled, or NULL.
+fn cancel_refusal() -> String {
+    format!(
+        "CASE
+           WHEN d.state = 'published' THEN 'published already'
+           WHEN d.state = 'cancelled' THEN 'cancelled already'
+           WHEN {MAYBE_IN_FLIGHT} THEN '{IN_FLIGHT_REASON}'
+         END"
+    )
+}
+
+/// A type glob as a regex over `'.' || type`: each segment is `\.name`,
+/// `*` is one segment, `**` any number of them.
+fn glob_regex(glob: &Glob) -> String {
+    let mut re = String::from("^");
+    for seg in glob.as_str().split('.') {
+        match seg {
+            "**" => re.push_str("(\\.[^.]+)*"),
+            "*" => re.push_str("\\.[^.]+"),
+            // Glob allows only [a-z0-9_-] here: nothing to escape.
+            name => {
+                re.push_str("\\.");
+                re.push_str(name);
+            }
+        }
+    }
+    re.push('$');
+    re
+}
+
+fn bind_filter<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    f: &'q Filter,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let ids: Vec<Uuid> = f.ids.iter().map(|id| id.0).collect();
+    let states: Vec<&str> = f.states.iter().map(|s| s.as_str()).collect();
+    query
+        .bind(ids)
+        .bind(states)
+        .bind(f.route.as_deref())
+        .bind(f.type_glob.as_ref().map(glob_regex))
+        .bind(f.key.as_deref())
+        .bind(f.since)
+        .bind(f.until)
+        .bind(f.error.as_deref())
+}
+
+fn attempts(row: &PgRow, index: &str) -> u32 {
+    row.get::<i32, _>(index).max(0) as u32
+}
+
+fn state(row: &PgRow) -> Result<AdminState, StoreError> {
+    AdminState::of(row.get::<&str, _>("state"), row.get("attempts"))
+}
+
+fn target(row: &PgRow) -> Result<Target, StoreError> {
+    Ok(Target {
+        event_id: EventId(row.get("id")),
+        seq: row.get("seq"),
+        route: row.get("route"),
+        event_type: row.get("type"),
+        key: row.get("key"),
+        state: state(row)?,
+    })
+}
+
+#[async_trait]
+impl Admin for PgStore {
+    async fn status(&self) -> Result<StatusReport, StoreError> {
+        PgStore::status(self).await
+    }
+
+    async fn list(&self, filter: &Filter, page: &Page) -> Result<ListPage, StoreError> {
+        let sql = format!(
+            "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, e.created_at, d.updated_at,
+                    d.next_attempt_at, d.last_error, d.published_at
+               FROM ferry.deliveries d JOIN ferry.events e ON e.seq = d.seq
+              WHERE {FILTER}
+                AND ($9::bigint IS NULL OR (d.seq, d.route) > ($9, $10::text))
+              ORDER BY d.seq, d.route
+              LIMIT $11"
+        );
+        let limit = page.limit.max(1);
+        let rows = bind_filter(sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(false), filter)
+            .bind(page.after.as_ref().map(|c| c.seq))
+            .bind(page.after.as_ref().map(|c| c.route.as_str()))
+            .bind(limit as i64 + 1)
+            .fetch_all(self.pool())
+            .await
+            .map_err(store_error)?;
+        let mut deliveries = Vec::with_capacity(rows.len());
+        for row in rows.iter().take(limit) {
+            let state = state(row)?;
+            let pending = matches!(state, AdminState::Pending | AdminState::Retrying);
+            deliveries.push(DeliverySummary {
+                event_id: EventId(row.get("id")),
+                seq: row.get("seq"),
+                event_type: row.get("type"),
+                key: row.get("key"),
+                route: row.get("route"),
+                state,
+                attempts: attempts(row, "attempts"),
+                created_at: row.get("created_at"),
+                updated_at: row.get("updated_at"),
+                next_attempt_at: pending.then(|| row.get("next_attempt_at")),
+                last_error: row.get("last_error"),
+                published_at: row.get("published_at"),
+            });
+        }
+        let next = (rows.len() > limit).then(|| {
+            let last = deliveries.last().expect("a full page has a last row");
+            Cursor {
+                seq: last.seq,
+                route: last.route.clone(),
+            }
+        });
+        Ok(ListPage { deliveries, next })
+    }
+
+    async fn show(&self, id: EventId) -> Result<Option<EventView>, StoreError> {
+        show(self.pool(), id).await
+    }
+
+    async fn plan(&self, action: &Action, selection: &Filter) -> Result<Plan, StoreError> {
+        let (refusal, order) = match action {
+            Action::Requeue { .. } => (requeue_refusal("$9"), "ASC"),
+            // Later deliveries of a key first: while the earlier failure
+            // still holds them back, no relay can be publishing them.
+            Action::Cancel { .. } => (cancel_refusal(), "DESC"),
+        };
+        let sql = format!(
+            "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, {refusal} AS refusal
+               FROM ferry.deliveries d JOIN ferry.events e ON e.seq = d.seq
+              WHERE {FILTER}
+              ORDER BY d.seq {order}, d.route"
+        );
+        let include_published = matches!(
+            action,
+            Action::Requeue {
+                include_published: true
+            }
+        );
+        let mut query = bind_filter(sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(false), selection);
+        if matches!(action, Action::Requeue { .. }) {
+            query = query.bind(include_published);
+        }
+        let rows = query.fetch_all(self.pool()).await.map_err(store_error)?;
+        let mut plan = Plan::default();
+        for row in &rows {
+            let target = target(row)?;
+            match row.get::<Option<String>, _>("refusal") {
+                None => plan.changes.push(target),
+                Some(reason) => plan.refused.push(Refusal { target, reason }),
+            }
+        }
+        Ok(plan)
+    }
+
+    async fn apply(&self, action: &Action, actor: &str, targets: &[Target]) -> Result<Applied, StoreError> {
+        if targets.is_empty() {
+            return Ok(Applied::default());
+        }
+        let seqs: Vec<i64> = targets.iter().map(|t| t.seq).collect();
+        let routes: Vec<&str> = targets.iter().map(|t| t.route.as_str()).collect();
+        let mut tx = self.pool().begin().await.map_err(store_error)?;
+        let changed: Vec<(i64, String, String, i32)> = match action {
+            Action::Requeue { include_published } => {
+                sqlx::query_as(REQUEUE)
+                    .persistent(false)
+                    .bind(&seqs)
+                    .bind(&routes)
+                    .bind(*include_published)
+                    .bind(actor)
+                    .bind(NO_ROUTE)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(store_error)?
+            }
+            Action::Cancel { reason } => {
+                // Taken in partition order, as relay_tick does, so two
+                // cancels cannot deadlock on each other.
+                sqlx::query(
+                    "SELECT 1 FROM ferry.partitions p
+                      WHERE p.partition IN (SELECT d.partition FROM ferry.deliveries d
+                                              JOIN unnest($1::bigint[], $2::text[]) AS t(seq, route)
+                                                ON d.seq = t.seq AND d.route = t.route)
+                      ORDER BY p.partition FOR NO KEY UPDATE",
+                )
+                .persistent(false)
+                .bind(&seqs)
+                .bind(&routes)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+                // A new statement, so a new snapshot: it sees every lease
+                // and outcome committed before the lock was granted.
+                sqlx::query_as(sqlx::AssertSqlSafe(cancel_sql()))
+                    .persistent(false)
+                    .bind(&seqs)
+                    .bind(&routes)
+                    .bind(actor)
+                    .bind(reason)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(store_error)?
+            }
+        };
+        // Wakes sleeping relays at commit: requeued deliveries are due, and
+        // a cancelled one no longer holds its key's later events back (and
+        // events going back to the router are unrouted again).
+        sqlx::query(
+            "SELECT pg_notify('ferry', p::text)
+               FROM (SELECT u.partition AS p FROM ferry.unrouted u WHERE u.seq = ANY($1)
+                     UNION
+                     SELECT d.partition FROM ferry.deliveries d WHERE d.seq = ANY($1)) x",
+        )
+        .persistent(false)
+        .bind(&seqs)
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        let mut applied = Applied::default();
+        let mut done = HashSet::new();
+        for (seq, route, from_state, attempts) in changed {
+            done.insert((seq, route.clone()));
+            if let Some(t) = targets.iter().find(|t| t.seq == seq && t.route == route) {
+                applied.changed.push(Target {
+                    state: AdminState::of(&from_state, attempts)?,
+                    ..t.clone()
+                });
+            }
+        }
+        let missed: Vec<&Target> = targets
+            .iter()
+            .filter(|t| !done.contains(&(t.seq, t.route.clone())))
+            .collect();
+        if !missed.is_empty() {
+            // Say why, from the state as it is now, inside this transaction.
+            let refusal = match action {
+                Action::Requeue { .. } => requeue_refusal("$3"),
+                Action::Cancel { .. } => cancel_refusal(),
+            };
+            let sql = format!(
+                "SELECT d.seq, d.route, d.state, d.attempts, {refusal} AS refusal
+                   FROM ferry.deliveries d
+                   JOIN unnest($1::bigint[], $2::text[]) AS t(seq, route) ON d.seq = t.seq AND d.route = t.route"
+            );
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+                .persistent(false)
+                .bind(missed.iter().map(|t| t.seq).collect::<Vec<_>>())
+                .bind(missed.iter().map(|t| t.route.as_str()).collect::<Vec<_>>());
+            if let Action::Requeue { include_published } = action {
+                query = query.bind(*include_published);
+            }
+            let rows = query.fetch_all(&mut *tx).await.map_err(store_error)?;
+            for t in missed {
+                let row = rows
+                    .iter()
+                    .find(|r| r.get::<i64, _>("seq") == t.seq && r.get::<&str, _>("route") == t.route);
+                let (state, reason) = match row {
+                    None => (t.state, "gone: deleted since it was selected".to_owned()),
+                    Some(r) => (
+                        state(r)?,
+                        r.get::<Option<String>, _>("refusal")
+                            .unwrap_or_else(|| "changed while this ran; run the command again".into()),
+                    ),
+                };
+                applied.refused.push(Refusal {
+                    target: Target { state, ..t.clone() },
+                    reason,
+                });
+            }
+        }
+        tx.commit().await.map_err(store_error)?;
+        Ok(applied)
+    }
+
+    async fn changes_since(&self, since: DateTime<Utc>, limit: usize) -> Result<Vec<Change>, StoreError> {
+        // New and requeued deliveries (pending, no attempt yet) are not
+        // outcomes; everything else is.
+        let rows = sqlx::query(
+            "SELECT e.id, d.seq, d.route, e.type, e.key, d.state, d.attempts, e.created_at, d.updated_at,
+                    d.published_at, d.last_error
+               FROM ferry.deliveries d JOIN ferry.events e ON e.seq = d.seq
+              WHERE d.updated_at > $1 AND NOT (d.state = 'pending' AND d.attempts = 0)
+              ORDER BY d.updated_at, d.seq, d.route
+              LIMIT $2",
+        )
+        .bind(since)
+        .bind(limit as i64)
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_error)?;
+        rows.iter()
+            .map(|row| {
+                Ok(Change {
+                    event_id: EventId(row.get("id")),
+                    seq: row.get("seq"),
+                    route: row.get("route"),
+                    event_type: row.get("type"),
+                    key: row.get("key"),
+                    state: state(row)?,
+                    attempts: attempts(row, "attempts"),
+                    created_at: row.get("created_at"),
+                    updated_at: row.get("updated_at"),
+                    published_at: row.get("published_at"),
+                    last_error: row.get("last_error"),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Requeues in one statement: deliveries of a route go back to pending with
+/// a fresh attempt count; `(no route)` deliveries go back to the router, so
+/// a route added since can take them. Both are logged.
+/// $1 seqs, $2 routes, $3 include published, $4 actor, $5 the no-route name.
+const REQUEUE: &str = "
+WITH t AS (
+    SELECT o.seq, o.route, o.state, o.attempts
+      FROM ferry.deliveries o
+      JOIN unnest($1::bigint[], $2::text[]) AS x(seq, route) ON o.seq = x.seq AND o.route = x.route
+), again AS (
+    UPDATE ferry.deliveries d
+       SET state = 'pending', attempts = 0, next_attempt_at = now(), last_error = NULL,
+           published_at = NULL, updated_at = now()
+      FROM t
+     WHERE d.seq = t.seq AND d.route = t.route AND d.route <> $5
+       AND (d.state IN ('dead', 'cancelled') OR (d.state = 'published' AND $3::bool))
+    RETURNING d.seq, d.route, t.state, t.attempts
+), rerouted AS (
+    DELETE FROM ferry.deliveries d
+     USING t
+     WHERE d.seq = t.seq AND d.route = t.route AND d.route = $5 AND d.state IN ('dead', 'cancelled')
+    RETURNING d.seq, d.route, d.partition, d.state, d.attempts
+), unrouted AS (
+    INSERT INTO ferry.unrouted (seq, partition)
+    SELECT DISTINCT r.seq, r.partition FROM rerouted r
+    ON CONFLICT (seq) DO NOTHING
+), logged AS (
+    INSERT INTO ferry.admin_log (seq, route, actor, action, from_state, attempts)
+    SELECT c.seq, c.route, $4, 'requeue', c.state, c.attempts
+      FROM (SELECT seq, route, state, attempts FROM again
+            UNION ALL SELECT seq, route, state, attempts FROM rerouted) c
+)
+SELECT seq, route, state, attempts FROM again
+UNION ALL SELECT seq, route, state, attempts FROM rerouted";
+
+/// Cancels in one statement what is still eligible, and logs it.
+/// $1 seqs, $2 routes, $3 actor, $4 reason.
+fn cancel_sql() -> String {
+    format!(
+        "WITH t AS (
+             SELECT o.seq, o.route, o.state, o.attempts
+               FROM ferry.deliveries o
+               JOIN unnest($1::bigint[], $2::text[]) AS x(seq, route) ON o.seq = x.seq AND o.route = x.route
+         ), gone AS (
+             UPDATE ferry.deliveries d
+                SET state = 'cancelled', updated_at = now()
+               FROM t
+              WHERE d.seq = t.seq AND d.route = t.route
+                AND d.state IN ('pending', 'dead')
+                AND NOT ({MAYBE_IN_FLIGHT})
+             RETURNING d.seq, d.route, t.state, t.attempts
+         ), logged AS (
+             INSERT INTO ferry.admin_log (seq, route, actor, action, from_state, attempts, reason)
+             SELECT seq, route, $3, 'cancel', state, attempts, $4 FROM gone
+         )
+         SELECT seq, route, state, attempts FROM gone"
+    )
+}
+
+async fn show(pool: &PgPool, id: EventId) -> Result<Option<EventView>, StoreError> {
+    let Some(row) = sqlx::query(
+        "SELECT e.seq, e.type, e.key, e.content_type, e.headers, e.payload, e.dispatch_key, e.created_at,
+                EXISTS (SELECT 1 FROM ferry.unrouted u WHERE u.seq = e.seq) AS unrouted
+           FROM ferry.events e WHERE e.id = $1",
+    )
+    .bind(id.0)
+    .fetch_optional(pool)
+    .await
+    .map_err(store_error)?
+    else {
+        return Ok(None);
+    };
+    let seq: i64 = row.get("seq");
+    let headers: BTreeMap<String, String> = serde_json::from_value(row.get("headers"))
+        .map_err(|e| StoreError::permanent(format!("event headers are not a string map: {e}")))?;
+    let payload: Vec<u8> = row.get("payload");
+    let mut view = EventView {
+        id,
+        seq,
+        event_type: row.get("type"),
+        key: row.get("key"),
+        content_type: row.get("content_type"),
+        headers,
+        payload_bytes: payload.len(),
+        payload: String::from_utf8(payload).ok(),
+        dispatch_key: row.get("dispatch_key"),
+        created_at: row.get("created_at"),
+        unrouted: row.get("unrouted"),
+        deliveries: Vec::new(),
+    };
+    let deliveries = sqlx::query(
+        "SELECT route, state, attempts, next_attempt_at, last_error, published_at, updated_at
+           FROM ferry.deliveries WHERE seq = $1 ORDER BY route",
+    )
+    .bind(seq)
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    let failures = sqlx::query("SELECT route, attempt, at, dead, error FROM ferry.failures WHERE seq = $1 ORDER BY id")
+        .bind(seq)
+        .fetch_all(pool)
+        .await
+        .map_err(store_error)?;
+    let actions = sqlx::query(
+        "SELECT route, at, actor, action, from_state, attempts, reason FROM ferry.admin_log
+          WHERE seq = $1 ORDER BY id",
+    )
+    .bind(seq)
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    for d in &deliveries {
+        let route: String = d.get("route");
+        let state = state(d)?;
+        let pending = matches!(state, AdminState::Pending | AdminState::Retrying);
+        view.deliveries.push(DeliveryView {
+            failures: failures
+                .iter()
+                .filter(|f| f.get::<&str, _>("route") == route)
+                .map(|f| Attempt {
+                    attempt: attempts(f, "attempt"),
+                    at: f.get("at"),
+                    dead: f.get("dead"),
+                    error: f.get("error"),
+                })
+                .collect(),
+            actions: actions
+                .iter()
+                .filter(|a| a.get::<&str, _>("route") == route)
+                .map(|a| {
+                    Ok(ActionRecord {
+                        at: a.get("at"),
+                        actor: a.get("actor"),
+                        action: a.get("action"),
+                        from_state: AdminState::of(a.get("from_state"), a.get("attempts"))?,
+                        reason: a.get("reason"),
+                    })
+                })
+                .collect::<Result<_, StoreError>>()?,
+            route,
+            state,
+            attempts: attempts(d, "attempts"),
+            next_attempt_at: pending.then(|| d.get("next_attempt_at")),
+            last_error: d.get("last_error"),
+            published_at: d.get("published_at"),
+            updated_at: d.get("updated_at"),
+        });
+    }
+    Ok(Some(view))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_become_anchored_segment_regexes() {
+        let re = |g: &str| glob_regex(&Glob::new(g).unwrap());
+        assert_eq!(re("order.*"), "^\\.order\\.[^.]+$");
+        assert_eq!(re("order.**"), "^\\.order(\\.[^.]+)*$");
+        assert_eq!(re("**.created"), "^(\\.[^.]+)*\\.created$");
+    }
+}

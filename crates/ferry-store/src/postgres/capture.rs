@@ -1,0 +1,329 @@
+//! Table capture: triggers that turn a table's inserts, updates and deletes
+//! into Ferry events, written in the transaction that made the change.
+//!
+//! For code paths that cannot call [`enqueue`](super::enqueue) (an ORM, raw
+//! SQL, bulk jobs, migrations). [`add`] generates a trigger function for the
+//! table from a [`CaptureSpec`] and installs it; the events it writes are
+//! `<prefix>.created`, `.updated` and `.deleted`, keyed by the key column,
+//! with the payload `{"data": {<tracked columns>}}` and, for updates,
+//! `"previous": {<changed tracked columns, old values>}`. An update that
+//! changes no tracked column writes nothing; a soft-delete column going from
+//! NULL to a value is a `.deleted`. The `initiator` header comes from
+//! `SET LOCAL ferry.initiator = '...'` (default `user`).
+//!
+//! The column list is fixed when the trigger is generated, so a row costs no
+//! catalog query; after a schema change [`check`] reports the drift and
+//! [`refresh`] regenerates (in SQL, `SELECT ferry.capture_refresh('t')` does
+//! the same inside the migration that altered the table).
+//!
+//! By default a trigger fails closed: when the event cannot be written, the
+//! business statement fails too. [`OnError::Warn`] keeps the write and drops
+//! the event instead: lossy, counted in [`Capture::dropped`].
+//!
+//! ```no_run
+//! # async fn demo(conn: &mut sqlx::PgConnection) -> Result<(), ferry_store::postgres::capture::CaptureError> {
+//! use ferry_store::postgres::capture::{self, CaptureSpec};
+//! let spec = CaptureSpec::new("app.orders", "shop.order", "id").exclude(["card_token"]);
+//! capture::add(conn, &spec).await?;
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::PgDatabaseError;
+use sqlx::{Connection, PgConnection, Row};
+
+/// A table change a capture can turn into an event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Operation {
+    Insert,
+    Update,
+    Delete,
+}
+
+impl Operation {
+    pub const ALL: [Operation; 3] = [Operation::Insert, Operation::Update, Operation::Delete];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Operation::Insert => "insert",
+            Operation::Update => "update",
+            Operation::Delete => "delete",
+        }
+    }
+}
+
+impl fmt::Display for Operation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Operation {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Operation::ALL
+            .into_iter()
+            .find(|op| op.as_str() == s)
+            .ok_or_else(|| format!("unknown operation {s:?}; use insert, update or delete"))
+    }
+}
+
+/// What a trigger does when the event cannot be written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnError {
+    /// The business statement fails with the event's error: nothing is lost.
+    #[default]
+    Fail,
+    /// The business statement succeeds and the event is dropped, with a
+    /// WARNING and a count in `ferry.capture_dropped`. Lossy.
+    Warn,
+}
+
+impl OnError {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnError::Fail => "fail",
+            OnError::Warn => "warn",
+        }
+    }
+}
+
+/// What to capture from one table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaptureSpec {
+    /// The table in SQL syntax: `orders`, `app.orders`, `app."Order Items"`.
+    pub table: String,
+    /// Event types are `<type_prefix>.created`, `.updated`, `.deleted`.
+    pub type_prefix: String,
+    /// The column whose value, as text, is the event key (per-key order).
+    pub key_column: String,
+    /// Columns left out of payloads (secrets, large blobs); never the key.
+    pub exclude: Vec<String>,
+    /// A column whose change from NULL to a value is a `.deleted` event.
+    pub soft_delete: Option<String>,
+    /// The operations that write events.
+    pub on: Vec<Operation>,
+    pub on_error: OnError,
+}
+
+impl CaptureSpec {
+    /// Every operation, failing closed, no column excluded.
+    pub fn new(table: impl Into<String>, type_prefix: impl Into<String>, key_column: impl Into<String>) -> Self {
+        CaptureSpec {
+            table: table.into(),
+            type_prefix: type_prefix.into(),
+            key_column: key_column.into(),
+            exclude: Vec::new(),
+            soft_delete: None,
+            on: Operation::ALL.to_vec(),
+            on_error: OnError::Fail,
+        }
+    }
+
+    pub fn exclude<I: IntoIterator<Item = S>, S: Into<String>>(mut self, columns: I) -> Self {
+        self.exclude.extend(columns.into_iter().map(Into::into));
+        self
+    }
+
+    pub fn soft_delete(mut self, column: impl Into<String>) -> Self {
+        self.soft_delete = Some(column.into());
+        self
+    }
+
+    pub fn on(mut self, operations: impl IntoIterator<Item = Operation>) -> Self {
+        self.on = operations.into_iter().collect();
+        self
+    }
+
+    pub fn on_error(mut self, on_error: OnError) -> Self {
+        self.on_error = on_error;
+        self
+    }
+}
+
+/// A captured table, as registered.
+#[derive(Debug, Clone, Serialize)]
+pub struct Capture {
+    /// Schema-qualified and quoted where needed: what the other calls accept.
+    pub table: String,
+    pub type_prefix: String,
+    pub key_column: String,
+    pub exclude: Vec<String>,
+    pub soft_delete: Option<String>,
+    pub on: Vec<String>,
+    pub on_error: String,
+    /// The tracked columns the trigger was generated from, in table order.
+    pub columns: Vec<String>,
+    pub generated_at: DateTime<Utc>,
+    /// Events a `warn` trigger dropped, with the last error and when.
+    pub dropped: u64,
+    pub last_dropped_error: Option<String>,
+    pub last_dropped_at: Option<DateTime<Utc>>,
+}
+
+/// A captured table whose trigger no longer matches it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Drift {
+    pub table: String,
+    pub problem: String,
+    /// The command that fixes it.
+    pub fix: String,
+}
+
+/// Which captured tables [`refresh`] regenerates.
+#[derive(Debug, Clone, Copy)]
+pub enum Tables<'a> {
+    One(&'a str),
+    All,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CaptureError {
+    /// Bad input: `message` names the argument, `hint` says the fix.
+    #[error("{message}; {hint}")]
+    Invalid { message: String, hint: String },
+    #[error("the database has no ferry capture schema; run `ferry migrate`")]
+    NotMigrated,
+    #[error("the table is locked by another transaction; try again when it has finished")]
+    Busy,
+    #[error(transparent)]
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for CaptureError {
+    fn from(err: sqlx::Error) -> Self {
+        let Some(db) = err.as_database_error() else {
+            return CaptureError::Database(err);
+        };
+        if let Some(message) = db.message().strip_prefix("ferry: ") {
+            let hint = db
+                .try_downcast_ref::<PgDatabaseError>()
+                .and_then(PgDatabaseError::hint)
+                .unwrap_or_default();
+            return CaptureError::Invalid {
+                message: message.to_owned(),
+                hint: hint.to_owned(),
+            };
+        }
+        match db.code().as_deref() {
+            // undefined function or table: the capture migration is missing
+            Some("42883" | "42P01") => CaptureError::NotMigrated,
+            Some("55P03") => CaptureError::Busy,
+            _ => CaptureError::Database(err),
+        }
+    }
+}
+
+/// How long DDL on a business table waits for its lock: waiting longer
+/// would queue every writer of the table behind it.
+const LOCK_TIMEOUT: &str = "5s";
+
+/// Starts capturing `spec.table` and returns its name as [`list`] prints it.
+/// Installs the trigger, which takes a brief exclusive lock on the table.
+pub async fn add(conn: &mut PgConnection, spec: &CaptureSpec) -> Result<String, CaptureError> {
+    let on: Vec<&str> = spec.on.iter().map(|op| op.as_str()).collect();
+    let mut tx = conn.begin().await?;
+    limit_lock_wait(&mut tx).await?;
+    let table: String = sqlx::query_scalar("SELECT ferry.capture_add($1, $2, $3, $4, $5, $6, $7)")
+        .bind(&spec.table)
+        .bind(&spec.type_prefix)
+        .bind(&spec.key_column)
+        .bind(&spec.exclude)
+        .bind(&spec.soft_delete)
+        .bind(&on)
+        .bind(spec.on_error.as_str())
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(table)
+}
+
+/// Regenerates the triggers of `tables` from their tables' columns now;
+/// returns the tables refreshed.
+pub async fn refresh(conn: &mut PgConnection, tables: Tables<'_>) -> Result<Vec<String>, CaptureError> {
+    let one = match tables {
+        Tables::One(t) => Some(t),
+        Tables::All => None,
+    };
+    let mut tx = conn.begin().await?;
+    limit_lock_wait(&mut tx).await?;
+    let done: Vec<String> = sqlx::query_scalar("SELECT ferry.capture_refresh($1)")
+        .bind(one)
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(done)
+}
+
+/// Stops capturing `table`: drops its trigger and forgets it (its dropped
+/// count too). Returns its name as [`list`] printed it.
+pub async fn remove(conn: &mut PgConnection, table: &str) -> Result<String, CaptureError> {
+    let mut tx = conn.begin().await?;
+    limit_lock_wait(&mut tx).await?;
+    let table: String = sqlx::query_scalar("SELECT ferry.capture_remove($1)")
+        .bind(table)
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(table)
+}
+
+/// The captured tables, by name.
+pub async fn list(conn: &mut PgConnection) -> Result<Vec<Capture>, CaptureError> {
+    let rows = sqlx::query(
+        "SELECT format('%I.%I', c.table_schema, c.table_name), c.type_prefix, c.key_column, c.exclude,
+                c.soft_delete, c.operations, c.on_error, c.columns, c.generated_at,
+                coalesce(d.count, 0), d.last_error, d.last_at
+           FROM ferry.captures c
+           LEFT JOIN ferry.capture_dropped d USING (table_schema, table_name)
+          ORDER BY c.table_schema, c.table_name",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| Capture {
+            table: r.get(0),
+            type_prefix: r.get(1),
+            key_column: r.get(2),
+            exclude: r.get(3),
+            soft_delete: r.get(4),
+            on: r.get(5),
+            on_error: r.get(6),
+            columns: r.get(7),
+            generated_at: r.get(8),
+            dropped: r.get::<i64, _>(9).max(0) as u64,
+            last_dropped_error: r.get(10),
+            last_dropped_at: r.get(11),
+        })
+        .collect())
+}
+
+/// Captured tables whose trigger is out of date with the table (columns
+/// added or gone, the trigger missing, the table gone), each with its fix.
+/// Empty when every trigger matches its table.
+pub async fn check(conn: &mut PgConnection) -> Result<Vec<Drift>, CaptureError> {
+    let rows: Vec<(String, String, String)> =
+        sqlx::query_as("SELECT table_name, problem, fix FROM ferry.capture_check()")
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(table, problem, fix)| Drift { table, problem, fix })
+        .collect())
+}
+
+async fn limit_lock_wait(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(LOCK_TIMEOUT)
+        .execute(conn)
+        .await
+        .map(drop)
+}

@@ -1,0 +1,103 @@
+use async_trait::async_trait;
+use ferry_core::StoreError;
+use sqlx::Row;
+
+use super::PgStore;
+use super::error::store_error;
+use crate::{GaugeReport, Gauges, RouteGauges};
+
+#[async_trait]
+impl Gauges for PgStore {
+    async fn gauges(&self) -> Result<GaugeReport, StoreError> {
+        let pool = self.pool();
+        let mut report = GaugeReport::default();
+        let row = sqlx::query(
+            "SELECT u.n, extract(epoch FROM now() - e.created_at)::float8
+               FROM (SELECT count(*) AS n, min(seq) AS first FROM ferry.unrouted) u
+               LEFT JOIN ferry.events e ON e.seq = u.first",
+        )
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?;
+        report.unrouted = row.get::<i64, _>(0) as u64;
+        report.oldest_unrouted_seconds = row.get(1);
+
+        // Each subquery's filter matches one of the partial indexes of the
+        // first migration, so each reads only the work left.
+        let rows = sqlx::query(
+            "WITH pending AS (
+                 SELECT route, count(*) AS n, count(*) FILTER (WHERE attempts > 0) AS retrying, min(seq) AS first
+                   FROM ferry.deliveries WHERE state = 'pending' GROUP BY route),
+             settled AS (
+                 SELECT route, count(*) FILTER (WHERE state = 'dead') AS dead,
+                        count(*) FILTER (WHERE state = 'cancelled') AS cancelled
+                   FROM ferry.deliveries WHERE state IN ('dead', 'cancelled') GROUP BY route),
+             blocked AS (
+                 SELECT route, count(DISTINCT key) AS keys, min(updated_at) AS since
+                   FROM ferry.deliveries
+                  WHERE key IS NOT NULL AND (state = 'dead' OR (state = 'pending' AND attempts > 0))
+                  GROUP BY route),
+             routes AS (SELECT route FROM pending UNION SELECT route FROM settled UNION SELECT route FROM blocked)
+             SELECT r.route, coalesce(p.n, 0), coalesce(p.retrying, 0), coalesce(s.dead, 0), coalesce(s.cancelled, 0),
+                    extract(epoch FROM now() - e.created_at)::float8,
+                    coalesce(b.keys, 0), extract(epoch FROM now() - b.since)::float8
+               FROM routes r
+               LEFT JOIN pending p ON p.route = r.route
+               LEFT JOIN ferry.events e ON e.seq = p.first
+               LEFT JOIN settled s ON s.route = r.route
+               LEFT JOIN blocked b ON b.route = r.route
+              ORDER BY r.route",
+        )
+        .fetch_all(pool)
+        .await
+        .map_err(store_error)?;
+        report.routes = rows
+            .into_iter()
+            .map(|r| RouteGauges {
+                route: r.get(0),
+                pending: r.get::<i64, _>(1) as u64,
+                retrying: r.get::<i64, _>(2) as u64,
+                dead: r.get::<i64, _>(3) as u64,
+                cancelled: r.get::<i64, _>(4) as u64,
+                oldest_pending_seconds: r.get(5),
+                blocked_keys: r.get::<i64, _>(6) as u64,
+                oldest_blocked_seconds: r.get(7),
+            })
+            .collect();
+
+        let row = sqlx::query(
+            "SELECT count(*) FILTER (WHERE p.expires_at < now()),
+                    extract(epoch FROM now() - min(r.heartbeat_at))::float8
+               FROM ferry.partitions p LEFT JOIN ferry.relays r ON r.id = p.owner
+              WHERE p.owner IS NOT NULL",
+        )
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?;
+        report.expired_leases = row.get::<i64, _>(0) as u64;
+        report.oldest_lease_seconds = row.get(1);
+
+        // A database migrated before table capture existed has no such table.
+        let dropped = sqlx::query(
+            "SELECT table_schema || '.' || table_name, count FROM ferry.capture_dropped
+              WHERE to_regclass('ferry.capture_dropped') IS NOT NULL ORDER BY 1",
+        )
+        .fetch_all(pool)
+        .await;
+        if let Ok(rows) = dropped {
+            report.capture_dropped = rows
+                .into_iter()
+                .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) as u64))
+                .collect();
+        }
+        Ok(report)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(self.pool())
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,395 @@
+//! Retention: deleting settled events once their window has passed, in small
+//! batches, optionally archiving each batch first.
+//!
+//! A store implements [`Retention`]: it finds expired events in outbox order
+//! and hands them over as an [`ExpiredBatch`] whose rows stay locked until the
+//! batch is deleted or dropped. [`purge`] drives any such store the same way:
+//! take a batch, archive it and make the archive durable, then delete, then
+//! pause so the relay always gets the database back quickly.
+//!
+//! An event goes only when every one of its deliveries is settled: published
+//! before the published window, or dead or cancelled before the (longer)
+//! settled window. Its deliveries and failure history go with it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use base64::Engine;
+use chrono::{DateTime, Utc};
+use ferry_core::StoreError;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+/// When events may go, and how much goes at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetentionRules {
+    /// An event whose deliveries are all published goes this long after its
+    /// last publish.
+    pub published: Duration,
+    /// An event with a dead or cancelled delivery goes this long after that
+    /// delivery settled; `None` keeps it until an operator acts.
+    pub settled: Option<Duration>,
+    /// Events per batch: one short transaction each.
+    pub batch_size: usize,
+    /// Rest between batches, so the relay's own statements never queue
+    /// behind a long run of deletes.
+    pub pause: Duration,
+}
+
+impl RetentionRules {
+    /// Deliveries published before this may go.
+    pub fn published_cutoff(&self, now: DateTime<Utc>) -> DateTime<Utc> {
+        now - chrono::Duration::from_std(self.published).unwrap_or(chrono::Duration::MAX)
+    }
+
+    /// Dead or cancelled deliveries settled before this may go.
+    pub fn settled_cutoff(&self, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        self.settled
+            .map(|d| now - chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX))
+    }
+}
+
+/// An event as it is archived: everything needed to inspect or replay it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArchivedEvent {
+    /// Outbox position, for ordering archived events.
+    pub seq: i64,
+    pub id: Uuid,
+    #[serde(rename = "type")]
+    pub event_type: String,
+    pub key: Option<String>,
+    pub content_type: String,
+    pub headers: serde_json::Value,
+    /// The payload as JSON when it is JSON, otherwise absent (see
+    /// `payload_base64`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload: Option<serde_json::Value>,
+    /// Any payload that is not JSON, base64-encoded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_base64: Option<String>,
+    pub dispatch_key: Option<String>,
+    pub created_at: DateTime<Utc>,
+    pub deliveries: Vec<ArchivedDelivery>,
+}
+
+impl ArchivedEvent {
+    /// Sets `payload` or `payload_base64`, whichever keeps the bytes exactly.
+    pub fn set_payload(&mut self, bytes: &[u8]) {
+        let json = self.content_type.contains("json");
+        match serde_json::from_slice::<serde_json::Value>(bytes) {
+            Ok(v) if json && serde_json::to_vec(&v).is_ok_and(|b| b == bytes) => self.payload = Some(v),
+            _ => self.payload_base64 = Some(base64::engine::general_purpose::STANDARD.encode(bytes)),
+        }
+    }
+
+    /// The payload bytes, from whichever field holds them.
+    pub fn payload_bytes(&self) -> Option<Vec<u8>> {
+        match (&self.payload, &self.payload_base64) {
+            (Some(v), _) => serde_json::to_vec(v).ok(),
+            (None, Some(b)) => base64::engine::general_purpose::STANDARD.decode(b).ok(),
+            (None, None) => None,
+        }
+    }
+}
+
+/// One route's delivery of an archived event, with its failed attempts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArchivedDelivery {
+    pub route: String,
+    pub state: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub published_at: Option<DateTime<Utc>>,
+    pub updated_at: DateTime<Utc>,
+    pub failures: Vec<ArchivedFailure>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArchivedFailure {
+    pub attempt: i32,
+    pub at: DateTime<Utc>,
+    pub dead: bool,
+    pub error: String,
+}
+
+/// A store's side of retention.
+///
+/// ```no_run
+/// # async fn demo(store: &ferry_store::postgres::PgStore) -> Result<(), ferry_store::PurgeError> {
+/// use std::time::Duration;
+/// use ferry_store::{PurgeOptions, RetentionRules, purge};
+/// let rules = RetentionRules {
+///     published: Duration::from_secs(7 * 86_400),
+///     settled: Some(Duration::from_secs(30 * 86_400)),
+///     batch_size: 1_000,
+///     pause: Duration::from_millis(50),
+/// };
+/// let report = purge(store, &rules, &PurgeOptions::default(), chrono::Utc::now()).await?;
+/// println!("deleted {} events", report.events);
+/// # Ok(()) }
+/// ```
+#[async_trait]
+pub trait Retention: Send + Sync {
+    /// The first and last outbox positions stored now; `None` when empty.
+    /// A run walks this range once, so events committed during the run wait
+    /// for the next one.
+    async fn retention_range(&self) -> Result<Option<(i64, i64)>, StoreError>;
+
+    /// Up to `rules.batch_size` expired events after position `after` and
+    /// not past `upto`, in outbox order, read and locked in a transaction
+    /// the batch holds. Scans a bounded stretch, so a batch may be empty
+    /// before the range is done: continue from [`ExpiredBatch::scanned_to`].
+    async fn take_expired(
+        &self,
+        rules: &RetentionRules,
+        after: i64,
+        upto: i64,
+        now: DateTime<Utc>,
+    ) -> Result<Box<dyn ExpiredBatch>, StoreError>;
+}
+
+/// Expired events, locked until [`delete`](ExpiredBatch::delete) commits or
+/// the batch is dropped (which deletes nothing).
+#[async_trait]
+pub trait ExpiredBatch: Send {
+    fn events(&self) -> &[ArchivedEvent];
+    /// Where the next batch starts; at or past `upto` the run is done.
+    fn scanned_to(&self) -> i64;
+    /// Deletes exactly [`events`](ExpiredBatch::events), their deliveries
+    /// and failures, and commits. Returns the deliveries deleted.
+    async fn delete(self: Box<Self>) -> Result<u64, StoreError>;
+}
+
+/// How [`purge`] runs.
+#[derive(Debug, Clone, Default)]
+pub struct PurgeOptions {
+    /// Count what would go; delete and archive nothing.
+    pub dry_run: bool,
+    /// Write each batch here before deleting it.
+    pub archive_dir: Option<PathBuf>,
+    /// Set to `true` to stop after the current batch.
+    pub stop: Option<watch::Receiver<bool>>,
+}
+
+/// What one run did (or, dry, would do).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PurgeReport {
+    pub dry_run: bool,
+    /// Events deleted (dry: that would be).
+    pub events: u64,
+    /// Deliveries deleted with them (dry: not counted).
+    pub deliveries: u64,
+    pub batches: u64,
+    /// Events written to the archive.
+    pub archived: u64,
+    /// The archive file of this run, if anything was archived.
+    pub archive_file: Option<PathBuf>,
+}
+
+/// Why a run stopped early. What was done before is in `done`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PurgeError {
+    #[error("retention: {source}")]
+    Store { source: StoreError, done: PurgeReport },
+    /// Nothing of the batch being archived was deleted.
+    #[error("retention: cannot write the archive {}: {source}; nothing more was deleted", path.display())]
+    Archive {
+        path: PathBuf,
+        source: std::io::Error,
+        done: PurgeReport,
+    },
+}
+
+impl PurgeError {
+    /// What the run did before it stopped.
+    pub fn done(&self) -> &PurgeReport {
+        match self {
+            PurgeError::Store { done, .. } | PurgeError::Archive { done, .. } => done,
+        }
+    }
+}
+
+/// Runs retention once over the events stored now: batch by batch, archive
+/// (when configured) and make it durable, then delete.
+pub async fn purge<R: Retention + ?Sized>(
+    store: &R,
+    rules: &RetentionRules,
+    options: &PurgeOptions,
+    now: DateTime<Utc>,
+) -> Result<PurgeReport, PurgeError> {
+    let mut report = PurgeReport {
+        dry_run: options.dry_run,
+        ..PurgeReport::default()
+    };
+    let range = store.retention_range().await;
+    let Some((first, last)) = range.map_err(|source| PurgeError::Store {
+        source,
+        done: report.clone(),
+    })?
+    else {
+        return Ok(report);
+    };
+    let mut archive: Option<ArchiveFile> = None;
+    let mut after = first - 1;
+    while after < last {
+        if options.stop.as_ref().is_some_and(|s| *s.borrow()) {
+            break;
+        }
+        let batch = match store.take_expired(rules, after, last, now).await {
+            Ok(b) => b,
+            Err(source) => return Err(PurgeError::Store { source, done: report }),
+        };
+        after = batch.scanned_to().max(after + 1);
+        let events = batch.events().len() as u64;
+        if events == 0 {
+            continue;
+        }
+        report.batches += 1;
+        if options.dry_run {
+            report.events += events;
+            drop(batch);
+            continue;
+        }
+        let mut undo = None;
+        if let Some(dir) = &options.archive_dir {
+            let written = append_archive(&mut archive, dir, batch.events(), now).await;
+            match written {
+                Ok(previous_len) => undo = Some(previous_len),
+                Err((path, source)) => {
+                    drop(batch);
+                    return Err(PurgeError::Archive {
+                        path,
+                        source,
+                        done: report,
+                    });
+                }
+            }
+        }
+        match batch.delete().await {
+            Ok(deliveries) => {
+                report.events += events;
+                report.deliveries += deliveries;
+                if undo.is_some() {
+                    report.archived += events;
+                    report.archive_file = archive.as_ref().map(|a| a.path.clone());
+                }
+            }
+            Err(source) => {
+                // Take the batch back out of the archive so it holds exactly
+                // what was deleted; if that fails too, the events appear again
+                // in a later archive: twice, never missing.
+                if let (Some(len), Some(a)) = (undo, archive.take()) {
+                    let _ = tokio::task::spawn_blocking(move || a.truncate(len)).await;
+                }
+                return Err(PurgeError::Store { source, done: report });
+            }
+        }
+        if !rules.pause.is_zero() {
+            pause(rules.pause, options.stop.clone()).await;
+        }
+    }
+    Ok(report)
+}
+
+async fn pause(d: Duration, stop: Option<watch::Receiver<bool>>) {
+    match stop {
+        Some(mut stop) => {
+            tokio::select! {
+                _ = tokio::time::sleep(d) => {}
+                _ = stop.wait_for(|s| *s) => {}
+            }
+        }
+        None => tokio::time::sleep(d).await,
+    }
+}
+
+/// Appends `events` to this run's archive file (created on first use) and
+/// makes them durable. Returns the file's length before, to undo with.
+async fn append_archive(
+    archive: &mut Option<ArchiveFile>,
+    dir: &Path,
+    events: &[ArchivedEvent],
+    now: DateTime<Utc>,
+) -> Result<u64, (PathBuf, std::io::Error)> {
+    let path = match archive {
+        Some(a) => a.path.clone(),
+        None => dir.join(format!("ferry-{}.jsonl.gz", now.format("%Y%m%dT%H%M%S%.9fZ"))),
+    };
+    let member = gzip_lines(events).map_err(|e| (path.clone(), e))?;
+    let file = archive.take();
+    let dir = dir.to_owned();
+    let task_path = path.clone();
+    let joined = tokio::task::spawn_blocking(move || {
+        let mut file = match file {
+            Some(f) => f,
+            None => ArchiveFile::create(&dir, task_path)?,
+        };
+        let before = file.append(&member)?;
+        Ok::<_, std::io::Error>((file, before))
+    })
+    .await
+    .map_err(|e| (path.clone(), std::io::Error::other(e)))?;
+    let (file, before) = joined.map_err(|e| (path, e))?;
+    *archive = Some(file);
+    Ok(before)
+}
+
+/// One gzip member of JSON lines. Members concatenate into a valid gzip
+/// file, so each batch is appended whole, and `zcat` or a multi-member
+/// decoder reads them all.
+fn gzip_lines(events: &[ArchivedEvent]) -> std::io::Result<Vec<u8>> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    for e in events {
+        serde_json::to_writer(&mut gz, e)?;
+        gz.write_all(b"\n")?;
+    }
+    gz.finish()
+}
+
+/// This run's archive file, opened for appending.
+struct ArchiveFile {
+    path: PathBuf,
+    file: std::fs::File,
+    len: u64,
+}
+
+impl ArchiveFile {
+    /// Creates the file (never overwrites one) and fsyncs the directory, so
+    /// the file's name survives a crash as well as its contents.
+    fn create(dir: &Path, path: PathBuf) -> std::io::Result<Self> {
+        let file = std::fs::OpenOptions::new().create_new(true).append(true).open(&path)?;
+        std::fs::File::open(dir)?.sync_all()?;
+        Ok(Self { path, file, len: 0 })
+    }
+
+    /// Writes and fsyncs; returns the length before.
+    fn append(&mut self, bytes: &[u8]) -> std::io::Result<u64> {
+        let before = self.len;
+        let written = self.file.write_all(bytes).and_then(|()| self.file.sync_data());
+        if let Err(e) = written {
+            let _ = self.truncate(before);
+            return Err(e);
+        }
+        self.len += bytes.len() as u64;
+        Ok(before)
+    }
+
+    fn truncate(&self, len: u64) -> std::io::Result<()> {
+        self.file.set_len(len)?;
+        self.file.sync_data()
+    }
+}
+
+/// Reads an archive file back: every event in it, in order.
+pub fn read_archive(path: &Path) -> std::io::Result<Vec<ArchivedEvent>> {
+    use std::io::BufRead;
+    let reader = std::io::BufReader::new(flate2::read::MultiGzDecoder::new(std::fs::File::open(path)?));
+    reader
+        .lines()
+        .map(|line| serde_json::from_str(&line?).map_err(std::io::Error::other))
+        .collect()
+}

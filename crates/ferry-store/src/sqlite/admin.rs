@@ -1,0 +1,505 @@
+//! [`Admin`] for SQLite.
+//!
+//! How requeue and cancel stay safe beside a running relay: they run in a
+//! `BEGIN IMMEDIATE` transaction, which holds SQLite's one write lock, so no
+//! relay can take a lease or record an outcome until it commits, and every
+//! check reads what was committed before. As with PostgreSQL, requeue
+//! touches only dead, cancelled and published deliveries, which no relay
+//! holds; cancel refuses a pending delivery a relay could have claimed (due,
+//! not held back by its key, in a leased partition).
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use ferry_core::{EventId, NO_ROUTE, StoreError};
+use sqlx::sqlite::{SqliteArguments, SqliteRow};
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
+
+use super::SqliteStore;
+use super::error::store_error;
+use super::store::{from_micros, micros};
+use crate::{
+    Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
+    EventView, Filter, ListPage, Page, Plan, Refusal, StatusReport, Target,
+};
+
+type Query<'q> = sqlx::query::Query<'q, Sqlite, SqliteArguments>;
+
+/// The filter's conditions on `d` (deliveries) and `e` (events); lists are
+/// JSON arrays, NULL when the filter does not narrow on them.
+/// ?1 ids, ?2 states, ?3 route, ?4 event types, ?5 key, ?6 since, ?7 until, ?8 error text.
+const FILTER: &str = "
+       (?1 IS NULL OR e.id IN (SELECT value FROM json_each(?1)))
+   AND (?2 IS NULL OR (CASE WHEN d.state = 'pending' AND d.attempts > 0 THEN 'retrying' ELSE d.state END)
+                      IN (SELECT value FROM json_each(?2)))
+   AND (?3 IS NULL OR d.route = ?3)
+   AND (?4 IS NULL OR e.type IN (SELECT value FROM json_each(?4)))
+   AND (?5 IS NULL OR d.key = ?5)
+   AND (?6 IS NULL OR e.created_at >= ?6)
+   AND (?7 IS NULL OR e.created_at < ?7)
+   AND (?8 IS NULL OR instr(lower(coalesce(d.last_error, '')), lower(?8)) > 0)";
+
+/// A pending delivery of `d` that a relay may hold right now: due (with a
+/// margin for the relay's clock running ahead), not held back by an earlier
+/// failed delivery of its key, and in a partition under a live lease.
+fn maybe_in_flight() -> String {
+    let now = now_us!();
+    format!(
+        "d.state = 'pending'
+     AND d.next_attempt_at <= {now} + 5000000
+     AND EXISTS (SELECT 1 FROM ferry_partitions p
+                  WHERE p.partition = d.partition AND p.owner IS NOT NULL AND p.expires_at > {now})
+     AND (d.key IS NULL OR NOT EXISTS (
+          SELECT 1 FROM ferry_deliveries b
+           WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
+             AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))"
+    )
+}
+
+const IN_FLIGHT_REASON: &str =
+    "may be in flight: a relay can be publishing it now; wait for its outcome, or stop the relay and retry";
+
+/// Why `d` cannot take `action`, or NULL. For requeue, `?9` says whether
+/// published deliveries may go again.
+fn refusal(action: &Action) -> String {
+    match action {
+        Action::Requeue { .. } => "CASE
+       WHEN d.state = 'pending' AND d.attempts > 0
+         THEN 'retrying: still being worked on; cancel it first to requeue it'
+       WHEN d.state = 'pending' THEN 'pending or in flight: not failed, nothing to requeue'
+       WHEN d.state = 'published' AND NOT ?9
+         THEN 'published already; pass --include-published to deliver it again'
+     END"
+        .to_owned(),
+        Action::Cancel { .. } => format!(
+            "CASE
+           WHEN d.state = 'published' THEN 'published already'
+           WHEN d.state = 'cancelled' THEN 'cancelled already'
+           WHEN {} THEN '{IN_FLIGHT_REASON}'
+         END",
+            maybe_in_flight()
+        ),
+    }
+}
+
+/// The filter's values, ready to bind as ?1..?8.
+struct FilterArgs {
+    ids: Option<String>,
+    states: Option<String>,
+    route: Option<String>,
+    types: Option<String>,
+    key: Option<String>,
+    since: Option<i64>,
+    until: Option<i64>,
+    error: Option<String>,
+}
+
+fn json_strings<T: ToString>(items: &[T]) -> Option<String> {
+    (!items.is_empty()).then(|| {
+        let list: Vec<String> = items.iter().map(T::to_string).collect();
+        serde_json::to_string(&list).expect("strings serialise")
+    })
+}
+
+impl FilterArgs {
+    /// SQLite has no regular expressions: the type glob is matched here
+    /// against the distinct event types, and the query takes the list.
+    async fn new(pool: &SqlitePool, f: &Filter) -> Result<Self, StoreError> {
+        let types = match &f.type_glob {
+            None => None,
+            Some(glob) => {
+                let all: Vec<String> = sqlx::query_scalar("SELECT DISTINCT type FROM ferry_events")
+                    .fetch_all(pool)
+                    .await
+                    .map_err(store_error)?;
+                let matching: Vec<String> = all.into_iter().filter(|t| glob.matches(t)).collect();
+                Some(serde_json::to_string(&matching).expect("strings serialise"))
+            }
+        };
+        Ok(Self {
+            ids: json_strings(&f.ids),
+            states: json_strings(&f.states.iter().map(|s| s.as_str()).collect::<Vec<_>>()),
+            route: f.route.clone(),
+            types,
+            key: f.key.clone(),
+            since: f.since.map(micros),
+            until: f.until.map(micros),
+            error: f.error.clone(),
+        })
+    }
+
+    fn bind<'q>(&self, query: Query<'q>) -> Query<'q> {
+        query
+            .bind(self.ids.clone())
+            .bind(self.states.clone())
+            .bind(self.route.clone())
+            .bind(self.types.clone())
+            .bind(self.key.clone())
+            .bind(self.since)
+            .bind(self.until)
+            .bind(self.error.clone())
+    }
+}
+
+fn attempts(row: &SqliteRow, index: &str) -> u32 {
+    row.get::<i64, _>(index).max(0) as u32
+}
+
+fn state(row: &SqliteRow) -> Result<AdminState, StoreError> {
+    AdminState::of(row.get::<&str, _>("state"), row.get::<i64, _>("attempts") as i32)
+}
+
+fn event_id(row: &SqliteRow) -> Result<EventId, StoreError> {
+    let id: &str = row.get("id");
+    EventId::from_str(id).map_err(|e| StoreError::permanent(format!("event id {id:?} is not a UUID: {e}")))
+}
+
+fn time(row: &SqliteRow, index: &str) -> DateTime<Utc> {
+    from_micros(row.get(index))
+}
+
+fn maybe_time(row: &SqliteRow, index: &str) -> Option<DateTime<Utc>> {
+    row.get::<Option<i64>, _>(index).map(from_micros)
+}
+
+fn target(row: &SqliteRow) -> Result<Target, StoreError> {
+    Ok(Target {
+        event_id: event_id(row)?,
+        seq: row.get("seq"),
+        route: row.get("route"),
+        event_type: row.get("type"),
+        key: row.get("key"),
+        state: state(row)?,
+    })
+}
+
+#[async_trait]
+impl Admin for SqliteStore {
+    async fn status(&self) -> Result<StatusReport, StoreError> {
+        SqliteStore::status(self).await
+    }
+
+    async fn list(&self, filter: &Filter, page: &Page) -> Result<ListPage, StoreError> {
+        let sql = format!(
+            "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, e.created_at, d.updated_at,
+                    d.next_attempt_at, d.last_error, d.published_at
+               FROM ferry_deliveries d JOIN ferry_events e ON e.seq = d.seq
+              WHERE {FILTER}
+                AND (?9 IS NULL OR d.seq > ?9 OR (d.seq = ?9 AND d.route > ?10))
+              ORDER BY d.seq, d.route
+              LIMIT ?11"
+        );
+        let limit = page.limit.max(1);
+        let args = FilterArgs::new(self.pool(), filter).await?;
+        let rows = args
+            .bind(sqlx::query(AssertSqlSafe(sql)))
+            .bind(page.after.as_ref().map(|c| c.seq))
+            .bind(page.after.as_ref().map(|c| c.route.clone()))
+            .bind(limit as i64 + 1)
+            .fetch_all(self.pool())
+            .await
+            .map_err(store_error)?;
+        let mut deliveries = Vec::with_capacity(rows.len());
+        for row in rows.iter().take(limit) {
+            let state = state(row)?;
+            let pending = matches!(state, AdminState::Pending | AdminState::Retrying);
+            deliveries.push(DeliverySummary {
+                event_id: event_id(row)?,
+                seq: row.get("seq"),
+                event_type: row.get("type"),
+                key: row.get("key"),
+                route: row.get("route"),
+                state,
+                attempts: attempts(row, "attempts"),
+                created_at: time(row, "created_at"),
+                updated_at: time(row, "updated_at"),
+                next_attempt_at: pending.then(|| time(row, "next_attempt_at")),
+                last_error: row.get("last_error"),
+                published_at: maybe_time(row, "published_at"),
+            });
+        }
+        let next = (rows.len() > limit).then(|| {
+            let last = deliveries.last().expect("a full page has a last row");
+            Cursor {
+                seq: last.seq,
+                route: last.route.clone(),
+            }
+        });
+        Ok(ListPage { deliveries, next })
+    }
+
+    async fn show(&self, id: EventId) -> Result<Option<EventView>, StoreError> {
+        show(self.pool(), id).await
+    }
+
+    async fn plan(&self, action: &Action, selection: &Filter) -> Result<Plan, StoreError> {
+        // Cancel takes later deliveries of a key first: while the earlier
+        // failure still holds them back, no relay can be publishing them.
+        let order = match action {
+            Action::Requeue { .. } => "ASC",
+            Action::Cancel { .. } => "DESC",
+        };
+        let sql = format!(
+            "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, {} AS refusal
+               FROM ferry_deliveries d JOIN ferry_events e ON e.seq = d.seq
+              WHERE {FILTER}
+              ORDER BY d.seq {order}, d.route",
+            refusal(action)
+        );
+        let args = FilterArgs::new(self.pool(), selection).await?;
+        let mut query = args.bind(sqlx::query(AssertSqlSafe(sql)));
+        if let Action::Requeue { include_published } = action {
+            query = query.bind(*include_published);
+        }
+        let rows = query.fetch_all(self.pool()).await.map_err(store_error)?;
+        let mut plan = Plan::default();
+        for row in &rows {
+            let target = target(row)?;
+            match row.get::<Option<String>, _>("refusal") {
+                None => plan.changes.push(target),
+                Some(reason) => plan.refused.push(Refusal { target, reason }),
+            }
+        }
+        Ok(plan)
+    }
+
+    async fn apply(&self, action: &Action, actor: &str, targets: &[Target]) -> Result<Applied, StoreError> {
+        if targets.is_empty() {
+            return Ok(Applied::default());
+        }
+        let check = format!(
+            "SELECT d.state, d.attempts, d.partition, {} AS refusal
+               FROM ferry_deliveries d WHERE d.seq = ?1 AND d.route = ?2",
+            refusal(action).replace("?9", "?3")
+        );
+        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        let mut applied = Applied::default();
+        for t in targets {
+            let mut query = sqlx::query(AssertSqlSafe(check.as_str())).bind(t.seq).bind(&t.route);
+            if let Action::Requeue { include_published } = action {
+                query = query.bind(*include_published);
+            }
+            let row = query.fetch_optional(&mut *tx).await.map_err(store_error)?;
+            let Some(row) = row else {
+                applied.refused.push(Refusal {
+                    target: t.clone(),
+                    reason: "gone: deleted since it was selected".to_owned(),
+                });
+                continue;
+            };
+            let from = state(&row)?;
+            if let Some(reason) = row.get::<Option<String>, _>("refusal") {
+                applied.refused.push(Refusal {
+                    target: Target {
+                        state: from,
+                        ..t.clone()
+                    },
+                    reason,
+                });
+                continue;
+            }
+            let (from_state, from_attempts): (String, i64) = (row.get("state"), row.get("attempts"));
+            match action {
+                Action::Requeue { .. } if t.route == NO_ROUTE => {
+                    // Back to the router, so a route added since can take it.
+                    sqlx::query("DELETE FROM ferry_deliveries WHERE seq = ?1 AND route = ?2")
+                        .bind(t.seq)
+                        .bind(&t.route)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                    sqlx::query(
+                        "INSERT INTO ferry_unrouted (seq, partition) VALUES (?1, ?2) ON CONFLICT (seq) DO NOTHING",
+                    )
+                    .bind(t.seq)
+                    .bind(row.get::<i64, _>("partition"))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                }
+                Action::Requeue { .. } => {
+                    sqlx::query(concat!(
+                        "UPDATE ferry_deliveries
+                            SET state = 'pending', attempts = 0, next_attempt_at = ",
+                        now_us!(),
+                        ", last_error = NULL, published_at = NULL, updated_at = ",
+                        now_us!(),
+                        " WHERE seq = ?1 AND route = ?2"
+                    ))
+                    .bind(t.seq)
+                    .bind(&t.route)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                }
+                Action::Cancel { .. } => {
+                    sqlx::query(concat!(
+                        "UPDATE ferry_deliveries SET state = 'cancelled', updated_at = ",
+                        now_us!(),
+                        " WHERE seq = ?1 AND route = ?2"
+                    ))
+                    .bind(t.seq)
+                    .bind(&t.route)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                }
+            }
+            let reason = match action {
+                Action::Cancel { reason } => Some(reason.clone()),
+                Action::Requeue { .. } => None,
+            };
+            sqlx::query(concat!(
+                "INSERT INTO ferry_admin_log (seq, route, at, actor, action, from_state, attempts, reason)
+                 VALUES (?1, ?2, ",
+                now_us!(),
+                ", ?3, ?4, ?5, ?6, ?7)"
+            ))
+            .bind(t.seq)
+            .bind(&t.route)
+            .bind(actor)
+            .bind(action.verb())
+            .bind(from_state)
+            .bind(from_attempts)
+            .bind(reason)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+            applied.changed.push(Target {
+                state: from,
+                ..t.clone()
+            });
+        }
+        tx.commit().await.map_err(store_error)?;
+        Ok(applied)
+    }
+
+    async fn changes_since(&self, since: DateTime<Utc>, limit: usize) -> Result<Vec<Change>, StoreError> {
+        // New and requeued deliveries (pending, no attempt yet) are not
+        // outcomes; everything else is.
+        let rows = sqlx::query(
+            "SELECT e.id, d.seq, d.route, e.type, e.key, d.state, d.attempts, e.created_at, d.updated_at,
+                    d.published_at, d.last_error
+               FROM ferry_deliveries d JOIN ferry_events e ON e.seq = d.seq
+              WHERE d.updated_at > ?1 AND NOT (d.state = 'pending' AND d.attempts = 0)
+              ORDER BY d.updated_at, d.seq, d.route
+              LIMIT ?2",
+        )
+        .bind(micros(since))
+        .bind(limit as i64)
+        .fetch_all(self.pool())
+        .await
+        .map_err(store_error)?;
+        rows.iter()
+            .map(|row| {
+                Ok(Change {
+                    event_id: event_id(row)?,
+                    seq: row.get("seq"),
+                    route: row.get("route"),
+                    event_type: row.get("type"),
+                    key: row.get("key"),
+                    state: state(row)?,
+                    attempts: attempts(row, "attempts"),
+                    created_at: time(row, "created_at"),
+                    updated_at: time(row, "updated_at"),
+                    published_at: maybe_time(row, "published_at"),
+                    last_error: row.get("last_error"),
+                })
+            })
+            .collect()
+    }
+}
+
+async fn show(pool: &SqlitePool, id: EventId) -> Result<Option<EventView>, StoreError> {
+    let Some(row) = sqlx::query(
+        "SELECT e.seq, e.type, e.key, e.content_type, e.headers, e.payload, e.dispatch_key, e.created_at,
+                EXISTS (SELECT 1 FROM ferry_unrouted u WHERE u.seq = e.seq) AS unrouted
+           FROM ferry_events e WHERE e.id = ?1",
+    )
+    .bind(id.to_string())
+    .fetch_optional(pool)
+    .await
+    .map_err(store_error)?
+    else {
+        return Ok(None);
+    };
+    let seq: i64 = row.get("seq");
+    let headers: BTreeMap<String, String> = serde_json::from_str(row.get("headers"))
+        .map_err(|e| StoreError::permanent(format!("event headers are not a string map: {e}")))?;
+    let payload: Vec<u8> = row.get("payload");
+    let mut view = EventView {
+        id,
+        seq,
+        event_type: row.get("type"),
+        key: row.get("key"),
+        content_type: row.get("content_type"),
+        headers,
+        payload_bytes: payload.len(),
+        payload: String::from_utf8(payload).ok(),
+        dispatch_key: row.get("dispatch_key"),
+        created_at: time(&row, "created_at"),
+        unrouted: row.get("unrouted"),
+        deliveries: Vec::new(),
+    };
+    let deliveries = sqlx::query(
+        "SELECT route, state, attempts, next_attempt_at, last_error, published_at, updated_at
+           FROM ferry_deliveries WHERE seq = ?1 ORDER BY route",
+    )
+    .bind(seq)
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    let failures = sqlx::query("SELECT route, attempt, at, dead, error FROM ferry_failures WHERE seq = ?1 ORDER BY id")
+        .bind(seq)
+        .fetch_all(pool)
+        .await
+        .map_err(store_error)?;
+    let actions = sqlx::query(
+        "SELECT route, at, actor, action, from_state, attempts, reason FROM ferry_admin_log
+          WHERE seq = ?1 ORDER BY id",
+    )
+    .bind(seq)
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    for d in &deliveries {
+        let route: String = d.get("route");
+        let state = state(d)?;
+        let pending = matches!(state, AdminState::Pending | AdminState::Retrying);
+        view.deliveries.push(DeliveryView {
+            failures: failures
+                .iter()
+                .filter(|f| f.get::<&str, _>("route") == route)
+                .map(|f| Attempt {
+                    attempt: attempts(f, "attempt"),
+                    at: time(f, "at"),
+                    dead: f.get("dead"),
+                    error: f.get("error"),
+                })
+                .collect(),
+            actions: actions
+                .iter()
+                .filter(|a| a.get::<&str, _>("route") == route)
+                .map(|a| {
+                    Ok(ActionRecord {
+                        at: time(a, "at"),
+                        actor: a.get("actor"),
+                        action: a.get("action"),
+                        from_state: AdminState::of(a.get("from_state"), a.get::<i64, _>("attempts") as i32)?,
+                        reason: a.get("reason"),
+                    })
+                })
+                .collect::<Result<_, StoreError>>()?,
+            route,
+            state,
+            attempts: attempts(d, "attempts"),
+            next_attempt_at: pending.then(|| time(d, "next_attempt_at")),
+            last_error: d.get("last_error"),
+            published_at: maybe_time(d, "published_at"),
+            updated_at: time(d, "updated_at"),
+        });
+    }
+    Ok(Some(view))
+}

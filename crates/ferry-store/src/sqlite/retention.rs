@@ -1,0 +1,237 @@
+//! Retention for SQLite.
+//!
+//! Candidates are found by walking the `ferry_events` primary key over a
+//! bounded stretch, then read again inside a `BEGIN IMMEDIATE` transaction
+//! that the batch holds until it is deleted or dropped: SQLite's one write
+//! lock keeps an operator's requeue from slipping in between the archive and
+//! the delete. The relay's writes wait for it (on the busy timeout), so
+//! batches should stay small; [`crate::purge`] pauses between them.
+
+use std::collections::HashMap;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use ferry_core::StoreError;
+use sqlx::{Row, Sqlite, SqliteConnection, Transaction};
+
+use super::SqliteStore;
+use super::error::store_error;
+use super::store::{from_micros, micros};
+use crate::retention::{ArchivedDelivery, ArchivedEvent, ArchivedFailure, ExpiredBatch, Retention, RetentionRules};
+
+/// Stretches of the outbox scanned per batch, in batches: bounds the work of
+/// one query when most old events must be kept (dead, or still pending).
+const STRETCH: i64 = 10;
+
+#[async_trait]
+impl Retention for SqliteStore {
+    async fn retention_range(&self) -> Result<Option<(i64, i64)>, StoreError> {
+        let (first, last): (Option<i64>, Option<i64>) =
+            sqlx::query_as("SELECT (SELECT min(seq) FROM ferry_events), (SELECT max(seq) FROM ferry_events)")
+                .fetch_one(self.pool())
+                .await
+                .map_err(store_error)?;
+        Ok(first.zip(last))
+    }
+
+    async fn take_expired(
+        &self,
+        rules: &RetentionRules,
+        after: i64,
+        upto: i64,
+        now: DateTime<Utc>,
+    ) -> Result<Box<dyn ExpiredBatch>, StoreError> {
+        let published = micros(rules.published_cutoff(now));
+        let settled = rules.settled_cutoff(now).map(micros);
+        let newest_cutoff = settled.map_or(published, |s| s.max(published));
+        // Events are stored in creation order: once the next one is younger
+        // than every window, nothing after it can be due yet.
+        let next: Option<i64> =
+            sqlx::query_scalar("SELECT created_at FROM ferry_events WHERE seq > ?1 ORDER BY seq LIMIT 1")
+                .bind(after)
+                .fetch_optional(self.pool())
+                .await
+                .map_err(store_error)?;
+        if next.is_none_or(|created| created >= newest_cutoff) {
+            return Ok(Box::new(SqliteExpired::empty(upto)));
+        }
+        let limit = rules.batch_size.max(1) as i64;
+        let stretch_end = after.saturating_add(limit.saturating_mul(STRETCH)).min(upto);
+        let sql = include_str!("sql/retention_expired.sql");
+        let candidates: Vec<i64> = sqlx::query_scalar(sql)
+            .bind(after)
+            .bind(stretch_end)
+            .bind(published)
+            .bind(settled)
+            .bind(limit)
+            .fetch_all(self.pool())
+            .await
+            .map_err(store_error)?;
+        let scanned_to = match candidates.last() {
+            Some(&last) if candidates.len() as i64 == limit => last,
+            _ => stretch_end,
+        };
+        let (Some(&first), Some(&last)) = (candidates.first(), candidates.last()) else {
+            return Ok(Box::new(SqliteExpired::empty(scanned_to)));
+        };
+        // Again under the write lock: a requeue that committed in between
+        // takes its event out.
+        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        let seqs: Vec<i64> = sqlx::query_scalar(sql)
+            .bind(first - 1)
+            .bind(last)
+            .bind(published)
+            .bind(settled)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let events = read_events(&mut tx, &seqs).await?;
+        Ok(Box::new(SqliteExpired {
+            tx: Some(tx),
+            events,
+            scanned_to,
+        }))
+    }
+}
+
+/// The events whole, with their deliveries and failures, as the archive
+/// keeps them.
+async fn read_events(conn: &mut SqliteConnection, seqs: &[i64]) -> Result<Vec<ArchivedEvent>, StoreError> {
+    let list = serde_json::to_string(seqs).expect("integers serialise");
+    let mut failures: HashMap<(i64, String), Vec<ArchivedFailure>> = HashMap::new();
+    let rows = sqlx::query(
+        "SELECT seq, route, attempt, at, dead, error FROM ferry_failures
+          WHERE seq IN (SELECT value FROM json_each(?1)) ORDER BY id",
+    )
+    .bind(&list)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(store_error)?;
+    for r in rows {
+        failures.entry((r.get(0), r.get(1))).or_default().push(ArchivedFailure {
+            attempt: r.get::<i64, _>(2) as i32,
+            at: from_micros(r.get(3)),
+            dead: r.get(4),
+            error: r.get(5),
+        });
+    }
+    let mut deliveries: HashMap<i64, Vec<ArchivedDelivery>> = HashMap::new();
+    let rows = sqlx::query(
+        "SELECT seq, route, state, attempts, last_error, published_at, updated_at FROM ferry_deliveries
+          WHERE seq IN (SELECT value FROM json_each(?1)) ORDER BY seq, route",
+    )
+    .bind(&list)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(store_error)?;
+    for r in rows {
+        let seq: i64 = r.get(0);
+        let route: String = r.get(1);
+        deliveries.entry(seq).or_default().push(ArchivedDelivery {
+            failures: failures.remove(&(seq, route.clone())).unwrap_or_default(),
+            route,
+            state: r.get(2),
+            attempts: r.get::<i64, _>(3) as i32,
+            last_error: r.get(4),
+            published_at: r.get::<Option<i64>, _>(5).map(from_micros),
+            updated_at: from_micros(r.get(6)),
+        });
+    }
+    let rows = sqlx::query(
+        "SELECT seq, id, type, key, payload, content_type, headers, dispatch_key, created_at FROM ferry_events
+          WHERE seq IN (SELECT value FROM json_each(?1)) ORDER BY seq",
+    )
+    .bind(&list)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(store_error)?;
+    let mut events = Vec::with_capacity(rows.len());
+    for r in rows {
+        let seq: i64 = r.get(0);
+        let id: &str = r.get(1);
+        let headers: &str = r.get(6);
+        let mut event = ArchivedEvent {
+            seq,
+            id: id
+                .parse()
+                .map_err(|e| StoreError::permanent(format!("retention: event id {id:?} is not a UUID: {e}")))?,
+            event_type: r.get(2),
+            key: r.get(3),
+            content_type: r.get(5),
+            headers: serde_json::from_str(headers)
+                .map_err(|e| StoreError::permanent(format!("retention: unreadable headers of event {seq}: {e}")))?,
+            payload: None,
+            payload_base64: None,
+            dispatch_key: r.get(7),
+            created_at: from_micros(r.get(8)),
+            deliveries: deliveries.remove(&seq).unwrap_or_default(),
+        };
+        event.set_payload(r.get::<&[u8], _>(4));
+        events.push(event);
+    }
+    Ok(events)
+}
+
+struct SqliteExpired {
+    /// Holds the write lock; dropped, it rolls back and deletes nothing.
+    tx: Option<Transaction<'static, Sqlite>>,
+    events: Vec<ArchivedEvent>,
+    scanned_to: i64,
+}
+
+impl SqliteExpired {
+    fn empty(scanned_to: i64) -> Self {
+        Self {
+            tx: None,
+            events: Vec::new(),
+            scanned_to,
+        }
+    }
+}
+
+#[async_trait]
+impl ExpiredBatch for SqliteExpired {
+    fn events(&self) -> &[ArchivedEvent] {
+        &self.events
+    }
+
+    fn scanned_to(&self) -> i64 {
+        self.scanned_to
+    }
+
+    async fn delete(mut self: Box<Self>) -> Result<u64, StoreError> {
+        let Some(mut tx) = self.tx.take() else {
+            return Ok(0);
+        };
+        let seqs: Vec<i64> = self.events.iter().map(|e| e.seq).collect();
+        let list = serde_json::to_string(&seqs).expect("integers serialise");
+        let mut deleted = [0u64; 3];
+        for (i, sql) in [
+            "DELETE FROM ferry_failures WHERE seq IN (SELECT value FROM json_each(?1))",
+            "DELETE FROM ferry_deliveries WHERE seq IN (SELECT value FROM json_each(?1))",
+            "DELETE FROM ferry_events WHERE seq IN (SELECT value FROM json_each(?1))",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            deleted[i] = sqlx::query(sql)
+                .bind(&list)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?
+                .rows_affected();
+        }
+        if deleted[2] as usize != seqs.len() {
+            // Cannot happen while the write lock is held; if it does, delete
+            // nothing rather than let the archive and the table disagree.
+            return Err(StoreError::permanent(format!(
+                "retention: expected to delete {} events, found {}; rolled back",
+                seqs.len(),
+                deleted[2]
+            )));
+        }
+        tx.commit().await.map_err(store_error)?;
+        Ok(deleted[1])
+    }
+}

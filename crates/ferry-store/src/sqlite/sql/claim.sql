@@ -1,0 +1,20 @@
+-- Due deliveries of one route in outbox order. A delivery is held back while
+-- an earlier delivery of the same key and route failed and awaits its retry,
+-- or is dead: a failing event holds back only its own key.
+-- ?1 route, ?2 owned partitions (JSON array), ?3 now (µs), ?4 limit,
+-- ?5 seqs to skip (JSON array)
+SELECT d.seq, d.partition, d.attempts,
+       e.id, e.type, e.key, e.payload, e.content_type, e.headers, e.created_at
+  FROM ferry_deliveries d
+  JOIN ferry_events e ON e.seq = d.seq
+ WHERE d.route = ?1
+   AND d.state = 'pending'
+   AND d.partition IN (SELECT value FROM json_each(?2))
+   AND d.next_attempt_at <= ?3
+   AND d.seq NOT IN (SELECT value FROM json_each(?5))
+   AND (d.key IS NULL OR NOT EXISTS (
+        SELECT 1 FROM ferry_deliveries b
+         WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
+           AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))
+ ORDER BY d.seq
+ LIMIT ?4

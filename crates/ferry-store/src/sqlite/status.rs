@@ -1,0 +1,159 @@
+use ferry_core::StoreError;
+use sqlx::{Row, SqlitePool};
+
+use super::error::store_error;
+use super::store::from_micros;
+use crate::{BlockedKeys, DeadReason, LeaseInfo, RouteStatus, StatusReport};
+
+impl super::SqliteStore {
+    /// Counts per route and state, the oldest waiting work, blocked keys,
+    /// dead reasons and who holds which leases: the same report as
+    /// PostgreSQL's. Reads whole tables: fine for an operator's command, not
+    /// for a hot loop.
+    pub async fn status(&self) -> Result<StatusReport, StoreError> {
+        status(self.pool()).await
+    }
+}
+
+async fn status(pool: &SqlitePool) -> Result<StatusReport, StoreError> {
+    let mut report = StatusReport::default();
+    let row = sqlx::query(concat!(
+        "SELECT count(*), (",
+        now_us!(),
+        " - min(e.created_at)) / 1e6
+           FROM ferry_unrouted u JOIN ferry_events e ON e.seq = u.seq"
+    ))
+    .fetch_one(pool)
+    .await
+    .map_err(store_error)?;
+    report.unrouted = row.get::<i64, _>(0) as u64;
+    report.oldest_unrouted_seconds = row.get(1);
+
+    let rows = sqlx::query(concat!(
+        "SELECT d.route,
+                count(*) FILTER (WHERE d.state = 'pending' AND d.attempts = 0),
+                count(*) FILTER (WHERE d.state = 'pending' AND d.attempts > 0),
+                count(*) FILTER (WHERE d.state = 'dead'),
+                count(*) FILTER (WHERE d.state = 'cancelled'),
+                count(*) FILTER (WHERE d.state = 'published'),
+                (",
+        now_us!(),
+        " - min(e.created_at) FILTER (WHERE d.state = 'pending')) / 1e6,
+                count(*) FILTER (WHERE d.state = 'published' AND d.published_at > ",
+        now_us!(),
+        " - 3600000000),
+                count(*) FILTER (WHERE d.state = 'pending' AND d.next_attempt_at <= ",
+        now_us!(),
+        " AND p.owner IS NOT NULL AND p.expires_at > ",
+        now_us!(),
+        " AND NOT EXISTS (
+                                       SELECT 1 FROM ferry_deliveries b
+                                        WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
+                                          AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))
+           FROM ferry_deliveries d JOIN ferry_events e ON e.seq = d.seq
+           JOIN ferry_partitions p ON p.partition = d.partition
+          GROUP BY d.route ORDER BY d.route"
+    ))
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    for r in rows {
+        report.routes.push(RouteStatus {
+            route: r.get(0),
+            pending: r.get::<i64, _>(1) as u64,
+            retrying: r.get::<i64, _>(2) as u64,
+            dead: r.get::<i64, _>(3) as u64,
+            cancelled: r.get::<i64, _>(4) as u64,
+            published: r.get::<i64, _>(5) as u64,
+            oldest_pending_seconds: r.get(6),
+            published_last_hour: r.get::<i64, _>(7) as u64,
+            in_flight: r.get::<i64, _>(8) as u64,
+            blocked: BlockedKeys::default(),
+        });
+    }
+
+    // A key is blocked on a route while a delivery of it failed and waits, or
+    // is dead; `waiting` counts the later deliveries of those keys.
+    let rows = sqlx::query(
+        "WITH heads AS (
+             SELECT b.route, b.key, min(b.seq) AS seq, min(b.updated_at) AS since
+               FROM ferry_deliveries b
+              WHERE b.key IS NOT NULL AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))
+              GROUP BY b.route, b.key)
+         SELECT h.route, count(*), min(h.since),
+                (SELECT count(*) FROM ferry_deliveries w JOIN heads h2
+                     ON w.route = h2.route AND w.key = h2.key AND w.seq > h2.seq
+                  WHERE w.state = 'pending' AND w.route = h.route)
+           FROM heads h GROUP BY h.route",
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    for r in rows {
+        let route: String = r.get(0);
+        let blocked = BlockedKeys {
+            keys: r.get::<i64, _>(1) as u64,
+            oldest_since: r.get::<Option<i64>, _>(2).map(from_micros),
+            waiting: r.get::<i64, _>(3) as u64,
+        };
+        match report.routes.iter_mut().find(|s| s.route == route) {
+            Some(s) => s.blocked = blocked,
+            None => report.routes.push(RouteStatus {
+                route,
+                blocked,
+                ..Default::default()
+            }),
+        }
+    }
+
+    let rows = sqlx::query(
+        "SELECT route, coalesce(last_error, ''), count(*) FROM ferry_deliveries
+          WHERE state = 'dead' GROUP BY 1, 2 ORDER BY 3 DESC, 1, 2 LIMIT 20",
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    report.dead_reasons = rows
+        .into_iter()
+        .map(|r| DeadReason {
+            route: r.get(0),
+            reason: r.get(1),
+            count: r.get::<i64, _>(2) as u64,
+        })
+        .collect();
+
+    let rows = sqlx::query(concat!(
+        "SELECT r.id, count(p.partition),
+                (",
+        now_us!(),
+        " - r.heartbeat_at) / 1e6,
+                (min(p.expires_at) - ",
+        now_us!(),
+        ") / 1e6,
+                r.sleeping,
+                (",
+        now_us!(),
+        " - min(p.acquired_at)) / 1e6
+           FROM ferry_relays r LEFT JOIN ferry_partitions p ON p.owner = r.id
+          GROUP BY r.id ORDER BY r.id"
+    ))
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    report.leases = rows
+        .into_iter()
+        .map(|r| LeaseInfo {
+            relay: r.get(0),
+            partitions: r.get::<i64, _>(1) as u32,
+            heartbeat_age_seconds: r.get(2),
+            expires_in_seconds: r.get(3),
+            sleeping: r.get(4),
+            oldest_lease_seconds: r.get(5),
+        })
+        .collect();
+    report.partitions = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM ferry_partitions")
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)? as u32;
+    Ok(report)
+}

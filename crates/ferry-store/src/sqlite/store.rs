@@ -1,0 +1,438 @@
+use std::collections::{BTreeMap, HashSet};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use ferry_core::{
+    Claimed, EventId, NO_ROUTE, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError, StoredEvent,
+    Transition, UnroutedEvent, WakeSource,
+};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Row, SqliteConnection, SqlitePool};
+
+use super::error::store_error;
+use super::listen::SqliteWakeSource;
+use super::lock::RelayLock;
+
+/// The SQLite outbox store. Clones share the pool and the relay lock.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    lock: Arc<RelayLock>,
+}
+
+/// Connection options for a database given as `sqlite://path`, `sqlite:path`
+/// or a plain file path: created if missing, WAL journal (readers never wait
+/// for the writer), a busy timeout so writers queue instead of failing, and
+/// full sync so a committed event survives a power cut. Use them for the
+/// producers' pool too.
+pub fn connect_options(url_or_path: &str) -> Result<SqliteConnectOptions, StoreError> {
+    let options = if url_or_path.starts_with("sqlite:") {
+        SqliteConnectOptions::from_str(url_or_path).map_err(|e| {
+            StoreError::config(format!(
+                "database.url: {e}; write it like sqlite://ferry.db or give a file path"
+            ))
+        })?
+    } else if url_or_path.trim().is_empty() {
+        return Err(StoreError::config(
+            "database.url is empty; write it like sqlite://ferry.db or give a file path",
+        ));
+    } else {
+        SqliteConnectOptions::new().filename(url_or_path)
+    };
+    Ok(options
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(Duration::from_secs(10))
+        .foreign_keys(true))
+}
+
+impl SqliteStore {
+    /// Uses `pool`; build it from [`connect_options`] to get WAL and a busy
+    /// timeout.
+    pub fn new(pool: SqlitePool) -> Self {
+        let lock = RelayLock::for_database(pool.connect_options().get_filename());
+        Self {
+            pool,
+            lock: Arc::new(lock),
+        }
+    }
+
+    /// Opens (and creates if missing) the database at `url_or_path`. Run
+    /// [`super::migrate`] before the relay's first tick.
+    pub async fn open(url_or_path: &str) -> Result<Self, StoreError> {
+        let options = connect_options(url_or_path)?;
+        let file = options.get_filename().display().to_string();
+        let pool = SqlitePoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await
+            .map_err(|e| {
+                StoreError::config(format!(
+                    "cannot open the SQLite database {file}: {e}; check that its directory exists and is writable"
+                ))
+            })?;
+        Ok(Self::new(pool))
+    }
+
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+pub(super) fn micros(t: DateTime<Utc>) -> i64 {
+    t.timestamp_micros()
+}
+
+pub(super) fn from_micros(us: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(us).unwrap_or_default()
+}
+
+/// SQLite takes arrays as JSON text, read back with `json_each`.
+fn json_list<T: ToString>(items: impl IntoIterator<Item = T>) -> String {
+    let body: Vec<String> = items.into_iter().map(|i| i.to_string()).collect();
+    format!("[{}]", body.join(","))
+}
+
+fn lease_micros(d: Duration) -> i64 {
+    d.as_micros().min(i64::MAX as u128) as i64
+}
+
+/// The partitions whose leases this relay still holds under the tokens it
+/// was granted. Read inside the caller's write transaction, so no takeover
+/// can slip in before its writes commit.
+async fn fenced(conn: &mut SqliteConnection, owned: &Ownership) -> Result<Vec<Partition>, StoreError> {
+    let rows: Vec<(i64, i64)> = sqlx::query_as("SELECT partition, token FROM ferry_partitions WHERE owner = ?1")
+        .bind(&owned.relay.0)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(store_error)?;
+    let current: HashSet<(i64, i64)> = rows.into_iter().collect();
+    Ok(owned
+        .leases
+        .iter()
+        .filter(|(p, t)| current.contains(&(i64::from(*p), *t)))
+        .map(|(p, _)| *p)
+        .collect())
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
+        self.lock.acquire()?;
+        let lease = lease_micros(lease);
+        // IMMEDIATE: take the write lock first, so the reads below cannot go
+        // stale before the writes.
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        let now: i64 = sqlx::query_scalar(concat!("SELECT ", now_us!()))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        sqlx::query(
+            "INSERT INTO ferry_relays (id, started_at, heartbeat_at) VALUES (?1, ?2, ?2)
+             ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at",
+        )
+        .bind(&relay.0)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        sqlx::query("DELETE FROM ferry_relays WHERE heartbeat_at < ?1")
+            .bind(now - (lease.saturating_mul(10)).max(600_000_000))
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        sqlx::query(
+            "UPDATE ferry_partitions SET owner = NULL, expires_at = NULL
+              WHERE owner = ?1 AND partition IN (SELECT value FROM json_each(?2))",
+        )
+        .bind(&relay.0)
+        .bind(json_list(release))
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        sqlx::query("UPDATE ferry_partitions SET expires_at = ?2 WHERE owner = ?1")
+            .bind(&relay.0)
+            .bind(now + lease)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let (live, total, owned): (i64, i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM ferry_relays WHERE heartbeat_at > ?1),
+                    (SELECT count(*) FROM ferry_partitions),
+                    (SELECT count(*) FROM ferry_partitions WHERE owner = ?2)",
+        )
+        .bind(now - lease)
+        .bind(&relay.0)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        let fair = (total.max(0) as u64).div_ceil(live.max(1) as u64) as i64;
+        if owned < fair {
+            sqlx::query(include_str!("sql/take_partitions.sql"))
+                .bind(&relay.0)
+                .bind(now + lease)
+                .bind(now)
+                .bind(fair - owned)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        }
+        let leases: Vec<(i32, i64)> =
+            sqlx::query_as("SELECT partition, token FROM ferry_partitions WHERE owner = ?1 ORDER BY partition")
+                .bind(&relay.0)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
+        Ok(Ownership {
+            relay: relay.clone(),
+            leases,
+            live_relays: live.max(0) as u32,
+            total_partitions: total.max(0) as u32,
+        })
+    }
+
+    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        sqlx::query("UPDATE ferry_partitions SET owner = NULL, expires_at = NULL WHERE owner = ?1")
+            .bind(&relay.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        sqlx::query("DELETE FROM ferry_relays WHERE id = ?1")
+            .bind(&relay.0)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn fetch_unrouted(&self, owned: &Ownership, limit: usize) -> Result<Vec<UnroutedEvent>, StoreError> {
+        if owned.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(include_str!("sql/fetch_unrouted.sql"))
+            .bind(json_list(owned.partitions()))
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(rows
+            .into_iter()
+            .map(|r| UnroutedEvent {
+                seq: r.get(0),
+                partition: r.get(1),
+                event_type: r.get(2),
+                key: r.get(3),
+            })
+            .collect())
+    }
+
+    async fn route(&self, owned: &Ownership, plans: &[RoutePlan], now: DateTime<Utc>) -> Result<u64, StoreError> {
+        if plans.is_empty() {
+            return Ok(0);
+        }
+        let now = micros(now);
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        let fence: HashSet<Partition> = fenced(&mut tx, owned).await?.into_iter().collect();
+        let mut routed = 0;
+        for plan in plans {
+            let e = &plan.event;
+            if !fence.contains(&e.partition) {
+                continue;
+            }
+            let gone = sqlx::query("DELETE FROM ferry_unrouted WHERE seq = ?1 AND partition = ?2")
+                .bind(e.seq)
+                .bind(e.partition)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?
+                .rows_affected();
+            if gone == 0 {
+                continue;
+            }
+            routed += 1;
+            let no_route = plan.routes.is_empty().then(|| {
+                format!(
+                    "no route: no [[routes]] entry matches type {:?}; add a route and requeue",
+                    e.event_type
+                )
+            });
+            let deliveries: Vec<(&str, &str, Option<&str>)> = match &no_route {
+                Some(reason) => vec![(NO_ROUTE, "dead", Some(reason.as_str()))],
+                None => plan.routes.iter().map(|r| (r.as_str(), "pending", None)).collect(),
+            };
+            for (route, state, error) in deliveries {
+                sqlx::query(
+                    "INSERT INTO ferry_deliveries
+                         (seq, route, partition, key, state, next_attempt_at, last_error, updated_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?6)
+                     ON CONFLICT (seq, route) DO NOTHING",
+                )
+                .bind(e.seq)
+                .bind(route)
+                .bind(e.partition)
+                .bind(&e.key)
+                .bind(state)
+                .bind(now)
+                .bind(error)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+            }
+        }
+        tx.commit().await.map_err(store_error)?;
+        Ok(routed)
+    }
+
+    async fn claim(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        limit: usize,
+        now: DateTime<Utc>,
+        exclude: &[i64],
+    ) -> Result<Vec<Claimed>, StoreError> {
+        if owned.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(include_str!("sql/claim.sql"))
+            .bind(route)
+            .bind(json_list(owned.partitions()))
+            .bind(micros(now))
+            .bind(limit as i64)
+            .bind(json_list(exclude))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
+        rows.into_iter()
+            .map(|r| {
+                let headers: String = r.get(8);
+                let headers: BTreeMap<String, String> = serde_json::from_str(&headers)
+                    .map_err(|e| StoreError::permanent(format!("event headers are not a string map: {e}")))?;
+                let id: String = r.get(3);
+                let id = EventId::from_str(&id)
+                    .map_err(|e| StoreError::permanent(format!("event id {id:?} is not a UUID: {e}")))?;
+                Ok(Claimed {
+                    partition: r.get(1),
+                    attempts: r.get::<i64, _>(2).max(0) as u32,
+                    event: StoredEvent {
+                        id,
+                        seq: r.get(0),
+                        event_type: r.get(4),
+                        key: r.get(5),
+                        payload: Bytes::from(r.get::<Vec<u8>, _>(6)),
+                        content_type: r.get(7),
+                        headers,
+                        created_at: from_micros(r.get(9)),
+                    },
+                })
+            })
+            .collect()
+    }
+
+    async fn record(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        outcomes: &[Recorded],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        if outcomes.is_empty() {
+            return Ok(0);
+        }
+        let now = micros(now);
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        let fence = fenced(&mut tx, owned).await?;
+        if fence.is_empty() {
+            return Ok(0);
+        }
+        let fence = json_list(fence);
+        let mut applied = 0;
+        for o in outcomes {
+            let (state, next_at, error, published_at) = match &o.transition {
+                Transition::Published { at, .. } => ("published", None, None, Some(micros(*at))),
+                Transition::Retry { next_at, error, .. } => {
+                    ("pending", Some(micros(*next_at)), Some(error.as_str()), None)
+                }
+                Transition::Dead { reason, .. } => ("dead", None, Some(reason.as_str()), None),
+            };
+            let attempts = i64::from(o.transition.attempts());
+            let done = sqlx::query(include_str!("sql/record.sql"))
+                .bind(o.seq)
+                .bind(route)
+                .bind(i64::from(o.expected_attempts))
+                .bind(state)
+                .bind(attempts)
+                .bind(next_at)
+                .bind(error)
+                .bind(published_at)
+                .bind(now)
+                .bind(&fence)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?
+                .rows_affected();
+            if done == 0 {
+                continue;
+            }
+            applied += 1;
+            if state != "published" {
+                sqlx::query(
+                    "INSERT INTO ferry_failures (seq, route, attempt, at, dead, error)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                )
+                .bind(o.seq)
+                .bind(route)
+                .bind(attempts)
+                .bind(now)
+                .bind(state == "dead")
+                .bind(error.unwrap_or_default())
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+            }
+        }
+        tx.commit().await.map_err(store_error)?;
+        Ok(applied)
+    }
+
+    async fn next_due(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        if owned.is_empty() {
+            return Ok(None);
+        }
+        let due: Option<i64> = sqlx::query_scalar(include_str!("sql/next_due.sql"))
+            .bind(route)
+            .bind(json_list(owned.partitions()))
+            .bind(micros(now))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(due.map(from_micros))
+    }
+
+    async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError> {
+        sqlx::query("UPDATE ferry_relays SET sleeping = ?2 WHERE id = ?1 AND sleeping <> ?2")
+            .bind(&relay.0)
+            .bind(sleeping)
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
+        Ok(Box::new(SqliteWakeSource::connect(&self.pool).await?))
+    }
+}
