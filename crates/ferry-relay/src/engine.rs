@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use ferry_core::{Clock, ErrorKind, Ownership, Route, Sink, Store, StoreError};
 use tokio::sync::{Notify, RwLock, watch};
@@ -11,6 +11,19 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::{RelaySettings, lease, router, worker};
+
+/// The longest the relay waits, after its workers stopped, to hand its leases
+/// back and to close each sink.
+const FAREWELL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A spawned task that is aborted when this handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
 /// A relay's configuration is wrong; nothing was published.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +59,70 @@ pub(crate) struct Counters {
     pub order_breaks: AtomicU64,
 }
 
+/// How recently the relay got anywhere, for a readiness probe: a route
+/// worker reports each claim it completes and each batch it publishes, and
+/// says when it waits with nothing to do. Cheap to clone and to read.
+#[derive(Debug, Clone)]
+pub struct Progress(Arc<ProgressState>);
+
+#[derive(Debug)]
+struct ProgressState {
+    origin: std::time::Instant,
+    /// Milliseconds after `origin` of the last step forward.
+    last: AtomicU64,
+    /// Workers waiting with nothing due (or no partitions to work).
+    idle: AtomicUsize,
+    workers: AtomicUsize,
+}
+
+impl Default for Progress {
+    fn default() -> Self {
+        Self(Arc::new(ProgressState {
+            origin: std::time::Instant::now(),
+            last: AtomicU64::new(0),
+            idle: AtomicUsize::new(0),
+            workers: AtomicUsize::new(0),
+        }))
+    }
+}
+
+impl Progress {
+    /// Since the last claim or publish (since creation before the first).
+    pub fn since_last(&self) -> Duration {
+        let last = Duration::from_millis(self.0.last.load(Ordering::Relaxed));
+        self.0.origin.elapsed().saturating_sub(last)
+    }
+
+    /// Every route worker is running and waits with nothing to do.
+    pub fn idle(&self) -> bool {
+        let workers = self.0.workers.load(Ordering::Relaxed);
+        workers > 0 && self.0.idle.load(Ordering::Relaxed) >= workers
+    }
+
+    pub(crate) fn advanced(&self) {
+        let now = self.0.origin.elapsed().as_millis().min(u64::MAX as u128) as u64;
+        self.0.last.fetch_max(now, Ordering::Relaxed);
+    }
+
+    pub(crate) fn worker_started(&self) {
+        self.0.workers.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts the caller as idle until the guard drops.
+    pub(crate) fn idle_guard(&self) -> IdleGuard<'_> {
+        self.0.idle.fetch_add(1, Ordering::Relaxed);
+        IdleGuard(self)
+    }
+}
+
+pub(crate) struct IdleGuard<'a>(&'a Progress);
+
+impl Drop for IdleGuard<'_> {
+    fn drop(&mut self) {
+        self.0.0.idle.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// The leases as the workers see them: valid only until `valid_until`.
 #[derive(Debug, Clone)]
 pub(crate) struct LeaseView {
@@ -72,6 +149,7 @@ pub(crate) struct Shared<S, C> {
     pub route_wake: HashMap<String, Notify>,
     pub cancel: CancellationToken,
     pub counters: Counters,
+    pub progress: Progress,
 }
 
 impl<S: Store, C: Clock> Shared<S, C> {
@@ -132,6 +210,7 @@ pub struct Relay<S, C> {
     settings: RelaySettings,
     routes: Vec<Route>,
     sinks: HashMap<String, Arc<dyn Sink>>,
+    progress: Progress,
 }
 
 impl<S: Store, C: Clock> Relay<S, C> {
@@ -161,7 +240,14 @@ impl<S: Store, C: Clock> Relay<S, C> {
             settings,
             routes,
             sinks,
+            progress: Progress::default(),
         })
+    }
+
+    /// A handle that reports how recently this relay made progress; take it
+    /// before [`run`](Self::run) to serve a readiness probe.
+    pub fn progress(&self) -> Progress {
+        self.progress.clone()
     }
 
     /// Runs until `shutdown` resolves; then stops claiming, waits up to the
@@ -175,11 +261,18 @@ impl<S: Store, C: Clock> Relay<S, C> {
             settings,
             routes,
             sinks,
+            progress,
         } = self;
         let mut shutdown = std::pin::pin!(shutdown);
         // Fail fast on a missing schema, before any task starts.
         let first = loop {
-            match store.tick(&settings.id, settings.lease, &[]).await {
+            // A tick against an unreachable database may wait out a connect
+            // timeout; a shutdown meanwhile ends the wait.
+            let tick = tokio::select! {
+                tick = store.tick(&settings.id, settings.lease, &[]) => tick,
+                _ = &mut shutdown => return Ok(RunReport::default()),
+            };
+            match tick {
                 Ok(own) => break own,
                 Err(e) if e.kind == ErrorKind::Transient => {
                     warn!(error = %e, "database unreachable at start; retrying");
@@ -212,6 +305,7 @@ impl<S: Store, C: Clock> Relay<S, C> {
             route_wake,
             cancel: CancellationToken::new(),
             counters: Counters::default(),
+            progress,
         });
         info!(relay = %shared.settings.id, routes = shared.routes.len(), "relay started");
 
@@ -220,8 +314,11 @@ impl<S: Store, C: Clock> Relay<S, C> {
         for route in shared.routes.clone() {
             work.spawn(worker::run(shared.clone(), route));
         }
-        let keeper = tokio::spawn(lease::keep(shared.clone(), lease_tx));
-        let listener = tokio::spawn(lease::listen(shared.clone()));
+        // Aborted on drop like the workers in `work`: a `run` future dropped
+        // half-way (its task aborted, a lost `select!`) must not leave a
+        // keeper renewing this relay's leases forever.
+        let mut keeper = AbortOnDrop(tokio::spawn(lease::keep(shared.clone(), lease_tx)));
+        let listener = AbortOnDrop(tokio::spawn(lease::listen(shared.clone())));
 
         shutdown.await;
         info!("shutting down: no new claims; waiting for in-flight publishes");
@@ -235,13 +332,21 @@ impl<S: Store, C: Clock> Relay<S, C> {
             work.abort_all();
             while work.join_next().await.is_some() {}
         }
-        listener.abort();
-        let _ = keeper.await;
-        if let Err(e) = shared.store.leave(&shared.settings.id).await {
-            warn!(error = %e, "could not hand leases back; they expire on their own");
+        // Nothing below may hold the exit up: with the database or a broker
+        // unreachable, a lease renewal, the hand-back or a sink's close could
+        // each wait out a connect timeout. Leases not handed back expire.
+        drop(listener);
+        keeper.0.abort();
+        let _ = (&mut keeper.0).await;
+        let farewell = shared.settings.shutdown_timeout.min(FAREWELL_TIMEOUT);
+        match tokio::time::timeout(farewell, shared.store.leave(&shared.settings.id)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "could not hand leases back; they expire on their own"),
+            Err(_) => warn!(?farewell, "handing leases back took too long; they expire on their own"),
         }
-        for sink in shared.sinks.values() {
-            sink.close().await;
+        let closing = futures::future::join_all(shared.sinks.values().map(|sink| sink.close()));
+        if tokio::time::timeout(farewell, closing).await.is_err() {
+            warn!(?farewell, "closing the sinks took too long; exiting anyway");
         }
         let c = &shared.counters;
         let report = RunReport {

@@ -86,16 +86,21 @@ pub(crate) async fn listen<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
             }
         };
         backoff = Duration::from_millis(100);
-        // Anything committed while we were not listening is found by a poll.
-        shared.router_wake.notify_one();
+        // Anything committed (or requeued) while we were not listening is
+        // found by a look at everything.
+        shared.wake_all();
+        // A notification wakes the router (new events) and the workers too:
+        // an operator's requeue makes deliveries due without new events.
+        // Notifications come only while the relay sleeps, so this costs a
+        // claim per route when there was nothing to do, never when busy.
         loop {
             match source.wait().await {
                 Ok(Some(p)) => {
                     if shared.lease.borrow().owned.owns(p) {
-                        shared.router_wake.notify_one();
+                        shared.wake_all();
                     }
                 }
-                Ok(None) => shared.router_wake.notify_one(),
+                Ok(None) => shared.wake_all(),
                 Err(e) => {
                     debug!(error = %e, "commit listener dropped");
                     break;

@@ -14,6 +14,9 @@
 //!   [`ferry_core::decide`] and records it, fenced by the lease;
 //! - the **listener** turns commit notifications into wake-ups.
 //!
+//! Each batch is published inside a `ferry.publish` span (route, count);
+//! with the `otel` feature the span links to every event's `traceparent`.
+//!
 //! Deciding is split from doing: routing is [`plan_routes`], outcomes are
 //! [`ferry_core::decide`]; the tasks only move data between store and sinks.
 
@@ -25,6 +28,6 @@ mod router;
 mod settings;
 mod worker;
 
-pub use engine::{Relay, RelayError, RunReport};
+pub use engine::{Progress, Relay, RelayError, RunReport};
 pub use router::plan_routes;
 pub use settings::RelaySettings;

@@ -65,10 +65,21 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
             let plans = plan_routes(&shared.routes, events);
             let touched: HashSet<&str> = plans.iter().flat_map(|p| p.routes.iter().map(String::as_str)).collect();
             let unroutable = plans.iter().filter(|p| p.routes.is_empty()).count();
+            let mut per_type: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+            for p in &plans {
+                *per_type.entry(p.event.event_type.as_str()).or_default() += 1;
+            }
             match shared.store.route(&owned, &plans, shared.clock.now()).await {
                 Ok(n) => {
                     debug!(routed = n, "routed events");
                     ::metrics::counter!(metrics::ROUTED).increment(n);
+                    // A store that routed fewer (a lost lease) leaves the rest
+                    // to the relay that routes them next.
+                    if n as usize == plans.len() {
+                        for (event_type, count) in per_type {
+                            ::metrics::counter!(metrics::ENQUEUED, "type" => event_type.to_owned()).increment(count);
+                        }
+                    }
                     if unroutable > 0 {
                         warn!(
                             events = unroutable,

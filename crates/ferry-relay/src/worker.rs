@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use ferry_core::{Claimed, Clock, Ownership, Recorded, Route, Store, Transition, decide};
 use rand::Rng;
 use tokio::time::{Duration, Instant};
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use crate::batch::publish_in_order;
 use crate::engine::Shared;
@@ -39,6 +39,10 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
     // iterations: the lease keeper hands partitions back only while no
     // outcome is unrecorded (see `Shared::quiesce`).
     let mut held = None;
+    // Set while the destination fails every publish transiently; the first
+    // confirm after that counts as getting it back.
+    let mut destination_down = false;
+    shared.progress.worker_started();
     loop {
         if shared.cancel.is_cancelled() {
             if let Some(u) = unrecorded.take() {
@@ -55,6 +59,7 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 record(&shared, &route, u).await;
             }
             drop(gate);
+            let _idle = shared.progress.idle_guard();
             shared.wait_for_lease().await;
             continue;
         };
@@ -91,7 +96,11 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 continue;
             }
         };
+        if backoff > Duration::from_millis(50) {
+            ::metrics::counter!(metrics::RECONNECTS, "component" => "database").increment(1);
+        }
         backoff = Duration::from_millis(50);
+        shared.progress.advanced();
         // Left out, they stay pending and are claimed again once the failure
         // before them is recorded (and then held back by the store).
         let claimed: Vec<Claimed> = if failed_keys.is_empty() {
@@ -119,6 +128,7 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 let until = (at - shared.clock.now()).to_std().unwrap_or_default();
                 wait = wait.min(until + Duration::from_millis(1));
             }
+            let _idle = shared.progress.idle_guard();
             tokio::select! {
                 _ = wake.notified() => {}
                 _ = tokio::time::sleep(wait) => {}
@@ -132,8 +142,22 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
         }
         ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);
         let started = Instant::now();
-        let published = publish_in_order(sink.as_ref(), &route, &claimed).await;
+        let span = tracing::info_span!("ferry.publish", route = %route.name, events = claimed.len());
+        #[cfg(feature = "otel")]
+        link_producers(&span, &claimed);
+        let published = publish_in_order(sink.as_ref(), &route, &claimed).instrument(span).await;
         let publish_took = started.elapsed();
+        shared.progress.advanced();
+        let confirmed = published.outcomes.iter().any(|o| matches!(o, Some(Ok(()))));
+        if confirmed && destination_down {
+            ::metrics::counter!(metrics::RECONNECTS, "component" => "destination", "route" => route.name.clone())
+                .increment(1);
+        }
+        destination_down = !confirmed
+            && published
+                .outcomes
+                .iter()
+                .any(|o| matches!(o, Some(Err(e)) if e.kind == ferry_core::ErrorKind::Transient));
         ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
             .record(publish_took.as_secs_f64());
         if published.order_breaks > 0 {
@@ -218,10 +242,10 @@ async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch:
             Err(e) => {
                 ::metrics::counter!(metrics::STORE_ERRORS, "op" => "record").increment(1);
                 if shared.valid_ownership().is_none() {
-                    warn!(route = %route.name, error = %e, "could not record outcomes before the lease ran out; they will be published again");
+                    warn!(route = %route.name, events = recorded.len(), error = %e, "could not record outcomes before the lease ran out; they will be published again");
                     return;
                 }
-                debug!(route = %route.name, error = %e, "recording outcomes failed; retrying");
+                debug!(route = %route.name, events = recorded.len(), error = %e, "recording outcomes failed; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
@@ -237,10 +261,14 @@ fn account<S: Store, C: Clock>(
     now: chrono::DateTime<chrono::Utc>,
 ) {
     let (mut published, mut retried, mut dead) = (0u64, 0u64, 0u64);
+    // Per event type: (published, failed, dead).
+    let mut by_type: std::collections::HashMap<&str, (u64, u64, u64)> = std::collections::HashMap::new();
     for (c, r) in claimed.iter().zip(recorded) {
+        let counts = by_type.entry(c.event.event_type.as_str()).or_default();
         match &r.transition {
             Transition::Published { .. } => {
                 published += 1;
+                counts.0 += 1;
                 if c.attempts == 0 {
                     let age = (now - c.event.created_at).to_std().unwrap_or_default();
                     ::metrics::histogram!(metrics::COMMIT_TO_PUBLISH_SECONDS, "route" => route.name.clone())
@@ -249,19 +277,61 @@ fn account<S: Store, C: Clock>(
             }
             Transition::Retry { error, .. } => {
                 retried += 1;
-                debug!(route = %route.name, event = %c.event.id, %error, "delivery failed; will retry");
+                counts.1 += 1;
+                debug!(
+                    route = %route.name,
+                    event_id = %c.event.id,
+                    key = c.event.key.as_deref(),
+                    attempt = c.attempts + 1,
+                    %error,
+                    "delivery failed; will retry"
+                );
             }
             Transition::Dead { reason, .. } => {
                 dead += 1;
-                warn!(route = %route.name, event = %c.event.id, %reason, "delivery is dead");
+                counts.1 += 1;
+                counts.2 += 1;
+                warn!(
+                    route = %route.name,
+                    event_id = %c.event.id,
+                    key = c.event.key.as_deref(),
+                    event_type = %c.event.event_type,
+                    attempt = c.attempts + 1,
+                    %reason,
+                    "delivery is dead"
+                );
             }
         }
     }
-    let name = route.name.clone();
-    ::metrics::counter!(metrics::PUBLISHED, "route" => name.clone()).increment(published);
-    ::metrics::counter!(metrics::FAILED, "route" => name.clone()).increment(retried + dead);
-    ::metrics::counter!(metrics::DEAD, "route" => name).increment(dead);
+    for (event_type, (published, failed, dead)) in by_type {
+        let labels = [("route", route.name.clone()), ("type", event_type.to_owned())];
+        ::metrics::counter!(metrics::PUBLISHED, &labels).increment(published);
+        if failed > 0 {
+            ::metrics::counter!(metrics::FAILED, &labels).increment(failed);
+        }
+        if dead > 0 {
+            ::metrics::counter!(metrics::DEAD, &labels).increment(dead);
+        }
+    }
     shared.counters.published.fetch_add(published, Ordering::Relaxed);
     shared.counters.retried.fetch_add(retried, Ordering::Relaxed);
     shared.counters.dead.fetch_add(dead, Ordering::Relaxed);
+}
+
+/// Links the batch's publish span to each event's producer span (the
+/// `traceparent` header). A link, not a parent: one batch carries events of
+/// many traces, and a span has one parent. Costs nothing when no
+/// OpenTelemetry layer listens.
+#[cfg(feature = "otel")]
+fn link_producers(span: &tracing::Span, claimed: &[Claimed]) {
+    use opentelemetry::KeyValue;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if span.is_disabled() {
+        return;
+    }
+    for c in claimed {
+        if let Some(producer) = ferry_core::trace::span_context(&c.event.headers) {
+            span.add_link_with_attributes(producer, vec![KeyValue::new("ferry.event_id", c.event.id.to_string())]);
+        }
+    }
 }

@@ -395,3 +395,105 @@ async fn shutdown_hands_the_leases_back() {
     .await;
     b.stop().await;
 }
+
+/// A database that stops answering (a partition, not a refusal) must not
+/// hold the relay's exit: SIGTERM ends it within its shutdown timeout and
+/// the farewell's bound, and no delivery is lost (what it could not record
+/// stays pending for the next relay).
+#[tokio::test]
+async fn a_database_that_stops_answering_does_not_hold_up_shutdown() {
+    let e = env().await;
+    let upstream: std::net::SocketAddr = "127.0.0.1:5432".parse().unwrap();
+    let proxy = ferry_testkit::proxy::Proxy::start(upstream).unwrap();
+    let url = e._db.url().replace("127.0.0.1:5432", &proxy.addr().to_string());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    let ids = produce(&e.pool, orders(300, 10)).await;
+    let sinks: HashMap<String, Arc<dyn Sink>> = [("mock".to_string(), e.sink.clone() as Arc<dyn Sink>)].into();
+    let relay = Relay::new(
+        PgStore::new(pool),
+        SystemClock,
+        settings("silent-db"),
+        vec![route("orders", "order.**")],
+        sinks,
+    )
+    .unwrap();
+    let (stop, rx) = oneshot::channel::<()>();
+    let handle = tokio::spawn(relay.run(async {
+        let _ = rx.await;
+    }));
+    eventually("the first events published", Duration::from_secs(20), || {
+        !e.sink.delivered_ids("orders").is_empty()
+    })
+    .await;
+    // Every byte either way is now held for an hour: queries hang.
+    proxy.set_delay(Duration::from_secs(3600));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = tokio::time::Instant::now();
+    let _ = stop.send(());
+    let report = tokio::time::timeout(Duration::from_secs(30), handle)
+        .await
+        .expect("the relay exits within 30 s of being told to, database silent or not")
+        .unwrap()
+        .unwrap();
+    let took = asked.elapsed();
+    assert!(took < Duration::from_secs(30), "{took:?}");
+    // Nothing lost: each event was published, or is still pending in the
+    // database for the next relay.
+    let published: std::collections::HashSet<_> = e.sink.delivered_ids("orders").into_iter().collect();
+    let pending: Vec<sqlx::types::Uuid> = sqlx::query_scalar(
+        "SELECT e.id FROM ferry.events e JOIN ferry.deliveries d USING (seq) WHERE d.state = 'pending'
+         UNION ALL SELECT e.id FROM ferry.events e JOIN ferry.unrouted u USING (seq)",
+    )
+    .fetch_all(&e.pool)
+    .await
+    .unwrap();
+    let pending: std::collections::HashSet<_> = pending.into_iter().map(EventId).collect();
+    for id in &ids {
+        assert!(
+            published.contains(id) || pending.contains(id),
+            "{id} was neither published nor left pending; report {report:?}"
+        );
+    }
+}
+
+/// A relay whose `run` future is dropped (its task aborted) leaves nothing
+/// behind: its leases stop being renewed, so another relay takes the work
+/// over when they expire, and nothing is lost.
+#[tokio::test]
+async fn a_relay_dropped_mid_run_stops_renewing_and_another_takes_over() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(400, 8)).await;
+    let sinks: HashMap<String, Arc<dyn Sink>> = [("mock".to_string(), e.sink.clone() as Arc<dyn Sink>)].into();
+    let relay = Relay::new(
+        PgStore::new(e.pool.clone()),
+        SystemClock,
+        settings("dropped"),
+        vec![route("orders", "order.**")],
+        sinks,
+    )
+    .unwrap();
+    let task = tokio::spawn(relay.run(std::future::pending()));
+    eventually("the first events published", Duration::from_secs(20), || {
+        !e.sink.delivered_ids("orders").is_empty()
+    })
+    .await;
+    task.abort();
+    let _ = task.await;
+    // Events committed after the drop can only go out through a successor,
+    // which gets the partitions once the first relay's leases lapse (3 s):
+    // never, if the dropped relay kept renewing them.
+    let mut ids = ids;
+    ids.extend(produce(&e.pool, orders(200, 8)).await);
+    let b = start(&e, "successor", vec![route("orders", "order.**")]);
+    eventually("every event published", Duration::from_secs(30), || {
+        let got: std::collections::HashSet<_> = e.sink.delivered_ids("orders").into_iter().collect();
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+    let report = b.stop().await;
+    assert!(report.published > 0, "the successor took work over: {report:?}");
+}
