@@ -21,16 +21,40 @@
 //!   the same); it also installs `ferry.enqueue(...)` for producers in any
 //!   language.
 //! - With the `relay` feature, [`relay`] and [`sink`] embed the relay.
+//! - With the `otel` feature, `enqueue` puts the current span's W3C
+//!   `traceparent` and `tracestate` into the event's headers (see `trace`).
+//! - With the `inbox` feature, [`inbox`] is the consuming side: exactly-once
+//!   effects from at-least-once delivery, and consumer runners
+//!   (`inbox-rabbitmq`, `inbox-redis`, `inbox-nats`, `inbox-kafka`).
 
 pub use ferry_core::{
     ErrorKind, Event, EventId, EventType, Glob, Headers, Payload, RetryPolicy, Route, Sink, SinkError, Store,
     StoredEvent, SystemClock, ValidationError,
 };
 
+pub use ferry_store::{EnqueueError, Enqueued};
+
+#[cfg(feature = "otel")]
+pub use ferry_core::trace;
+
 #[cfg(feature = "postgres")]
-pub use ferry_store::postgres::{EnqueueError, Enqueued, PgStore, enqueue, enqueue_batch, migrate};
+pub use ferry_store::postgres::{PgStore, enqueue, enqueue_batch, migrate};
+
+/// Table capture on PostgreSQL: triggers that write an event for every
+/// insert, update and delete of a table, in the writer's transaction (the
+/// library side of `ferry capture`).
+#[cfg(feature = "postgres")]
+pub use ferry_store::postgres::capture;
+
+/// The embedded SQLite store (`sqlite` feature): `ferry::sqlite::SqliteStore`,
+/// `ferry::sqlite::enqueue` and `ferry::sqlite::migrate`, for a service that
+/// runs with no database server. One relay per database file.
+#[cfg(feature = "sqlite")]
+pub use ferry_store::sqlite;
 
 #[cfg(feature = "relay")]
 pub use ferry_relay as relay;
 #[cfg(feature = "relay")]
 pub use ferry_sink as sink;
+#[cfg(feature = "inbox")]
+pub use ferry_inbox as inbox;

@@ -1,0 +1,395 @@
+//! The inbox: exactly-once effects from at-least-once delivery.
+//!
+//! [`Inbox::process`] records `(consumer, event id)` and runs the handler's
+//! writes in one transaction. The broker is acknowledged only after that
+//! commit, so a crash anywhere before it leaves the message to be delivered
+//! again, and a redelivery after it finds the row and is skipped.
+//!
+//! The outcome types, the retry/dead decision and the counting here are
+//! shared with the SQLite inbox (`crate::sqlite`); only the SQL differs.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use ferry_core::{EventId, RetryPolicy};
+#[cfg(feature = "postgres")]
+use sqlx::{PgConnection, PgPool};
+use tracing::{debug, warn};
+
+use crate::HandlerError;
+#[cfg(feature = "postgres")]
+use crate::ReceivedEvent;
+use crate::metrics;
+
+#[cfg(feature = "postgres")]
+const CLAIM: &str = include_str!("sql/claim.sql");
+#[cfg(feature = "postgres")]
+const FAIL: &str = include_str!("sql/fail.sql");
+#[cfg(feature = "postgres")]
+const PURGE: &str = include_str!("sql/purge.sql");
+
+/// What to do with the broker's message after [`Inbox::process`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// The handler's writes committed with the inbox row: acknowledge.
+    Processed,
+    /// Already done by an earlier delivery: acknowledge, nothing ran.
+    Duplicate,
+    /// The handler failed and rolled back: redeliver after `delay`.
+    Retry {
+        attempts: u32,
+        delay: Duration,
+        error: String,
+    },
+    /// Given up: send the message to the dead-letter destination with
+    /// `reason`, then acknowledge. Recorded dead in the inbox, so every later
+    /// delivery of the event is dead-lettered again, never handled.
+    Dead { attempts: u32, reason: String },
+}
+
+/// The decision after a failed attempt, the `attempts`-th: retry with
+/// backoff, or dead when the error is permanent or the attempts are used up.
+/// `unit` is a random number in `[0, 1)`, passed in so tests are exact.
+pub fn after_failure(attempts: u32, error: &HandlerError, policy: &RetryPolicy, unit: f64) -> Outcome {
+    if error.is_permanent() {
+        return Outcome::Dead {
+            attempts,
+            reason: error.to_string(),
+        };
+    }
+    if attempts >= policy.max_attempts.max(1) {
+        return Outcome::Dead {
+            attempts,
+            reason: format!("max attempts ({}) reached; last error: {error}", policy.max_attempts),
+        };
+    }
+    Outcome::Retry {
+        attempts,
+        delay: policy.backoff(attempts, unit),
+        error: error.to_string(),
+    }
+}
+
+/// The inbox failed to reach its own table; nothing was acknowledged, so the
+/// broker delivers the message again.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum InboxError {
+    #[error("inbox database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("consumer name {0:?} is invalid; use a non-empty name of at most 200 bytes that identifies this consumer")]
+    InvalidConsumer(String),
+}
+
+/// One inbox row, for operators and tests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InboxRecord {
+    pub state: String,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+    pub processed_at: DateTime<Utc>,
+}
+
+/// A consumer name both inboxes accept: it keys every row, so a blank one
+/// would merge unrelated consumers.
+pub(crate) fn checked_consumer(consumer: String) -> Result<String, InboxError> {
+    if consumer.trim().is_empty() || consumer.len() > 200 {
+        return Err(InboxError::InvalidConsumer(consumer));
+    }
+    Ok(consumer)
+}
+
+/// 5 attempts, 1 s doubling to 60 s.
+pub(crate) fn default_retry() -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: 5,
+        base_delay: Duration::from_secs(1),
+        max_delay: Duration::from_secs(60),
+        jitter: 0.2,
+    }
+}
+
+/// Counts a handler whose writes committed with the inbox row.
+pub(crate) fn count_processed(consumer: &str, id: EventId, attempts: i32) {
+    metrics::processed(consumer);
+    debug!(consumer = %consumer, event = %id, attempts, "processed");
+}
+
+/// The outcome for an event whose row was already done or dead when this
+/// delivery came to claim it (`record` is that row, read afterwards).
+pub(crate) fn already_recorded(consumer: &str, id: EventId, record: Option<InboxRecord>) -> Outcome {
+    match record {
+        Some(r) if r.state == "dead" => {
+            metrics::dead(consumer);
+            Outcome::Dead {
+                attempts: u32::try_from(r.attempts).unwrap_or(0),
+                reason: r.last_error.unwrap_or_else(|| "dead".into()),
+            }
+        }
+        _ => {
+            metrics::duplicate(consumer);
+            debug!(consumer = %consumer, event = %id, "duplicate skipped");
+            Outcome::Duplicate
+        }
+    }
+}
+
+/// Decides retry or dead after the `attempts`-th failure (already counted in
+/// the table) and counts it. The caller records a dead outcome in its row.
+pub(crate) fn decide_failure(
+    consumer: &str,
+    id: EventId,
+    attempts: i32,
+    error: &HandlerError,
+    policy: &RetryPolicy,
+) -> Outcome {
+    let attempts = u32::try_from(attempts).unwrap_or(u32::MAX);
+    let outcome = after_failure(attempts, error, policy, rand::random::<f64>());
+    if let Outcome::Dead { reason, .. } = &outcome {
+        metrics::dead(consumer);
+        warn!(consumer = %consumer, event = %id, attempts, %reason, "dead");
+    } else {
+        metrics::retry(consumer);
+        debug!(consumer = %consumer, event = %id, attempts, %error, "will retry");
+    }
+    outcome
+}
+
+/// Deduplicates one consumer's events in `ferry.inbox` (created by
+/// `ferry migrate`).
+///
+/// Rows are kept for a retention window and purged with [`Inbox::purge`].
+/// **The window must be longer than the longest time a broker may take to
+/// redeliver a message** (consumer downtime, redelivery delays, replays from
+/// a dead-letter queue): a redelivery that arrives after its row was purged
+/// runs the handler again.
+#[cfg(feature = "postgres")]
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    pool: PgPool,
+    consumer: String,
+    retry: RetryPolicy,
+}
+
+#[cfg(feature = "postgres")]
+impl Inbox {
+    /// An inbox for `consumer`, a stable name: two deployments of the same
+    /// consumer share it, two different consumers of one event must not.
+    pub fn new(pool: PgPool, consumer: impl Into<String>) -> Result<Self, InboxError> {
+        Ok(Self {
+            pool,
+            consumer: checked_consumer(consumer.into())?,
+            retry: default_retry(),
+        })
+    }
+
+    /// How failed handlers are retried; default 5 attempts, 1 s doubling to 60 s.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Runs `handler` for `event` unless this consumer already processed it.
+    ///
+    /// ```no_run
+    /// # async fn demo(inbox: ferry_inbox::Inbox, event: ferry_inbox::ReceivedEvent) -> Result<(), ferry_inbox::InboxError> {
+    /// let outcome = inbox
+    ///     .process(&event, async |tx, event| {
+    ///         sqlx::query("INSERT INTO paid (order_id) VALUES ($1)").bind(&event.key).execute(tx).await?;
+    ///         Ok(())
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn process(
+        &self,
+        event: &ReceivedEvent,
+        handler: impl AsyncFnOnce(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+    ) -> Result<Outcome, InboxError> {
+        self.run(event, async |tx| handler(tx, event).await).await
+    }
+
+    async fn run(
+        &self,
+        event: &ReceivedEvent,
+        handler: impl AsyncFnOnce(&mut PgConnection) -> Result<(), HandlerError>,
+    ) -> Result<Outcome, InboxError> {
+        let mut tx = self.pool.begin().await?;
+        // Inserts the row, or takes over a failing one; a done or dead row
+        // (committed, or committed while this statement waited on its lock)
+        // returns nothing. Concurrent deliveries of one event serialise here.
+        let claimed: Option<i32> = sqlx::query_scalar(CLAIM)
+            .bind(&self.consumer)
+            .bind(event.id.0)
+            .bind(&event.event_type)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(attempts) = claimed else {
+            drop(tx);
+            return self.already_recorded(event.id).await;
+        };
+        match handler(&mut tx).await {
+            Ok(()) => {
+                tx.commit().await?;
+                count_processed(&self.consumer, event.id, attempts);
+                Ok(Outcome::Processed)
+            }
+            Err(error) => {
+                tx.rollback().await?;
+                self.failed(event, &error).await
+            }
+        }
+    }
+
+    /// A row exists and is done or dead.
+    async fn already_recorded(&self, id: EventId) -> Result<Outcome, InboxError> {
+        let record = self.record(id).await?;
+        Ok(already_recorded(&self.consumer, id, record))
+    }
+
+    /// Counts the failed attempt in its own transaction (the handler's was
+    /// rolled back) and decides between retry and dead.
+    async fn failed(&self, event: &ReceivedEvent, error: &HandlerError) -> Result<Outcome, InboxError> {
+        let mut tx = self.pool.begin().await?;
+        let counted: Option<i32> = sqlx::query_scalar(FAIL)
+            .bind(&self.consumer)
+            .bind(event.id.0)
+            .bind(&event.event_type)
+            .bind(error.message())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(attempts) = counted else {
+            // Another delivery of the same event finished it meanwhile.
+            drop(tx);
+            return self.already_recorded(event.id).await;
+        };
+        let outcome = decide_failure(&self.consumer, event.id, attempts, error, &self.retry);
+        if let Outcome::Dead { reason, .. } = &outcome {
+            sqlx::query(
+                "UPDATE ferry.inbox SET state = 'dead', last_error = $3, processed_at = now() \
+                 WHERE consumer = $1 AND event_id = $2",
+            )
+            .bind(&self.consumer)
+            .bind(event.id.0)
+            .bind(reason)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// The inbox row for `id`, if any.
+    pub async fn record(&self, id: EventId) -> Result<Option<InboxRecord>, InboxError> {
+        let row: Option<(String, i32, Option<String>, DateTime<Utc>)> = sqlx::query_as(
+            "SELECT state, attempts, last_error, processed_at FROM ferry.inbox WHERE consumer = $1 AND event_id = $2",
+        )
+        .bind(&self.consumer)
+        .bind(id.0)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(row.map(|(state, attempts, last_error, processed_at)| InboxRecord {
+            state,
+            attempts,
+            last_error,
+            processed_at,
+        }))
+    }
+
+    /// Forgets a dead or failing event so that a replay (from the dead-letter
+    /// queue, say) is handled afresh; a done event is kept. Returns whether a
+    /// row went.
+    pub async fn release(&self, id: EventId) -> Result<bool, InboxError> {
+        let deleted = sqlx::query("DELETE FROM ferry.inbox WHERE consumer = $1 AND event_id = $2 AND state <> 'done'")
+            .bind(&self.consumer)
+            .bind(id.0)
+            .execute(&self.pool)
+            .await?;
+        Ok(deleted.rows_affected() > 0)
+    }
+
+    /// Deletes this consumer's done rows older than `window`, `batch` rows per
+    /// statement so no transaction holds many locks, and returns how many
+    /// went. Dead and failing rows stay until an operator releases them.
+    ///
+    /// `window` must exceed the longest redelivery horizon of the broker (see
+    /// [`Inbox`]); a shorter one lets a late redelivery run the handler twice.
+    pub async fn purge(&self, window: Duration, batch: u32) -> Result<u64, InboxError> {
+        let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+        // A window longer than all time purges nothing (and must not panic).
+        let cutoff = Utc::now()
+            .checked_sub_signed(window)
+            .unwrap_or(DateTime::<Utc>::UNIX_EPOCH);
+        let batch = i64::from(batch.max(1));
+        let mut total = 0;
+        loop {
+            let deleted = sqlx::query(PURGE)
+                .bind(&self.consumer)
+                .bind(cutoff)
+                .bind(batch)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+            total += deleted;
+            if deleted < batch as u64 {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(100),
+            max_delay: Duration::from_secs(1),
+            jitter: 0.0,
+        }
+    }
+
+    #[test]
+    fn retries_with_backoff_then_dead() {
+        let err = HandlerError::transient("db busy");
+        assert_eq!(
+            after_failure(1, &err, &policy(), 0.0),
+            Outcome::Retry {
+                attempts: 1,
+                delay: Duration::from_millis(100),
+                error: "db busy".into()
+            }
+        );
+        assert!(matches!(
+            after_failure(2, &err, &policy(), 0.0),
+            Outcome::Retry { delay, .. } if delay == Duration::from_millis(200)
+        ));
+        assert_eq!(
+            after_failure(3, &err, &policy(), 0.0),
+            Outcome::Dead {
+                attempts: 3,
+                reason: "max attempts (3) reached; last error: db busy".into()
+            }
+        );
+    }
+
+    #[test]
+    fn permanent_errors_are_dead_at_once() {
+        let err = HandlerError::permanent("no such order");
+        assert!(matches!(
+            after_failure(1, &err, &policy(), 0.5),
+            Outcome::Dead { attempts: 1, reason } if reason == "no such order"
+        ));
+    }
+}

@@ -1,0 +1,383 @@
+//! A Kafka consumer that drives the [`Inbox`]: a member of a consumer group
+//! whose offsets are committed only after the inbox commit, one record at a
+//! time, so each partition is handled in order; dead and malformed records
+//! go to a dead-letter topic before their offset is committed.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use ferry_inbox::Inbox;
+//! use ferry_inbox::kafka::{KafkaConsumer, KafkaConsumerOptions};
+//! let options = KafkaConsumerOptions::new("127.0.0.1:9092", "orders", "billing", "orders.dead");
+//! let consumer = KafkaConsumer::new(Inbox::new(pool, "billing")?, options)?;
+//! consumer
+//!     .run(async |tx, event| {
+//!         sqlx::query("INSERT INTO paid (id) VALUES ($1)").bind(event.id.0).execute(tx).await?;
+//!         Ok(())
+//!     }, async { tokio::signal::ctrl_c().await.ok(); })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! A record whose handler fails is retried in place after its backoff:
+//! Kafka has no per-record redelivery, and skipping ahead would break the
+//! partition's order. While it waits, the records behind it wait too; after
+//! the inbox's last attempt it is dead-lettered and the partition moves on.
+//! If an offset commit fails, the consumer seeks back to the record and reads
+//! it again; the inbox finds it done, and its offset is committed then. A
+//! consumer that dies leaves its partitions to the group, which reads again
+//! from the last committed offsets, and the inbox skips what was done.
+
+mod decode;
+
+use std::collections::BTreeMap;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{ClientConfig, Offset};
+use sqlx::PgConnection;
+use tracing::{info, warn};
+
+pub use decode::decode;
+
+use crate::runner::Counters;
+use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+
+/// Header of a dead-lettered record: why it was given up on.
+pub const DEAD_REASON_HEADER: &str = "ferry-dead-reason";
+/// Header of a dead-lettered record: the consumer group that gave up on it.
+pub const DEAD_GROUP_HEADER: &str = "ferry-dead-group";
+/// Header of a dead-lettered record: topic, partition and offset it came from.
+pub const DEAD_SOURCE_HEADER: &str = "ferry-dead-source";
+
+/// How a [`KafkaConsumer`] connects, what it reads, and where dead records go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KafkaConsumerOptions {
+    /// `host:port[,host:port...]`.
+    pub bootstrap_servers: String,
+    pub topic: String,
+    /// The consumer group (`group.id`).
+    pub group: String,
+    /// Where dead and malformed records are produced (acks from all
+    /// replicas, idempotent) before their offset is committed.
+    pub dead_letter_topic: String,
+    /// Bounds each offset commit and dead-letter produce. Default 10 s.
+    pub timeout: Duration,
+    /// The longest pause between reconnection attempts. Default 10 s.
+    pub reconnect_max_delay: Duration,
+    /// How long a record waits before it is tried again when the inbox's
+    /// database cannot be reached. Default 1 s.
+    pub database_retry_delay: Duration,
+    /// More librdkafka consumer properties (`security.protocol`, `sasl.*`,
+    /// `auto.offset.reset`, ...); `enable.auto.commit` is refused.
+    pub extra: BTreeMap<String, String>,
+}
+
+impl KafkaConsumerOptions {
+    pub fn new(
+        bootstrap_servers: impl Into<String>,
+        topic: impl Into<String>,
+        group: impl Into<String>,
+        dead_letter_topic: impl Into<String>,
+    ) -> Self {
+        Self {
+            bootstrap_servers: bootstrap_servers.into(),
+            topic: topic.into(),
+            group: group.into(),
+            dead_letter_topic: dead_letter_topic.into(),
+            timeout: Duration::from_secs(10),
+            reconnect_max_delay: Duration::from_secs(10),
+            database_retry_delay: Duration::from_secs(1),
+            extra: BTreeMap::new(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConsumerError> {
+        for (field, value) in [
+            ("bootstrap_servers", &self.bootstrap_servers),
+            ("topic", &self.topic),
+            ("group", &self.group),
+            ("dead_letter_topic", &self.dead_letter_topic),
+        ] {
+            if value.trim().is_empty() {
+                return Err(ConsumerError::Config(format!("{field} is empty; name it")));
+            }
+        }
+        if self.dead_letter_topic == self.topic {
+            return Err(ConsumerError::Config(
+                "dead_letter_topic is the topic read; use a topic of its own".into(),
+            ));
+        }
+        for key in ["enable.auto.commit", "enable.auto.offset.store", "group.id"] {
+            if self.extra.contains_key(key) {
+                return Err(ConsumerError::Config(format!(
+                    "extra.{key} is set; the consumer sets it itself (offsets are committed only after the inbox commit), remove it"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn consumer(&self) -> Result<StreamConsumer, String> {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &self.bootstrap_servers)
+            .set("group.id", &self.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest");
+        for (k, v) in &self.extra {
+            config.set(k, v);
+        }
+        config.create().map_err(|e| format!("creating the Kafka consumer: {e}"))
+    }
+
+    fn producer(&self) -> Result<FutureProducer, String> {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &self.bootstrap_servers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("message.timeout.ms", self.timeout.as_millis().to_string());
+        for (k, v) in &self.extra {
+            if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
+                config.set(k, v);
+            }
+        }
+        config
+            .create()
+            .map_err(|e| format!("creating the dead-letter producer: {e}"))
+    }
+}
+
+/// Consumes one topic, as one member of a group, into one [`Inbox`].
+#[derive(Debug, Clone)]
+pub struct KafkaConsumer {
+    inbox: Inbox,
+    options: KafkaConsumerOptions,
+    counters: Arc<Counters>,
+}
+
+enum Flow {
+    Next,
+    /// The offset commit failed: read the record again.
+    Rewind,
+    Shutdown,
+}
+
+impl KafkaConsumer {
+    /// Checks the options; connects only in [`KafkaConsumer::run`].
+    pub fn new(inbox: Inbox, options: KafkaConsumerOptions) -> Result<Self, ConsumerError> {
+        options.validate()?;
+        Ok(Self {
+            inbox,
+            options,
+            counters: Arc::default(),
+        })
+    }
+
+    /// The counts so far, across every run of this consumer.
+    pub fn report(&self) -> ConsumerReport {
+        self.counters.snapshot()
+    }
+
+    /// Consumes until `shutdown` resolves, running `handler` for each event
+    /// inside the inbox's transaction. A record waiting out a retry when
+    /// `shutdown` resolves is left uncommitted, for the group to read again.
+    pub async fn run(
+        &self,
+        handler: impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerReport, ConsumerError> {
+        let mut shutdown = pin!(shutdown);
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match self.session(&handler, shutdown.as_mut()).await {
+                Ok(()) => {
+                    info!(topic = %self.options.topic, "consumer stopped");
+                    return Ok(self.report());
+                }
+                Err(e) => {
+                    Counters::bump(&self.counters.reconnects);
+                    warn!(topic = %self.options.topic, error = %e, ?delay, "Kafka consumer failed; joining again");
+                }
+            }
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Ok(self.report()),
+                () = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(self.options.reconnect_max_delay);
+        }
+    }
+
+    /// One group membership; `Ok` on shutdown.
+    async fn session(
+        &self,
+        handler: &impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+        shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<(), String> {
+        let o = &self.options;
+        let consumer = o.consumer()?;
+        let producer = o.producer()?;
+        consumer
+            .subscribe(&[o.topic.as_str()])
+            .map_err(|e| format!("subscribing to {:?}: {e}", o.topic))?;
+        let result = self.consume(handler, &consumer, &producer, shutdown).await;
+        // Leave the group now rather than when the coordinator's session
+        // timeout expires, so the partitions move on at once.
+        consumer.unsubscribe();
+        result
+    }
+
+    async fn consume(
+        &self,
+        handler: &impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+        consumer: &StreamConsumer,
+        producer: &FutureProducer,
+        mut shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<(), String> {
+        loop {
+            let message = tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Ok(()),
+                m = consumer.recv() => m.map_err(|e| format!("reading: {e}"))?,
+            };
+            match self
+                .handle(handler, consumer, producer, &message, shutdown.as_mut())
+                .await?
+            {
+                Flow::Next => {}
+                Flow::Rewind => {
+                    // Seeking drops what was fetched behind the record, so
+                    // the partition resumes at it, in order; the inbox then
+                    // finds it done and its offset is committed again.
+                    let (partition, offset) = (message.partition(), message.offset());
+                    drop(message);
+                    consumer
+                        .seek(
+                            &self.options.topic,
+                            partition,
+                            Offset::Offset(offset),
+                            self.options.timeout,
+                        )
+                        .map_err(|e| format!("rewinding partition {partition} to offset {offset}: {e}"))?;
+                }
+                Flow::Shutdown => return Ok(()),
+            }
+        }
+    }
+
+    async fn handle(
+        &self,
+        handler: &impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+        consumer: &StreamConsumer,
+        producer: &FutureProducer,
+        message: &BorrowedMessage<'_>,
+        mut shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<Flow, String> {
+        let name = self.inbox.consumer();
+        let headers = message
+            .headers()
+            .map(|h| h.iter().map(|h| (h.key, h.value)).collect::<Vec<_>>())
+            .unwrap_or_default();
+        let payload = message.payload().unwrap_or_default();
+        let event = match decode(headers, message.key(), payload) {
+            Ok(event) => event,
+            Err(e) => {
+                Counters::bump(&self.counters.malformed);
+                metrics::malformed(name);
+                warn!(consumer = name, offset = message.offset(), error = %e, "malformed record");
+                self.dead_letter(producer, message, &e.to_string()).await?;
+                return Ok(self.commit(consumer, message));
+            }
+        };
+        loop {
+            let wait = match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+                Ok(Outcome::Processed) => {
+                    Counters::bump(&self.counters.processed);
+                    return Ok(self.commit(consumer, message));
+                }
+                Ok(Outcome::Duplicate) => {
+                    Counters::bump(&self.counters.duplicates);
+                    return Ok(self.commit(consumer, message));
+                }
+                Ok(Outcome::Dead { reason, .. }) => {
+                    Counters::bump(&self.counters.dead);
+                    self.dead_letter(producer, message, &reason).await?;
+                    return Ok(self.commit(consumer, message));
+                }
+                Ok(Outcome::Retry { delay, .. }) => {
+                    Counters::bump(&self.counters.retried);
+                    delay
+                }
+                Err(e) => {
+                    Counters::bump(&self.counters.inbox_unavailable);
+                    warn!(consumer = name, event = %event.id, error = %e, "inbox unavailable; the record waits");
+                    self.options.database_retry_delay
+                }
+            };
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Ok(Flow::Shutdown),
+                () = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Commits the offset after `message`, waiting for the coordinator; a
+    /// refused commit rewinds to the record rather than skip past it.
+    fn commit(&self, consumer: &StreamConsumer, message: &BorrowedMessage<'_>) -> Flow {
+        match consumer.commit_message(message, CommitMode::Sync) {
+            Ok(()) => Flow::Next,
+            Err(e) => {
+                warn!(partition = message.partition(), offset = message.offset(), error = %e, "offset commit failed; reading the record again");
+                Flow::Rewind
+            }
+        }
+    }
+
+    /// Produces a copy of the record, with its reason, to the dead-letter
+    /// topic; an error ends the session before the offset is committed, so
+    /// the record is read (and dead-lettered) again rather than lost.
+    async fn dead_letter(
+        &self,
+        producer: &FutureProducer,
+        message: &BorrowedMessage<'_>,
+        reason: &str,
+    ) -> Result<(), String> {
+        let o = &self.options;
+        let mut headers = OwnedHeaders::new();
+        if let Some(original) = message.headers() {
+            for h in original.iter() {
+                headers = headers.insert(h);
+            }
+        }
+        let source = format!("{} {} {}", message.topic(), message.partition(), message.offset());
+        for (key, value) in [
+            (DEAD_REASON_HEADER, reason),
+            (DEAD_GROUP_HEADER, o.group.as_str()),
+            (DEAD_SOURCE_HEADER, source.as_str()),
+        ] {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+        let mut record = FutureRecord::to(&o.dead_letter_topic)
+            .payload(message.payload().unwrap_or_default())
+            .headers(headers);
+        if let Some(key) = message.key() {
+            record = record.key(key);
+        }
+        producer
+            .send(record, o.timeout)
+            .await
+            .map(drop)
+            .map_err(|(e, _)| format!("dead-lettering to {:?}: {e}", o.dead_letter_topic))
+    }
+}

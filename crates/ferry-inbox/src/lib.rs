@@ -1,0 +1,53 @@
+//! Ferry's consuming side: exactly-once effects from at-least-once delivery.
+//!
+//! - [`Inbox`] records `(consumer, event id)` in `ferry.inbox` in the same
+//!   transaction as the handler's writes; a redelivered event finds its row
+//!   and is skipped ([`Outcome::Duplicate`]). A failing handler rolls back
+//!   and is retried with backoff; after the last attempt the event is
+//!   recorded dead and goes to the consumer's dead-letter destination.
+//! - [`ReceivedEvent`] is Ferry's envelope (event id, type, key, CloudEvents
+//!   attributes, headers, payload) decoded from any broker.
+//! - A handler is an async closure `async |tx, event| { ... }` that writes
+//!   its effects through `tx`, the inbox's open transaction, and returns a
+//!   [`HandlerError`] to roll back and retry (or give up, if permanent).
+//! - Runners, one per broker behind a feature, consume, decode, call the
+//!   inbox and acknowledge only after its commit: `rabbitmq`, `redis`
+//!   (Streams), `nats` (JetStream) and `kafka`. They drive the PostgreSQL
+//!   [`Inbox`].
+//! - With the `sqlite` feature, [`sqlite::Inbox`] is the same inbox over an
+//!   SQLite file (the `ferry_inbox` table), with the same outcomes and
+//!   counters; a consumer calls its `process` from its own receive loop.
+//!
+//! There is no cache in front of the inbox table: the table is the only
+//! authority on "already done", so no cache outage can be mistaken for it.
+
+mod envelope;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod handler;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod inbox;
+pub mod metrics;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+pub use envelope::{DecodeError, ReceivedEvent};
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use handler::HandlerError;
+#[cfg(feature = "postgres")]
+pub use inbox::Inbox;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+pub use inbox::{InboxError, InboxRecord, Outcome, after_failure};
+
+#[cfg(any(feature = "rabbitmq", feature = "redis", feature = "nats", feature = "kafka"))]
+mod runner;
+#[cfg(any(feature = "rabbitmq", feature = "redis", feature = "nats", feature = "kafka"))]
+pub use runner::{ConsumerError, ConsumerReport};
+
+#[cfg(feature = "kafka")]
+pub mod kafka;
+#[cfg(feature = "nats")]
+pub mod nats;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
+#[cfg(feature = "redis")]
+pub mod redis;

@@ -1,0 +1,196 @@
+//! A NATS JetStream consumer that drives the [`Inbox`]: a durable pull
+//! consumer with explicit acks, acknowledged (and the ack confirmed) only
+//! after the inbox commit; retries as delayed naks; dead and malformed
+//! messages published to a dead-letter subject before they are acknowledged.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use ferry_inbox::Inbox;
+//! use ferry_inbox::nats::{NatsConsumer, NatsConsumerOptions};
+//! let options = NatsConsumerOptions::new("nats://127.0.0.1:4222", "ORDERS", "billing", "billing.dead");
+//! let consumer = NatsConsumer::new(Inbox::new(pool, "billing")?, options)?;
+//! consumer
+//!     .run(async |tx, event| {
+//!         sqlx::query("INSERT INTO paid (id) VALUES ($1)").bind(event.id.0).execute(tx).await?;
+//!         Ok(())
+//!     }, async { tokio::signal::ctrl_c().await.ok(); })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! A message not acknowledged within `ack_wait` is redelivered by the
+//! server, to this or any other client of the same durable consumer; the
+//! inbox turns a redelivery whose handler had already committed into a
+//! duplicate.
+
+mod decode;
+mod session;
+
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::PgConnection;
+use tracing::{info, warn};
+
+pub use decode::decode;
+
+use crate::runner::Counters;
+use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, ReceivedEvent};
+
+/// Header of a dead-lettered message: why it was given up on.
+pub const DEAD_REASON_HEADER: &str = "Ferry-Dead-Reason";
+/// Header of a dead-lettered message: the durable consumer that gave up on it.
+pub const DEAD_CONSUMER_HEADER: &str = "Ferry-Dead-Consumer";
+/// Header of a dead-lettered message: the subject it was published to.
+pub const DEAD_SUBJECT_HEADER: &str = "Ferry-Dead-Subject";
+
+/// How a [`NatsConsumer`] connects, what it consumes, and where dead
+/// messages go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NatsConsumerOptions {
+    /// `nats://[user:password@]host:port`.
+    pub url: String,
+    /// The JetStream stream consumed; it must exist.
+    pub stream: String,
+    /// The durable consumer's name, created if missing: every client using
+    /// the same name shares its messages and its progress.
+    pub durable: String,
+    /// Only subjects matching this filter, when set.
+    pub filter_subject: Option<String>,
+    /// Published to (and confirmed by a stream capturing it) with the reason
+    /// in [`DEAD_REASON_HEADER`], before a dead or malformed message is
+    /// acknowledged.
+    pub dead_letter_subject: String,
+    /// Unacknowledged messages the server may hand over at once. Default 32.
+    pub max_ack_pending: i64,
+    /// Redelivery after this long without an ack. Default 30 s; keep it above
+    /// the longest handler run.
+    pub ack_wait: Duration,
+    /// The server stops delivering a message after this many deliveries,
+    /// silently; so it is off (`-1`) by default and, when set, must stay
+    /// well above the inbox's `max_attempts`, which decides dead letters.
+    pub max_deliver: i64,
+    /// Bounds connecting, acks and dead-letter confirms. Default 10 s.
+    pub timeout: Duration,
+    /// The longest pause between reconnection attempts. Default 10 s.
+    pub reconnect_max_delay: Duration,
+    /// How long a message waits before redelivery when the inbox's
+    /// database cannot be reached. Default 1 s.
+    pub database_retry_delay: Duration,
+}
+
+impl NatsConsumerOptions {
+    pub fn new(
+        url: impl Into<String>,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+        dead_letter_subject: impl Into<String>,
+    ) -> Self {
+        Self {
+            url: url.into(),
+            stream: stream.into(),
+            durable: durable.into(),
+            filter_subject: None,
+            dead_letter_subject: dead_letter_subject.into(),
+            max_ack_pending: 32,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: -1,
+            timeout: Duration::from_secs(10),
+            reconnect_max_delay: Duration::from_secs(10),
+            database_retry_delay: Duration::from_secs(1),
+        }
+    }
+
+    fn validate(&self) -> Result<(), ConsumerError> {
+        let token = |field: &str, value: &str| {
+            if value.is_empty() || value.contains(['.', '*', '>', ' ', '/', '\\']) {
+                Err(ConsumerError::Config(format!(
+                    "{field} is {value:?}; use a non-empty name without '.', '*', '>', spaces or slashes"
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        token("stream", &self.stream)?;
+        token("durable", &self.durable)?;
+        if self.dead_letter_subject.is_empty() || self.dead_letter_subject.contains(['*', '>', ' ']) {
+            return Err(ConsumerError::Config(format!(
+                "dead_letter_subject is {:?}; use a subject without wildcards or spaces",
+                self.dead_letter_subject
+            )));
+        }
+        if self.max_ack_pending < 1 {
+            return Err(ConsumerError::Config(
+                "max_ack_pending is below 1; set at least 1".into(),
+            ));
+        }
+        if self.max_deliver == 0 || self.max_deliver < -1 {
+            return Err(ConsumerError::Config(
+                "max_deliver must be -1 (unlimited) or at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Consumes one durable JetStream consumer into one [`Inbox`].
+#[derive(Debug, Clone)]
+pub struct NatsConsumer {
+    inbox: Inbox,
+    options: NatsConsumerOptions,
+    counters: Arc<Counters>,
+}
+
+impl NatsConsumer {
+    /// Checks the options; connects only in [`NatsConsumer::run`].
+    pub fn new(inbox: Inbox, options: NatsConsumerOptions) -> Result<Self, ConsumerError> {
+        options.validate()?;
+        Ok(Self {
+            inbox,
+            options,
+            counters: Arc::default(),
+        })
+    }
+
+    /// The counts so far, across every run of this consumer.
+    pub fn report(&self) -> ConsumerReport {
+        self.counters.snapshot()
+    }
+
+    /// Consumes until `shutdown` resolves, running `handler` for each event
+    /// inside the inbox's transaction. The message being handled is finished
+    /// first; the rest of what the server handed over is redelivered after
+    /// `ack_wait`.
+    pub async fn run(
+        &self,
+        handler: impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerReport, ConsumerError> {
+        let mut shutdown = pin!(shutdown);
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
+            match session.run(shutdown.as_mut()).await {
+                Ok(()) => {
+                    info!(stream = %self.options.stream, durable = %self.options.durable, "consumer stopped");
+                    return Ok(self.report());
+                }
+                Err(e) => {
+                    if session.started() {
+                        delay = Duration::from_millis(100);
+                    }
+                    Counters::bump(&self.counters.reconnects);
+                    warn!(stream = %self.options.stream, error = %e, ?delay, "NATS consumer failed; reconnecting");
+                }
+            }
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Ok(self.report()),
+                () = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(self.options.reconnect_max_delay);
+        }
+    }
+}

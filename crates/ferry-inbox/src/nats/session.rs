@@ -1,0 +1,190 @@
+//! One connection's life: bind the durable pull consumer, then for each
+//! message decode, run the inbox, and ack, nak with a delay, or dead-letter.
+
+use std::pin::Pin;
+
+use async_nats::jetstream::consumer::{AckPolicy, pull};
+use async_nats::jetstream::{self, AckKind, Context};
+use futures::StreamExt;
+use sqlx::PgConnection;
+use tokio::time::timeout;
+use tracing::{debug, warn};
+
+use super::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, DEAD_SUBJECT_HEADER, NatsConsumerOptions, decode};
+use crate::runner::Counters;
+use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+
+pub(super) struct Session<'a, H> {
+    inbox: &'a Inbox,
+    options: &'a NatsConsumerOptions,
+    handler: &'a H,
+    counters: &'a Counters,
+    started: bool,
+}
+
+impl<'a, H> Session<'a, H>
+where
+    H: AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+{
+    pub(super) fn new(
+        inbox: &'a Inbox,
+        options: &'a NatsConsumerOptions,
+        handler: &'a H,
+        counters: &'a Counters,
+    ) -> Self {
+        Self {
+            inbox,
+            options,
+            handler,
+            counters,
+            started: false,
+        }
+    }
+
+    pub(super) fn started(&self) -> bool {
+        self.started
+    }
+
+    /// Returns `Ok` on shutdown, an error when the connection failed.
+    pub(super) async fn run(&mut self, mut shutdown: Pin<&mut impl Future<Output = ()>>) -> Result<(), String> {
+        let o = self.options;
+        let limit = o.timeout;
+        let connect = async {
+            let client = async_nats::ConnectOptions::new()
+                .connection_timeout(limit)
+                .connect(o.url.as_str())
+                .await
+                .map_err(|e| format!("connecting: {e}"))?;
+            let js = jetstream::new(client);
+            let stream = js
+                .get_stream(&o.stream)
+                .await
+                .map_err(|e| format!("stream {:?}: {e}", o.stream))?;
+            let config = pull::Config {
+                durable_name: Some(o.durable.clone()),
+                ack_policy: AckPolicy::Explicit,
+                ack_wait: o.ack_wait,
+                max_deliver: o.max_deliver,
+                max_ack_pending: o.max_ack_pending,
+                filter_subject: o.filter_subject.clone().unwrap_or_default(),
+                ..Default::default()
+            };
+            let consumer = stream
+                .get_or_create_consumer(&o.durable, config)
+                .await
+                .map_err(|e| format!("durable consumer {:?}: {e}", o.durable))?;
+            let messages = consumer.messages().await.map_err(|e| format!("pulling: {e}"))?;
+            Ok::<_, String>((js, messages))
+        };
+        let (js, mut messages) = tokio::select! {
+            biased;
+            () = shutdown.as_mut() => return Ok(()),
+            c = timeout(limit, connect) => c.map_err(|_| format!("connecting took longer than {limit:?}"))??,
+        };
+        self.started = true;
+        loop {
+            let next = tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Ok(()),
+                next = messages.next() => next,
+            };
+            match next {
+                Some(Ok(message)) => self.handle(&js, message).await?,
+                Some(Err(e)) => return Err(format!("pulling: {e}")),
+                None => return Err("the server ended the pull".into()),
+            }
+        }
+    }
+
+    /// One message; an error ends the session, and the server redelivers
+    /// what was not acknowledged.
+    async fn handle(&mut self, js: &Context, message: jetstream::Message) -> Result<(), String> {
+        let consumer = self.inbox.consumer();
+        let event = match decode(message.message.headers.as_ref(), &message.message.payload) {
+            Ok(event) => event,
+            Err(e) => {
+                Counters::bump(&self.counters.malformed);
+                metrics::malformed(consumer);
+                warn!(consumer, subject = %message.message.subject, error = %e, "malformed message");
+                return self.dead_letter(js, &message, &e.to_string()).await;
+            }
+        };
+        let handler = self.handler;
+        match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+            Ok(Outcome::Processed) => {
+                Counters::bump(&self.counters.processed);
+                self.settle(&message, AckKind::Ack).await?;
+            }
+            Ok(Outcome::Duplicate) => {
+                Counters::bump(&self.counters.duplicates);
+                self.settle(&message, AckKind::Ack).await?;
+            }
+            Ok(Outcome::Retry { delay, .. }) => {
+                Counters::bump(&self.counters.retried);
+                self.settle(&message, AckKind::Nak(Some(delay))).await?;
+            }
+            Ok(Outcome::Dead { reason, .. }) => {
+                Counters::bump(&self.counters.dead);
+                return self.dead_letter(js, &message, &reason).await;
+            }
+            Err(e) => {
+                Counters::bump(&self.counters.inbox_unavailable);
+                warn!(consumer, event = %event.id, error = %e, "inbox unavailable; the message is redelivered later");
+                let delay = self.options.database_retry_delay;
+                self.settle(&message, AckKind::Nak(Some(delay))).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Acks (or naks) and waits for the server to confirm it, so a lost ack
+    /// surfaces here and not as a silent redelivery later.
+    async fn settle(&self, message: &jetstream::Message, kind: AckKind) -> Result<(), String> {
+        let limit = self.options.timeout;
+        match timeout(limit, message.double_ack_with(kind)).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(format!("acknowledging: {e}")),
+            Err(_) => Err(format!("acknowledging took longer than {limit:?}")),
+        }
+    }
+
+    /// Publishes the message with its reason to the dead-letter subject and
+    /// acknowledges it once JetStream stored the copy; otherwise naks it for
+    /// a later attempt: never dropped.
+    async fn dead_letter(&self, js: &Context, message: &jetstream::Message, reason: &str) -> Result<(), String> {
+        let o = self.options;
+        let mut headers = message.message.headers.clone().unwrap_or_default();
+        // A copy must not be dropped as a duplicate of the original.
+        headers.insert("Nats-Msg-Id", format!("dead-{}", message_id(message)).as_str());
+        headers.insert(DEAD_REASON_HEADER, reason);
+        headers.insert(DEAD_CONSUMER_HEADER, o.durable.as_str());
+        headers.insert(DEAD_SUBJECT_HEADER, message.message.subject.as_str());
+        let stored = timeout(o.timeout, async {
+            js.publish_with_headers(o.dead_letter_subject.clone(), headers, message.message.payload.clone())
+                .await
+                .map_err(|e| e.to_string())?
+                .await
+                .map_err(|e| e.to_string())
+        })
+        .await;
+        match stored {
+            Ok(Ok(_)) => self.settle(message, AckKind::Ack).await,
+            Ok(Err(e)) => {
+                warn!(subject = %o.dead_letter_subject, error = %e, "dead-lettering failed; the message is redelivered later");
+                self.settle(message, AckKind::Nak(Some(o.database_retry_delay))).await
+            }
+            Err(_) => {
+                debug!(subject = %o.dead_letter_subject, "dead-lettering timed out");
+                self.settle(message, AckKind::Nak(Some(o.database_retry_delay))).await
+            }
+        }
+    }
+}
+
+/// The stream sequence, unique per stored message, for the dead copy's id.
+fn message_id(message: &jetstream::Message) -> String {
+    message
+        .info()
+        .map(|i| format!("{}-{}", i.stream, i.stream_sequence))
+        .unwrap_or_else(|_| uuid::Uuid::now_v7().to_string())
+}

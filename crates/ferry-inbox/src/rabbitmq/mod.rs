@@ -1,0 +1,208 @@
+//! A RabbitMQ consumer that drives the [`Inbox`]: manual acknowledgement
+//! after the inbox commit, a prefetch window, a dead-letter exchange for
+//! dead and malformed messages, and its own reconnect loop.
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use ferry_inbox::Inbox;
+//! use ferry_inbox::rabbitmq::{RabbitMqConsumer, RabbitMqConsumerOptions};
+//! let options = RabbitMqConsumerOptions::new("amqp://127.0.0.1:5672/%2f", "billing", "billing.dead")
+//!     .bind("orders", "order.#");
+//! let consumer = RabbitMqConsumer::new(Inbox::new(pool, "billing")?, options)?;
+//! consumer
+//!     .run(
+//!         async |tx, event| {
+//!             sqlx::query("INSERT INTO paid (id) VALUES ($1)").bind(event.id.0).execute(tx).await?;
+//!             Ok(())
+//!         },
+//!         async { tokio::signal::ctrl_c().await.ok(); },
+//!     )
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! lapin's automatic recovery replays topology and resumes channels behind
+//! the caller's back, which leaves unacknowledged deliveries in an unclear
+//! state; this runner instead drops a broken connection whole and connects
+//! again. Everything it had not acknowledged goes back to the queue, and the
+//! inbox turns the redeliveries of what had already committed into
+//! duplicates.
+
+mod decode;
+mod session;
+
+use std::pin::pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::types::ShortString;
+use sqlx::PgConnection;
+use tracing::{info, warn};
+
+pub use decode::decode;
+
+use crate::runner::Counters;
+use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, ReceivedEvent};
+
+/// Header of a dead-lettered message: why it was given up on.
+pub const DEAD_REASON_HEADER: &str = "ferry-dead-reason";
+/// Header of a dead-lettered message: the consumer that gave up on it.
+pub const DEAD_CONSUMER_HEADER: &str = "ferry-dead-consumer";
+/// Header of a dead-lettered message: the queue it was consumed from.
+pub const DEAD_QUEUE_HEADER: &str = "ferry-dead-queue";
+
+/// How a [`RabbitMqConsumer`] connects, what it consumes, and where dead
+/// messages go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RabbitMqConsumerOptions {
+    /// `amqp://` or `amqps://` URL; the vhost is the path (`%2f` for `/`).
+    pub url: String,
+    /// The queue consumed.
+    pub queue: String,
+    /// Declare the queue (durable) and its bindings before consuming, and the
+    /// dead-letter exchange (topic, durable) with a queue `<queue>.dead`
+    /// bound to everything. Default true.
+    pub declare: bool,
+    /// `(exchange, binding key)` pairs bound to the queue when `declare`.
+    pub bindings: Vec<(String, String)>,
+    /// Unacknowledged deliveries the broker may hand over at once. Default 32.
+    pub prefetch: u16,
+    /// Where dead and malformed messages are published (with publisher
+    /// confirms, and `mandatory`), carrying the reason in
+    /// [`DEAD_REASON_HEADER`]; they are acknowledged only once confirmed.
+    pub dead_letter_exchange: String,
+    /// Bounds each connect, declare and dead-letter confirm. Default 10 s.
+    pub timeout: Duration,
+    /// The longest pause between reconnection attempts. Default 10 s.
+    pub reconnect_max_delay: Duration,
+    /// How long a message waits before it goes back to the queue when the
+    /// inbox's database cannot be reached. Default 1 s.
+    pub database_retry_delay: Duration,
+}
+
+impl RabbitMqConsumerOptions {
+    pub fn new(url: impl Into<String>, queue: impl Into<String>, dead_letter_exchange: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            queue: queue.into(),
+            declare: true,
+            bindings: Vec::new(),
+            prefetch: 32,
+            dead_letter_exchange: dead_letter_exchange.into(),
+            timeout: Duration::from_secs(10),
+            reconnect_max_delay: Duration::from_secs(10),
+            database_retry_delay: Duration::from_secs(1),
+        }
+    }
+
+    /// Adds a binding of the queue to `exchange` by `binding_key`.
+    pub fn bind(mut self, exchange: impl Into<String>, binding_key: impl Into<String>) -> Self {
+        self.bindings.push((exchange.into(), binding_key.into()));
+        self
+    }
+
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Consume an existing queue without declaring anything.
+    pub fn no_declare(mut self) -> Self {
+        self.declare = false;
+        self
+    }
+
+    fn validate(&self) -> Result<(), ConsumerError> {
+        let short = |field: &str, value: &str| {
+            if value.is_empty() || ShortString::try_new(value).is_err() {
+                Err(ConsumerError::Config(format!(
+                    "{field} is {:?}; use a non-empty name of at most 255 bytes",
+                    value
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        short("queue", &self.queue)?;
+        short("dead_letter_exchange", &self.dead_letter_exchange)?;
+        for (exchange, key) in &self.bindings {
+            short("bindings[].exchange", exchange)?;
+            if ShortString::try_new(key.as_str()).is_err() {
+                return Err(ConsumerError::Config(
+                    "bindings[].binding_key is longer than 255 bytes; shorten it".into(),
+                ));
+            }
+        }
+        if self.prefetch == 0 {
+            return Err(ConsumerError::Config(
+                "prefetch is 0, which RabbitMQ reads as unlimited; set at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Consumes one queue into one [`Inbox`].
+#[derive(Debug, Clone)]
+pub struct RabbitMqConsumer {
+    inbox: Inbox,
+    options: RabbitMqConsumerOptions,
+    counters: Arc<Counters>,
+}
+
+impl RabbitMqConsumer {
+    /// Checks the options; connects only in [`RabbitMqConsumer::run`].
+    pub fn new(inbox: Inbox, options: RabbitMqConsumerOptions) -> Result<Self, ConsumerError> {
+        options.validate()?;
+        Ok(Self {
+            inbox,
+            options,
+            counters: Arc::default(),
+        })
+    }
+
+    /// The counts so far, across every run of this consumer.
+    pub fn report(&self) -> ConsumerReport {
+        self.counters.snapshot()
+    }
+
+    /// Consumes until `shutdown` resolves, running `handler` for each event
+    /// inside the inbox's transaction. The message being handled when
+    /// `shutdown` resolves is finished and acknowledged; everything else
+    /// unacknowledged goes back to the queue when the connection closes.
+    pub async fn run(
+        &self,
+        handler: impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerReport, ConsumerError> {
+        let mut shutdown = pin!(shutdown);
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
+            match session.run(shutdown.as_mut()).await {
+                Ok(session::Ended::Shutdown) => {
+                    info!(queue = %self.options.queue, "consumer stopped");
+                    return Ok(self.report());
+                }
+                Ok(session::Ended::Lost { started }) => {
+                    if started {
+                        delay = Duration::from_millis(100);
+                    }
+                    Counters::bump(&self.counters.reconnects);
+                    warn!(queue = %self.options.queue, "RabbitMQ connection lost; reconnecting");
+                }
+                Err(e) => {
+                    Counters::bump(&self.counters.reconnects);
+                    warn!(queue = %self.options.queue, error = %e, ?delay, "RabbitMQ consumer failed; reconnecting");
+                }
+            }
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Ok(self.report()),
+                () = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(self.options.reconnect_max_delay);
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! One connection's life: connect, declare, consume, and for each delivery
+//! decode, run the inbox, then acknowledge, requeue later, or dead-letter.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use futures::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Acker, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use sqlx::PgConnection;
+use tokio::task::JoinSet;
+use tokio::time::timeout;
+use tracing::{debug, warn};
+
+use super::{DEAD_CONSUMER_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, RabbitMqConsumerOptions, decode};
+use crate::runner::Counters;
+use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+
+pub(super) enum Ended {
+    Shutdown,
+    /// The connection or the consumer went away; `started` once consuming
+    /// had begun, so the reconnect delay starts over.
+    Lost {
+        started: bool,
+    },
+}
+
+pub(super) struct Session<'a, H> {
+    inbox: &'a Inbox,
+    options: &'a RabbitMqConsumerOptions,
+    handler: &'a H,
+    counters: &'a Counters,
+    /// Requeues waiting out their backoff; aborted with the session, whose
+    /// closing connection requeues those messages anyway.
+    later: JoinSet<()>,
+}
+
+impl<'a, H> Session<'a, H>
+where
+    H: AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+{
+    pub(super) fn new(
+        inbox: &'a Inbox,
+        options: &'a RabbitMqConsumerOptions,
+        handler: &'a H,
+        counters: &'a Counters,
+    ) -> Self {
+        Self {
+            inbox,
+            options,
+            handler,
+            counters,
+            later: JoinSet::new(),
+        }
+    }
+
+    pub(super) async fn run(&mut self, mut shutdown: Pin<&mut impl Future<Output = ()>>) -> Result<Ended, String> {
+        let limit = self.options.timeout;
+        let properties = ConnectionProperties::default().with_connection_name("ferry-inbox".into());
+        let connection = tokio::select! {
+            biased;
+            () = shutdown.as_mut() => return Ok(Ended::Shutdown),
+            c = timeout(limit, Connection::connect(&self.options.url, properties)) => c
+                .map_err(|_| format!("connecting took longer than {limit:?}"))?
+                .map_err(|e| format!("connecting: {e}"))?,
+        };
+        let result = self.consume(&connection, shutdown).await;
+        self.later.abort_all();
+        // Closing hands every unacknowledged delivery back to the queue.
+        let _ = timeout(limit, connection.close(200, "bye".into())).await;
+        result
+    }
+
+    async fn consume(
+        &mut self,
+        connection: &Connection,
+        mut shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<Ended, String> {
+        let limit = self.options.timeout;
+        let (channel, dead_letters) = timeout(limit, self.open(connection))
+            .await
+            .map_err(|_| format!("opening channels took longer than {limit:?}"))?
+            .map_err(|e| format!("opening channels and declaring: {e}"))?;
+        let tag = format!("ferry-inbox-{}", self.inbox.consumer());
+        let mut consumer = channel
+            .basic_consume(
+                self.options.queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| format!("consuming queue {:?}: {e}", self.options.queue))?;
+        debug!(queue = %self.options.queue, "consuming");
+        // lapin does not always notice a connection that died under an idle
+        // consumer; its status does, so look at it now and then.
+        let mut liveness = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            let delivery = tokio::select! {
+                biased;
+                () = shutdown.as_mut() => {
+                    let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+                    return Ok(Ended::Shutdown);
+                }
+                next = consumer.next() => next,
+                _ = liveness.tick() => {
+                    if connection.status().connected() && channel.status().connected() {
+                        continue;
+                    }
+                    return Ok(Ended::Lost { started: true });
+                }
+            };
+            match delivery {
+                Some(Ok(delivery)) => {
+                    if let Err(e) = self.handle(delivery, &dead_letters).await {
+                        warn!(error = %e, "the channel failed while handling a delivery");
+                        return Ok(Ended::Lost { started: true });
+                    }
+                }
+                Some(Err(e)) => {
+                    warn!(error = %e, "RabbitMQ consumer failed");
+                    return Ok(Ended::Lost { started: true });
+                }
+                None => return Ok(Ended::Lost { started: true }),
+            }
+        }
+    }
+
+    /// The consuming channel (with its prefetch) and a confirm-mode channel
+    /// for dead letters, after the declarations.
+    async fn open(&self, connection: &Connection) -> Result<(Channel, Channel), lapin::Error> {
+        let o = self.options;
+        let channel = connection.create_channel().await?;
+        channel.basic_qos(o.prefetch, BasicQosOptions::default()).await?;
+        if o.declare {
+            let durable = QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            };
+            channel
+                .queue_declare(o.queue.as_str().into(), durable, FieldTable::default())
+                .await?;
+            for (exchange, key) in &o.bindings {
+                channel
+                    .queue_bind(
+                        o.queue.as_str().into(),
+                        exchange.as_str().into(),
+                        key.as_str().into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?;
+            }
+            let exchange = ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            };
+            let dlx = o.dead_letter_exchange.as_str();
+            channel
+                .exchange_declare(dlx.into(), ExchangeKind::Topic, exchange, FieldTable::default())
+                .await?;
+            let dead_queue = format!("{}.dead", o.queue);
+            channel
+                .queue_declare(dead_queue.as_str().into(), durable, FieldTable::default())
+                .await?;
+            channel
+                .queue_bind(
+                    dead_queue.as_str().into(),
+                    dlx.into(),
+                    "#".into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await?;
+        }
+        let dead_letters = connection.create_channel().await?;
+        dead_letters.confirm_select(ConfirmSelectOptions::default()).await?;
+        Ok((channel, dead_letters))
+    }
+
+    /// One delivery. An error means the channel is gone: the session ends and
+    /// the broker redelivers whatever was not acknowledged.
+    async fn handle(&mut self, delivery: Delivery, dead_letters: &Channel) -> Result<(), String> {
+        let consumer = self.inbox.consumer();
+        let event = match decode(&delivery.properties, &delivery.data) {
+            Ok(event) => event,
+            Err(e) => {
+                Counters::bump(&self.counters.malformed);
+                metrics::malformed(consumer);
+                warn!(consumer, routing_key = %delivery.routing_key, error = %e, "malformed message");
+                return self.dead_letter(delivery, dead_letters, &e.to_string()).await;
+            }
+        };
+        let handler = self.handler;
+        match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+            Ok(Outcome::Processed) => {
+                Counters::bump(&self.counters.processed);
+                self.ack(&delivery).await?;
+            }
+            Ok(Outcome::Duplicate) => {
+                Counters::bump(&self.counters.duplicates);
+                self.ack(&delivery).await?;
+            }
+            Ok(Outcome::Retry { delay, .. }) => {
+                Counters::bump(&self.counters.retried);
+                self.requeue_after(delivery.acker, delay);
+            }
+            Ok(Outcome::Dead { reason, .. }) => {
+                Counters::bump(&self.counters.dead);
+                return self.dead_letter(delivery, dead_letters, &reason).await;
+            }
+            Err(e) => {
+                Counters::bump(&self.counters.inbox_unavailable);
+                warn!(consumer, event = %event.id, error = %e, "inbox unavailable; the message goes back to the queue");
+                self.requeue_after(delivery.acker, self.options.database_retry_delay);
+            }
+        }
+        Ok(())
+    }
+
+    /// Acknowledges within the timeout: on a connection that died without
+    /// lapin noticing, an ack can wait forever, and the session must end so
+    /// the broker's redelivery (after the reconnect) can happen.
+    async fn ack(&self, delivery: &Delivery) -> Result<(), String> {
+        let limit = self.options.timeout;
+        match timeout(limit, delivery.ack(BasicAckOptions::default())).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(format!("acknowledging: {e}")),
+            Err(_) => Err(format!("acknowledging took longer than {limit:?}")),
+        }
+    }
+
+    /// Holds the message through its backoff, then hands it back; other
+    /// deliveries flow meanwhile, within the prefetch window.
+    fn requeue_after(&mut self, acker: Acker, delay: Duration) {
+        self.later.spawn(async move {
+            tokio::time::sleep(delay).await;
+            let requeue = BasicNackOptions {
+                requeue: true,
+                ..Default::default()
+            };
+            if let Err(e) = acker.nack(requeue).await {
+                debug!(error = %e, "requeue failed; the closing connection requeues it");
+            }
+        });
+    }
+
+    /// Publishes the message to the dead-letter exchange with its reason and
+    /// acknowledges it once the broker confirmed. Unconfirmed or unroutable,
+    /// it goes back to the queue after a pause instead: never dropped.
+    async fn dead_letter(&mut self, delivery: Delivery, channel: &Channel, reason: &str) -> Result<(), String> {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        let long = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
+        headers.insert(DEAD_REASON_HEADER.into(), long(reason));
+        headers.insert(DEAD_CONSUMER_HEADER.into(), long(self.inbox.consumer()));
+        headers.insert(DEAD_QUEUE_HEADER.into(), long(&self.options.queue));
+        let properties = delivery.properties.clone().with_headers(headers);
+        let options = BasicPublishOptions {
+            mandatory: true,
+            ..Default::default()
+        };
+        let exchange = self.options.dead_letter_exchange.as_str();
+        let confirmed = timeout(self.options.timeout, async {
+            channel
+                .basic_publish(
+                    exchange.into(),
+                    delivery.routing_key.clone(),
+                    options,
+                    &delivery.data,
+                    properties,
+                )
+                .await?
+                .await
+        })
+        .await;
+        let failure = match confirmed {
+            Ok(Ok(Confirmation::Ack(None))) => {
+                self.ack(&delivery).await?;
+                return Ok(());
+            }
+            Ok(Ok(Confirmation::Ack(Some(_)))) => format!(
+                "dead-letter exchange {exchange:?} has no queue bound for routing key {:?}",
+                delivery.routing_key.as_str()
+            ),
+            Ok(Ok(other)) => format!("dead-letter exchange {exchange:?} did not confirm: {other:?}"),
+            Ok(Err(e)) => return Err(format!("dead-lettering: {e}")),
+            Err(_) => format!("dead-letter exchange {exchange:?} did not confirm in time"),
+        };
+        warn!(consumer = self.inbox.consumer(), error = %failure, "dead-lettering failed; the message goes back to the queue");
+        self.requeue_after(delivery.acker, self.options.database_retry_delay);
+        Ok(())
+    }
+}

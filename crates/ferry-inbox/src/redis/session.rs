@@ -1,0 +1,270 @@
+//! One connection's life: join the group, read this member's own pending
+//! entries, then claim idle ones and read new ones, handling each.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
+use redis::{AsyncConnectionConfig, RedisError, Value};
+use sqlx::PgConnection;
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use super::{DEAD_GROUP_FIELD, DEAD_REASON_FIELD, DEAD_SOURCE_FIELD, RedisConsumerOptions, decode};
+use crate::runner::Counters;
+use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+
+/// An entry waiting out its retry backoff; still pending in the group, so
+/// if this session ends it is read again from the pending list.
+struct Later {
+    due: Instant,
+    entry: StreamId,
+}
+
+pub(super) struct Session<'a, H> {
+    inbox: &'a Inbox,
+    options: &'a RedisConsumerOptions,
+    handler: &'a H,
+    counters: &'a Counters,
+    later: Vec<Later>,
+    started: bool,
+}
+
+impl<'a, H> Session<'a, H>
+where
+    H: AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+{
+    pub(super) fn new(
+        inbox: &'a Inbox,
+        options: &'a RedisConsumerOptions,
+        handler: &'a H,
+        counters: &'a Counters,
+    ) -> Self {
+        Self {
+            inbox,
+            options,
+            handler,
+            counters,
+            later: Vec::new(),
+            started: false,
+        }
+    }
+
+    /// Whether the session got as far as reading.
+    pub(super) fn started(&self) -> bool {
+        self.started
+    }
+
+    /// Returns `Ok` on shutdown, an error when the connection failed.
+    pub(super) async fn run(&mut self, mut shutdown: Pin<&mut impl Future<Output = ()>>) -> Result<(), RedisError> {
+        let o = self.options;
+        let client = redis::Client::open(o.url.as_str())?;
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(o.timeout))
+            .set_response_timeout(Some(o.block + o.timeout));
+        let mut conn = tokio::select! {
+            biased;
+            () = shutdown.as_mut() => return Ok(()),
+            c = client.get_multiplexed_async_connection_with_config(&config) => c?,
+        };
+        if o.create_group {
+            let created: Result<(), RedisError> = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(&o.stream)
+                .arg(&o.group)
+                .arg("0")
+                .arg("MKSTREAM")
+                .query_async(&mut conn)
+                .await;
+            match created {
+                Err(e) if e.code() != Some("BUSYGROUP") => return Err(e),
+                _ => {}
+            }
+        }
+        self.started = true;
+        // This member's own pending entries first: read before a restart,
+        // never acknowledged.
+        let mut cursor = "0".to_owned();
+        loop {
+            let entries = self.read(&mut conn, &cursor, None).await?;
+            let Some(last) = entries.last() else { break };
+            cursor = last.id.clone();
+            for entry in entries {
+                self.handle(&mut conn, entry).await?;
+            }
+        }
+        let claim_every = (o.claim_idle / 2).max(Duration::from_millis(100));
+        let mut next_claim = Instant::now();
+        let mut claim_cursor = "0-0".to_owned();
+        loop {
+            let now = Instant::now();
+            let (due, waiting): (Vec<_>, Vec<_>) =
+                std::mem::take(&mut self.later).into_iter().partition(|l| l.due <= now);
+            self.later = waiting;
+            for l in due {
+                self.handle(&mut conn, l.entry).await?;
+            }
+            if Instant::now() >= next_claim {
+                claim_cursor = self.claim(&mut conn, &claim_cursor).await?;
+                next_claim = Instant::now() + claim_every;
+            }
+            let wake = self
+                .later
+                .iter()
+                .map(|l| l.due)
+                .min()
+                .unwrap_or(next_claim)
+                .min(next_claim);
+            let block = wake
+                .saturating_duration_since(Instant::now())
+                .min(o.block)
+                .max(Duration::from_millis(1));
+            let entries = tokio::select! {
+                biased;
+                () = shutdown.as_mut() => return Ok(()),
+                read = self.read(&mut conn, ">", Some(block)) => read?,
+            };
+            for entry in entries {
+                self.handle(&mut conn, entry).await?;
+            }
+        }
+    }
+
+    /// `XREADGROUP`: `>` for new entries, an id for this member's pending ones.
+    async fn read(
+        &self,
+        conn: &mut MultiplexedConnection,
+        from: &str,
+        block: Option<Duration>,
+    ) -> Result<Vec<StreamId>, RedisError> {
+        let o = self.options;
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&o.group)
+            .arg(&o.consumer)
+            .arg("COUNT")
+            .arg(o.batch);
+        if let Some(block) = block {
+            cmd.arg("BLOCK").arg(block.as_millis().max(1) as u64);
+        }
+        cmd.arg("STREAMS").arg(&o.stream).arg(from);
+        let reply: Option<StreamReadReply> = cmd.query_async(conn).await?;
+        Ok(reply
+            .map(|r| r.keys.into_iter().flat_map(|k| k.ids).collect())
+            .unwrap_or_default())
+    }
+
+    /// One `XAUTOCLAIM` round from `cursor`; returns where the next starts.
+    async fn claim(&mut self, conn: &mut MultiplexedConnection, cursor: &str) -> Result<String, RedisError> {
+        let o = self.options;
+        let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
+            .arg(&o.stream)
+            .arg(&o.group)
+            .arg(&o.consumer)
+            .arg(o.claim_idle.as_millis() as u64)
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(o.batch)
+            .query_async(conn)
+            .await?;
+        if !reply.deleted_ids.is_empty() {
+            warn!(stream = %o.stream, ids = ?reply.deleted_ids, "pending entries were trimmed from the stream before anyone handled them");
+        }
+        if !reply.claimed.is_empty() {
+            debug!(stream = %o.stream, n = reply.claimed.len(), "claimed idle entries");
+        }
+        for entry in reply.claimed {
+            // Claimed entries whose fields are gone (deleted meanwhile) come back empty.
+            if !entry.map.is_empty() {
+                self.handle(conn, entry).await?;
+            }
+        }
+        Ok(reply.next_stream_id)
+    }
+
+    /// One entry; an error means the connection failed, and the entry stays
+    /// pending for the next session.
+    async fn handle(&mut self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), RedisError> {
+        let consumer = self.inbox.consumer();
+        let event = match decode(&entry.map) {
+            Ok(event) => event,
+            Err(e) => {
+                Counters::bump(&self.counters.malformed);
+                metrics::malformed(consumer);
+                warn!(consumer, entry = %entry.id, error = %e, "malformed entry");
+                return self.dead_letter(conn, &entry, &e.to_string()).await;
+            }
+        };
+        let handler = self.handler;
+        match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+            Ok(Outcome::Processed) => {
+                Counters::bump(&self.counters.processed);
+                self.ack(conn, &entry.id).await?;
+            }
+            Ok(Outcome::Duplicate) => {
+                Counters::bump(&self.counters.duplicates);
+                self.ack(conn, &entry.id).await?;
+            }
+            Ok(Outcome::Retry { delay, .. }) => {
+                Counters::bump(&self.counters.retried);
+                self.later.push(Later {
+                    due: Instant::now() + delay,
+                    entry,
+                });
+            }
+            Ok(Outcome::Dead { reason, .. }) => {
+                Counters::bump(&self.counters.dead);
+                return self.dead_letter(conn, &entry, &reason).await;
+            }
+            Err(e) => {
+                Counters::bump(&self.counters.inbox_unavailable);
+                warn!(consumer, event = %event.id, error = %e, "inbox unavailable; the entry waits");
+                self.later.push(Later {
+                    due: Instant::now() + self.options.database_retry_delay,
+                    entry,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    async fn ack(&self, conn: &mut MultiplexedConnection, id: &str) -> Result<(), RedisError> {
+        redis::cmd("XACK")
+            .arg(&self.options.stream)
+            .arg(&self.options.group)
+            .arg(id)
+            .query_async::<i64>(conn)
+            .await
+            .map(drop)
+    }
+
+    /// Adds the entry, with its reason, to the dead-letter stream, and only
+    /// then acknowledges it: a failure in between leaves it pending, to be
+    /// dead-lettered again rather than lost.
+    async fn dead_letter(
+        &self,
+        conn: &mut MultiplexedConnection,
+        entry: &StreamId,
+        reason: &str,
+    ) -> Result<(), RedisError> {
+        let o = self.options;
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&o.dead_letter_stream).arg("*");
+        let fields: &HashMap<String, Value> = &entry.map;
+        for (name, value) in fields {
+            if let Ok(bytes) = redis::from_redis_value_ref::<Vec<u8>>(value) {
+                cmd.arg(name).arg(bytes);
+            }
+        }
+        cmd.arg(DEAD_REASON_FIELD)
+            .arg(reason)
+            .arg(DEAD_GROUP_FIELD)
+            .arg(&o.group)
+            .arg(DEAD_SOURCE_FIELD)
+            .arg(format!("{} {}", o.stream, entry.id));
+        cmd.query_async::<String>(conn).await?;
+        self.ack(conn, &entry.id).await
+    }
+}

@@ -1,0 +1,211 @@
+//! The inbox over SQLite: the same guarantees as the PostgreSQL [`crate::Inbox`],
+//! in the `ferry_inbox` table that `ferry migrate` creates in an SQLite file.
+//!
+//! SQLite runs one writer at a time. Every inbox transaction begins
+//! `IMMEDIATE`, taking the write lock before its first read: a deferred
+//! transaction that reads the inbox row and then writes could be refused
+//! with `SQLITE_BUSY` when another delivery commits in between. So
+//! concurrent deliveries of one event queue on the lock (for the pool's busy
+//! timeout), and each finds the row the one before it committed.
+//!
+//! The handler runs while its transaction holds that lock: it must write
+//! through the connection it is given, never through the pool (which would
+//! wait for the lock its own transaction holds), and should be short, since
+//! every other writer of the file waits for it.
+
+use std::time::Duration;
+
+use chrono::DateTime;
+use ferry_core::{EventId, RetryPolicy};
+use sqlx::{SqliteConnection, SqlitePool};
+
+use crate::inbox::{already_recorded, checked_consumer, count_processed, decide_failure, default_retry};
+use crate::{HandlerError, InboxError, InboxRecord, Outcome, ReceivedEvent};
+
+const CLAIM: &str = include_str!("sql/claim.sql");
+const FAIL: &str = include_str!("sql/fail.sql");
+const DEAD: &str = include_str!("sql/dead.sql");
+const PURGE: &str = include_str!("sql/purge.sql");
+const RECORD: &str =
+    "SELECT state, attempts, last_error, processed_at FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2";
+
+/// Deduplicates one consumer's events in `ferry_inbox`, in an SQLite file
+/// migrated by `ferry migrate` (or `ferry_store::sqlite::migrate`).
+///
+/// Build the pool from `ferry_store::sqlite::connect_options`, which sets WAL
+/// and a busy timeout: without the timeout, a delivery that finds the write
+/// lock taken fails at once instead of waiting its turn.
+///
+/// Rows are kept for a retention window and purged with [`Inbox::purge`].
+/// **The window must be longer than the longest time a broker may take to
+/// redeliver a message** (consumer downtime, redelivery delays, replays from
+/// a dead-letter queue): a redelivery that arrives after its row was purged
+/// runs the handler again.
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    pool: SqlitePool,
+    consumer: String,
+    retry: RetryPolicy,
+}
+
+impl Inbox {
+    /// An inbox for `consumer`, a stable name: two deployments of the same
+    /// consumer share it, two different consumers of one event must not.
+    pub fn new(pool: SqlitePool, consumer: impl Into<String>) -> Result<Self, InboxError> {
+        Ok(Self {
+            pool,
+            consumer: checked_consumer(consumer.into())?,
+            retry: default_retry(),
+        })
+    }
+
+    /// How failed handlers are retried; default 5 attempts, 1 s doubling to 60 s.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Runs `handler` for `event` unless this consumer already processed it.
+    ///
+    /// ```no_run
+    /// # async fn demo(inbox: ferry_inbox::sqlite::Inbox, event: ferry_inbox::ReceivedEvent) -> Result<(), ferry_inbox::InboxError> {
+    /// let outcome = inbox
+    ///     .process(&event, async |tx, event| {
+    ///         sqlx::query("INSERT INTO paid (order_id) VALUES (?1)").bind(&event.key).execute(tx).await?;
+    ///         Ok(())
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn process(
+        &self,
+        event: &ReceivedEvent,
+        handler: impl AsyncFnOnce(&mut SqliteConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+    ) -> Result<Outcome, InboxError> {
+        let id = event.id.to_string();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        // Inserts the row, or takes over a failing one; a done or dead row
+        // returns nothing.
+        let claimed: Option<i32> = sqlx::query_scalar(CLAIM)
+            .bind(&self.consumer)
+            .bind(&id)
+            .bind(&event.event_type)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(attempts) = claimed else {
+            // Read under the same lock, so the row cannot change in between.
+            let record = read(&mut tx, &self.consumer, event.id).await?;
+            tx.rollback().await?;
+            return Ok(already_recorded(&self.consumer, event.id, record));
+        };
+        match handler(&mut tx, event).await {
+            Ok(()) => {
+                tx.commit().await?;
+                count_processed(&self.consumer, event.id, attempts);
+                Ok(Outcome::Processed)
+            }
+            Err(error) => {
+                tx.rollback().await?;
+                self.failed(event, &error).await
+            }
+        }
+    }
+
+    /// Counts the failed attempt in its own transaction (the handler's was
+    /// rolled back) and decides between retry and dead.
+    async fn failed(&self, event: &ReceivedEvent, error: &HandlerError) -> Result<Outcome, InboxError> {
+        let id = event.id.to_string();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let counted: Option<i32> = sqlx::query_scalar(FAIL)
+            .bind(&self.consumer)
+            .bind(&id)
+            .bind(&event.event_type)
+            .bind(error.message())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(attempts) = counted else {
+            // Another delivery of the same event finished it meanwhile.
+            let record = read(&mut tx, &self.consumer, event.id).await?;
+            tx.rollback().await?;
+            return Ok(already_recorded(&self.consumer, event.id, record));
+        };
+        let outcome = decide_failure(&self.consumer, event.id, attempts, error, &self.retry);
+        if let Outcome::Dead { reason, .. } = &outcome {
+            sqlx::query(DEAD)
+                .bind(&self.consumer)
+                .bind(&id)
+                .bind(reason)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(outcome)
+    }
+
+    /// The inbox row for `id`, if any.
+    pub async fn record(&self, id: EventId) -> Result<Option<InboxRecord>, InboxError> {
+        let mut conn = self.pool.acquire().await?;
+        read(&mut conn, &self.consumer, id).await
+    }
+
+    /// Forgets a dead or failing event so that a replay (from the dead-letter
+    /// queue, say) is handled afresh; a done event is kept. Returns whether a
+    /// row went.
+    pub async fn release(&self, id: EventId) -> Result<bool, InboxError> {
+        // One statement: SQLite takes the write lock before it reads.
+        let deleted = sqlx::query("DELETE FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2 AND state <> 'done'")
+            .bind(&self.consumer)
+            .bind(id.to_string())
+            .execute(&self.pool)
+            .await?;
+        Ok(deleted.rows_affected() > 0)
+    }
+
+    /// Deletes this consumer's done rows older than `window`, `batch` rows per
+    /// statement so no other writer waits long for the lock, and returns how
+    /// many went. Dead and failing rows stay until an operator releases them.
+    ///
+    /// `window` must exceed the longest redelivery horizon of the broker (see
+    /// [`Inbox`]); a shorter one lets a late redelivery run the handler twice.
+    pub async fn purge(&self, window: Duration, batch: u32) -> Result<u64, InboxError> {
+        // Measured against SQLite's clock, the one that stamped the rows.
+        let window = i64::try_from(window.as_micros()).unwrap_or(i64::MAX);
+        let batch = i64::from(batch.max(1));
+        let mut total = 0;
+        loop {
+            let deleted = sqlx::query(PURGE)
+                .bind(&self.consumer)
+                .bind(window)
+                .bind(batch)
+                .execute(&self.pool)
+                .await?
+                .rows_affected();
+            total += deleted;
+            if deleted < batch as u64 {
+                return Ok(total);
+            }
+        }
+    }
+}
+
+async fn read(conn: &mut SqliteConnection, consumer: &str, id: EventId) -> Result<Option<InboxRecord>, InboxError> {
+    let row: Option<(String, i32, Option<String>, i64)> = sqlx::query_as(RECORD)
+        .bind(consumer)
+        .bind(id.to_string())
+        .fetch_optional(conn)
+        .await?;
+    Ok(row.map(|(state, attempts, last_error, processed_at)| InboxRecord {
+        state,
+        attempts,
+        last_error,
+        processed_at: DateTime::from_timestamp_micros(processed_at).unwrap_or_default(),
+    }))
+}

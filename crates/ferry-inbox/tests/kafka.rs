@@ -1,0 +1,282 @@
+//! End to end on Kafka (librdkafka's mock cluster): outbox -> relay -> topic
+//! -> consumer group with the inbox, counting the business effect per event
+//! through an offset commit lost after the inbox commit, deliberate double
+//! publishes, a relay that republishes after a crash, and a handler that
+//! always fails; and per-key order of the effects.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use ferry_core::{Event, EventId, RetryPolicy, Sink};
+use ferry_inbox::kafka::{DEAD_GROUP_HEADER, DEAD_REASON_HEADER, KafkaConsumer, KafkaConsumerOptions};
+use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
+use ferry_sink::kafka::{KafkaOptions, KafkaSink};
+use ferry_testkit::rabbit::unique_name;
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use serde_json::json;
+use sqlx::PgConnection;
+use support::{Db, RelayRun, WITHIN, effect, wait};
+use tokio::sync::oneshot;
+
+const PARTITIONS: i32 = 4;
+
+struct Env<'c> {
+    db: Db,
+    cluster: MockCluster<'c, rdkafka::producer::DefaultProducerContext>,
+    topic: String,
+    dead_topic: String,
+}
+
+impl Env<'_> {
+    async fn new(prefix: &str) -> Self {
+        let cluster = MockCluster::new(1).expect("a mock cluster");
+        let topic = unique_name(prefix);
+        let dead_topic = format!("{topic}.dead");
+        cluster.create_topic(&topic, PARTITIONS, 1).unwrap();
+        cluster.create_topic(&dead_topic, 1, 1).unwrap();
+        let db = Db::new().await;
+        // The order effects happened in, to check per-key order.
+        sqlx::query("ALTER TABLE effects ADD COLUMN at bigserial")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        Env {
+            db,
+            cluster,
+            topic,
+            dead_topic,
+        }
+    }
+
+    fn options(&self) -> KafkaConsumerOptions {
+        let mut o = KafkaConsumerOptions::new(
+            self.cluster.bootstrap_servers(),
+            &self.topic,
+            "billing",
+            &self.dead_topic,
+        );
+        o.reconnect_max_delay = Duration::from_millis(300);
+        o.database_retry_delay = Duration::from_millis(50);
+        o
+    }
+
+    fn relay(&self, routes: &[&str]) -> RelayRun {
+        let mut extra = std::collections::BTreeMap::new();
+        extra.insert("topic.metadata.propagation.max.ms".into(), "1000".into());
+        let sink = KafkaSink::new(KafkaOptions {
+            bootstrap_servers: self.cluster.bootstrap_servers(),
+            extra,
+            ..KafkaOptions::default()
+        })
+        .unwrap();
+        self.db.relay(Arc::new(sink) as Arc<dyn Sink>, routes, &self.topic)
+    }
+
+    /// Every record on the dead-letter topic, read by a group of its own.
+    async fn dead_letters(&self, n: usize) -> Vec<(HashMap<String, String>, Vec<u8>)> {
+        let reader: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.cluster.bootstrap_servers())
+            .set("group.id", unique_name("reader"))
+            .set("auto.offset.reset", "earliest")
+            .create()
+            .unwrap();
+        reader.subscribe(&[self.dead_topic.as_str()]).unwrap();
+        let mut got = Vec::new();
+        while got.len() < n {
+            let m = tokio::time::timeout(WITHIN, reader.recv()).await.unwrap().unwrap();
+            let headers = m
+                .headers()
+                .map(|h| {
+                    h.iter()
+                        .map(|h| {
+                            (
+                                h.key.to_owned(),
+                                String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            got.push((headers, m.payload().unwrap_or_default().to_vec()));
+        }
+        got
+    }
+}
+
+fn keyed(n: usize) -> Vec<Event> {
+    (0..n)
+        .map(|n| Event::new("order.item.created", json!({ "n": n })).key(format!("k{}", n % 7)))
+        .collect()
+}
+
+#[tokio::test]
+async fn each_effect_happens_once_through_a_lost_offset_commit_and_duplicates() {
+    const N: usize = 200;
+    let env = Env::new("inbox-kafka").await;
+    let consumer = KafkaConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), env.options()).unwrap();
+
+    // The tenth handler run makes the coordinator refuse the next offset
+    // commit: that event's inbox row commits, its offset does not, and the
+    // consumer seeks back and reads it once more.
+    let handled = AtomicU32::new(0);
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        effect(tx, event).await?;
+        if handled.fetch_add(1, Ordering::SeqCst) == 9 {
+            env.cluster.request_errors(
+                RDKafkaApiKey::OffsetCommit,
+                &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_COMMIT_OFFSET_SIZE],
+            );
+        }
+        Ok(())
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        // Two routes to the same topic: every event is published twice.
+        let relay = env.relay(&["first", "second"]);
+        assert_eq!(env.db.produce(keyed(N)).await.len(), N);
+        env.db.all_published(2 * N as i64).await;
+        relay.stop().await;
+        // The relay forgets a third of its publishes in a crash; a new one
+        // publishes them again.
+        let replayed = env.db.forget_a_third().await;
+        let relay = env.relay(&["first", "second"]);
+        env.db.all_published(2 * N as i64).await;
+        relay.stop().await;
+
+        let copies = 2 * N as u64 + replayed;
+        wait("every copy consumed", || async {
+            let r = consumer.report();
+            r.processed == N as u64 && r.duplicates > copies - N as u64
+        })
+        .await;
+        let _ = stop.send(());
+        copies
+    };
+    let (report, copies) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!(report.processed, N as u64);
+    // Every copy, plus the record whose offset commit was lost.
+    assert!(report.duplicates > copies - N as u64, "{report:?}");
+    env.db.assert_effects_once(N).await;
+}
+
+#[tokio::test]
+async fn a_poison_event_is_dead_lettered_and_each_key_keeps_its_order() {
+    const GOOD: usize = 60;
+    let env = Env::new("inbox-kafka-dead").await;
+    let inbox = Inbox::new(env.db.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(RetryPolicy {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(20),
+            max_delay: Duration::from_millis(100),
+            jitter: 0.0,
+        });
+    let consumer = KafkaConsumer::new(inbox.clone(), env.options()).unwrap();
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if event.event_type == "order.poison.created" {
+            return Err(HandlerError::transient("the poison pill"));
+        }
+        effect(tx, event).await
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        let mut events = keyed(GOOD);
+        for n in [5, 25, 45] {
+            events.insert(
+                n,
+                Event::new("order.poison.created", json!({ "n": 1000 + n })).key("k2"),
+            );
+        }
+        let ids = env.db.produce(events).await;
+        // A record no Ferry sink wrote: no headers.
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", env.cluster.bootstrap_servers())
+            .create()
+            .unwrap();
+        producer
+            .send(
+                FutureRecord::<(), _>::to(&env.topic).payload("{}"),
+                Duration::from_secs(10),
+            )
+            .await
+            .unwrap();
+        wait("every record consumed", || async {
+            let r = consumer.report();
+            r.processed == GOOD as u64 && r.dead == 3 && r.malformed == 1
+        })
+        .await;
+        relay.stop().await;
+        let _ = stop.send(());
+        ids
+    };
+    let (report, ids) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!(ids.len(), GOOD + 3);
+    assert_eq!((report.processed, report.dead, report.malformed), (GOOD as u64, 3, 1));
+    assert_eq!(report.retried, 6, "two retries before each death: {report:?}");
+    env.db.assert_effects_once(GOOD).await;
+
+    // Per key, effects happened in the order the events were produced.
+    let rows: Vec<(i32,)> = sqlx::query_as("SELECT n FROM effects ORDER BY at")
+        .fetch_all(&env.db.pool)
+        .await
+        .unwrap();
+    let mut last: HashMap<i32, i32> = HashMap::new();
+    for (n,) in rows {
+        if let Some(previous) = last.insert(n % 7, n) {
+            assert!(previous < n, "key k{}: {n} after {previous}", n % 7);
+        }
+    }
+
+    let dead = env.dead_letters(4).await;
+    let mut poisoned = 0;
+    for (headers, _) in &dead {
+        assert_eq!(headers[DEAD_GROUP_HEADER], "billing");
+        let reason = &headers[DEAD_REASON_HEADER];
+        match headers.get("ce_id") {
+            None => assert!(reason.starts_with("malformed message: ce_id is missing"), "{reason}"),
+            Some(id) => {
+                assert_eq!(reason, "max attempts (3) reached; last error: the poison pill");
+                let record = inbox.record(id.parse::<EventId>().unwrap()).await.unwrap().unwrap();
+                assert_eq!((record.state.as_str(), record.attempts), ("dead", 3));
+                poisoned += 1;
+            }
+        }
+    }
+    assert_eq!(poisoned, 3);
+}
+
+#[tokio::test]
+async fn bad_options_name_the_field() {
+    let db = Db::new().await;
+    let inbox = Inbox::new(db.pool.clone(), "billing").unwrap();
+    let err = KafkaConsumer::new(inbox.clone(), KafkaConsumerOptions::new("b:9092", "t", "", "d")).unwrap_err();
+    assert!(err.to_string().contains("group is empty"), "{err}");
+    let err = KafkaConsumer::new(inbox.clone(), KafkaConsumerOptions::new("b:9092", "t", "g", "t")).unwrap_err();
+    assert!(err.to_string().contains("dead_letter_topic"), "{err}");
+    let mut options = KafkaConsumerOptions::new("b:9092", "t", "g", "d");
+    options.extra.insert("enable.auto.commit".into(), "true".into());
+    let err = KafkaConsumer::new(inbox, options).unwrap_err();
+    assert!(err.to_string().contains("extra.enable.auto.commit"), "{err}");
+}

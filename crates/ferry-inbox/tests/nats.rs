@@ -1,0 +1,278 @@
+//! End to end on NATS JetStream: outbox -> relay -> stream -> durable pull
+//! consumer with the inbox, counting the business effect per event through
+//! a client that dies between its commit and its ack (its messages
+//! redelivered to the other client after `ack_wait`), deliberate double
+//! publishes, a relay that republishes after a crash, and a handler that
+//! always fails.
+
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, Context, stream};
+use ferry_core::{Event, EventId, RetryPolicy, Sink};
+use ferry_inbox::nats::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, NatsConsumer, NatsConsumerOptions};
+use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
+use ferry_sink::nats::{NatsOptions, NatsSink};
+use ferry_testkit::proxy::Proxy;
+use ferry_testkit::rabbit::unique_name;
+use futures::StreamExt;
+use serde_json::json;
+use sqlx::PgConnection;
+use support::{Db, RelayRun, WITHIN, effect, wait};
+use tokio::sync::oneshot;
+
+fn nats_url() -> String {
+    std::env::var("FERRY_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// A stream of the test's own (with a duplicate window short enough that
+/// the relay's re-publishes reach the consumer) and a dead-letter stream.
+struct Env {
+    db: Db,
+    js: Context,
+    stream: String,
+    subject: String,
+    dead_stream: String,
+    dead_subject: String,
+}
+
+impl Env {
+    async fn new(prefix: &str) -> Env {
+        let name = unique_name(prefix);
+        let js = jetstream::new(async_nats::connect(nats_url()).await.unwrap());
+        let env = Env {
+            db: Db::new().await,
+            subject: format!("{name}.orders"),
+            dead_subject: format!("{name}-dead.orders"),
+            dead_stream: format!("{name}-dead"),
+            stream: name,
+            js,
+        };
+        for (stream, subject) in [(&env.stream, &env.subject), (&env.dead_stream, &env.dead_subject)] {
+            env.js
+                .create_stream(stream::Config {
+                    name: stream.clone(),
+                    subjects: vec![subject.clone()],
+                    duplicate_window: Duration::from_millis(100),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+        }
+        env
+    }
+
+    fn options(&self, url: String) -> NatsConsumerOptions {
+        let mut o = NatsConsumerOptions::new(url, &self.stream, "billing", &self.dead_subject);
+        o.ack_wait = Duration::from_secs(1);
+        o.timeout = Duration::from_secs(2);
+        o.reconnect_max_delay = Duration::from_millis(300);
+        o.database_retry_delay = Duration::from_millis(50);
+        o
+    }
+
+    fn relay(&self, routes: &[&str]) -> RelayRun {
+        let sink = NatsSink::new(NatsOptions {
+            url: nats_url(),
+            ..NatsOptions::default()
+        });
+        self.db.relay(Arc::new(sink) as Arc<dyn Sink>, routes, &self.subject)
+    }
+
+    /// Messages of the durable consumer not yet delivered or not yet acked.
+    async fn outstanding(&self) -> u64 {
+        let stream = self.js.get_stream(&self.stream).await.unwrap();
+        match stream.consumer_info("billing").await {
+            Ok(info) => info.num_pending + info.num_ack_pending as u64,
+            Err(_) => u64::MAX,
+        }
+    }
+
+    async fn dead_letters(&self) -> Vec<jetstream::Message> {
+        let stream = self.js.get_stream(&self.dead_stream).await.unwrap();
+        let reader = stream
+            .create_consumer(jetstream::consumer::pull::Config::default())
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let mut batch = reader.fetch().max_messages(100).messages().await.unwrap();
+        while let Ok(Some(m)) = tokio::time::timeout(WITHIN, batch.next()).await {
+            got.push(m.unwrap());
+        }
+        got
+    }
+
+    async fn cleanup(self) {
+        let _ = self.js.delete_stream(&self.stream).await;
+        let _ = self.js.delete_stream(&self.dead_stream).await;
+    }
+}
+
+#[tokio::test]
+async fn each_effect_happens_once_when_a_client_dies_between_commit_and_ack() {
+    const N: usize = 150;
+    let env = Env::new("inbox-nats").await;
+    let proxy = Proxy::start("127.0.0.1:4222".parse().unwrap()).unwrap();
+    let via_proxy = nats_url().replacen("127.0.0.1:4222", &proxy.addr().to_string(), 1);
+    let inbox = Inbox::new(env.db.pool.clone(), "billing").unwrap();
+    let doomed = NatsConsumer::new(inbox.clone(), env.options(via_proxy)).unwrap();
+    let survivor = NatsConsumer::new(inbox.clone(), env.options(nats_url())).unwrap();
+
+    // The doomed client loses NATS for good inside its tenth handler run:
+    // that event commits, its ack never arrives, and the server redelivers
+    // it (and the rest it held) to the survivor after ack_wait.
+    let handled = AtomicU32::new(0);
+    let doomed_handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        effect(tx, event).await?;
+        if handled.fetch_add(1, Ordering::SeqCst) == 9 {
+            proxy.set_refuse(true);
+            proxy.cut();
+        }
+        Ok(())
+    };
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let until_stopped = || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    let scenario = async {
+        // Two routes to the same subject: every event is published twice;
+        // JetStream drops a copy inside its duplicate window, the inbox any
+        // copy that arrives later.
+        let relay = env.relay(&["first", "second"]);
+        let events = (0..N)
+            .map(|n| Event::new("order.item.created", json!({ "n": n })).key(format!("k{}", n % 7)))
+            .collect();
+        assert_eq!(env.db.produce(events).await.len(), N);
+        env.db.all_published(2 * N as i64).await;
+        relay.stop().await;
+        // The relay forgets a third of its publishes in a crash; a new one
+        // publishes them again.
+        env.db.forget_a_third().await;
+        let relay = env.relay(&["first", "second"]);
+        env.db.all_published(2 * N as i64).await;
+        relay.stop().await;
+
+        wait("every message consumed and acknowledged", || async {
+            let (d, s) = (doomed.report(), survivor.report());
+            d.processed + s.processed == N as u64 && d.duplicates + s.duplicates > 0 && env.outstanding().await == 0
+        })
+        .await;
+        let _ = stop.send(true);
+    };
+    let (doomed_report, survivor_report, ()) = tokio::join!(
+        doomed.run(doomed_handler, until_stopped()),
+        survivor.run(async |tx, event| effect(tx, event).await, until_stopped()),
+        scenario
+    );
+    let (d, s) = (doomed_report.unwrap(), survivor_report.unwrap());
+    assert!(
+        handled.load(Ordering::SeqCst) >= 10,
+        "the doomed client died as planned"
+    );
+    assert!(d.reconnects >= 1, "{d:?}");
+    assert_eq!(d.processed + s.processed, N as u64, "{d:?} {s:?}");
+    assert!(s.duplicates >= 1, "the committed but unacked message came back: {s:?}");
+    env.db.assert_effects_once(N).await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
+    const GOOD: usize = 30;
+    let env = Env::new("inbox-nats-dead").await;
+    let inbox = Inbox::new(env.db.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(RetryPolicy {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(20),
+            max_delay: Duration::from_millis(100),
+            jitter: 0.0,
+        });
+    let consumer = NatsConsumer::new(inbox.clone(), env.options(nats_url())).unwrap();
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if event.event_type == "order.poison.created" {
+            return Err(HandlerError::transient("the poison pill"));
+        }
+        effect(tx, event).await
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        let mut events = Vec::new();
+        for n in 0..GOOD {
+            events.push(Event::new("order.item.created", json!({ "n": n })));
+            if n % 10 == 3 {
+                events.push(Event::new("order.poison.created", json!({ "n": 1000 + n })));
+            }
+        }
+        let ids = env.db.produce(events).await;
+        // A message no Ferry sink wrote: no headers at all.
+        env.js
+            .publish(env.subject.clone(), "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        wait("every message consumed", || async {
+            let r = consumer.report();
+            r.processed == GOOD as u64 && r.dead == 3 && r.malformed == 1 && env.outstanding().await == 0
+        })
+        .await;
+        relay.stop().await;
+        let _ = stop.send(());
+        ids
+    };
+    let (report, ids) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!(ids.len(), GOOD + 3);
+    assert_eq!((report.processed, report.dead, report.malformed), (GOOD as u64, 3, 1));
+    assert_eq!(report.retried, 6, "two retries before each death: {report:?}");
+    env.db.assert_effects_once(GOOD).await;
+
+    let dead = env.dead_letters().await;
+    assert_eq!(dead.len(), 4);
+    let mut poisoned = 0;
+    for m in &dead {
+        let headers = m.message.headers.as_ref().unwrap();
+        assert_eq!(headers.get(DEAD_CONSUMER_HEADER).unwrap().as_str(), "billing");
+        let reason = headers.get(DEAD_REASON_HEADER).unwrap().as_str();
+        match headers.get("ce-id") {
+            None => assert!(
+                reason.starts_with("malformed message: Nats-Msg-Id is missing"),
+                "{reason}"
+            ),
+            Some(id) => {
+                assert_eq!(reason, "max attempts (3) reached; last error: the poison pill");
+                let id: EventId = id.as_str().parse().unwrap();
+                let record = inbox.record(id).await.unwrap().unwrap();
+                assert_eq!((record.state.as_str(), record.attempts), ("dead", 3));
+                poisoned += 1;
+            }
+        }
+    }
+    assert_eq!(poisoned, 3);
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn bad_options_name_the_field() {
+    let db = Db::new().await;
+    let inbox = Inbox::new(db.pool.clone(), "billing").unwrap();
+    let err = NatsConsumer::new(inbox.clone(), NatsConsumerOptions::new(nats_url(), "a.b", "d", "dead")).unwrap_err();
+    assert!(err.to_string().contains("stream is \"a.b\""), "{err}");
+    let err = NatsConsumer::new(inbox.clone(), NatsConsumerOptions::new(nats_url(), "s", "", "dead")).unwrap_err();
+    assert!(err.to_string().contains("durable"), "{err}");
+    let err = NatsConsumer::new(inbox, NatsConsumerOptions::new(nats_url(), "s", "d", "dead.>")).unwrap_err();
+    assert!(err.to_string().contains("dead_letter_subject"), "{err}");
+}

@@ -1,0 +1,403 @@
+//! End to end on RabbitMQ: outbox -> relay -> broker -> consumer runner with
+//! the inbox, counting the business effect per event through a consumer cut
+//! off between its commit and its ack, deliberate double publishes, a relay
+//! that republishes after a crash, and a handler that always fails.
+
+mod support;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::{Event, EventId, RetryPolicy, Sink};
+use ferry_inbox::rabbitmq::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, RabbitMqConsumer, RabbitMqConsumerOptions};
+use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
+use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
+use ferry_testkit::pg::TestDb;
+use ferry_testkit::proxy::Proxy;
+use ferry_testkit::rabbit::{amqp_url, unique_name};
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use serde_json::json;
+use sqlx::PgConnection;
+use support::{Db, RelayRun, WITHIN, effect, number, wait};
+use tokio::sync::oneshot;
+
+/// A database with the ferry schema and an `effects` table, and a broker
+/// exchange of the test's own; the consumer declares its queues.
+struct Env {
+    db: Db,
+    exchange: String,
+    queue: String,
+    dlx: String,
+    amqp: Connection,
+    channel: Channel,
+}
+
+impl Env {
+    async fn new(prefix: &str) -> Env {
+        let db = Db::new().await;
+        let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .unwrap();
+        let channel = amqp.create_channel().await.unwrap();
+        let exchange = unique_name(prefix);
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        Env {
+            db,
+            queue: format!("{exchange}.q"),
+            dlx: format!("{exchange}.dlx"),
+            exchange,
+            amqp,
+            channel,
+        }
+    }
+
+    fn options(&self, url: String) -> RabbitMqConsumerOptions {
+        let mut o = RabbitMqConsumerOptions::new(url, &self.queue, &self.dlx)
+            .bind(&self.exchange, "#")
+            .prefetch(16);
+        o.reconnect_max_delay = Duration::from_millis(500);
+        o.timeout = Duration::from_secs(2);
+        o.database_retry_delay = Duration::from_millis(50);
+        o
+    }
+
+    /// Declares the queue and its bindings by running a consumer once, so
+    /// nothing the relay publishes is returned as unroutable.
+    async fn declare(&self, consumer: &RabbitMqConsumer) {
+        let (tx, rx) = oneshot::channel::<()>();
+        let run = consumer.run(async |_, _| Ok(()), async {
+            let _ = rx.await;
+        });
+        let stop = async {
+            wait("the queue exists", || async {
+                let ch = self.amqp.create_channel().await.unwrap();
+                let passive = QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                };
+                ch.queue_declare(self.queue.as_str().into(), passive, FieldTable::default())
+                    .await
+                    .is_ok()
+            })
+            .await;
+            let _ = tx.send(());
+        };
+        let (report, ()) = tokio::join!(run, stop);
+        assert_eq!(report.unwrap().processed, 0);
+    }
+
+    fn relay(&self, routes: &[&str]) -> RelayRun {
+        let sink = RabbitMqSink::new(RabbitMqOptions {
+            url: amqp_url(),
+            ..RabbitMqOptions::default()
+        });
+        self.db.relay(Arc::new(sink) as Arc<dyn Sink>, routes, &self.exchange)
+    }
+
+    /// Takes `n` messages off the dead-letter queue.
+    async fn dead_letters(&self, n: usize) -> Vec<lapin::message::Delivery> {
+        let ch = self.amqp.create_channel().await.unwrap();
+        let mut consumer = ch
+            .basic_consume(
+                format!("{}.dead", self.queue).as_str().into(),
+                "test".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        while got.len() < n {
+            let d = tokio::time::timeout(WITHIN, consumer.next())
+                .await
+                .expect("dead letters arrive")
+                .unwrap()
+                .unwrap();
+            d.ack(BasicAckOptions::default()).await.unwrap();
+            got.push(d);
+        }
+        // Nothing beyond the expected ones.
+        let extra = tokio::time::timeout(Duration::from_millis(300), consumer.next()).await;
+        assert!(extra.is_err(), "more dead letters than expected");
+        got
+    }
+
+    async fn cleanup(self) {
+        let ch = &self.channel;
+        for q in [self.queue.clone(), format!("{}.dead", self.queue)] {
+            let _ = ch.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+        }
+        for x in [&self.exchange, &self.dlx] {
+            let _ = ch
+                .exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default())
+                .await;
+        }
+        let _ = self.amqp.close(200, "OK".into()).await;
+    }
+}
+
+#[tokio::test]
+async fn each_effect_happens_once_through_crashes_and_duplicates() {
+    const N: usize = 300;
+    let env = Env::new("inbox-e2e").await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap()).unwrap();
+    let url = amqp_url().replacen("127.0.0.1:5672", &proxy.addr().to_string(), 1);
+    let inbox = Inbox::new(env.db.pool.clone(), "billing").unwrap();
+    let consumer = RabbitMqConsumer::new(inbox.clone(), env.options(url)).unwrap();
+    env.declare(&consumer).await;
+
+    // Every 50th event cuts the consumer's connection once, from inside its
+    // handler: the inbox commits, the ack can no longer reach the broker.
+    let crash_at: HashSet<i64> = (0..N as i64).filter(|n| n % 50 == 7).collect();
+    let crashed = Mutex::new(HashSet::new());
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        effect(tx, event).await?;
+        let n = number(event);
+        if crash_at.contains(&n) && crashed.lock().unwrap().insert(n) {
+            proxy.cut();
+        }
+        Ok(())
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(handler, async {
+        let _ = stopped.await;
+    });
+
+    let scenario = async {
+        // Two routes to the same exchange: every event is published twice.
+        let relay = env.relay(&["first", "second"]);
+        let events = (0..N)
+            .map(|n| Event::new("order.item.created", json!({ "n": n })).key(format!("k{}", n % 7)))
+            .collect();
+        let ids = env.db.produce(events).await;
+        assert_eq!(ids.len(), N);
+        env.db.all_published(2 * N as i64).await;
+        relay.stop().await;
+
+        // The relay's record of a third of its publishes is lost in a crash;
+        // a new relay publishes them again.
+        let replayed = env.db.forget_a_third().await;
+        assert!(replayed > 0);
+        let relay = env.relay(&["first", "second"]);
+        env.db.all_published(2 * N as i64).await;
+        relay.stop().await;
+
+        // Every copy delivered is either the one processing or a duplicate;
+        // each cut adds at least its own redelivery.
+        let copies = 2 * N as u64 + replayed;
+        let cuts = crash_at.len() as u64;
+        wait("every copy consumed", || async {
+            let r = consumer.report();
+            r.processed == N as u64 && r.duplicates >= copies - N as u64 + cuts
+        })
+        .await;
+        let _ = stop.send(());
+        (copies, cuts)
+    };
+    let (report, (copies, cuts)) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+
+    assert_eq!(
+        crashed.lock().unwrap().len(),
+        crash_at.len(),
+        "every planned cut happened"
+    );
+    assert_eq!(report.processed, N as u64);
+    assert!(report.duplicates >= copies - N as u64 + cuts, "{report:?}");
+    assert!(report.reconnects >= cuts, "{report:?}");
+    assert_eq!((report.retried, report.dead, report.malformed), (0, 0, 0), "{report:?}");
+    // Exactly once: every event's effect, none twice.
+    env.db.assert_effects_once(N).await;
+    assert_eq!(env.db.scalar("SELECT count(DISTINCT n) FROM effects").await, N as i64);
+    assert_eq!(
+        env.db
+            .scalar("SELECT count(*) FROM ferry.inbox WHERE consumer = 'billing' AND state = 'done'")
+            .await,
+        N as i64
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
+    const GOOD: usize = 40;
+    const POISON: usize = 3;
+    let env = Env::new("inbox-dead").await;
+    let inbox = Inbox::new(env.db.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(RetryPolicy {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(20),
+            max_delay: Duration::from_millis(100),
+            jitter: 0.0,
+        });
+    let consumer = RabbitMqConsumer::new(inbox.clone(), env.options(amqp_url())).unwrap();
+    env.declare(&consumer).await;
+
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if event.event_type == "order.poison.created" {
+            return Err(HandlerError::transient("the poison pill"));
+        }
+        effect(tx, event).await
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(handler, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        let mut events = Vec::new();
+        for n in 0..GOOD {
+            events.push(Event::new("order.item.created", json!({ "n": n })));
+            if n % 15 == 5 {
+                events.push(Event::new("order.poison.created", json!({ "n": 1000 + n })));
+            }
+        }
+        let ids = env.db.produce(events).await;
+        // A message no Ferry sink wrote: no event id at all.
+        env.channel
+            .basic_publish(
+                env.exchange.as_str().into(),
+                "order.stray.created".into(),
+                BasicPublishOptions::default(),
+                b"{}",
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        wait("every event consumed", || async {
+            let r = consumer.report();
+            r.processed == GOOD as u64 && r.dead == POISON as u64 && r.malformed == 1
+        })
+        .await;
+        relay.stop().await;
+        let dead = env.dead_letters(POISON + 1).await;
+        let _ = stop.send(());
+        (ids, dead)
+    };
+    let (report, (ids, dead)) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!(ids.len(), GOOD + POISON);
+    assert_eq!(report.processed, GOOD as u64);
+    assert_eq!(report.dead, POISON as u64);
+    assert_eq!(
+        report.retried,
+        2 * POISON as u64,
+        "two retries before each death: {report:?}"
+    );
+    assert_eq!(report.malformed, 1);
+    env.db.assert_effects_once(GOOD).await;
+
+    let header = |d: &lapin::message::Delivery, name: &str| -> Option<String> {
+        match d.properties.headers().as_ref()?.inner().get(name)? {
+            AMQPValue::LongString(s) => Some(s.to_string()),
+            other => panic!("{name} is {other:?}"),
+        }
+    };
+    let mut dead_ids = HashSet::new();
+    let mut malformed = 0;
+    for d in &dead {
+        assert_eq!(header(d, DEAD_CONSUMER_HEADER).as_deref(), Some("billing"));
+        let reason = header(d, DEAD_REASON_HEADER).unwrap();
+        if d.routing_key.as_str() == "order.stray.created" {
+            malformed += 1;
+            assert!(
+                reason.starts_with("malformed message: message_id is missing"),
+                "{reason}"
+            );
+        } else {
+            assert_eq!(d.routing_key.as_str(), "order.poison.created");
+            assert_eq!(reason, "max attempts (3) reached; last error: the poison pill");
+            dead_ids.insert(header(d, "cloudEvents:id").unwrap().parse::<EventId>().unwrap());
+        }
+    }
+    assert_eq!((dead_ids.len(), malformed), (POISON, 1));
+    for id in dead_ids {
+        let record = inbox.record(id).await.unwrap().unwrap();
+        assert_eq!((record.state.as_str(), record.attempts), ("dead", 3));
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn an_inbox_database_outage_delays_events_and_loses_none() {
+    const N: usize = 30;
+    let env = Env::new("inbox-dbdown").await;
+    // The inbox reaches PostgreSQL through a proxy; the relay directly.
+    let pg = Proxy::start("127.0.0.1:5432".parse().unwrap()).unwrap();
+    let url = env.db.url.replacen("127.0.0.1:5432", &pg.addr().to_string(), 1);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect(&url)
+        .await
+        .unwrap();
+    let consumer = RabbitMqConsumer::new(Inbox::new(pool, "billing").unwrap(), env.options(amqp_url())).unwrap();
+    env.declare(&consumer).await;
+    pg.set_refuse(true);
+    pg.cut();
+
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(async |tx, event| effect(tx, event).await, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        let events = (0..N)
+            .map(|n| Event::new("order.item.created", json!({ "n": n })))
+            .collect();
+        env.db.produce(events).await;
+        env.db.all_published(N as i64).await;
+        relay.stop().await;
+        wait("deliveries put back while the database is away", || async {
+            consumer.report().inbox_unavailable >= 10
+        })
+        .await;
+        assert_eq!(consumer.report().processed, 0);
+        pg.set_refuse(false);
+        wait("every event processed", || async {
+            consumer.report().processed == N as u64
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!(
+        (report.processed, report.dead, report.malformed),
+        (N as u64, 0, 0),
+        "{report:?}"
+    );
+    env.db.assert_effects_once(N).await;
+    env.cleanup().await;
+}
+
+#[tokio::test]
+async fn bad_options_name_the_field() {
+    let db = TestDb::create().await;
+    let inbox = Inbox::new(db.pool().await, "billing").unwrap();
+    let err = RabbitMqConsumer::new(inbox.clone(), RabbitMqConsumerOptions::new(amqp_url(), "", "dlx")).unwrap_err();
+    assert!(err.to_string().contains("queue is \"\""), "{err}");
+    let err = RabbitMqConsumer::new(inbox.clone(), RabbitMqConsumerOptions::new(amqp_url(), "q", "")).unwrap_err();
+    assert!(err.to_string().contains("dead_letter_exchange"), "{err}");
+    let options = RabbitMqConsumerOptions::new(amqp_url(), "q", "dlx").prefetch(0);
+    let err = RabbitMqConsumer::new(inbox, options).unwrap_err();
+    assert!(err.to_string().contains("prefetch"), "{err}");
+}

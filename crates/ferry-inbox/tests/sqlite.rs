@@ -1,0 +1,409 @@
+//! The SQLite inbox against a real database file per test, migrated by the
+//! SQLite store: duplicates, concurrent deliveries of one event (from one
+//! pool and from two, as two processes would), retries, dead events and
+//! retention, counting every effect.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use ferry_core::{EventId, RetryPolicy};
+use ferry_inbox::sqlite::Inbox;
+use ferry_inbox::{HandlerError, Outcome, ReceivedEvent};
+use ferry_store::sqlite::{connect_options, migrate};
+use sqlx::sqlite::SqlitePoolOptions;
+use sqlx::{SqliteConnection, SqlitePool};
+use tempfile::TempDir;
+
+struct Env {
+    pool: SqlitePool,
+    path: String,
+    _dir: TempDir,
+}
+
+async fn open(path: &str) -> SqlitePool {
+    SqlitePoolOptions::new()
+        .max_connections(8)
+        .connect_with(connect_options(path).unwrap())
+        .await
+        .unwrap()
+}
+
+async fn env() -> Env {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("inbox.db").to_str().unwrap().to_owned();
+    let pool = open(&path).await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    sqlx::query("CREATE TABLE effects (event_id TEXT NOT NULL, consumer TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    Env { pool, path, _dir: dir }
+}
+
+fn policy(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        base_delay: Duration::from_millis(10),
+        max_delay: Duration::from_millis(50),
+        jitter: 0.0,
+    }
+}
+
+fn event() -> ReceivedEvent {
+    ReceivedEvent::new(EventId::new(), "order.item.created", &b"{\"n\":1}"[..])
+}
+
+async fn effect(tx: &mut SqliteConnection, event: &ReceivedEvent, consumer: &str) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO effects (event_id, consumer) VALUES (?1, ?2)")
+        .bind(event.id.to_string())
+        .bind(consumer)
+        .execute(tx)
+        .await?;
+    Ok(())
+}
+
+async fn effects(pool: &SqlitePool, id: EventId) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM effects WHERE event_id = ?1")
+        .bind(id.to_string())
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn migrate_creates_the_inbox_table() {
+    let e = env().await;
+    let version: i64 = sqlx::query_scalar("SELECT max(version) FROM ferry_schema_migrations")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(version, 2);
+    // The key is what deduplicates: the table itself refuses a second row.
+    let insert = "INSERT INTO ferry_inbox (consumer, event_id, state, processed_at) VALUES ('c', 'e', 'done', 0)";
+    sqlx::query(insert).execute(&e.pool).await.unwrap();
+    let err = sqlx::query(insert).execute(&e.pool).await.unwrap_err();
+    assert!(
+        err.as_database_error().is_some_and(|d| d.is_unique_violation()),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_redelivery_is_skipped_and_counted_as_a_duplicate() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap();
+    let ev = event();
+    for expected in [Outcome::Processed, Outcome::Duplicate, Outcome::Duplicate] {
+        let outcome = inbox
+            .process(&ev, async |tx, ev| effect(tx, ev, "billing").await)
+            .await
+            .unwrap();
+        assert_eq!(outcome, expected);
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+    let record = inbox.record(ev.id).await.unwrap().unwrap();
+    assert_eq!((record.state.as_str(), record.attempts), ("done", 1));
+    let age = chrono::Utc::now() - record.processed_at;
+    assert!(age.num_seconds().abs() < 60, "processed_at is now: {age}");
+
+    // Another consumer of the same event has an inbox of its own.
+    let other = Inbox::new(e.pool.clone(), "shipping").unwrap();
+    let outcome = other
+        .process(&ev, async |tx, ev| effect(tx, ev, "shipping").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed);
+    assert_eq!(effects(&e.pool, ev.id).await, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_deliveries_of_one_event_take_effect_once() {
+    let e = env().await;
+    // Two pools on one file, as two consumer processes would have.
+    let pools = [e.pool.clone(), open(&e.path).await];
+    for _ in 0..5 {
+        let ev = event();
+        let runs = Arc::new(AtomicU32::new(0));
+        let tasks: Vec<_> = (0..6)
+            .map(|n| {
+                let inbox = Inbox::new(pools[n % 2].clone(), "billing").unwrap();
+                let (ev, runs) = (ev.clone(), runs.clone());
+                tokio::spawn(async move {
+                    inbox
+                        .process(&ev, async |tx, ev| {
+                            runs.fetch_add(1, Ordering::SeqCst);
+                            effect(tx, ev, "billing").await?;
+                            // Hold the transaction open so the others
+                            // arrive while it is in flight.
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            Ok(())
+                        })
+                        .await
+                        .unwrap()
+                })
+            })
+            .collect();
+        let mut outcomes = Vec::new();
+        for t in tasks {
+            outcomes.push(t.await.unwrap());
+        }
+        let processed = outcomes.iter().filter(|o| **o == Outcome::Processed).count();
+        let duplicates = outcomes.iter().filter(|o| **o == Outcome::Duplicate).count();
+        assert_eq!((processed, duplicates), (1, 5), "{outcomes:?}");
+        // The waiters never ran the handler: they queued for the write lock,
+        // then found the row done.
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+        assert_eq!(effects(&e.pool, ev.id).await, 1);
+    }
+}
+
+#[tokio::test]
+async fn a_failure_rolls_back_the_effect_and_counts_across_redeliveries() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(5));
+    let ev = event();
+    let mut outcomes = Vec::new();
+    for attempt in 1..=3 {
+        // A fresh inbox per delivery, as after a restart: the count lives in the file.
+        let inbox = Inbox::new(open(&e.path).await, "billing")
+            .unwrap()
+            .with_retry(policy(5));
+        let outcome = inbox
+            .process(&ev, async |tx, ev| {
+                effect(tx, ev, "billing").await?;
+                if attempt < 3 {
+                    return Err(HandlerError::transient(format!("flaky {attempt}")));
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
+        outcomes.push(outcome);
+        if attempt < 3 {
+            assert_eq!(
+                effects(&e.pool, ev.id).await,
+                0,
+                "the failed attempt's write rolled back"
+            );
+            let r = inbox.record(ev.id).await.unwrap().unwrap();
+            assert_eq!((r.state.as_str(), r.attempts), ("failing", attempt));
+            assert_eq!(r.last_error.as_deref(), Some(format!("flaky {attempt}").as_str()));
+        }
+    }
+    assert!(matches!(&outcomes[0], Outcome::Retry { attempts: 1, delay, .. } if *delay == Duration::from_millis(10)));
+    assert!(matches!(&outcomes[1], Outcome::Retry { attempts: 2, delay, .. } if *delay == Duration::from_millis(20)));
+    assert_eq!(outcomes[2], Outcome::Processed);
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+    let r = inbox.record(ev.id).await.unwrap().unwrap();
+    assert_eq!((r.state.as_str(), r.attempts), ("done", 3));
+}
+
+#[tokio::test]
+async fn after_the_last_attempt_the_event_is_dead_and_stays_dead() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ev = event();
+    let runs = AtomicU32::new(0);
+    let mut outcomes = Vec::new();
+    for _ in 0..5 {
+        let runs = &runs;
+        outcomes.push(
+            inbox
+                .process(&ev, async |tx, ev| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    effect(tx, ev, "billing").await?;
+                    Err(HandlerError::transient("downstream refuses"))
+                })
+                .await
+                .unwrap(),
+        );
+    }
+    assert!(matches!(outcomes[0], Outcome::Retry { attempts: 1, .. }));
+    assert!(matches!(outcomes[1], Outcome::Retry { attempts: 2, .. }));
+    let reason = "max attempts (3) reached; last error: downstream refuses".to_owned();
+    for o in &outcomes[2..] {
+        assert_eq!(
+            *o,
+            Outcome::Dead {
+                attempts: 3,
+                reason: reason.clone()
+            }
+        );
+    }
+    // Deliveries after the death never reach the handler.
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    let r = inbox.record(ev.id).await.unwrap().unwrap();
+    assert_eq!((r.state.as_str(), r.attempts), ("dead", 3));
+    assert_eq!(r.last_error, Some(reason));
+
+    // An operator releases it; the replay is handled afresh.
+    assert!(inbox.release(ev.id).await.unwrap());
+    let outcome = inbox
+        .process(&ev, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed);
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+    assert!(!inbox.release(ev.id).await.unwrap(), "done rows are never released");
+}
+
+#[tokio::test]
+async fn a_permanent_error_is_dead_at_once() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(10));
+    let ev = event();
+    let outcome = inbox
+        .process(&ev, async |_, _| Err(HandlerError::permanent("unknown order")))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::Dead {
+            attempts: 1,
+            reason: "unknown order".into()
+        }
+    );
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+}
+
+#[tokio::test]
+async fn a_database_error_in_the_handler_rolls_back_everything() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ev = event();
+    let outcome = inbox
+        .process(&ev, async |tx, ev| {
+            effect(tx, ev, "billing").await?;
+            sqlx::query("INSERT INTO no_such_table VALUES (1)").execute(tx).await?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    match outcome {
+        Outcome::Retry { attempts: 1, error, .. } => assert!(error.contains("no_such_table"), "{error}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "failing");
+}
+
+#[tokio::test]
+async fn purge_removes_old_done_rows_in_batches_and_keeps_the_rest() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(1));
+    let other = Inbox::new(e.pool.clone(), "shipping").unwrap();
+    let mut old = Vec::new();
+    for _ in 0..7 {
+        let ev = event();
+        inbox.process(&ev, async |_, _| Ok(())).await.unwrap();
+        other.process(&ev, async |_, _| Ok(())).await.unwrap();
+        old.push(ev.id);
+    }
+    let dead = event();
+    let outcome = inbox
+        .process(&dead, async |_, _| Err(HandlerError::transient("no")))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Dead { .. }));
+    // Two days ago, in microseconds.
+    sqlx::query("UPDATE ferry_inbox SET processed_at = processed_at - 172800000000")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    let recent = event();
+    inbox.process(&recent, async |_, _| Ok(())).await.unwrap();
+
+    assert_eq!(inbox.purge(Duration::from_secs(86_400), 3).await.unwrap(), 7);
+    assert_eq!(inbox.purge(Duration::from_secs(86_400), 3).await.unwrap(), 0);
+    for id in &old {
+        assert!(inbox.record(*id).await.unwrap().is_none());
+        assert!(
+            other.record(*id).await.unwrap().is_some(),
+            "another consumer's rows stay"
+        );
+    }
+    assert_eq!(inbox.record(dead.id).await.unwrap().unwrap().state, "dead");
+    assert!(inbox.record(recent.id).await.unwrap().is_some());
+    // A window longer than all time purges nothing and does not overflow.
+    assert_eq!(other.purge(Duration::MAX, 3).await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_blank_consumer_name_is_refused() {
+    let pool = SqlitePoolOptions::new().connect_lazy("sqlite::memory:").unwrap();
+    let err = Inbox::new(pool, " ").unwrap_err();
+    assert!(err.to_string().contains("consumer name"), "{err}");
+}
+
+/// Every counter increment, by metric name and `consumer` label.
+#[derive(Default, Clone)]
+struct Counts(Arc<std::sync::Mutex<std::collections::HashMap<(String, String), u64>>>);
+
+struct OneCounter {
+    key: (String, String),
+    counts: Counts,
+}
+
+impl metrics::CounterFn for OneCounter {
+    fn increment(&self, value: u64) {
+        *self.counts.0.lock().unwrap().entry(self.key.clone()).or_default() += value;
+    }
+    fn absolute(&self, value: u64) {
+        self.counts.0.lock().unwrap().insert(self.key.clone(), value);
+    }
+}
+
+impl metrics::Recorder for Counts {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let consumer = key
+            .labels()
+            .find(|l| l.key() == "consumer")
+            .map(|l| l.value().to_owned())
+            .unwrap_or_default();
+        metrics::Counter::from_arc(Arc::new(OneCounter {
+            key: (key.name().to_owned(), consumer),
+            counts: self.clone(),
+        }))
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+#[tokio::test]
+async fn every_outcome_is_counted_per_consumer() {
+    use ferry_inbox::metrics::{DEAD, DUPLICATES, PROCESSED, RETRIES};
+    let counts = Counts::default();
+    // The test's runtime has one thread, so a thread-local recorder sees all.
+    let _recorder = metrics::set_default_local_recorder(&counts);
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ok = event();
+    for _ in 0..2 {
+        inbox.process(&ok, async |_, _| Ok(())).await.unwrap();
+    }
+    let bad = event();
+    for _ in 0..4 {
+        inbox
+            .process(&bad, async |_, _| Err(HandlerError::transient("no")))
+            .await
+            .unwrap();
+    }
+    let get = |name: &str| {
+        let key = (name.to_owned(), "billing".to_owned());
+        counts.0.lock().unwrap().get(&key).copied().unwrap_or(0)
+    };
+    assert_eq!(get(PROCESSED), 1);
+    assert_eq!(get(DUPLICATES), 1);
+    assert_eq!(get(RETRIES), 2);
+    // Dead at the third attempt, and again when redelivered after that.
+    assert_eq!(get(DEAD), 2);
+}

@@ -1,0 +1,168 @@
+//! What the end-to-end tests share: a database with the ferry schema and an
+//! `effects` table, a relay publishing through a real sink, and waiting on
+//! conditions with a deadline.
+
+// Each test binary uses its own part of this module.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_core::{Event, EventId, Glob, RetryPolicy, Route, Sink, SystemClock};
+use ferry_inbox::{HandlerError, ReceivedEvent};
+use ferry_relay::{Relay, RelaySettings, RunReport};
+use ferry_store::postgres::{PgStore, enqueue_batch, migrate};
+use ferry_testkit::pg::TestDb;
+use ferry_testkit::rabbit::unique_name;
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+pub const WITHIN: Duration = Duration::from_secs(60);
+
+pub struct Db {
+    pub pool: PgPool,
+    /// The database's URL, to connect through a fault proxy.
+    pub url: String,
+    _db: TestDb,
+}
+
+impl Db {
+    pub async fn new() -> Db {
+        let db = TestDb::create().await;
+        let pool = db.pool().await;
+        migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+        // No unique constraint: a second effect of one event must show, not fail.
+        sqlx::query("CREATE TABLE effects (event_id uuid NOT NULL, n int NOT NULL)")
+            .execute(&pool)
+            .await
+            .unwrap();
+        Db {
+            pool,
+            url: db.url().to_owned(),
+            _db: db,
+        }
+    }
+
+    /// A relay with one route per name, all to `destination` on `sink`.
+    pub fn relay(&self, sink: Arc<dyn Sink>, routes: &[&str], destination: &str) -> RelayRun {
+        let routes = routes
+            .iter()
+            .map(|name| Route {
+                name: (*name).into(),
+                matcher: Glob::new("**").unwrap(),
+                sink: "sink".into(),
+                destination: destination.into(),
+                routing_key: None,
+            })
+            .collect();
+        let settings = RelaySettings {
+            batch_size: 100,
+            lease: Duration::from_secs(3),
+            retry: RetryPolicy {
+                max_attempts: 20,
+                base_delay: Duration::from_millis(20),
+                max_delay: Duration::from_millis(200),
+                jitter: 0.2,
+            },
+            ..RelaySettings::new(unique_name("relay"))
+        };
+        let sinks = HashMap::from([("sink".to_owned(), sink)]);
+        let relay = Relay::new(PgStore::new(self.pool.clone()), SystemClock, settings, routes, sinks).unwrap();
+        let (stop, rx) = oneshot::channel();
+        let handle = tokio::spawn(async move {
+            relay
+                .run(async {
+                    let _ = rx.await;
+                })
+                .await
+                .unwrap()
+        });
+        RelayRun { stop, handle }
+    }
+
+    pub async fn produce(&self, events: Vec<Event>) -> Vec<EventId> {
+        let mut tx = self.pool.begin().await.unwrap();
+        let ids = enqueue_batch(&mut tx, events).await.unwrap();
+        tx.commit().await.unwrap();
+        ids.into_iter().map(|e| e.id).collect()
+    }
+
+    pub async fn scalar(&self, sql: &'static str) -> i64 {
+        sqlx::query_scalar(sql).fetch_one(&self.pool).await.unwrap()
+    }
+
+    /// Waits until every delivery of `routes` routes of `n` events is published.
+    pub async fn all_published(&self, deliveries: i64) {
+        wait("every delivery published", || async {
+            self.scalar("SELECT count(*) FROM ferry.deliveries WHERE state = 'published'")
+                .await
+                == deliveries
+        })
+        .await;
+    }
+
+    /// Forgets that a third of the deliveries were published, as a crash of
+    /// the relay between publishing and recording does (see ARCHITECTURE.md,
+    /// durability); returns how many.
+    pub async fn forget_a_third(&self) -> u64 {
+        sqlx::query(
+            "UPDATE ferry.deliveries SET state = 'pending', attempts = 0, published_at = NULL WHERE seq % 3 = 0",
+        )
+        .execute(&self.pool)
+        .await
+        .unwrap()
+        .rows_affected()
+    }
+
+    /// Exactly one effect per event: `n` rows, `n` distinct events.
+    pub async fn assert_effects_once(&self, n: usize) {
+        assert_eq!(self.scalar("SELECT count(*) FROM effects").await, n as i64, "effects");
+        assert_eq!(
+            self.scalar("SELECT count(DISTINCT event_id) FROM effects").await,
+            n as i64,
+            "distinct events with an effect"
+        );
+    }
+}
+
+pub struct RelayRun {
+    stop: oneshot::Sender<()>,
+    handle: JoinHandle<RunReport>,
+}
+
+impl RelayRun {
+    pub async fn stop(self) -> RunReport {
+        let _ = self.stop.send(());
+        self.handle.await.unwrap()
+    }
+}
+
+/// Polls `cond` until it holds, failing the test after [`WITHIN`].
+pub async fn wait<F: Future<Output = bool>>(what: &str, mut cond: impl FnMut() -> F) {
+    let deadline = tokio::time::Instant::now() + WITHIN;
+    while !cond().await {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The business effect: one row per handling.
+pub async fn effect(tx: &mut PgConnection, event: &ReceivedEvent) -> Result<(), HandlerError> {
+    sqlx::query("INSERT INTO effects (event_id, n) VALUES ($1, $2)")
+        .bind(event.id.0)
+        .bind(number(event) as i32)
+        .execute(tx)
+        .await?;
+    Ok(())
+}
+
+/// The test events' payload `{"n": ...}`.
+pub fn number(event: &ReceivedEvent) -> i64 {
+    event
+        .json::<serde_json::Value>()
+        .ok()
+        .and_then(|v| v["n"].as_i64())
+        .unwrap_or(-1)
+}
