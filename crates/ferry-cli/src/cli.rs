@@ -23,16 +23,51 @@ pub enum Command {
     /// Run the relay until SIGTERM or SIGINT.
     Run,
     /// Show deliveries per route and state, the oldest waiting work, blocked
-    /// keys, dead reasons and relay leases.
+    /// keys, dead reasons and relay leases. Exits 3 when a threshold of the
+    /// config's [alerts] section is breached, so it can serve as a check.
     Status {
         /// Print JSON instead of tables.
         #[arg(long)]
         json: bool,
     },
+    /// List deliveries by state, route, type, key, time or error, a page at
+    /// a time.
+    List(crate::commands::list::ListArgs),
+    /// Show one event: headers, payload, and per route every failed attempt
+    /// and operator action.
+    Show(crate::commands::show::ShowArgs),
+    /// Send dead or cancelled deliveries again, with a fresh attempt count;
+    /// pending and in-flight ones are refused. Exits 1 if any were refused.
+    Requeue(crate::commands::requeue::RequeueArgs),
+    /// Cancel deliveries with a reason, unblocking their key; one a relay may
+    /// be publishing right now is refused. Exits 1 if any were refused.
+    Cancel(crate::commands::cancel::CancelArgs),
+    /// Follow delivery outcomes live (route, type, key, latency, outcome)
+    /// until Ctrl-C.
+    Tail(crate::commands::tail::TailArgs),
+    /// Ferry end to end with no server: a shop commits orders and their
+    /// events to SQLite, the relay delivers them to a local webhook (down for
+    /// a while on purpose) and stdout, and a summary checks every guarantee.
+    #[cfg(feature = "demo")]
+    Demo(crate::demo::DemoArgs),
     /// Measure drain rate, latency, idle cost, producer cost and a hot key on
     /// this machine, beside the broker's own rate; optionally write the
     /// report to docs/BENCHMARKS.md. Needs no config file.
     Bench(crate::bench::BenchArgs),
+    /// Run retention now, with the same rules as the background job:
+    /// delete settled events past their window, archiving them first when
+    /// `retention.archive_dir` is set.
+    Purge {
+        /// Count what would be deleted; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Capture a table's changes as events with triggers, for code paths
+    /// that cannot call the producer API (add, refresh, list, remove).
+    Capture(crate::commands::capture::CaptureArgs),
     /// Check the configuration, the database schema and every route's
     /// destination; exit non-zero on any problem.
     Check {

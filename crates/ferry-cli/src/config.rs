@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -20,10 +20,14 @@ use figment::providers::{Format, Toml};
 
 use crate::duration::{format_duration, parse_duration};
 
+mod otel;
 mod raw;
 mod sinks;
 
-use raw::{DurationText, EnvOverrides, RawConfig, RawDatabase, RawLog, RawRelay, RawRoute, extract};
+use raw::{
+    DurationText, EnvOverrides, RawAlerts, RawConfig, RawDatabase, RawLog, RawRelay, RawRetention, RawRoute, extract,
+};
+pub use otel::TracingConfig;
 pub use sinks::{FileSpec, KafkaSpec, NatsSpec, RedisSpec, WebhookSpec};
 
 /// Environment variables starting with this (and containing `__`) override
@@ -38,6 +42,10 @@ pub struct Config {
     /// Where the Prometheus endpoint listens; `None` serves no metrics.
     pub metrics: Option<SocketAddr>,
     pub log: LogConfig,
+    pub retention: RetentionConfig,
+    pub alerts: AlertsConfig,
+    /// OpenTelemetry export; `None` exports no spans.
+    pub tracing: Option<TracingConfig>,
     /// Sinks by name, as routes refer to them.
     pub sinks: BTreeMap<String, SinkSpec>,
     /// In file order.
@@ -47,7 +55,8 @@ pub struct Config {
 /// The outbox database.
 #[derive(Clone, PartialEq, Eq)]
 pub struct DatabaseConfig {
-    /// A `postgres://` or `postgresql://` URL.
+    /// A `postgres://` or `postgresql://` URL, or `sqlite://path` (one relay
+    /// per database file).
     pub url: String,
     /// Upper bound of the relay's connection pool.
     pub max_connections: u32,
@@ -76,6 +85,41 @@ pub struct RelaySettings {
     pub shutdown_timeout: Duration,
 }
 
+/// Retention: which settled events are deleted, when, and whether they are
+/// archived first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetentionConfig {
+    /// Whether `ferry run` deletes in the background; `ferry purge` runs
+    /// either way.
+    pub enabled: bool,
+    /// Events whose deliveries are all published go this long after the
+    /// last publish.
+    pub published_window: Duration,
+    /// Events with a dead or cancelled delivery go this long after it
+    /// settled; `None` ("never") keeps them until an operator acts.
+    pub dead_window: Option<Duration>,
+    /// Events deleted per short transaction.
+    pub batch_size: usize,
+    /// Rest between batches, so the relay never queues behind retention.
+    pub batch_pause: Duration,
+    /// How often `ferry run` runs retention.
+    pub interval: Duration,
+    /// Each batch is written here (gzipped JSON lines) and fsynced before it
+    /// is deleted.
+    pub archive_dir: Option<PathBuf>,
+}
+
+impl RetentionConfig {
+    pub fn rules(&self) -> ferry_store::RetentionRules {
+        ferry_store::RetentionRules {
+            published: self.published_window,
+            settled: self.dead_window,
+            batch_size: self.batch_size,
+            pause: self.batch_pause,
+        }
+    }
+}
+
 /// Logging.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogConfig {
@@ -92,6 +136,19 @@ pub enum LogFormat {
     Json,
 }
 
+/// Thresholds `ferry status` checks, so that it can serve as a monitoring
+/// check: a breach makes it exit 3. An unset threshold is not checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AlertsConfig {
+    /// The oldest event still waiting, to be routed or published, on any
+    /// route.
+    pub max_pending_age: Option<Duration>,
+    /// Dead deliveries on one route.
+    pub max_dead: Option<u64>,
+    /// Keys held back by a failed or dead delivery on one route.
+    pub max_blocked_keys: Option<u64>,
+}
+
 /// A configured destination; routes name it.
 #[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -104,6 +161,9 @@ pub enum SinkSpec {
         publish_timeout: Duration,
         /// Larger events are dead at once: the broker would reject them.
         max_message_bytes: usize,
+        /// The management API that `check` asks for bindings; default
+        /// derived from `url`.
+        management_url: Option<String>,
     },
     /// Kafka, through an idempotent producer.
     Kafka(KafkaSpec),
@@ -148,11 +208,13 @@ impl fmt::Debug for SinkSpec {
                 url,
                 publish_timeout,
                 max_message_bytes,
+                management_url,
             } => f
                 .debug_struct("RabbitMq")
                 .field("url", &redact_url(url))
                 .field("publish_timeout", publish_timeout)
                 .field("max_message_bytes", max_message_bytes)
+                .field("management_url", &management_url.as_deref().map(redact_url))
                 .finish(),
             SinkSpec::Kafka(k) => f.debug_tuple("Kafka").field(k).finish(),
             SinkSpec::Nats(n) => f.debug_tuple("Nats").field(n).finish(),
@@ -249,9 +311,9 @@ pub fn load_with_env(
     validate(raw, path.is_some())
 }
 
-/// Parses a config from TOML text alone, without the environment: the
-/// tests' way in, which no process environment can disturb.
-#[cfg(test)]
+/// Parses a config from TOML text alone, without the environment: for
+/// configs Ferry writes itself (`ferry demo`) and for tests, which no
+/// process environment can disturb.
 pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
     let raw = extract(&Figment::from(Toml::string(toml)), "config")?;
     validate(raw, true)
@@ -267,6 +329,11 @@ const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(500);
 const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(300);
 const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(60);
 const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_PUBLISHED_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
+const DEFAULT_DEAD_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
+const DEFAULT_RETENTION_BATCH: usize = 1_000;
+const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(50);
+const DEFAULT_RETENTION_INTERVAL: Duration = Duration::from_secs(300);
 const TEMPLATE_PLACEHOLDERS: [&str; 4] = ["type", "domain", "key", "id"];
 
 /// Collects problems; each check returns a usable value (the default when
@@ -364,6 +431,9 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
             }
         });
     let log = log(&mut check, raw.log);
+    let retention = retention(&mut check, raw.retention);
+    let alerts = alerts(&mut check, raw.alerts);
+    let tracing = otel::tracing(&mut check, raw.tracing);
     // Routes are checked against every sink the file declares, so a sink with
     // a problem of its own does not also show up as "no sink named".
     let declared: BTreeSet<String> = raw.sinks.keys().cloned().collect();
@@ -394,6 +464,9 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
         relay,
         metrics,
         log,
+        retention,
+        alerts,
+        tracing,
         sinks,
         routes,
     })
@@ -423,7 +496,11 @@ fn database(check: &mut Checker, raw: RawDatabase, from_file: bool) -> DatabaseC
         };
     };
     // Only the scheme is echoed: the rest may hold a password.
-    let scheme = url.split_once("://").map(|(s, _)| s.to_ascii_lowercase());
+    let scheme = if url.to_ascii_lowercase().starts_with("sqlite:") {
+        Some("sqlite".to_owned())
+    } else {
+        url.split_once("://").map(|(s, _)| s.to_ascii_lowercase())
+    };
     match scheme.as_deref() {
         Some("postgres" | "postgresql") => {
             if let Err(e) = sqlx::postgres::PgConnectOptions::from_str(&url) {
@@ -435,13 +512,23 @@ fn database(check: &mut Checker, raw: RawDatabase, from_file: bool) -> DatabaseC
                 );
             }
         }
+        #[cfg(feature = "sqlite")]
+        Some("sqlite") => {
+            if let Err(e) = sqlx::sqlite::SqliteConnectOptions::from_str(&url) {
+                check.problem(
+                    "database.url",
+                    format!("not a valid SQLite URL ({e}); write it like sqlite://path/to/ferry.db"),
+                );
+            }
+        }
+        #[cfg(not(feature = "sqlite"))]
         Some("sqlite") => check.problem(
             "database.url",
-            "SQLite is not supported yet; use a postgres:// or postgresql:// URL",
+            "this ferry was built without SQLite; rebuild it with `--features sqlite`, or use a postgres:// URL",
         ),
         Some(other) => check.problem(
             "database.url",
-            format!("unsupported database {other:?}; use a postgres:// or postgresql:// URL"),
+            format!("unsupported database {other:?}; use a postgres:// or sqlite:// URL"),
         ),
         None => check.problem(
             "database.url",
@@ -527,6 +614,78 @@ fn hostname() -> String {
         }
     }
     "ferry".to_owned()
+}
+
+fn retention(check: &mut Checker, raw: RawRetention) -> RetentionConfig {
+    let second = Duration::from_secs(1);
+    let published_window = check.duration_at_least(
+        "retention.published_window",
+        raw.published_window,
+        DEFAULT_PUBLISHED_WINDOW,
+        second,
+    );
+    let dead_window = match raw.dead_window {
+        Some(text) if text.0.trim() == "never" => None,
+        raw => Some(check.duration_at_least("retention.dead_window", raw, DEFAULT_DEAD_WINDOW, second)),
+    };
+    if let Some(dead) = dead_window
+        && dead < published_window
+    {
+        check.problem(
+            "retention.dead_window",
+            format!(
+                "{} is shorter than retention.published_window ({}); dead and cancelled events are kept at \
+                 least as long as published ones, so raise dead_window or set it to \"never\"",
+                format_duration(dead),
+                format_duration(published_window)
+            ),
+        );
+    }
+    let archive_dir = match raw.archive_dir {
+        Some(dir) if dir.trim().is_empty() => {
+            check.problem(
+                "retention.archive_dir",
+                "must not be empty; name a directory, or remove it to delete without archiving",
+            );
+            None
+        }
+        dir => dir.map(PathBuf::from),
+    };
+    RetentionConfig {
+        enabled: raw.enabled.unwrap_or(true),
+        published_window,
+        dead_window,
+        batch_size: check.integer(
+            "retention.batch_size",
+            raw.batch_size,
+            DEFAULT_RETENTION_BATCH,
+            1,
+            Some(MAX_BATCH_SIZE),
+        ),
+        batch_pause: check.duration("retention.batch_pause", raw.batch_pause, DEFAULT_RETENTION_PAUSE),
+        interval: check.duration_at_least("retention.interval", raw.interval, DEFAULT_RETENTION_INTERVAL, second),
+        archive_dir,
+    }
+}
+
+fn alerts(check: &mut Checker, raw: RawAlerts) -> AlertsConfig {
+    let max_pending_age = raw.max_pending_age.map(|text| {
+        check.duration_at_least(
+            "alerts.max_pending_age",
+            Some(text),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        )
+    });
+    AlertsConfig {
+        max_pending_age,
+        max_dead: raw
+            .max_dead
+            .map(|n| check.integer("alerts.max_dead", Some(n), 0, 0, None)),
+        max_blocked_keys: raw
+            .max_blocked_keys
+            .map(|n| check.integer("alerts.max_blocked_keys", Some(n), 0, 0, None)),
+    }
 }
 
 fn log(check: &mut Checker, raw: RawLog) -> LogConfig {

@@ -5,9 +5,15 @@ mod bench;
 mod cli;
 mod commands;
 mod config;
+#[cfg(feature = "demo")]
+mod demo;
 mod duration;
+mod health;
 mod sinks;
+mod store;
 mod telemetry;
+#[cfg(feature = "otel")]
+mod tracing_otel;
 
 use std::process::ExitCode;
 

@@ -16,12 +16,14 @@ pub fn build(cfg: &Config) -> Result<HashMap<String, Arc<dyn Sink>>, UsageError>
                 url,
                 publish_timeout,
                 max_message_bytes,
+                management_url,
             } => {
                 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
                 Arc::new(RabbitMqSink::new(RabbitMqOptions {
                     url: url.clone(),
                     publish_timeout: *publish_timeout,
                     max_message_bytes: *max_message_bytes,
+                    management_url: management_url.clone(),
                     ..RabbitMqOptions::default()
                 }))
             }

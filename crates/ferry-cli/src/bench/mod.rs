@@ -28,6 +28,7 @@ mod producer;
 mod progress;
 mod relay;
 mod report;
+mod retention;
 mod sinks;
 mod topology;
 mod workload;
@@ -73,6 +74,15 @@ pub struct BenchArgs {
     /// Concurrent connections in the producer runs.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub producer_clients: u32,
+    /// Events per second in the retention run.
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub retention_rate: u32,
+    /// How long the retention run produces.
+    #[arg(long, value_name = "SECONDS", default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    pub retention_seconds: u64,
+    /// How long published events are kept in the retention run.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = crate::duration::parse_duration)]
+    pub retention_window: std::time::Duration,
     #[command(flatten)]
     pub sinks: Box<SinkArgs>,
     /// Run only these scenarios (comma-separated). The broker baseline runs
@@ -112,6 +122,8 @@ pub enum Scenario {
     Producer,
     Hotkey,
     Sinks,
+    /// Not in the default set: it takes `--retention-seconds` (10 minutes).
+    Retention,
 }
 
 fn positive_usize(s: &str) -> Result<usize, String> {
@@ -129,7 +141,7 @@ pub(crate) struct Ctx<'a> {
 
 impl BenchArgs {
     fn runs(&self, scenario: Scenario) -> bool {
-        self.only.is_empty() || self.only.contains(&scenario)
+        (self.only.is_empty() && scenario != Scenario::Retention) || self.only.contains(&scenario)
     }
 
     fn describe(&self) -> String {
@@ -205,6 +217,9 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
     }
     if args.runs(Scenario::Producer) {
         report.producer = producer::run(ctx).await?;
+    }
+    if args.runs(Scenario::Retention) {
+        report.retention = Some(retention::run(ctx).await?);
     }
     if args.runs(Scenario::Sinks) {
         #[cfg(feature = "bench-sinks")]

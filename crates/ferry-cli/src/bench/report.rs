@@ -82,6 +82,7 @@ pub(crate) struct Report {
     pub producer: Vec<ProducerResult>,
     pub hotkey: Option<DrainResult>,
     pub sinks: Option<SinksResult>,
+    pub retention: Option<super::retention::RetentionResult>,
     pub wall: Option<Duration>,
 }
 
@@ -124,6 +125,24 @@ impl Report {
                 None => "–",
             };
             let _ = writeln!(out, "| {} | {} | {} | {met} |", row.scenario, row.figure, row.target);
+        }
+        if let Some(r) = &self.retention {
+            let _ = writeln!(
+                out,
+                "\n### Retention: outbox size under {} events/s for {} s, published window {} s\n",
+                r.rate,
+                r.seconds,
+                r.window.as_secs()
+            );
+            let _ = writeln!(
+                out,
+                "{} events sent, {} deleted by retention; size at the end over size once the window was \
+                 full: {}.\n",
+                thousands(r.sent),
+                thousands(r.deleted),
+                r.growth().map_or_else(|| "–".into(), |g| format!("{g:.2}x"))
+            );
+            out.push_str(&r.table());
         }
         out
     }

@@ -16,6 +16,10 @@ struct Finding {
 pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     let mut findings = Vec::new();
     findings.push(check_database(cfg).await);
+    // Table capture exists on PostgreSQL only.
+    if !crate::store::is_sqlite(&cfg.database.url) {
+        findings.extend(check_captures(cfg).await);
+    }
     let sinks = sinks::build(cfg)?;
     for (i, route) in cfg.routes.iter().enumerate() {
         let sink = &sinks[&route.sink];
@@ -64,43 +68,38 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
 
 async fn check_database(cfg: &Config) -> Finding {
     let what = format!("database {}", super::redact(&cfg.database.url));
-    let mut conn = match super::connect(cfg).await {
-        Ok(c) => c,
-        Err(e) => {
-            return Finding {
-                what,
-                ok: false,
-                detail: format!("{e:#}"),
-            };
-        }
+    let found = match super::store(cfg) {
+        Ok(store) => store.schema_version().await.map_err(|e| {
+            format!("cannot connect to the database ({}): {e}", super::redact(&cfg.database.url))
+        }),
+        Err(e) => Err(format!("{e:#}")),
     };
-    let known = ferry_store::postgres::MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
-    let found: Result<Option<i32>, _> = sqlx::query_scalar("SELECT max(version) FROM ferry.schema_migrations")
-        .fetch_one(&mut conn)
-        .await;
-    match found {
-        Ok(Some(v)) if v == known => Finding {
-            what,
-            ok: true,
-            detail: format!("schema at version {v}"),
-        },
-        Ok(Some(v)) if v > known => Finding {
-            what,
+    let (ok, detail) = match found {
+        Ok((Some(v), known)) if v == known => (true, format!("schema at version {v}")),
+        Ok((Some(v), known)) if v > known => (false, format!("schema version {v} is newer than this ferry ({known})")),
+        Ok((Some(v), known)) => (false, format!("schema at version {v}, want {known}; run `ferry migrate`")),
+        Ok((None, _)) => (false, "no ferry schema; run `ferry migrate`".into()),
+        Err(detail) => (false, detail),
+    };
+    Finding { what, ok, detail }
+}
+
+/// A finding per captured table: its trigger matches the table, or is out
+/// of date with the fix. A database that cannot be reached is already a
+/// finding of its own.
+async fn check_captures(cfg: &Config) -> Vec<Finding> {
+    let Ok(mut conn) = super::connect(cfg).await else {
+        return Vec::new();
+    };
+    match super::capture::check_findings(&mut conn).await {
+        Ok(found) => found
+            .into_iter()
+            .map(|(what, ok, detail)| Finding { what, ok, detail })
+            .collect(),
+        Err(e) => vec![Finding {
+            what: "captured tables".into(),
             ok: false,
-            detail: format!("schema version {v} is newer than this ferry ({known})"),
-        },
-        Ok(v) => Finding {
-            what,
-            ok: false,
-            detail: format!(
-                "schema at version {}, want {known}; run `ferry migrate`",
-                v.unwrap_or(0)
-            ),
-        },
-        Err(_) => Finding {
-            what,
-            ok: false,
-            detail: "no ferry schema; run `ferry migrate`".into(),
-        },
+            detail: format!("{e:#}"),
+        }],
     }
 }

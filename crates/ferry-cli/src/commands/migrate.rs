@@ -1,13 +1,15 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ferry_store::postgres::migrate;
 
 use crate::config::Config;
 
 pub async fn run(cfg: &Config) -> anyhow::Result<ExitCode> {
-    let mut conn = super::connect(cfg).await?;
-    let applied = migrate(&mut conn).await.context("migrating the ferry schema")?;
+    let store = super::store(cfg)?;
+    let applied = store
+        .migrate()
+        .await
+        .with_context(|| format!("migrating the ferry schema at {}", super::redact(&cfg.database.url)))?;
     if applied.is_empty() {
         println!("ferry schema is up to date");
     } else {

@@ -1,12 +1,21 @@
+pub mod cancel;
+pub mod capture;
 mod check;
+pub mod list;
 mod migrate;
+mod purge;
+pub mod requeue;
 mod run;
+pub mod show;
 mod status;
+pub mod tail;
 
 use std::process::ExitCode;
 
 use anyhow::Context;
-use ferry_store::postgres::PgStore;
+use crate::store::AnyStore;
+
+pub(crate) use run::relay_settings;
 
 use crate::cli::{Cli, Command};
 use crate::config::{self, Config};
@@ -17,16 +26,28 @@ use crate::config::{self, Config};
 pub struct UsageError(pub String);
 
 pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
-    if let Command::Bench(args) = cli.command {
-        return crate::bench::run(args).await;
+    match cli.command {
+        Command::Bench(args) => return crate::bench::run(args).await,
+        #[cfg(feature = "demo")]
+        Command::Demo(args) => return crate::demo::run(args).await,
+        _ => {}
     }
     let cfg = config::load(cli.config.as_deref()).map_err(|e| UsageError(e.to_string()))?;
     match cli.command {
         Command::Bench(_) => unreachable!("handled above"),
+        #[cfg(feature = "demo")]
+        Command::Demo(_) => unreachable!("handled above"),
         Command::Migrate => migrate::run(&cfg).await,
         Command::Run => run::run(cfg).await,
         Command::Status { json } => status::run(&cfg, json).await,
+        Command::List(args) => list::run(&cfg, args).await,
+        Command::Show(args) => show::run(&cfg, args).await,
+        Command::Requeue(args) => requeue::run(&cfg, args).await,
+        Command::Cancel(args) => cancel::run(&cfg, args).await,
+        Command::Tail(args) => tail::run(&cfg, args).await,
+        Command::Capture(args) => capture::run(&cfg, args).await,
         Command::Check { json } => check::run(&cfg, json).await,
+        Command::Purge { dry_run, json } => purge::run(&cfg, dry_run, json).await,
     }
 }
 
@@ -34,8 +55,9 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
     if err.is::<UsageError>() { 2 } else { 1 }
 }
 
-pub(crate) fn store(cfg: &Config) -> anyhow::Result<PgStore> {
-    PgStore::connect_lazy(&cfg.database.url, cfg.database.max_connections).map_err(|e| UsageError(e.message).into())
+/// The outbox store `database.url` names (PostgreSQL or SQLite).
+pub(crate) fn store(cfg: &Config) -> anyhow::Result<AnyStore> {
+    AnyStore::open(cfg).map_err(|e| UsageError(e.message).into())
 }
 
 pub(crate) async fn connect(cfg: &Config) -> anyhow::Result<sqlx::PgConnection> {

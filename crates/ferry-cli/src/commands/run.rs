@@ -1,21 +1,32 @@
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use ferry_core::{ErrorKind, SystemClock};
 use ferry_relay::{Relay, RelaySettings};
+use tokio::sync::watch;
 use tracing::{info, warn};
 
-use super::UsageError;
+use super::{UsageError, purge};
 use crate::config::Config;
-use crate::{sinks, telemetry};
+use crate::{health, sinks, telemetry};
 
 pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
-    telemetry::init_logs(&cfg.log);
-    if let Some(addr) = cfg.metrics {
-        telemetry::serve_metrics(addr)?;
-        info!(%addr, "serving Prometheus metrics at /metrics");
-    }
+    #[cfg(feature = "otel")]
+    let exporting = init_telemetry(&cfg)?;
+    #[cfg(not(feature = "otel"))]
+    init_telemetry(&cfg)?;
+    let metrics = match cfg.metrics {
+        Some(addr) => Some((addr, telemetry::install_metrics(addr)?)),
+        None => None,
+    };
     let store = super::store(&cfg)?;
+    if cfg.retention.enabled
+        && let Some(dir) = &cfg.retention.archive_dir
+    {
+        purge::check_archive_dir(dir)?;
+    }
     let sinks = sinks::build(&cfg)?;
     // A route to nowhere is reported before any event is lost to it.
     let mut refused = Vec::new();
@@ -31,17 +42,59 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
     if !refused.is_empty() {
         return Err(UsageError(format!("routes reach no destination:\n  {}", refused.join("\n  "))).into());
     }
-    let settings = RelaySettings {
-        id: ferry_core::RelayId(cfg.relay.id.clone()),
-        batch_size: cfg.relay.batch_size,
-        lease: cfg.relay.lease,
-        retry: cfg.retry_policy(),
-        poll_interval: cfg.relay.poll_interval,
-        shutdown_timeout: cfg.relay.shutdown_timeout,
+    let relay = Relay::new(
+        store.clone(),
+        SystemClock,
+        relay_settings(&cfg),
+        cfg.routes.clone(),
+        sinks.clone(),
+    )
+    .map_err(|e| UsageError(e.to_string()))?;
+    // Beside the relay: retention, which stops on the signal (a batch in
+    // flight finishes), and the health and metrics endpoint, which serves
+    // until the relay has drained and stopped.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (stopped_tx, stopped_rx) = watch::channel(false);
+    let mut beside = Vec::new();
+    if let Some((addr, handle)) = metrics {
+        // A batch may take a publish timeout or two; a relay with work that
+        // claimed and published nothing for this long is stuck.
+        let stalled_after = (cfg.relay.lease * 2).max(Duration::from_secs(30));
+        let health = health::Health::new(&cfg.routes, relay.progress(), stalled_after);
+        beside.push(health::serve(addr, handle, health.clone(), stopped_rx.clone()).await?);
+        beside.push(tokio::spawn(health::probe(
+            Arc::new(store.clone()),
+            sinks,
+            cfg.routes.clone(),
+            health,
+            stopped_rx,
+        )));
+        info!(%addr, "serving /metrics, /healthz and /readyz");
+    }
+    if cfg.retention.enabled {
+        beside.push(tokio::spawn(purge::background(
+            Arc::new(store),
+            cfg.retention.clone(),
+            stop_rx,
+        )));
+    }
+    let shutdown = async {
+        shutdown_signal().await;
+        let _ = stop_tx.send(true);
     };
-    let relay =
-        Relay::new(store, SystemClock, settings, cfg.routes.clone(), sinks).map_err(|e| UsageError(e.to_string()))?;
-    let report = relay.run(shutdown_signal()).await.context("the relay stopped")?;
+    let result = relay.run(shutdown).await;
+    let _ = stop_tx.send(true);
+    let _ = stopped_tx.send(true);
+    for task in beside {
+        if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
+            warn!("a background task did not stop within 10s");
+        }
+    }
+    #[cfg(feature = "otel")]
+    if let Some(exporting) = exporting {
+        exporting.shutdown().await;
+    }
+    let report = result.context("the relay stopped")?;
     info!(
         published = report.published,
         retried = report.retried,
@@ -49,6 +102,46 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
         "bye"
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Logs, and with `[tracing]` the span exporter, which `run` flushes when
+/// the relay has stopped.
+#[cfg(feature = "otel")]
+fn init_telemetry(cfg: &Config) -> anyhow::Result<Option<crate::tracing_otel::Exporting>> {
+    let Some(tracing) = &cfg.tracing else {
+        telemetry::init_logs(&cfg.log);
+        return Ok(None);
+    };
+    let (layer, exporting) = crate::tracing_otel::layer(tracing, cfg.relay.batch_size)?;
+    telemetry::init_logs_with(&cfg.log, Some(layer));
+    info!(url = %tracing.traces_url, ratio = tracing.sample_ratio, "exporting spans over OTLP/HTTP");
+    Ok(Some(exporting))
+}
+
+#[cfg(not(feature = "otel"))]
+fn init_telemetry(cfg: &Config) -> anyhow::Result<()> {
+    if cfg.tracing.is_some() {
+        return Err(UsageError(
+            "tracing.otlp_endpoint: this ferry was built without the `otel` feature; \
+             rebuild with it or remove the [tracing] section"
+                .into(),
+        )
+        .into());
+    }
+    telemetry::init_logs(&cfg.log);
+    Ok(())
+}
+
+/// The relay's settings from the `[relay]` section.
+pub(crate) fn relay_settings(cfg: &Config) -> RelaySettings {
+    RelaySettings {
+        id: ferry_core::RelayId(cfg.relay.id.clone()),
+        batch_size: cfg.relay.batch_size,
+        lease: cfg.relay.lease,
+        retry: cfg.retry_policy(),
+        poll_interval: cfg.relay.poll_interval,
+        shutdown_timeout: cfg.relay.shutdown_timeout,
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -26,6 +26,12 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) log: RawLog,
     #[serde(default)]
+    pub(super) retention: RawRetention,
+    #[serde(default)]
+    pub(super) alerts: RawAlerts,
+    #[serde(default)]
+    pub(super) tracing: RawTracing,
+    #[serde(default)]
     pub(super) sinks: BTreeMap<String, RawSink>,
     #[serde(default)]
     pub(super) routes: Vec<RawRoute>,
@@ -66,6 +72,34 @@ pub(super) struct RawLog {
     pub(super) level: Option<String>,
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRetention {
+    pub(super) enabled: Option<bool>,
+    pub(super) published_window: Option<DurationText>,
+    pub(super) dead_window: Option<DurationText>,
+    pub(super) batch_size: Option<i64>,
+    pub(super) batch_pause: Option<DurationText>,
+    pub(super) interval: Option<DurationText>,
+    pub(super) archive_dir: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAlerts {
+    pub(super) max_pending_age: Option<DurationText>,
+    pub(super) max_dead: Option<i64>,
+    pub(super) max_blocked_keys: Option<i64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTracing {
+    pub(super) otlp_endpoint: Option<String>,
+    pub(super) service_name: Option<String>,
+    pub(super) sample_ratio: Option<f64>,
+}
+
 /// The fields of every sink kind side by side, so that a field set on the
 /// wrong kind gets a message saying which kind it belongs to.
 #[derive(Debug, Default, Deserialize)]
@@ -73,6 +107,7 @@ pub(super) struct RawLog {
 pub(super) struct RawSink {
     pub(super) kind: Option<String>,
     pub(super) url: Option<String>,
+    pub(super) management_url: Option<String>,
     pub(super) publish_timeout: Option<DurationText>,
     pub(super) max_message_bytes: Option<i64>,
     pub(super) reconnect_max_delay: Option<DurationText>,

@@ -197,8 +197,9 @@ fn redact_token_url(url: &str) -> String {
 }
 
 /// Each kind-specific field and the kinds that take it.
-const KIND_FIELDS: [(&str, &[&str]); 15] = [
+const KIND_FIELDS: [(&str, &[&str]); 16] = [
     ("url", &["rabbitmq", "nats", "redis"]),
+    ("management_url", &["rabbitmq"]),
     ("publish_timeout", &["rabbitmq", "kafka", "nats", "redis"]),
     ("max_message_bytes", &["rabbitmq", "kafka", "nats", "redis"]),
     ("reconnect_max_delay", &["nats", "redis"]),
@@ -218,6 +219,7 @@ const KIND_FIELDS: [(&str, &[&str]); 15] = [
 fn is_set(raw: &RawSink, field: &str) -> bool {
     match field {
         "url" => raw.url.is_some(),
+        "management_url" => raw.management_url.is_some(),
         "publish_timeout" => raw.publish_timeout.is_some(),
         "max_message_bytes" => raw.max_message_bytes.is_some(),
         "reconnect_max_delay" => raw.reconnect_max_delay.is_some(),
@@ -318,10 +320,22 @@ pub(super) fn sink_spec(check: &mut Checker, name: &str, raw: RawSink) -> Option
                 1,
                 Some(RABBITMQ_MAX_MESSAGE_BYTES),
             );
+            let management_url = match raw.management_url {
+                Some(u) if u.starts_with("http://") || u.starts_with("https://") => Some(u),
+                Some(_) => {
+                    check.problem(
+                        field("management_url"),
+                        "must start with http:// or https://, like http://user:password@host:15672",
+                    );
+                    None
+                }
+                None => None,
+            };
             SinkSpec::RabbitMq {
                 url,
                 publish_timeout,
                 max_message_bytes,
+                management_url,
             }
         }
         "kafka" => {

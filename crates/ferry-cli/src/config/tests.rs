@@ -49,6 +49,7 @@ fn the_example_file_parses_to_its_documented_values() {
             url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
             publish_timeout: Duration::from_secs(10),
             max_message_bytes: 16_777_216,
+            management_url: Some("http://guest:guest@127.0.0.1:15672".into()),
         }
     );
     assert_eq!(c.sinks["out"], SinkSpec::Stdout);
@@ -132,6 +133,18 @@ fn the_example_file_states_the_real_defaults() {
         example.relay
     );
     assert_eq!(defaults.log, example.log);
+    assert_eq!(
+        RetentionConfig {
+            archive_dir: defaults.retention.archive_dir.clone(),
+            ..example.retention.clone()
+        },
+        defaults.retention
+    );
+    assert_eq!(
+        example.retention.archive_dir.as_deref(),
+        Some(std::path::Path::new("/var/lib/ferry/archive"))
+    );
+    assert_eq!(example.alerts.max_dead, Some(0));
     let timeouts = |c: &Config| match &c.sinks["rabbit"] {
         SinkSpec::RabbitMq {
             publish_timeout,
@@ -166,7 +179,77 @@ fn the_example_file_states_the_real_defaults() {
         assert_eq!(defaults.sinks[name], example_sinks[name], "sinks.{name}");
     }
     assert_eq!(defaults.metrics, None);
+    assert_eq!(defaults.tracing, None);
+    let tracing_defaults = from_toml_str(&format!(
+        "{MINIMAL}[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n"
+    ))
+    .unwrap();
+    assert_eq!(tracing_defaults.tracing, example.tracing);
     assert!(defaults.routes.is_empty());
+}
+
+#[test]
+fn tracing_is_off_unless_an_endpoint_is_set() {
+    let example = from_toml_str(EXAMPLE).unwrap();
+    assert_eq!(
+        example.tracing,
+        Some(TracingConfig {
+            traces_url: "http://127.0.0.1:4318/v1/traces".into(),
+            service_name: "ferry".into(),
+            sample_ratio: 1.0,
+        })
+    );
+    assert_eq!(from_toml_str(MINIMAL).unwrap().tracing, None);
+    let full = from_toml_str(&format!(
+        "{MINIMAL}[tracing]\notlp_endpoint = \"http://otel:4318/v1/traces/\"\nservice_name = \"relay-eu\"\nsample_ratio = 0.25\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        full.tracing,
+        Some(TracingConfig {
+            traces_url: "http://otel:4318/v1/traces".into(),
+            service_name: "relay-eu".into(),
+            sample_ratio: 0.25,
+        })
+    );
+}
+
+#[test]
+fn tracing_problems_name_the_field() {
+    let e = errors_with("[tracing]\nservice_name = \"relay\"\n");
+    assert!(e.starts_with("tracing.otlp_endpoint: is missing"), "{e}");
+    let e = errors_with("[tracing]\notlp_endpoint = \"127.0.0.1:4318\"\n");
+    assert!(
+        e.starts_with("tracing.otlp_endpoint: \"127.0.0.1:4318\" is not an http:// URL"),
+        "{e}"
+    );
+    let e = errors_with("[tracing]\notlp_endpoint = \"https://otel.example.com\"\n");
+    assert!(e.contains("uses https"), "{e}");
+    let e = errors_with("[tracing]\notlp_endpoint = \"http://otel:4318\"\nsample_ratio = 1.5\n");
+    assert!(
+        e.starts_with("tracing.sample_ratio: must be between 0.0 and 1.0"),
+        "{e}"
+    );
+    let e = errors_with("[tracing]\notlp_endpoint = \"http://otel:4318\"\nservice_name = \" \"\n");
+    assert!(e.starts_with("tracing.service_name: must be non-empty"), "{e}");
+    let e = errors_with("[tracing]\nendpoint = \"http://otel:4318\"\n");
+    assert!(e.contains("endpoint"), "{e}");
+}
+
+#[test]
+fn tracing_from_the_environment() {
+    let c = load_with_env(
+        None,
+        env(&[
+            ("FERRY_DATABASE__URL", "postgres://h/db"),
+            ("FERRY_TRACING__OTLP_ENDPOINT", "http://collector:4318"),
+            ("FERRY_TRACING__SAMPLE_RATIO", "0.5"),
+        ]),
+    )
+    .unwrap();
+    let t = c.tracing.unwrap();
+    assert_eq!(t.traces_url, "http://collector:4318/v1/traces");
+    assert_eq!(t.sample_ratio, 0.5);
 }
 
 #[test]
@@ -342,19 +425,23 @@ fn database_url_problems() {
         errors(""),
         "database.url: missing; set it in the config file or FERRY_DATABASE__URL"
     );
-    assert_eq!(
-        errors("[database]\nurl = \"sqlite://ferry.db\"\n"),
-        "database.url: SQLite is not supported yet; use a postgres:// or postgresql:// URL"
-    );
     let e = errors("[database]\nurl = \"mysql://u:hunter2@h/db\"\n");
     assert_eq!(
         e,
-        "database.url: unsupported database \"mysql\"; use a postgres:// or postgresql:// URL"
+        "database.url: unsupported database \"mysql\"; use a postgres:// or sqlite:// URL"
     );
     let e = errors("[database]\nurl = \"postgres://u:hunter2@h:notaport/db\"\n");
     assert!(e.starts_with("database.url: not a valid PostgreSQL URL"), "{e}");
     assert!(!e.contains("hunter2"), "the password leaked: {e}");
     assert!(from_toml_str("[database]\nurl = \"postgresql://h/db\"\n").is_ok());
+    for sqlite in [
+        "sqlite://ferry.db",
+        "sqlite:ferry.db",
+        "sqlite:///var/lib/ferry/ferry.db?mode=rwc",
+    ] {
+        let cfg = from_toml_str(&format!("[database]\nurl = \"{sqlite}\"\n"));
+        assert!(cfg.is_ok(), "{sqlite}: {:?}", cfg.err().map(|e| e.to_string()));
+    }
 }
 
 #[test]
@@ -402,6 +489,31 @@ fn other_section_problems() {
         }
     );
     assert!(errors_with("[relay]\nid = \" \"\n").starts_with("relay.id: must be non-empty"));
+}
+
+#[test]
+fn alert_thresholds_are_optional_and_checked() {
+    assert_eq!(from_toml_str(MINIMAL).unwrap().alerts, AlertsConfig::default());
+    let ok = from_toml_str(&format!(
+        "{MINIMAL}[alerts]\nmax_pending_age = \"5m\"\nmax_dead = 0\nmax_blocked_keys = 10\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        ok.alerts,
+        AlertsConfig {
+            max_pending_age: Some(Duration::from_secs(300)),
+            max_dead: Some(0),
+            max_blocked_keys: Some(10),
+        }
+    );
+    let e = errors_with("[alerts]\nmax_pending_age = \"500ms\"\nmax_dead = -1\n");
+    assert!(
+        e.contains("alerts.max_pending_age: 500ms is too short; it must be at least 1s"),
+        "{e}"
+    );
+    assert!(e.contains("alerts.max_dead: must be at least 0, got -1"), "{e}");
+    let e = errors_with("[alerts]\nmax_pending = \"5m\"\n");
+    assert!(e.starts_with("alerts.max_pending: unknown field"), "{e}");
 }
 
 #[test]
@@ -545,3 +657,84 @@ fn load_reads_the_file() {
 }
 
 mod sink_kinds;
+
+#[test]
+fn retention_defaults_keep_a_week_of_published_and_a_month_of_dead() {
+    let c = from_toml_str(MINIMAL).unwrap();
+    assert_eq!(
+        c.retention,
+        RetentionConfig {
+            enabled: true,
+            published_window: Duration::from_secs(7 * 86_400),
+            dead_window: Some(Duration::from_secs(30 * 86_400)),
+            batch_size: 1_000,
+            batch_pause: Duration::from_millis(50),
+            interval: Duration::from_secs(300),
+            archive_dir: None,
+        }
+    );
+}
+
+#[test]
+fn retention_section_is_read() {
+    let c = from_toml_str(&format!(
+        "{MINIMAL}[retention]\nenabled = false\npublished_window = \"24h\"\ndead_window = \"never\"\n\
+         batch_size = 250\nbatch_pause = \"0s\"\ninterval = \"1m\"\narchive_dir = \"archive\"\n"
+    ))
+    .unwrap();
+    assert_eq!(
+        c.retention,
+        RetentionConfig {
+            enabled: false,
+            published_window: Duration::from_secs(86_400),
+            dead_window: None,
+            batch_size: 250,
+            batch_pause: Duration::ZERO,
+            interval: Duration::from_secs(60),
+            archive_dir: Some("archive".into()),
+        }
+    );
+    let rules = c.retention.rules();
+    assert_eq!(
+        (rules.published, rules.settled, rules.batch_size, rules.pause),
+        (Duration::from_secs(86_400), None, 250, Duration::ZERO)
+    );
+}
+
+#[test]
+fn retention_problems_name_the_field() {
+    let e = errors_with("[retention]\npublished_window = \"48h\"\ndead_window = \"24h\"\n");
+    assert!(
+        e.starts_with("retention.dead_window: 24h is shorter than retention.published_window (48h)"),
+        "{e}"
+    );
+    assert!(e.contains("\"never\""), "{e}");
+    let e = errors_with("[retention]\npublished_window = \"0s\"\n");
+    assert!(
+        e.starts_with("retention.published_window: 0s is too short; it must be at least 1s"),
+        "{e}"
+    );
+    let e = errors_with("[retention]\ndead_window = \"a month\"\n");
+    assert!(
+        e.starts_with("retention.dead_window: \"a month\" is not a duration"),
+        "{e}"
+    );
+    assert_eq!(
+        errors_with("[retention]\nbatch_size = 0\n"),
+        "retention.batch_size: must be between 1 and 10000, got 0"
+    );
+    let e = errors_with("[retention]\narchive_dir = \" \"\n");
+    assert!(e.starts_with("retention.archive_dir: must not be empty"), "{e}");
+    let e = errors_with("[retention]\nkeep = \"1d\"\n");
+    assert!(e.starts_with("retention.keep: unknown field"), "{e}");
+    let e = load_with_env(
+        None,
+        env(&[
+            ("FERRY_DATABASE__URL", "postgres://h/db"),
+            ("FERRY_RETENTION__INTERVAL", "soon"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.starts_with("retention.interval: \"soon\" is not a duration"), "{e}");
+}

@@ -34,6 +34,8 @@ async fn one_event_fans_out_to_three_sinks_and_a_down_webhook_delays_none_of_the
     let s = Stack::new(TestTopology::create("e2e-fanout").await).await;
     let stream = format!("ferry-e2e-fanout-{:08x}", rand::random::<u32>());
     let _cleanup = DeleteOnDrop(stream.clone());
+    // The consumer's group comes first: a stream nobody reads is refused.
+    redis_command(&["XGROUP", "CREATE", &stream, "readers", "0", "MKSTREAM"]);
     // A port nothing listens on: connections to it are refused until the
     // receiver binds it in the second part.
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -2,6 +2,8 @@
 //! counting every event through crashes, concurrent relays and cut
 //! connections. One test binary for all of them.
 
+#[cfg(feature = "demo")]
+mod demo;
 mod fanout;
 mod relay;
 mod support;

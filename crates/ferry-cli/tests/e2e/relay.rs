@@ -96,10 +96,28 @@ async fn two_relays_at_once_share_the_work_with_no_loss_duplicates_or_reordering
 }
 
 #[tokio::test]
-async fn an_exchange_with_no_bound_queue_marks_nothing_published() {
+async fn an_exchange_with_no_bound_queue_is_refused_and_marks_nothing_published() {
     let s = Stack::new(TestTopology::create_unbound("e2e-nobody").await).await;
     produce(&s.pool, 50, 5).await;
+    // Nobody home: `check` and the relay at start name the route.
     let cfg = s.config(&Overrides::default());
+    let check = s.ferry(&cfg, &["check"]);
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert_eq!(check.status.code(), Some(1), "{said}");
+    assert!(said.contains("route \"orders\" reaches nobody"), "{said}");
+    assert!(said.contains("no queue is bound"), "{said}");
+    let run = s.ferry(&cfg, &["run"]);
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(2), "{said}");
+    assert!(said.contains("reaches nobody"), "{said}");
+
+    // With the management API out of reach the relay starts, and the
+    // unroutable publishes themselves are the signal.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let cfg = s.config(&Overrides {
+        management_url: Some(format!("http://guest:guest@{closed}")),
+        ..Overrides::default()
+    });
     let relay = s.spawn(&cfg, "relay-a");
     let deadline = tokio::time::Instant::now() + PATIENCE;
     loop {

@@ -67,6 +67,7 @@ kind = "rabbitmq"
 url = "{amqp}"
 publish_timeout = "2s"
 max_message_bytes = {max_bytes}
+{management}
 
 [[routes]]
 name = "orders"
@@ -79,6 +80,11 @@ routing_key = "{routing_key}"
             max_attempts = o.max_attempts.unwrap_or(1000),
             max_bytes = o.max_message_bytes.unwrap_or(1 << 20),
             exchange = self.topo.exchange(),
+            management = o
+                .management_url
+                .as_ref()
+                .map(|u| format!("management_url = \"{u}\""))
+                .unwrap_or_default(),
         );
         let path = self.dir.path().join(format!("ferry-{}.toml", rand::random::<u32>()));
         std::fs::write(&path, text).unwrap();
@@ -127,6 +133,8 @@ pub struct Overrides {
     pub max_attempts: Option<u32>,
     pub max_message_bytes: Option<usize>,
     pub routing_key: Option<String>,
+    /// RabbitMQ's management API, asked for bindings at start.
+    pub management_url: Option<String>,
 }
 
 /// A running `ferry run` process.

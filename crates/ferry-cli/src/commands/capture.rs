@@ -1,0 +1,205 @@
+//! `ferry capture`: triggers that write events for a table's changes, for
+//! code paths that cannot call the producer API. See
+//! `ferry_store::postgres::capture` for what the events hold.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use ferry_store::postgres::capture::{self, CaptureError, CaptureSpec, OnError, Operation, Tables};
+
+use super::UsageError;
+use crate::config::Config;
+
+#[derive(Debug, clap::Args)]
+pub struct CaptureArgs {
+    #[command(subcommand)]
+    pub command: CaptureCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum CaptureCommand {
+    /// Install a trigger that writes `<prefix>.created`, `.updated` and
+    /// `.deleted` events for TABLE's changes, in the same transaction.
+    Add(AddArgs),
+    /// Regenerate the trigger of TABLE (all captured tables when left out)
+    /// from the table's columns now; run it after a schema change.
+    Refresh {
+        /// A captured table, as `ferry capture list` names it.
+        table: Option<String>,
+    },
+    /// List the captured tables, their spec, tracked columns and dropped
+    /// events.
+    List {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Drop TABLE's trigger and stop capturing it.
+    Remove {
+        /// A captured table, as `ferry capture list` names it.
+        table: String,
+    },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AddArgs {
+    /// The table, in SQL syntax: orders, app.orders, 'app."Order Items"'.
+    pub table: String,
+    /// Event types are <PREFIX>.created, .updated and .deleted.
+    #[arg(long, value_name = "PREFIX")]
+    pub type_prefix: String,
+    /// The column whose value is the event key: events of one key are
+    /// delivered in commit order.
+    #[arg(long, value_name = "COLUMN")]
+    pub key: String,
+    /// A column to leave out of payloads (secrets, large blobs); repeatable.
+    #[arg(long, value_name = "COLUMN")]
+    pub exclude: Vec<String>,
+    /// A column whose change from NULL to a value is a `.deleted` event.
+    #[arg(long, value_name = "COLUMN")]
+    pub soft_delete: Option<String>,
+    /// The operations that write events.
+    #[arg(long, value_delimiter = ',', default_value = "insert,update,delete")]
+    pub on: Vec<Operation>,
+    /// When the event cannot be written: `fail` fails the business write
+    /// too; `warn` keeps it and drops the event (lossy; each drop is
+    /// counted and shown by `ferry capture list`).
+    #[arg(long, value_enum, default_value_t = OnErrorArg::Fail)]
+    pub on_error: OnErrorArg,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum OnErrorArg {
+    Fail,
+    Warn,
+}
+
+pub async fn run(cfg: &Config, args: CaptureArgs) -> anyhow::Result<ExitCode> {
+    if crate::store::is_sqlite(&cfg.database.url) {
+        return Err(super::UsageError(
+            "ferry capture installs PostgreSQL triggers; database.url names SQLite, where producers call \
+             ferry::sqlite::enqueue in their own transactions instead"
+                .into(),
+        )
+        .into());
+    }
+    let mut conn = super::connect(cfg).await?;
+    match args.command {
+        CaptureCommand::Add(add) => {
+            let spec = CaptureSpec {
+                table: add.table,
+                type_prefix: add.type_prefix,
+                key_column: add.key,
+                exclude: add.exclude,
+                soft_delete: add.soft_delete,
+                on: add.on,
+                on_error: match add.on_error {
+                    OnErrorArg::Fail => OnError::Fail,
+                    OnErrorArg::Warn => OnError::Warn,
+                },
+            };
+            let table = capture::add(&mut conn, &spec).await.map_err(usage)?;
+            let ops: Vec<&str> = spec.on.iter().map(|op| op.as_str()).collect();
+            println!(
+                "capturing {table}: {} as {}.* events keyed by {}",
+                ops.join(", "),
+                spec.type_prefix,
+                spec.key_column
+            );
+            if spec.on_error == OnError::Warn {
+                println!("warning: on-error warn drops events it cannot write; watch `ferry capture list`");
+            }
+        }
+        CaptureCommand::Refresh { table } => {
+            let which = table.as_deref().map_or(Tables::All, Tables::One);
+            let done = capture::refresh(&mut conn, which).await.map_err(usage)?;
+            if done.is_empty() {
+                println!("no captured tables");
+            }
+            for table in done {
+                println!("refreshed {table}");
+            }
+        }
+        CaptureCommand::List { json } => {
+            let captures = capture::list(&mut conn).await.map_err(usage)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&captures)?);
+            } else if captures.is_empty() {
+                println!("no captured tables");
+            } else {
+                for c in &captures {
+                    println!(
+                        "{} type={}.* key={} on={} on-error={} columns={}{}{}",
+                        c.table,
+                        c.type_prefix,
+                        c.key_column,
+                        c.on.join(","),
+                        c.on_error,
+                        c.columns.join(","),
+                        c.soft_delete
+                            .as_deref()
+                            .map(|s| format!(" soft-delete={s}"))
+                            .unwrap_or_default(),
+                        if c.on_error == "warn" {
+                            format!(" dropped={}", c.dropped)
+                        } else {
+                            String::new()
+                        }
+                    );
+                }
+            }
+        }
+        CaptureCommand::Remove { table } => {
+            let table = capture::remove(&mut conn, &table).await.map_err(usage)?;
+            println!("stopped capturing {table}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Bad input and a missing schema are the operator's to fix (exit 2).
+fn usage(err: CaptureError) -> anyhow::Error {
+    match err {
+        CaptureError::Invalid { .. } | CaptureError::NotMigrated => UsageError(err.to_string()).into(),
+        other => anyhow::Error::new(other).context("ferry capture"),
+    }
+}
+
+/// `ferry check`'s findings: one per captured table, ok or out of date with
+/// its fix. None when the capture schema is missing: the schema finding
+/// already says to migrate.
+pub(crate) async fn check_findings(conn: &mut sqlx::PgConnection) -> anyhow::Result<Vec<(String, bool, String)>> {
+    let captures = match capture::list(conn).await {
+        Ok(c) => c,
+        Err(CaptureError::NotMigrated) => return Ok(Vec::new()),
+        Err(e) => return Err(e).context("listing captured tables"),
+    };
+    let drift = capture::check(conn).await.context("checking captured tables")?;
+    Ok(captures
+        .into_iter()
+        .map(|c| {
+            let what = format!("capture {}", c.table);
+            match drift.iter().find(|d| d.table == c.table) {
+                Some(d) => (
+                    what,
+                    false,
+                    format!("trigger out of date: {}; fix: `{}`", d.problem, d.fix),
+                ),
+                None if c.dropped > 0 => (
+                    what,
+                    true,
+                    format!(
+                        "trigger matches the table; on-error warn has dropped {} event(s), last: {}",
+                        c.dropped,
+                        c.last_dropped_error.as_deref().unwrap_or("")
+                    ),
+                ),
+                None => (
+                    what,
+                    true,
+                    format!("trigger matches the table ({} columns)", c.columns.len()),
+                ),
+            }
+        })
+        .collect())
+}

@@ -1,0 +1,187 @@
+//! `ferry list`: deliveries by state, route, type, key, time and error, a
+//! page at a time. Its filter flags are shared by `requeue` and `cancel`.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use ferry_core::{EventId, Glob};
+use ferry_store::{Admin, AdminState, Cursor, DeliverySummary, Filter, ListPage, Page};
+use uuid::Uuid;
+
+use crate::config::Config;
+
+/// Which deliveries a command is about. Every flag narrows the selection.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct FilterArgs {
+    /// Only deliveries in this state: pending, retrying, dead, cancelled or
+    /// published (repeat the flag for several).
+    #[arg(long = "state", value_name = "STATE")]
+    pub states: Vec<AdminState>,
+    /// Only deliveries of this route (`(no route)` for unroutable events).
+    #[arg(long)]
+    pub route: Option<String>,
+    /// Only events whose type matches this glob: `order.*`, `order.**`.
+    #[arg(long = "type", value_name = "GLOB", value_parser = parse_glob)]
+    pub type_glob: Option<Glob>,
+    /// Only events with this key.
+    #[arg(long)]
+    pub key: Option<String>,
+    /// Only events created at or after this time: RFC 3339
+    /// (`2026-05-01T12:00:00Z`) or an age (`2h`, `30m`).
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub since: Option<DateTime<Utc>>,
+    /// Only events created before this time (RFC 3339 or an age).
+    #[arg(long, value_name = "TIME", value_parser = parse_time)]
+    pub until: Option<DateTime<Utc>>,
+    /// Only deliveries whose last error contains this text (any case).
+    #[arg(long, value_name = "TEXT")]
+    pub error: Option<String>,
+}
+
+impl FilterArgs {
+    pub fn to_filter(&self, ids: &[Uuid]) -> Filter {
+        Filter {
+            ids: ids.iter().copied().map(EventId).collect(),
+            states: self.states.clone(),
+            route: self.route.clone(),
+            type_glob: self.type_glob.clone(),
+            key: self.key.clone(),
+            since: self.since,
+            until: self.until,
+            error: self.error.clone(),
+        }
+    }
+}
+
+fn parse_glob(text: &str) -> Result<Glob, String> {
+    Glob::new(text)
+}
+
+/// An RFC 3339 time, or an age such as `2h` meaning that long ago.
+pub fn parse_time(text: &str) -> Result<DateTime<Utc>, String> {
+    if let Ok(t) = DateTime::parse_from_rfc3339(text) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    match crate::duration::parse_duration(text) {
+        Ok(age) => chrono::Duration::from_std(age)
+            .map(|age| Utc::now() - age)
+            .map_err(|_| format!("{text:?} is too long ago")),
+        Err(_) => Err(format!(
+            "{text:?} is not a time; write it like 2026-05-01T12:00:00Z, or as an age like 2h or 30m"
+        )),
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ListArgs {
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Deliveries per page.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub limit: u32,
+    /// Start after this cursor: the `next` a previous page printed.
+    #[arg(long, value_name = "CURSOR")]
+    pub after: Option<Cursor>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(cfg: &Config, args: ListArgs) -> anyhow::Result<ExitCode> {
+    let store = super::store(cfg)?;
+    let page = Page {
+        after: args.after,
+        limit: args.limit as usize,
+    };
+    let listed = store
+        .list(&args.filter.to_filter(&[]), &page)
+        .await
+        .context("listing deliveries")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&listed)?);
+    } else {
+        print!("{}", render(&listed));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Seconds or larger units, short: for table cells.
+pub fn short_age(seconds: f64) -> String {
+    match seconds {
+        s if s < 1.0 => format!("{:.0}ms", s * 1000.0),
+        s if s < 120.0 => format!("{s:.1}s"),
+        s if s < 7200.0 => format!("{:.0}m", s / 60.0),
+        s if s < 172_800.0 => format!("{:.1}h", s / 3600.0),
+        s => format!("{:.1}d", s / 86_400.0),
+    }
+}
+
+/// Cuts `text` to `max` characters, marking the cut.
+pub fn clip(text: &str, max: usize) -> String {
+    if text.chars().count() <= max {
+        return text.to_owned();
+    }
+    let mut out: String = text.chars().take(max.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
+fn row(d: &DeliverySummary, now: DateTime<Utc>) -> String {
+    let age = (now - d.created_at).num_milliseconds().max(0) as f64 / 1000.0;
+    format!(
+        "{:<36}  {:<16} {:<10} {:>3} {:>7}  {:<28} {:<16} {}",
+        d.event_id.0,
+        clip(&d.route, 16),
+        // Display of the state ignores width; pad the string.
+        d.state.to_string(),
+        d.attempts,
+        short_age(age),
+        clip(&d.event_type, 28),
+        clip(d.key.as_deref().unwrap_or("-"), 16),
+        clip(d.last_error.as_deref().unwrap_or(""), 60)
+    )
+}
+
+/// Tables for people; `--json` is for machines.
+pub fn render(page: &ListPage) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    if page.deliveries.is_empty() {
+        let _ = writeln!(out, "no deliveries match");
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "{:<36}  {:<16} {:<10} {:>3} {:>7}  {:<28} {:<16} LAST ERROR",
+        "EVENT", "ROUTE", "STATE", "TRY", "AGE", "TYPE", "KEY"
+    );
+    let now = Utc::now();
+    for d in &page.deliveries {
+        let _ = writeln!(out, "{}", row(d, now));
+    }
+    if let Some(next) = &page.next {
+        let _ = writeln!(out, "\nmore: ferry list ... --after {next}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_are_rfc3339_or_ages_and_errors_say_how() {
+        let t = parse_time("2026-05-01T12:00:00Z").unwrap();
+        assert_eq!(t.to_rfc3339(), "2026-05-01T12:00:00+00:00");
+        let ago = Utc::now() - parse_time("2h").unwrap();
+        assert!((ago.num_seconds() - 7200).abs() < 60);
+        assert!(parse_time("yesterday").unwrap_err().contains("2026-05-01T12:00:00Z"));
+    }
+
+    #[test]
+    fn long_cells_are_clipped_visibly() {
+        assert_eq!(clip("abcdef", 4), "abc…");
+        assert_eq!(clip("abc", 4), "abc");
+    }
+}

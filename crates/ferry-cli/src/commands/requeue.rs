@@ -1,0 +1,275 @@
+//! `ferry requeue`: dead or cancelled deliveries (published ones with
+//! `--include-published`) go back to pending with a fresh attempt count.
+//!
+//! Also the machinery `cancel` shares: plan, print, confirm, apply in
+//! batches with a progress bar, report. Exit codes: 0 when everything
+//! selected was changed (or a filter matched nothing), 1 when some
+//! deliveries were refused or a named event id matched nothing, 2 for bad
+//! input, including a large change without `--yes` when no one is at a
+//! terminal to confirm it.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use ferry_core::{ErrorKind, StoreError};
+use crate::store::AnyStore;
+use ferry_store::{Action, Admin, Applied, Filter, Plan, Refusal, Target};
+use serde_json::json;
+use uuid::Uuid;
+
+use super::UsageError;
+use super::list::{FilterArgs, clip};
+use crate::config::Config;
+
+/// More deliveries than this ask for confirmation unless `--yes`.
+pub const CONFIRM_ABOVE: usize = 10;
+/// Deliveries changed per transaction: short enough never to hold the
+/// relay's partition locks for long (cancel takes them).
+const BATCH: usize = 500;
+
+#[derive(Debug, clap::Args)]
+pub struct RequeueArgs {
+    /// Event ids; all their deliveries, narrowed by the filter flags.
+    #[arg(value_name = "EVENT_ID")]
+    pub ids: Vec<Uuid>,
+    #[command(flatten)]
+    pub filter: FilterArgs,
+    /// Also deliver published deliveries again.
+    #[arg(long)]
+    pub include_published: bool,
+    #[command(flatten)]
+    pub change: ChangeArgs,
+}
+
+/// How a change is carried out.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ChangeArgs {
+    /// Print what would change, and change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Change more than a few deliveries without asking.
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(cfg: &Config, args: RequeueArgs) -> anyhow::Result<ExitCode> {
+    let action = Action::Requeue {
+        include_published: args.include_published,
+    };
+    change(cfg, &action, args.filter.to_filter(&args.ids), &args.change).await
+}
+
+/// Who ran the command, for the admin log.
+fn actor() -> String {
+    std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+pub(super) async fn change(
+    cfg: &Config,
+    action: &Action,
+    selection: Filter,
+    how: &ChangeArgs,
+) -> anyhow::Result<ExitCode> {
+    let verb = action.verb();
+    if selection.is_everything() {
+        return Err(UsageError(format!(
+            "nothing selected; give event ids or a filter such as --state dead (see ferry {verb} --help)"
+        ))
+        .into());
+    }
+    let store = super::store(cfg)?;
+    let plan = store.plan(action, &selection).await.context("selecting deliveries")?;
+    // Ids the operator named but nothing matched: a typo, or an event not
+    // routed yet (`ferry show` tells which).
+    let unmatched: Vec<_> = selection
+        .ids
+        .iter()
+        .filter(|id| {
+            !plan.changes.iter().any(|t| t.event_id == **id) && !plan.refused.iter().any(|r| r.target.event_id == **id)
+        })
+        .collect();
+    for id in &unmatched {
+        eprintln!(
+            "no delivery of event {} matches; check the id and filters with `ferry show {}`",
+            id.0, id.0
+        );
+    }
+    if how.dry_run {
+        if how.json {
+            let out = json!({
+                "action": action, "dry_run": true,
+                "would_change": plan.changes, "refused": plan.refused,
+            });
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        } else {
+            print!("{}", render_plan(verb, &plan));
+        }
+        return Ok(if unmatched.is_empty() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
+    }
+    let count = plan.changes.len();
+    if count > CONFIRM_ABOVE && !how.yes {
+        confirm(verb, count)?;
+    }
+    let applied = apply(&store, action, &plan.changes, how.json).await?;
+    let mut refused = plan.refused;
+    refused.extend(applied.refused);
+    if how.json {
+        let out = json!({
+            "action": action, "dry_run": false,
+            "changed": applied.changed, "refused": refused,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{}", render_done(verb, &applied.changed, &refused));
+    }
+    if !refused.is_empty() {
+        eprintln!("{} deliveries were refused (reasons above)", refused.len());
+    }
+    if refused.is_empty() && unmatched.is_empty() {
+        Ok(ExitCode::SUCCESS)
+    } else {
+        Ok(ExitCode::from(1))
+    }
+}
+
+/// Asks on the terminal; refuses when there is none to ask at.
+fn confirm(verb: &str, count: usize) -> anyhow::Result<()> {
+    if !std::io::stdin().is_terminal() {
+        return Err(UsageError(format!(
+            "this would {verb} {count} deliveries; pass --yes to confirm (no terminal to ask at), \
+             or --dry-run to see them first"
+        ))
+        .into());
+    }
+    eprint!("{verb} {count} deliveries? [y/N] ");
+    std::io::stderr().flush().ok();
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    if matches!(answer.trim(), "y" | "Y" | "yes") {
+        Ok(())
+    } else {
+        Err(UsageError(format!(
+            "not confirmed; nothing was changed ({verb} {count} deliveries)"
+        ))
+        .into())
+    }
+}
+
+/// Applies in batches, each its own transaction, with a progress bar on a
+/// terminal when there is more than one batch.
+async fn apply(store: &AnyStore, action: &Action, targets: &[Target], quiet: bool) -> anyhow::Result<Applied> {
+    let bar = if !quiet && targets.len() > BATCH && std::io::stderr().is_terminal() {
+        let bar = indicatif::ProgressBar::new(targets.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({eta} left)")
+                .expect("a valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_message(action.verb());
+        bar
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let actor = actor();
+    let mut total = Applied::default();
+    for (i, batch) in targets.chunks(BATCH).enumerate() {
+        let done = apply_batch(store, action, &actor, batch).await.with_context(|| {
+            format!(
+                "applying batch {} of {}; the {} deliveries before it were changed",
+                i + 1,
+                targets.len().div_ceil(BATCH),
+                total.changed.len()
+            )
+        })?;
+        bar.inc(batch.len() as u64);
+        total.changed.extend(done.changed);
+        total.refused.extend(done.refused);
+    }
+    bar.finish_and_clear();
+    Ok(total)
+}
+
+/// One batch, tried again on a transient error: each batch is one
+/// transaction, so a failed one changed nothing. Cancel's partition locks
+/// can meet a relay's lease renewal in a deadlock, which PostgreSQL breaks
+/// by failing one side.
+async fn apply_batch(store: &AnyStore, action: &Action, actor: &str, batch: &[Target]) -> Result<Applied, StoreError> {
+    let mut tries = 0;
+    loop {
+        match store.apply(action, actor, batch).await {
+            Err(e) if e.kind == ErrorKind::Transient && tries < 3 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(200 * tries)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+fn target_line(t: &Target) -> String {
+    format!(
+        "  {}  {:<16} {:<10} {:<28} {}",
+        t.event_id.0,
+        clip(&t.route, 16),
+        t.state,
+        clip(&t.event_type, 28),
+        t.key.as_deref().unwrap_or("-")
+    )
+}
+
+fn refused_lines(out: &mut String, refused: &[Refusal]) {
+    use std::fmt::Write;
+    if refused.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "refused {}:", refused.len());
+    for r in refused {
+        let _ = writeln!(out, "{}\n      {}", target_line(&r.target), r.reason);
+    }
+}
+
+fn render_plan(verb: &str, plan: &Plan) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    if plan.changes.is_empty() && plan.refused.is_empty() {
+        let _ = writeln!(out, "no deliveries match");
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "would {verb} {} deliveries (dry run: nothing changed):",
+        plan.changes.len()
+    );
+    for t in &plan.changes {
+        let _ = writeln!(out, "{}", target_line(t));
+    }
+    refused_lines(&mut out, &plan.refused);
+    out
+}
+
+fn render_done(verb: &str, changed: &[Target], refused: &[Refusal]) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    if changed.is_empty() && refused.is_empty() {
+        let _ = writeln!(out, "no deliveries match");
+        return out;
+    }
+    let done = if verb == "cancel" { "cancelled" } else { "requeued" };
+    let _ = writeln!(out, "{done} {} deliveries", changed.len());
+    for t in changed {
+        let _ = writeln!(out, "{}", target_line(t));
+    }
+    refused_lines(&mut out, refused);
+    out
+}

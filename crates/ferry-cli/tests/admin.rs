@@ -1,0 +1,427 @@
+//! The admin verbs (`list`, `show`, `requeue`, `cancel`, `tail`, and
+//! `status` thresholds) run as the built `ferry` binary against a real
+//! database with deliveries in every state: output parsed, exit codes
+//! checked, and the guardrails held.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use chrono::Utc;
+use ferry_core::{Event, EventId, Glob, Ownership, Recorded, RelayId, Route, Store, Transition};
+use ferry_relay::plan_routes;
+use ferry_store::postgres::{PgStore, enqueue_batch, migrate};
+use ferry_testkit::pg::TestDb;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ferry");
+const ROUTE: &str = "orders";
+/// More than the confirmation threshold of `requeue` and `cancel`.
+const BULK: usize = 12;
+
+/// `orders` deliveries by key: `kp` pending, `kr` retrying, `kd` dead then
+/// a later one held back, `kpub` published, and `BULK` dead `order.bulk`
+/// events. The fixture's own relay holds every partition's lease.
+struct Fixture {
+    store: PgStore,
+    pool: PgPool,
+    owned: Ownership,
+    ids: HashMap<&'static str, EventId>,
+    bulk: Vec<EventId>,
+    dir: tempfile::TempDir,
+    db: TestDb,
+}
+
+async fn fixture() -> Fixture {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let store = PgStore::new(pool.clone());
+    let names = ["p1", "r1", "d1", "d2", "pub1"];
+    let mut events = vec![
+        Event::new("order.created", json!({"n": 1})).key("kp"),
+        Event::new("order.item.added", json!({"n": 2})).key("kr"),
+        Event::new("order.created", json!({"n": 3}))
+            .key("kd")
+            .header("tenant", "acme"),
+        Event::new("order.paid", json!({"n": 4})).key("kd"),
+        Event::new("order.shipped", json!({"n": 5})).key("kpub"),
+    ];
+    events.extend((0..BULK).map(|i| Event::new("order.bulk", json!({ "i": i })).key(format!("b{i}"))));
+    let mut tx = pool.begin().await.unwrap();
+    let all: Vec<EventId> = enqueue_batch(&mut tx, events)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    tx.commit().await.unwrap();
+    let ids: HashMap<&'static str, EventId> = names.into_iter().zip(all.iter().copied()).collect();
+    let bulk = all[names.len()..].to_vec();
+
+    let relay = RelayId("fixture".into());
+    let mut owned = store.tick(&relay, Duration::from_secs(300), &[]).await.unwrap();
+    owned.relay = relay;
+    let now = Utc::now();
+    let route = Route {
+        name: ROUTE.into(),
+        matcher: Glob::new("order.**").unwrap(),
+        sink: "out".into(),
+        destination: "-".into(),
+        routing_key: None,
+    };
+    let unrouted = store.fetch_unrouted(&owned, 100).await.unwrap();
+    store
+        .route(&owned, &plan_routes(&[route], unrouted), now)
+        .await
+        .unwrap();
+    let claimed = store.claim(&owned, ROUTE, 100, now, &[]).await.unwrap();
+    let seq = |id: EventId| claimed.iter().find(|c| c.event.id == id).unwrap().event.seq;
+    let dead = |id: EventId, reason: &str| Recorded {
+        seq: seq(id),
+        expected_attempts: 0,
+        transition: Transition::Dead {
+            attempts: 1,
+            reason: reason.into(),
+        },
+    };
+    let mut outcomes = vec![
+        Recorded {
+            seq: seq(ids["r1"]),
+            expected_attempts: 0,
+            transition: Transition::Retry {
+                attempts: 1,
+                next_at: now + chrono::Duration::hours(1),
+                error: "broker timeout".into(),
+            },
+        },
+        dead(ids["d1"], "payload too large"),
+        Recorded {
+            seq: seq(ids["pub1"]),
+            expected_attempts: 0,
+            transition: Transition::Published { attempts: 1, at: now },
+        },
+    ];
+    outcomes.extend(bulk.iter().map(|id| dead(*id, "unroutable")));
+    store.record(&owned, ROUTE, &outcomes, now).await.unwrap();
+    Fixture {
+        store,
+        pool,
+        owned,
+        ids,
+        bulk,
+        dir: tempfile::tempdir().unwrap(),
+        db,
+    }
+}
+
+impl Fixture {
+    /// A config file with `extra` appended.
+    fn config(&self, extra: &str) -> PathBuf {
+        let text = format!(
+            "[database]\nurl = \"{}\"\n\n[sinks.out]\nkind = \"stdout\"\n\n[[routes]]\nname = \"{ROUTE}\"\n\
+             match = \"order.**\"\nsink = \"out\"\ndestination = \"-\"\n\n{extra}",
+            self.db.url()
+        );
+        let path = self.dir.path().join(format!("ferry-{}.toml", rand::random::<u32>()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Runs `ferry` with stdin closed, as a script would.
+    fn ferry(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .arg("--config")
+            .arg(self.config(""))
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run ferry")
+    }
+
+    fn id(&self, name: &str) -> String {
+        self.ids[name].0.to_string()
+    }
+
+    /// The delivery state `ferry show --json` reports on the route.
+    fn state(&self, name: &str) -> String {
+        let shown = json_of(&self.ferry(&["show", &self.id(name), "--json"]), 0);
+        shown["deliveries"][0]["state"].as_str().unwrap().to_owned()
+    }
+
+    async fn dead_count(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE state = 'dead'")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// Asserts the exit code and parses stdout as JSON.
+fn json_of(out: &Output, code: i32) -> Value {
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "stdout: {}\nstderr: {}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn event_ids(v: &Value) -> Vec<String> {
+    let mut ids: Vec<String> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["event_id"].as_str().unwrap().to_owned())
+        .collect();
+    ids.sort();
+    ids
+}
+
+#[tokio::test]
+async fn list_and_show_print_json_and_tables() {
+    let f = fixture().await;
+    let dead = json_of(&f.ferry(&["list", "--state", "dead", "--type", "order.*", "--json"]), 0);
+    let dead_ids = event_ids(&dead["deliveries"]);
+    assert_eq!(dead_ids.len(), 1 + BULK);
+    assert!(dead_ids.contains(&f.id("d1")));
+    let retrying = json_of(&f.ferry(&["list", "--state", "retrying", "--json"]), 0);
+    assert_eq!(event_ids(&retrying["deliveries"]), [f.id("r1")]);
+    assert_eq!(retrying["deliveries"][0]["last_error"], "broker timeout");
+    let by_error = json_of(&f.ferry(&["list", "--error", "TOO LARGE", "--json"]), 0);
+    assert_eq!(event_ids(&by_error["deliveries"]), [f.id("d1")]);
+
+    // Paging: every delivery once, following `next`.
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut args = vec!["list", "--limit", "7", "--json"];
+        if let Some(a) = &after {
+            args.extend(["--after", a.as_str()]);
+        }
+        let page = json_of(&f.ferry(&args), 0);
+        seen.extend(event_ids(&page["deliveries"]));
+        match page["next"].as_str() {
+            Some(next) => after = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(seen.len(), 5 + BULK);
+
+    let table = f.ferry(&["list", "--key", "kd"]);
+    assert!(table.status.success());
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.starts_with("EVENT") && text.contains(&f.id("d2")) && text.contains("payload too large"));
+
+    let shown = json_of(&f.ferry(&["show", &f.id("d1"), "--json"]), 0);
+    assert_eq!(shown["headers"]["tenant"], "acme");
+    assert_eq!(shown["deliveries"][0]["failures"][0]["error"], "payload too large");
+    let text = f.ferry(&["show", &f.id("d1")]);
+    assert!(String::from_utf8_lossy(&text.stdout).contains("tenant: acme"));
+
+    let missing = f.ferry(&["show", &EventId::new().0.to_string()]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(stderr(&missing).contains("no event with id"), "{}", stderr(&missing));
+    let bad = f.ferry(&["list", "--state", "stuck"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(stderr(&bad).contains("pending, retrying, dead"), "{}", stderr(&bad));
+}
+
+#[tokio::test]
+async fn requeue_refuses_pending_and_confirms_large_sets() {
+    let f = fixture().await;
+    // Pending (and so possibly in flight): refused, exit 1, nothing changed.
+    let out = json_of(&f.ferry(&["requeue", &f.id("p1"), &f.id("r1"), "--json"]), 1);
+    assert!(out["changed"].as_array().unwrap().is_empty());
+    let reasons: Vec<&str> = out["refused"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(reasons.len(), 2);
+    assert!(reasons.iter().any(|r| r.contains("in flight")), "{reasons:?}");
+    assert_eq!(f.state("p1"), "pending");
+    assert_eq!(f.state("r1"), "retrying");
+
+    // A dry run lists what would change and changes nothing.
+    let before = f.dead_count().await;
+    let dry = json_of(&f.ferry(&["requeue", "--state", "dead", "--dry-run", "--json"]), 0);
+    assert_eq!(dry["would_change"].as_array().unwrap().len(), 1 + BULK);
+    assert_eq!(f.dead_count().await, before);
+
+    // Nothing selected, or a large set with no terminal and no --yes: usage errors.
+    let unknown = EventId::new().0.to_string();
+    let typo = f.ferry(&["requeue", &unknown]);
+    assert_eq!(typo.status.code(), Some(1));
+    assert!(stderr(&typo).contains(&unknown), "{}", stderr(&typo));
+    let none = f.ferry(&["requeue"]);
+    assert_eq!(none.status.code(), Some(2));
+    assert!(stderr(&none).contains("nothing selected"), "{}", stderr(&none));
+    let unconfirmed = f.ferry(&["requeue", "--type", "order.bulk"]);
+    assert_eq!(unconfirmed.status.code(), Some(2));
+    assert!(stderr(&unconfirmed).contains("--yes"), "{}", stderr(&unconfirmed));
+    assert_eq!(f.dead_count().await, before);
+
+    let done = json_of(&f.ferry(&["requeue", "--type", "order.bulk", "--yes", "--json"]), 0);
+    let mut want: Vec<String> = f.bulk.iter().map(|id| id.0.to_string()).collect();
+    want.sort();
+    assert_eq!(event_ids(&done["changed"]), want);
+    assert_eq!(f.dead_count().await, before - BULK as i64);
+    let one = f.ferry(&["requeue", &f.id("d1")]);
+    assert!(one.status.success(), "{}", stderr(&one));
+    assert_eq!(f.state("d1"), "pending");
+    let shown = json_of(&f.ferry(&["show", &f.id("d1"), "--json"]), 0);
+    assert_eq!(shown["deliveries"][0]["actions"][0]["action"], "requeue");
+    assert_eq!(shown["deliveries"][0]["attempts"], 0);
+}
+
+#[tokio::test]
+async fn cancel_records_the_reason_and_refuses_what_may_be_in_flight() {
+    let f = fixture().await;
+    let no_reason = f.ferry(&["cancel", &f.id("d1")]);
+    assert_eq!(no_reason.status.code(), Some(2));
+    assert!(stderr(&no_reason).contains("--reason"));
+
+    let out = json_of(
+        &f.ferry(&[
+            "cancel",
+            &f.id("d1"),
+            "--reason",
+            "bad payload, fixed by hand",
+            "--json",
+        ]),
+        0,
+    );
+    assert_eq!(event_ids(&out["changed"]), [f.id("d1")]);
+    let shown = json_of(&f.ferry(&["show", &f.id("d1"), "--json"]), 0);
+    let action = &shown["deliveries"][0]["actions"][0];
+    assert_eq!(action["action"], "cancel");
+    assert_eq!(action["reason"], "bad payload, fixed by hand");
+    assert_eq!(action["from_state"], "dead");
+
+    // d2 is no longer held back by d1, so a relay may take it: refused.
+    let out = json_of(&f.ferry(&["cancel", &f.id("d2"), "--reason", "x", "--json"]), 1);
+    assert!(out["refused"][0]["reason"].as_str().unwrap().contains("in flight"));
+    assert_eq!(f.state("d2"), "pending");
+    // The claim path agrees: d2 is claimable now.
+    let claimed = f.store.claim(&f.owned, ROUTE, 100, Utc::now(), &[]).await.unwrap();
+    assert!(claimed.iter().any(|c| c.event.id == f.ids["d2"]));
+
+    // A retrying delivery waiting for its next attempt can be cancelled.
+    let out = json_of(
+        &f.ferry(&["cancel", "--state", "retrying", "--reason", "obsolete", "--json"]),
+        0,
+    );
+    assert_eq!(event_ids(&out["changed"]), [f.id("r1")]);
+}
+
+#[tokio::test]
+async fn status_exits_3_when_a_threshold_is_breached() {
+    let f = fixture().await;
+    let run = |extra: &str| {
+        Command::new(BIN)
+            .arg("--config")
+            .arg(f.config(extra))
+            .args(["status", "--json"])
+            .output()
+            .unwrap()
+    };
+    let quiet = json_of(&run("[alerts]\nmax_dead = 100\nmax_pending_age = \"1h\"\n"), 0);
+    assert!(quiet["breaches"].as_array().unwrap().is_empty());
+    let loud = json_of(&run("[alerts]\nmax_dead = 0\nmax_blocked_keys = 0\n"), 3);
+    let breached: Vec<&str> = loud["breaches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["threshold"].as_str().unwrap())
+        .collect();
+    assert_eq!(breached, ["alerts.max_dead", "alerts.max_blocked_keys"]);
+    assert_eq!(loud["breaches"][0]["value"], json!((1 + BULK) as f64));
+    let text = Command::new(BIN)
+        .arg("--config")
+        .arg(f.config("[alerts]\nmax_dead = 0\n"))
+        .arg("status")
+        .output()
+        .unwrap();
+    assert_eq!(text.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&text.stdout).contains("ALERT route orders has 13 dead deliveries"));
+}
+
+#[tokio::test]
+async fn tail_follows_outcomes_until_interrupted() {
+    let f = fixture().await;
+    let mut child = Command::new(BIN)
+        .arg("--config")
+        .arg(f.config(""))
+        .args(["tail", "--json", "--since", "1h", "--interval", "50ms"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel::<Value>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let _ = tx.send(serde_json::from_str(&line).expect("a JSON line"));
+        }
+    });
+    let next_line = || rx.recv_timeout(Duration::from_secs(20)).expect("a tail line");
+
+    // The fixture's outcomes: one published, one retrying, the dead ones.
+    let mut outcomes: HashMap<String, usize> = HashMap::new();
+    for _ in 0..(3 + BULK) {
+        *outcomes
+            .entry(next_line()["outcome"].as_str().unwrap().to_owned())
+            .or_default() += 1;
+    }
+    assert_eq!(outcomes["published"], 1);
+    assert_eq!(outcomes["retrying"], 1);
+    assert_eq!(outcomes["dead"], 1 + BULK);
+
+    // A new publish shows up live, with its commit-to-publish latency.
+    let claimed = f.store.claim(&f.owned, ROUTE, 100, Utc::now(), &[]).await.unwrap();
+    let p1 = claimed.iter().find(|c| c.event.id == f.ids["p1"]).unwrap();
+    let recorded = f
+        .store
+        .record(
+            &f.owned,
+            ROUTE,
+            &[Recorded {
+                seq: p1.event.seq,
+                expected_attempts: 0,
+                transition: Transition::Published {
+                    attempts: 1,
+                    at: Utc::now(),
+                },
+            }],
+            Utc::now(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(recorded, 1);
+    let line = next_line();
+    assert_eq!(line["event_id"], f.id("p1"));
+    assert_eq!(
+        (line["route"].as_str(), line["outcome"].as_str()),
+        (Some(ROUTE), Some("published"))
+    );
+    assert!(line["latency_seconds"].as_f64().unwrap() >= 0.0);
+
+    // SAFETY: kill(2) on our own child's pid with a valid signal.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "tail did not stop cleanly on Ctrl-C");
+}

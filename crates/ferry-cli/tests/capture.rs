@@ -1,0 +1,226 @@
+//! `ferry capture` through the built binary against a real database: add,
+//! list, a schema change reported by `ferry check` and fixed by refresh,
+//! then remove; and bad input refused with the flag to fix.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use ferry_testkit::pg::TestDb;
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ferry");
+
+struct Cli {
+    config: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Cli {
+    fn new(db: &TestDb) -> Cli {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("ferry.toml");
+        std::fs::write(&config, format!("[database]\nurl = \"{}\"\n", db.url())).unwrap();
+        Cli { config, _dir: dir }
+    }
+
+    fn run(&self, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .arg("--config")
+            .arg(&self.config)
+            .args(args)
+            .output()
+            .expect("run ferry")
+    }
+
+    /// Runs and asserts the exit code; returns stdout.
+    fn expect(&self, code: i32, args: &[&str]) -> String {
+        let out = self.run(args);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_eq!(
+            out.status.code(),
+            Some(code),
+            "ferry {args:?}\nstdout: {stdout}\nstderr: {stderr}"
+        );
+        stdout
+    }
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[tokio::test]
+async fn add_list_check_refresh_and_remove() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    let cli = Cli::new(&db);
+    cli.expect(0, &["migrate"]);
+    sqlx::raw_sql("CREATE TABLE orders (id bigint PRIMARY KEY, status text, card_token text, deleted_at timestamptz)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let out = cli.expect(
+        0,
+        &[
+            "capture",
+            "add",
+            "orders",
+            "--type-prefix",
+            "shop.order",
+            "--key",
+            "id",
+            "--exclude",
+            "card_token",
+            "--soft-delete",
+            "deleted_at",
+            "--on",
+            "insert,update",
+        ],
+    );
+    assert!(out.contains("capturing public.orders"), "{out}");
+
+    let listed: Value = serde_json::from_str(&cli.expect(0, &["capture", "list", "--json"])).unwrap();
+    let entry = &listed[0];
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    assert_eq!(entry["table"], json!("public.orders"));
+    assert_eq!(entry["type_prefix"], json!("shop.order"));
+    assert_eq!(entry["key_column"], json!("id"));
+    assert_eq!(entry["exclude"], json!(["card_token"]));
+    assert_eq!(entry["soft_delete"], json!("deleted_at"));
+    assert_eq!(entry["on"], json!(["insert", "update"]));
+    assert_eq!(entry["on_error"], json!("fail"));
+    assert_eq!(entry["columns"], json!(["id", "status", "deleted_at"]));
+    assert_eq!(entry["dropped"], json!(0));
+
+    // The trigger works: one insert, one event.
+    sqlx::query("INSERT INTO orders (id, status) VALUES (1, 'new')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let types: Vec<String> = sqlx::query_scalar("SELECT type FROM ferry.events ORDER BY seq")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(types, ["shop.order.created"]);
+
+    let out = cli.expect(0, &["check"]);
+    assert!(
+        out.contains("capture public.orders: trigger matches the table"),
+        "{out}"
+    );
+
+    sqlx::raw_sql("ALTER TABLE orders ADD COLUMN region text")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = cli.expect(1, &["check"]);
+    assert!(out.contains("FAIL capture public.orders: trigger out of date"), "{out}");
+    assert!(out.contains("region"), "{out}");
+    assert!(out.contains("`ferry capture refresh public.orders`"), "{out}");
+    let findings: Value = serde_json::from_str(&cli.expect(1, &["check", "--json"])).unwrap();
+    let capture = findings
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["what"] == json!("capture public.orders"))
+        .unwrap();
+    assert_eq!(capture["ok"], json!(false));
+
+    let out = cli.expect(0, &["capture", "refresh", "public.orders"]);
+    assert!(out.contains("refreshed public.orders"), "{out}");
+    cli.expect(0, &["check"]);
+    let listed: Value = serde_json::from_str(&cli.expect(0, &["capture", "list", "--json"])).unwrap();
+    assert_eq!(listed[0]["columns"], json!(["id", "status", "deleted_at", "region"]));
+
+    let out = cli.expect(0, &["capture", "remove", "orders"]);
+    assert!(out.contains("stopped capturing public.orders"), "{out}");
+    assert_eq!(cli.expect(0, &["capture", "list", "--json"]).trim(), "[]");
+    sqlx::query("INSERT INTO orders (id, status) VALUES (2, 'new')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 1, "a removed capture writes nothing");
+    pool.close().await;
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_with_the_flag_to_fix() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    let cli = Cli::new(&db);
+    cli.expect(0, &["migrate"]);
+    sqlx::raw_sql("CREATE TABLE orders (id bigint PRIMARY KEY, status text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let cases: [(&[&str], &str); 5] = [
+        (
+            &["capture", "add", "nosuch", "--type-prefix", "shop.order", "--key", "id"],
+            "no such table",
+        ),
+        (
+            &[
+                "capture",
+                "add",
+                "orders",
+                "--type-prefix",
+                "shop.order",
+                "--key",
+                "uid",
+            ],
+            "--key one of: id, status",
+        ),
+        (
+            &[
+                "capture",
+                "add",
+                "orders",
+                "--type-prefix",
+                "shop.order",
+                "--key",
+                "id",
+                "--exclude",
+                "id",
+            ],
+            "drop it from --exclude",
+        ),
+        (
+            &["capture", "add", "orders", "--type-prefix", "Shop", "--key", "id"],
+            "--type-prefix",
+        ),
+        (&["capture", "remove", "orders"], "not captured"),
+    ];
+    for (args, wanted) in cases {
+        let out = cli.run(args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "ferry {args:?}: {stderr}");
+        assert!(stderr.contains(wanted), "ferry {args:?}: {stderr}");
+    }
+    // clap refuses an unknown operation before anything runs.
+    let out = cli.run(&[
+        "capture",
+        "add",
+        "orders",
+        "--type-prefix",
+        "shop.order",
+        "--key",
+        "id",
+        "--on",
+        "upsert",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("use insert, update or delete"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_eq!(cli.expect(0, &["capture", "list", "--json"]).trim(), "[]");
+    pool.close().await;
+    db.drop_db().await;
+}

@@ -1,0 +1,547 @@
+//! Operations end to end: a running `ferry run` scraped at `/metrics`, its
+//! `/healthz` and `/readyz` through a database outage, background
+//! retention with its archive, and `ferry purge`.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry_core::Event;
+use ferry_store::postgres::enqueue_batch;
+use ferry_testkit::pg::TestDb;
+use ferry_testkit::proxy::Proxy;
+use serde_json::json;
+use sqlx::PgPool;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ferry");
+const PATIENCE: Duration = Duration::from_secs(60);
+
+struct Ops {
+    db: TestDb,
+    pool: PgPool,
+    dir: tempfile::TempDir,
+}
+
+impl Ops {
+    async fn new() -> Ops {
+        let db = TestDb::create().await;
+        let pool = db.pool().await;
+        let ops = Ops {
+            db,
+            pool,
+            dir: tempfile::tempdir().unwrap(),
+        };
+        let out = ops.ferry(&ops.config(&Settings::default()), &["migrate"]);
+        assert!(
+            out.status.success(),
+            "migrate: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        ops
+    }
+
+    fn config(&self, s: &Settings) -> PathBuf {
+        let db_url = s.db_url.clone().unwrap_or_else(|| self.db.url().to_owned());
+        let mut text = format!(
+            r#"
+[database]
+url = "{db_url}"
+max_connections = 4
+
+[relay]
+lease = "3s"
+poll_interval = "1s"
+
+[log]
+level = "warn"
+
+[retention]
+enabled = {enabled}
+published_window = "1s"
+dead_window = "never"
+batch_size = 7
+batch_pause = "0s"
+interval = "1s"
+{archive}
+[sinks.out]
+kind = "stdout"
+
+[[routes]]
+name = "all"
+match = "order.**"
+sink = "out"
+destination = "all"
+"#,
+            enabled = s.retention,
+            archive = s
+                .archive_dir
+                .as_ref()
+                .map(|d| format!("archive_dir = \"{}\"\n", d.display()))
+                .unwrap_or_default(),
+        );
+        if let Some(addr) = s.metrics {
+            text.push_str(&format!("\n[metrics]\nlisten = \"{addr}\"\n"));
+        }
+        let path = self.dir.path().join(format!("ferry-{}.toml", rand::random::<u32>()));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn ferry(&self, config: &Path, args: &[&str]) -> Output {
+        Command::new(BIN)
+            .arg("--config")
+            .arg(config)
+            .args(args)
+            .output()
+            .expect("run ferry")
+    }
+
+    fn spawn(&self, config: &Path) -> Running {
+        let log = self.dir.path().join(format!("relay-{}.log", rand::random::<u32>()));
+        let child = Command::new(BIN)
+            .arg("--config")
+            .arg(config)
+            .arg("run")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawn ferry run");
+        Running { child, log }
+    }
+
+    async fn produce(&self, n: usize) {
+        let events: Vec<Event> = (0..n)
+            .map(|i| Event::new("order.item.created", json!({ "n": i })).key(format!("k{}", i % 10)))
+            .collect();
+        let mut tx = self.pool.begin().await.unwrap();
+        enqueue_batch(&mut tx, events).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    async fn events(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn published(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE state = 'published'")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+}
+
+#[derive(Default)]
+struct Settings {
+    db_url: Option<String>,
+    metrics: Option<SocketAddr>,
+    retention: bool,
+    archive_dir: Option<PathBuf>,
+}
+
+struct Running {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Running {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGTERM; the exit status.
+    fn terminate(mut self) -> std::process::ExitStatus {
+        // SAFETY: kill(2) on our own child's pid with a valid signal.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("ferry did not exit after SIGTERM; log:\n{}", self.log());
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_addr() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// A plain HTTP/1.1 GET: (status, body); `None` while nothing listens.
+fn get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body.to_owned()))
+}
+
+/// Polls until `f` returns `Some`, or panics with `what` after `PATIENCE`.
+async fn eventually<T>(what: &str, log: impl Fn() -> String, mut f: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}; log:\n{}",
+            log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// One sample of the Prometheus text format.
+#[derive(Debug)]
+struct Sample {
+    name: String,
+    labels: BTreeMap<String, String>,
+    value: f64,
+}
+
+/// Parses the whole exposition, failing on any line that does not parse.
+fn parse_metrics(text: &str) -> Vec<Sample> {
+    let mut samples = Vec::new();
+    for line in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
+        let value: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            v => v.parse().unwrap_or_else(|_| panic!("bad value: {line}")),
+        };
+        let (name, labels) = match series.split_once('{') {
+            None => (series, BTreeMap::new()),
+            Some((name, rest)) => {
+                let body = rest
+                    .strip_suffix('}')
+                    .unwrap_or_else(|| panic!("unclosed labels: {line}"));
+                let labels = body
+                    .split("\",")
+                    .filter(|p| !p.is_empty())
+                    .map(|pair| {
+                        let (k, v) = pair.split_once("=\"").unwrap_or_else(|| panic!("bad label: {line}"));
+                        (k.to_owned(), v.trim_end_matches('"').to_owned())
+                    })
+                    .collect();
+                (name, labels)
+            }
+        };
+        assert!(
+            name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':'),
+            "bad metric name: {line}"
+        );
+        samples.push(Sample {
+            name: name.to_owned(),
+            labels,
+            value,
+        });
+    }
+    samples
+}
+
+/// The sum over all series of `name` whose labels include `with`.
+fn total(samples: &[Sample], name: &str, with: &[(&str, &str)]) -> Option<f64> {
+    let matching: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| {
+            s.name == name
+                && with
+                    .iter()
+                    .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+        })
+        .collect();
+    (!matching.is_empty()).then(|| matching.iter().map(|s| s.value).sum())
+}
+
+#[tokio::test]
+async fn a_running_relay_serves_metrics_health_and_readiness_and_retention_archives_what_it_deletes() {
+    let ops = Ops::new().await;
+    ops.produce(200).await;
+    let addr = free_addr();
+    let archive = ops.dir.path().join("archive");
+    std::fs::create_dir(&archive).unwrap();
+    let cfg = ops.config(&Settings {
+        metrics: Some(addr),
+        retention: true,
+        archive_dir: Some(archive.clone()),
+        ..Settings::default()
+    });
+    let relay = ops.spawn(&cfg);
+    let log = || relay.log();
+
+    assert_eq!(
+        eventually("/healthz", log, async || get(addr, "/healthz")).await,
+        (200, "ok\n".to_owned())
+    );
+    let ready = eventually("/readyz 200", log, async || {
+        get(addr, "/readyz").filter(|(s, _)| *s == 200)
+    })
+    .await;
+    let body: serde_json::Value = serde_json::from_str(&ready.1).unwrap();
+    assert_eq!(body["ready"], true);
+    assert_eq!(body["database"], "ok");
+    assert_eq!(body["destinations"]["all"], "ok");
+
+    // Every event published, then (after the one-second window) deleted by
+    // the background job, archived first.
+    let samples = eventually("200 published and retained", log, async || {
+        let (status, text) = get(addr, "/metrics")?;
+        assert_eq!(status, 200);
+        let samples = parse_metrics(&text);
+        let published = total(&samples, "ferry_deliveries_published_total", &[("route", "all")])?;
+        let deleted = total(&samples, "ferry_retention_deleted_events_total", &[])?;
+        (published == 200.0 && deleted == 200.0).then_some(samples)
+    })
+    .await;
+    assert_eq!(ops.events().await, 0, "retention deleted every published event");
+    assert_eq!(
+        total(
+            &samples,
+            "ferry_deliveries_published_total",
+            &[("route", "all"), ("type", "order.item.created")]
+        ),
+        Some(200.0)
+    );
+    assert_eq!(
+        total(&samples, "ferry_retention_archived_events_total", &[]),
+        Some(200.0)
+    );
+    assert_eq!(
+        total(&samples, "ferry_events_enqueued_total", &[("type", "order.item.created")]),
+        Some(200.0)
+    );
+    assert!(total(&samples, "ferry_retention_last_success_timestamp_seconds", &[]).unwrap() > 1.7e9);
+    let latency = total(&samples, "ferry_commit_to_publish_seconds_count", &[("route", "all")]);
+    assert_eq!(latency, Some(200.0), "one latency sample per first-attempt publish");
+    assert!(total(&samples, "ferry_commit_to_publish_seconds_bucket", &[("le", "+Inf")]).is_some());
+    assert!(total(&samples, "ferry_publish_duration_seconds_bucket", &[("route", "all")]).is_some());
+    assert!(total(&samples, "ferry_relay_batch_size_bucket", &[("route", "all")]).is_some());
+    assert_eq!(total(&samples, "ferry_leased_partitions", &[]), Some(32.0));
+    // The gauges come from the store every few seconds; once drained they
+    // read zero.
+    let samples = eventually("gauges at zero", log, async || {
+        let samples = parse_metrics(&get(addr, "/metrics")?.1);
+        let drained = total(&samples, "ferry_pending_deliveries", &[("route", "all")]) == Some(0.0)
+            && total(&samples, "ferry_unrouted_events", &[]) == Some(0.0);
+        drained.then_some(samples)
+    })
+    .await;
+    for (name, value) in [
+        ("ferry_oldest_pending_age_seconds", 0.0),
+        ("ferry_blocked_keys", 0.0),
+        ("ferry_dead_deliveries", 0.0),
+        ("ferry_unrouted_events", 0.0),
+        ("ferry_expired_leases", 0.0),
+        ("ferry_database_up", 1.0),
+        ("ferry_destination_up", 1.0),
+        ("ferry_ready", 1.0),
+    ] {
+        assert_eq!(total(&samples, name, &[]), Some(value), "{name}");
+    }
+    assert!(total(&samples, "ferry_oldest_lease_age_seconds", &[]).unwrap() < 10.0);
+    let text = get(addr, "/metrics").unwrap().1;
+    assert!(
+        text.contains("# HELP ferry_pending_deliveries "),
+        "metrics carry help texts"
+    );
+    assert!(text.contains("# TYPE ferry_deliveries_published_total counter"));
+
+    // The archive holds exactly the 200 events, each once.
+    let files: Vec<PathBuf> = std::fs::read_dir(&archive)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert!(!files.is_empty());
+    let mut ids = std::collections::HashSet::new();
+    for f in &files {
+        for e in ferry_store::read_archive(f).unwrap() {
+            assert!(ids.insert(e.id), "{} archived twice", e.id);
+            assert_eq!(e.deliveries[0].state, "published");
+        }
+    }
+    assert_eq!(ids.len(), 200);
+
+    let status = relay.terminate();
+    assert!(status.success(), "SIGTERM must exit 0, got {status:?}");
+    assert!(get(addr, "/healthz").is_none(), "the endpoint stops with the relay");
+}
+
+#[tokio::test]
+async fn readyz_fails_while_the_database_is_unreachable_and_recovers() {
+    let ops = Ops::new().await;
+    let proxy = Proxy::start("127.0.0.1:5432".parse().unwrap()).unwrap();
+    let url = ops.db.url().replace("127.0.0.1:5432", &proxy.addr().to_string());
+    assert_ne!(url, ops.db.url(), "the database URL must go through the proxy");
+    let addr = free_addr();
+    let cfg = ops.config(&Settings {
+        db_url: Some(url),
+        metrics: Some(addr),
+        ..Settings::default()
+    });
+    let relay = ops.spawn(&cfg);
+    let log = || relay.log();
+    eventually("ready", log, async || get(addr, "/readyz").filter(|(s, _)| *s == 200)).await;
+
+    proxy.set_refuse(true);
+    proxy.cut();
+    let (_, body) = eventually("/readyz 503", log, async || {
+        get(addr, "/readyz").filter(|(s, _)| *s == 503)
+    })
+    .await;
+    let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(body["ready"], false);
+    assert!(body["database"].as_str().unwrap().starts_with("database"), "{body}");
+    assert_eq!(get(addr, "/healthz").map(|r| r.0), Some(200), "alive, though not ready");
+    let samples = parse_metrics(&get(addr, "/metrics").unwrap().1);
+    assert_eq!(total(&samples, "ferry_database_up", &[]), Some(0.0));
+    assert_eq!(total(&samples, "ferry_ready", &[]), Some(0.0));
+
+    // Events committed during the outage are delivered once it ends.
+    ops.produce(50).await;
+    proxy.set_refuse(false);
+    eventually("ready again", log, async || {
+        get(addr, "/readyz").filter(|(s, _)| *s == 200)
+    })
+    .await;
+    eventually("50 published after the outage", log, async || {
+        (ops.published().await == 50).then_some(())
+    })
+    .await;
+    assert!(relay.terminate().success());
+}
+
+#[tokio::test]
+async fn purge_counts_when_dry_deletes_and_archives_when_not() {
+    let ops = Ops::new().await;
+    ops.produce(30).await;
+    let archive = ops.dir.path().join("archive");
+    std::fs::create_dir(&archive).unwrap();
+    let cfg = ops.config(&Settings {
+        archive_dir: Some(archive.clone()),
+        ..Settings::default()
+    });
+    let relay = ops.spawn(&cfg);
+    eventually(
+        "30 published",
+        || relay.log(),
+        async || (ops.published().await == 30).then_some(()),
+    )
+    .await;
+    assert!(relay.terminate().success());
+    // Past the one-second window.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+
+    let out = ops.ferry(&cfg, &["purge", "--dry-run", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (report["dry_run"].as_bool(), report["events"].as_u64()),
+        (Some(true), Some(30))
+    );
+    assert_eq!(ops.events().await, 30, "a dry run deletes nothing");
+    assert_eq!(std::fs::read_dir(&archive).unwrap().count(), 0, "nor archives");
+
+    let out = ops.ferry(&cfg, &["purge"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("deleted 30 events and 30 deliveries in 5 batches; archived 30 events to "),
+        "{text}"
+    );
+    assert_eq!(ops.events().await, 0);
+    let file = std::fs::read_dir(&archive).unwrap().next().unwrap().unwrap().path();
+    assert_eq!(ferry_store::read_archive(&file).unwrap().len(), 30);
+}
+
+#[tokio::test]
+async fn purge_with_an_unwritable_archive_deletes_nothing_and_says_why() {
+    let ops = Ops::new().await;
+    ops.produce(10).await;
+    let cfg = ops.config(&Settings::default());
+    let relay = ops.spawn(&cfg);
+    eventually(
+        "10 published",
+        || relay.log(),
+        async || (ops.published().await == 10).then_some(()),
+    )
+    .await;
+    assert!(relay.terminate().success());
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+
+    // A file where the directory should be: nothing can be written there,
+    // whatever the user's privileges.
+    let not_a_dir = ops.dir.path().join("archive");
+    std::fs::write(&not_a_dir, b"").unwrap();
+    let cfg = ops.config(&Settings {
+        archive_dir: Some(not_a_dir.clone()),
+        ..Settings::default()
+    });
+    let out = ops.ferry(&cfg, &["purge"]);
+    assert_eq!(out.status.code(), Some(2), "a configuration problem");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("retention.archive_dir: cannot write to"), "{err}");
+    assert_eq!(ops.events().await, 10, "nothing deleted without its archive");
+    // `ferry run` refuses to start with it, too, rather than fail hours later.
+    let cfg = ops.config(&Settings {
+        retention: true,
+        archive_dir: Some(not_a_dir),
+        ..Settings::default()
+    });
+    let out = ops.ferry(&cfg, &["run"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("retention.archive_dir"), "{err}");
+}
+
+#[test]
+fn the_dashboard_uses_only_metrics_that_exist() {
+    let dashboard = include_str!("../../../docs/grafana-dashboard.json");
+    let names = include_str!("../../ferry-relay/src/metrics.rs");
+    let json: serde_json::Value = serde_json::from_str(dashboard).expect("the dashboard is valid JSON");
+    assert!(json["panels"].as_array().is_some_and(|p| p.len() > 10));
+    let mut used = std::collections::BTreeSet::new();
+    let mut rest = dashboard;
+    while let Some(at) = rest.find("ferry_") {
+        let name: String = rest[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        rest = &rest[at + name.len()..];
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(&name);
+        used.insert(base.to_owned());
+    }
+    assert!(used.len() > 20, "{used:?}");
+    for name in &used {
+        assert!(
+            names.contains(&format!("\"{name}\"")),
+            "{name} is not a metric in ferry_relay::metrics"
+        );
+    }
+}
