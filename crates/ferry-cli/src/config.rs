@@ -24,10 +24,10 @@ mod otel;
 mod raw;
 mod sinks;
 
+pub use otel::TracingConfig;
 use raw::{
     DurationText, EnvOverrides, RawAlerts, RawConfig, RawDatabase, RawLog, RawRelay, RawRetention, RawRoute, extract,
 };
-pub use otel::TracingConfig;
 pub use sinks::{FileSpec, KafkaSpec, NatsSpec, RedisSpec, WebhookSpec};
 
 /// Environment variables starting with this (and containing `__`) override

@@ -331,7 +331,11 @@ async fn a_running_relay_serves_metrics_health_and_readiness_and_retention_archi
         Some(200.0)
     );
     assert_eq!(
-        total(&samples, "ferry_events_enqueued_total", &[("type", "order.item.created")]),
+        total(
+            &samples,
+            "ferry_events_enqueued_total",
+            &[("type", "order.item.created")]
+        ),
         Some(200.0)
     );
     assert!(total(&samples, "ferry_retention_last_success_timestamp_seconds", &[]).unwrap() > 1.7e9);

@@ -30,8 +30,8 @@ pub mod postgres;
 pub mod sqlite;
 
 pub use admin::{
-    Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView, EventView,
-    Filter, ListPage, Page, Plan, Refusal, Target,
+    Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
+    EventView, Filter, ListPage, Page, Plan, Refusal, Target,
 };
 pub use enqueue::{EnqueueError, Enqueued};
 

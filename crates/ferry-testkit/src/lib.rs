@@ -1,18 +1,25 @@
 //! Test support for Ferry.
 //!
-//! - [`pg`]: a fresh PostgreSQL database per test, dropped afterwards.
+//! - [`pg`]: a fresh PostgreSQL database per test, dropped afterwards;
+//!   [`pg_store`]: the PostgreSQL store on one, for the suites below.
 //! - [`proxy`]: a TCP proxy that can delay, cut and refuse connections, for
 //!   fault tests against real services.
 //! - [`rabbit`]: uniquely named RabbitMQ exchanges and queues, and a counting
 //!   consumer.
 //! - [`clock`]: a manual clock; [`mock_sink`]: a scripted sink for engine tests.
 //! - [`store_suite`] and [`sink_suite`]: the conformance suites every store
-//!   and sink implementation runs against the real thing.
+//!   and sink implementation runs against the real thing; [`admin_suite`]
+//!   and [`retention_suite`], the operator's commands, retention and gauges
+//!   every store offers on top; [`producer_suite`], its `enqueue`.
 
+pub mod admin_suite;
 pub mod clock;
 pub mod mock_sink;
 pub mod pg;
+pub mod pg_store;
+pub mod producer_suite;
 pub mod proxy;
 pub mod rabbit;
+pub mod retention_suite;
 pub mod sink_suite;
 pub mod store_suite;

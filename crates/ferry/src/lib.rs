@@ -52,9 +52,9 @@ pub use ferry_store::postgres::capture;
 #[cfg(feature = "sqlite")]
 pub use ferry_store::sqlite;
 
+#[cfg(feature = "inbox")]
+pub use ferry_inbox as inbox;
 #[cfg(feature = "relay")]
 pub use ferry_relay as relay;
 #[cfg(feature = "relay")]
 pub use ferry_sink as sink;
-#[cfg(feature = "inbox")]
-pub use ferry_inbox as inbox;

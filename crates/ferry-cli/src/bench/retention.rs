@@ -192,9 +192,10 @@ async fn drive(ctx: &Ctx<'_>, relay: &relay::RunningRelay) -> anyhow::Result<Ret
         deleted,
         samples,
     };
-    let growth = result
-        .growth()
-        .map_or_else(|| "the run was shorter than twice the window".into(), |g| format!("{g:.2}x"));
+    let growth = result.growth().map_or_else(
+        || "the run was shorter than twice the window".into(),
+        |g| format!("{g:.2}x"),
+    );
     progress::done(
         &bar,
         format!("retention: {total} events, {deleted} deleted; size at the end over size once full: {growth}"),

@@ -70,14 +70,20 @@ async fn check_database(cfg: &Config) -> Finding {
     let what = format!("database {}", super::redact(&cfg.database.url));
     let found = match super::store(cfg) {
         Ok(store) => store.schema_version().await.map_err(|e| {
-            format!("cannot connect to the database ({}): {e}", super::redact(&cfg.database.url))
+            format!(
+                "cannot connect to the database ({}): {e}",
+                super::redact(&cfg.database.url)
+            )
         }),
         Err(e) => Err(format!("{e:#}")),
     };
     let (ok, detail) = match found {
         Ok((Some(v), known)) if v == known => (true, format!("schema at version {v}")),
         Ok((Some(v), known)) if v > known => (false, format!("schema version {v} is newer than this ferry ({known})")),
-        Ok((Some(v), known)) => (false, format!("schema at version {v}, want {known}; run `ferry migrate`")),
+        Ok((Some(v), known)) => (
+            false,
+            format!("schema at version {v}, want {known}; run `ferry migrate`"),
+        ),
         Ok((None, _)) => (false, "no ferry schema; run `ferry migrate`".into()),
         Err(detail) => (false, detail),
     };

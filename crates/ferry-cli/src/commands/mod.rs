@@ -12,8 +12,8 @@ pub mod tail;
 
 use std::process::ExitCode;
 
-use anyhow::Context;
 use crate::store::AnyStore;
+use anyhow::Context;
 
 pub(crate) use run::relay_settings;
 

@@ -12,9 +12,9 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::store::AnyStore;
 use anyhow::Context;
 use ferry_core::{ErrorKind, StoreError};
-use crate::store::AnyStore;
 use ferry_store::{Action, Admin, Applied, Filter, Plan, Refusal, Target};
 use serde_json::json;
 use uuid::Uuid;

@@ -58,7 +58,9 @@ pub struct DemoArgs {
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let db = prepare_dir(&args.dir)?;
     let stop = CancellationToken::new();
-    let receiver = Receiver::start(stop.clone()).await.context("starting the webhook receiver")?;
+    let receiver = Receiver::start(stop.clone())
+        .await
+        .context("starting the webhook receiver")?;
     let toml = config_toml(&db, receiver.addr);
     let config_path = args.dir.join("ferry.toml");
     std::fs::write(&config_path, &toml).with_context(|| format!("writing {}", config_path.display()))?;
@@ -71,9 +73,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let pool = store.pool().clone();
     {
         let mut conn = pool.acquire().await?;
-        ferry_store::sqlite::migrate(&mut conn).await.context("creating the ferry tables")?;
+        ferry_store::sqlite::migrate(&mut conn)
+            .await
+            .context("creating the ferry tables")?;
     }
-    producer::create_schema(&pool).await.context("creating the shop's table")?;
+    producer::create_schema(&pool)
+        .await
+        .context("creating the shop's table")?;
     let status = SqliteStore::new(pool.clone());
 
     println!(
@@ -91,8 +97,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let relay_task = tokio::spawn(relay.run(relay_stop.clone().cancelled_owned()));
 
     let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("{spinner} {bar:20} {pos}/{len} settled  {msg}")
-            .expect("a valid template"),
+        ProgressStyle::with_template("{spinner} {bar:20} {pos}/{len} settled  {msg}").expect("a valid template"),
     );
     bar.enable_steady_tick(Duration::from_millis(100));
     let started = Instant::now();
@@ -107,7 +112,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     .context("the shop failed")?;
     let report = settle(&status).await;
     relay_stop.cancel();
-    let relay_report = relay_task.await.context("the relay panicked")?.context("the relay stopped")?;
+    let relay_report = relay_task
+        .await
+        .context("the relay panicked")?
+        .context("the relay stopped")?;
     stop.cancel();
     let _ = watch.await;
     bar.finish_and_clear();
@@ -116,11 +124,21 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let verdict = Verdict::new(&produced, &receiver.seen(), &report);
     print!(
         "{}",
-        verdict.render(&produced, &receiver.seen(), &report, relay_report.retried, started.elapsed())
+        verdict.render(
+            &produced,
+            &receiver.seen(),
+            &report,
+            relay_report.retried,
+            started.elapsed()
+        )
     );
     let dead = receiver.seen().rejected.into_iter().next();
     println!("{}", next_steps(&config_path, &db, dead.as_deref()));
-    Ok(if verdict.holds() { ExitCode::SUCCESS } else { ExitCode::from(1) })
+    Ok(if verdict.holds() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
 }
 
 /// Creates `dir`, removes an earlier demo's database, returns the database
@@ -243,9 +261,19 @@ struct Verdict {
 impl Verdict {
     fn new(produced: &Produced, seen: &Seen, report: &StatusReport) -> Self {
         let reached: HashSet<&String> = seen.accepted.iter().chain(&seen.rejected).collect();
-        let mut lost: Vec<String> = produced.committed.iter().filter(|id| !reached.contains(id)).cloned().collect();
+        let mut lost: Vec<String> = produced
+            .committed
+            .iter()
+            .filter(|id| !reached.contains(id))
+            .cloned()
+            .collect();
         lost.sort();
-        let mut leaked: Vec<String> = produced.rolled_back.iter().filter(|id| reached.contains(id)).cloned().collect();
+        let mut leaked: Vec<String> = produced
+            .rolled_back
+            .iter()
+            .filter(|id| reached.contains(id))
+            .cloned()
+            .collect();
         leaked.sort();
         let route = |name: &str| report.routes.iter().find(|r| r.route == name);
         Self {
@@ -337,7 +365,10 @@ impl Verdict {
             let _ = writeln!(out, "      {problem}");
         }
         if !self.holds() {
-            let _ = writeln!(out, "\nA guarantee did not hold: this is a bug in Ferry; please report it with this output.");
+            let _ = writeln!(
+                out,
+                "\nA guarantee did not hold: this is a bug in Ferry; please report it with this output."
+            );
         }
         out
     }

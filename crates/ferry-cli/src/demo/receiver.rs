@@ -140,11 +140,17 @@ async fn accept(State(inner): State<Arc<Mutex<Inner>>>, body: axum::body::Bytes)
     if let (Some(key), Some(step)) = (envelope.subject, envelope.data["step"].as_u64()) {
         let last = inner.last_step.get(&key).copied().unwrap_or(0);
         if step != last + 1 {
-            inner.seen.out_of_order.push(format!("{key}: step {step} after step {last}"));
+            inner
+                .seen
+                .out_of_order
+                .push(format!("{key}: step {step} after step {last}"));
         }
         inner.last_step.insert(key, last.max(step));
     }
-    let latency = (chrono::Utc::now() - envelope.time).num_microseconds().unwrap_or(i64::MAX) as f64 / 1000.0;
+    let latency = (chrono::Utc::now() - envelope.time)
+        .num_microseconds()
+        .unwrap_or(i64::MAX) as f64
+        / 1000.0;
     inner.seen.latencies_ms.push(latency);
     if !matches!(inner.down_wall, Some((from, until)) if envelope.time >= from && envelope.time <= until) {
         inner.seen.latencies_up_ms.push(latency);

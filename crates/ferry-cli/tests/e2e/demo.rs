@@ -27,7 +27,12 @@ fn the_demo_proves_its_guarantees_and_leaves_an_inspectable_database() {
             .lines()
             .find(|l| l.trim_start().starts_with(label))
             .unwrap_or_else(|| panic!("no line {label:?} in:\n{stdout}"));
-        l.trim_start()[label.len()..].split_whitespace().next().unwrap().parse().unwrap()
+        l.trim_start()[label.len()..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
     };
     assert_eq!(line("lost"), 0, "{stdout}");
     assert_eq!(line("dead"), 1, "{stdout}");

@@ -113,7 +113,10 @@ async fn an_exchange_with_no_bound_queue_is_refused_and_marks_nothing_published(
 
     // With the management API out of reach the relay starts, and the
     // unroutable publishes themselves are the signal.
-    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
     let cfg = s.config(&Overrides {
         management_url: Some(format!("http://guest:guest@{closed}")),
         ..Overrides::default()

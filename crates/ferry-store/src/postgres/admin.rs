@@ -235,18 +235,16 @@ impl Admin for PgStore {
         let routes: Vec<&str> = targets.iter().map(|t| t.route.as_str()).collect();
         let mut tx = self.pool().begin().await.map_err(store_error)?;
         let changed: Vec<(i64, String, String, i32)> = match action {
-            Action::Requeue { include_published } => {
-                sqlx::query_as(REQUEUE)
-                    .persistent(false)
-                    .bind(&seqs)
-                    .bind(&routes)
-                    .bind(*include_published)
-                    .bind(actor)
-                    .bind(NO_ROUTE)
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err(store_error)?
-            }
+            Action::Requeue { include_published } => sqlx::query_as(REQUEUE)
+                .persistent(false)
+                .bind(&seqs)
+                .bind(&routes)
+                .bind(*include_published)
+                .bind(actor)
+                .bind(NO_ROUTE)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(store_error)?,
             Action::Cancel { reason } => {
                 // Taken in partition order, as relay_tick does, so two
                 // cancels cannot deadlock on each other.
