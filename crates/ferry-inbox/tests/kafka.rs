@@ -280,3 +280,76 @@ async fn bad_options_name_the_field() {
     let err = KafkaConsumer::new(inbox, options).unwrap_err();
     assert!(err.to_string().contains("extra.enable.auto.commit"), "{err}");
 }
+
+/// The real broker: tansu on 127.0.0.1:19092 (or `FERRY_TEST_KAFKA_URL`),
+/// started by `scripts/test`. Fails, never skips, when it is not running.
+fn tansu() -> String {
+    let url = std::env::var("FERRY_TEST_KAFKA_URL").unwrap_or_else(|_| "127.0.0.1:19092".into());
+    let addr = url.trim_start_matches("kafka://").to_owned();
+    assert!(
+        std::net::TcpStream::connect(&addr).is_ok(),
+        "no Kafka broker at {addr} (FERRY_TEST_KAFKA_URL); run scripts/test, which starts tansu there"
+    );
+    addr
+}
+
+/// On a real broker: a consumer group with the inbox applies each event once
+/// although every event is published twice (two routes to one topic).
+#[tokio::test]
+async fn on_tansu_a_consumer_group_applies_each_event_once() {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    const N: usize = 100;
+    let bootstrap = tansu();
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .create()
+        .unwrap();
+    let topic = unique_name("inbox-tansu");
+    let dead_topic = format!("{topic}.dead");
+    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    let created = admin
+        .create_topics(
+            [
+                &NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1)),
+                &NewTopic::new(&dead_topic, 1, TopicReplication::Fixed(1)),
+            ],
+            &options,
+        )
+        .await
+        .unwrap();
+    assert!(created.iter().all(Result::is_ok), "{created:?}");
+
+    let db = Db::new().await;
+    let mut consumer_options = KafkaConsumerOptions::new(&bootstrap, &topic, unique_name("billing"), &dead_topic);
+    consumer_options.reconnect_max_delay = Duration::from_millis(300);
+    let consumer = KafkaConsumer::new(Inbox::new(db.pool.clone(), "billing").unwrap(), consumer_options).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let sink = KafkaSink::new(KafkaOptions {
+            bootstrap_servers: bootstrap.clone(),
+            ..KafkaOptions::default()
+        })
+        .unwrap();
+        let relay = db.relay(Arc::new(sink) as Arc<dyn Sink>, &["first", "second"], &topic);
+        assert_eq!(db.produce(keyed(N)).await.len(), N);
+        db.all_published(2 * N as i64).await;
+        relay.stop().await;
+        wait("every copy consumed", || async {
+            let r = consumer.report();
+            r.processed == N as u64 && r.duplicates >= N as u64
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(effect, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!((report.processed, report.dead), (N as u64, 0), "{report:?}");
+    db.assert_effects_once(N).await;
+    let _ = admin.delete_topics(&[&topic, &dead_topic], &options).await;
+}
