@@ -1,6 +1,7 @@
 //! The inbox against a real PostgreSQL: duplicates, concurrent deliveries of
 //! one event, retries, dead events and retention, counting every effect.
 
+use ferry_testkit::metrics::Counts;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -295,51 +296,10 @@ async fn a_blank_consumer_name_is_refused() {
     assert!(err.to_string().contains("consumer name"), "{err}");
 }
 
-/// Every counter increment, by metric name and `consumer` label.
-#[derive(Default, Clone)]
-struct Counts(Arc<std::sync::Mutex<std::collections::HashMap<(String, String), u64>>>);
-
-struct OneCounter {
-    key: (String, String),
-    counts: Counts,
-}
-
-impl metrics::CounterFn for OneCounter {
-    fn increment(&self, value: u64) {
-        *self.counts.0.lock().unwrap().entry(self.key.clone()).or_default() += value;
-    }
-    fn absolute(&self, value: u64) {
-        self.counts.0.lock().unwrap().insert(self.key.clone(), value);
-    }
-}
-
-impl metrics::Recorder for Counts {
-    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: metrics::SharedString) {}
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        let consumer = key
-            .labels()
-            .find(|l| l.key() == "consumer")
-            .map(|l| l.value().to_owned())
-            .unwrap_or_default();
-        metrics::Counter::from_arc(Arc::new(OneCounter {
-            key: (key.name().to_owned(), consumer),
-            counts: self.clone(),
-        }))
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
-}
-
 #[tokio::test]
 async fn every_outcome_is_counted_per_consumer() {
     use ferry_inbox::metrics::{DEAD, DUPLICATES, PROCESSED, RETRIES};
-    let counts = Counts::default();
+    let counts = Counts::by_label("consumer");
     // The test's runtime has one thread, so a thread-local recorder sees all.
     let _recorder = metrics::set_default_local_recorder(&counts);
     let e = env().await;
@@ -355,10 +315,7 @@ async fn every_outcome_is_counted_per_consumer() {
             .await
             .unwrap();
     }
-    let get = |name: &str| {
-        let key = (name.to_owned(), "billing".to_owned());
-        counts.0.lock().unwrap().get(&key).copied().unwrap_or(0)
-    };
+    let get = |name: &str| counts.get(name, "billing");
     assert_eq!(get(PROCESSED), 1);
     assert_eq!(get(DUPLICATES), 1);
     assert_eq!(get(RETRIES), 2);

@@ -88,6 +88,10 @@ pub fn describe() {
         "Events confirmed after an earlier event of their key was rejected."
     );
     describe_counter!(
+        "ferry_unroutable_returns_total",
+        "Messages RabbitMQ returned as unroutable (no queue bound), per exchange; each is a failed publish."
+    );
+    describe_counter!(
         "ferry_sink_connections_total",
         "Connections (Kafka: producers) a sink opened, per kind; each after the first is a reconnect."
     );

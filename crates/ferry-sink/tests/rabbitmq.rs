@@ -106,11 +106,19 @@ async fn wire_format_carries_ids_cloudevents_headers_and_persistence() {
 
 #[tokio::test]
 async fn an_exchange_without_a_queue_fails_every_event_permanently() {
+    let counts = ferry_testkit::metrics::Counts::by_label("exchange");
+    // The test's runtime has one thread, so a thread-local recorder sees all.
+    let _recorder = metrics::set_default_local_recorder(&counts);
     let topology = TestTopology::create_unbound("unbound").await;
     let sink = sink_at(amqp_url());
     let events = keyed(50, |seq| format!("k-{}", seq % 3));
     let outcomes = sink.publish(&route(topology.exchange(), None), &events).await;
     assert_eq!(outcomes.len(), events.len());
+    assert_eq!(
+        counts.get(ferry_sink::rabbitmq::UNROUTABLE_METRIC, topology.exchange()),
+        50,
+        "every return counted"
+    );
     for outcome in &outcomes {
         expect_err(outcome, ErrorKind::Permanent, "unroutable");
         expect_err(outcome, ErrorKind::Permanent, "312 NO_ROUTE");

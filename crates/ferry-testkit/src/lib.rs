@@ -14,6 +14,7 @@
 
 pub mod admin_suite;
 pub mod clock;
+pub mod metrics;
 pub mod mock_sink;
 pub mod pg;
 pub mod pg_store;

@@ -40,6 +40,11 @@ use bindings::{Management, Reach};
 use connector::Connector;
 use message::Message;
 
+/// Messages RabbitMQ returned as unroutable (no queue bound for their
+/// routing key), per exchange: each one is a failed publish, retried, then
+/// dead; never counted as delivered.
+pub const UNROUTABLE_METRIC: &str = "ferry_unroutable_returns_total";
+
 /// How a [`RabbitMqSink`] connects and publishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RabbitMqOptions {

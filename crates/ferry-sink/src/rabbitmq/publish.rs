@@ -10,6 +10,7 @@ use lapin::{Channel, Confirmation};
 use tokio::time::{Instant, timeout, timeout_at};
 use tracing::{debug, warn};
 
+use super::UNROUTABLE_METRIC;
 use super::connector::Connector;
 use super::message::Message;
 use super::reply::{self, NOT_FOUND};
@@ -61,6 +62,8 @@ pub(super) async fn publish_batch(
         .zip(&exchanges)
         .map(|((fate, event), exchange)| {
             if let Some(err) = returned.get(&event.id.to_string()) {
+                // Nobody home at run time: no queue took the message.
+                metrics::counter!(UNROUTABLE_METRIC, "exchange" => exchange.clone().unwrap_or_default()).increment(1);
                 return Err(err.clone());
             }
             match fate {
