@@ -118,6 +118,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         .context("the relay stopped")?;
     stop.cancel();
     let _ = watch.await;
+    // The last connection's close checkpoints the WAL into the file, so the
+    // database left behind is one file.
+    pool.close().await;
     bar.finish_and_clear();
     let report = report?;
 
