@@ -91,7 +91,12 @@ pub fn decide(
         Ok(()) => Transition::Published { attempts, at: now },
         Err(err) => match err.kind {
             ErrorKind::Transient if attempts < policy.max_attempts.max(1) => {
-                let delay = policy.backoff(attempts, unit);
+                // A destination that asked for a pause gets it, up to the
+                // policy's longest delay.
+                let asked = err
+                    .retry_after
+                    .map_or(std::time::Duration::ZERO, |d| d.min(policy.max_delay));
+                let delay = policy.backoff(attempts, unit).max(asked);
                 let delay = chrono::Duration::from_std(delay).unwrap_or(chrono::Duration::MAX);
                 Transition::Retry {
                     attempts,
@@ -157,6 +162,27 @@ mod tests {
             Transition::Dead { attempts: 5, reason } => assert!(reason.contains("max attempts (5)"), "{reason}"),
             t => panic!("expected dead, got {t:?}"),
         }
+    }
+
+    #[test]
+    fn a_destination_asking_for_a_pause_gets_it_up_to_the_longest_delay() {
+        let now = Utc::now();
+        let p = policy();
+        let next = |asked: u64| match decide(
+            0,
+            &Err(SinkError::transient("busy").with_retry_after(Duration::from_secs(asked))),
+            now,
+            &p,
+            0.0,
+        ) {
+            Transition::Retry { next_at, .. } => (next_at - now).to_std().unwrap(),
+            other => panic!("{other:?}"),
+        };
+        // The first backoff is 1 s: a shorter ask changes nothing, a longer
+        // one is honoured, one past the policy's 10 s longest delay is capped.
+        assert_eq!(next(0), Duration::from_secs(1));
+        assert_eq!(next(7), Duration::from_secs(7));
+        assert_eq!(next(3600), Duration::from_secs(10));
     }
 
     #[test]

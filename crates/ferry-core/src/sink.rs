@@ -9,26 +9,34 @@ use crate::{ErrorKind, Route, StoredEvent};
 pub struct SinkError {
     pub kind: ErrorKind,
     pub message: String,
+    /// How long the destination asked to be left alone (an HTTP
+    /// `Retry-After`, a broker's throttle time): the next attempt waits at
+    /// least this long, up to the retry policy's longest delay.
+    pub retry_after: Option<std::time::Duration>,
 }
 
 impl SinkError {
-    pub fn transient(message: impl Into<String>) -> Self {
+    fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         Self {
-            kind: ErrorKind::Transient,
+            kind,
             message: message.into(),
+            retry_after: None,
         }
+    }
+    pub fn transient(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Transient, message)
     }
     pub fn permanent(message: impl Into<String>) -> Self {
-        Self {
-            kind: ErrorKind::Permanent,
-            message: message.into(),
-        }
+        Self::new(ErrorKind::Permanent, message)
     }
     pub fn config(message: impl Into<String>) -> Self {
-        Self {
-            kind: ErrorKind::Config,
-            message: message.into(),
-        }
+        Self::new(ErrorKind::Config, message)
+    }
+    /// The same error, asking the relay to wait at least `delay` before the
+    /// next attempt.
+    pub fn with_retry_after(mut self, delay: std::time::Duration) -> Self {
+        self.retry_after = Some(delay);
+        self
     }
     pub fn is_transient(&self) -> bool {
         self.kind == ErrorKind::Transient

@@ -61,9 +61,13 @@ fn status_error(
             "; redirects are not followed: point routes[].destination at the Location, {location:?}"
         ));
     }
+    let mut retry_after = None;
     if let Some(value) = headers.get(RETRY_AFTER).and_then(|v| v.to_str().ok()) {
         match parse_retry_after(value, chrono::Utc::now()) {
-            Some(delay) => message.push_str(&format!("; retry after {}s (Retry-After: {value})", delay.as_secs())),
+            Some(delay) => {
+                message.push_str(&format!("; retry after {}s (Retry-After: {value})", delay.as_secs()));
+                retry_after = Some(delay);
+            }
             None => message.push_str(&format!("; unreadable Retry-After: {value:?}")),
         }
     }
@@ -72,9 +76,10 @@ fn status_error(
     if !text.is_empty() {
         message.push_str(&format!("; response: {text:?}"));
     }
-    match kind {
-        ErrorKind::Transient => SinkError::transient(message),
-        ErrorKind::Config => SinkError::config(message),
+    match (kind, retry_after) {
+        (ErrorKind::Transient, Some(delay)) => SinkError::transient(message).with_retry_after(delay),
+        (ErrorKind::Transient, None) => SinkError::transient(message),
+        (ErrorKind::Config, _) => SinkError::config(message),
         _ => SinkError::permanent(message),
     }
 }
@@ -150,6 +155,17 @@ mod tests {
             err.message
         );
         assert!(err.message.ends_with("response: \"slow down\""), "{}", err.message);
+        // The relay's backoff reads the delay, not the text.
+        assert_eq!(err.retry_after, Some(std::time::Duration::from_secs(30)));
+        let err = status_error(
+            "POST",
+            &url(),
+            StatusCode::SERVICE_UNAVAILABLE,
+            &HeaderMap::new(),
+            b"",
+            ErrorKind::Transient,
+        );
+        assert_eq!(err.retry_after, None);
     }
 
     #[test]
