@@ -57,3 +57,47 @@ impl Counters {
         }
     }
 }
+
+/// The pause between broker sessions: from 100 ms, doubling up to the
+/// runner's `reconnect_max_delay`, and back to 100 ms after a session that
+/// got as far as consuming.
+pub(crate) struct Reconnect {
+    delay: std::time::Duration,
+    max: std::time::Duration,
+}
+
+impl Reconnect {
+    const FIRST: std::time::Duration = std::time::Duration::from_millis(100);
+
+    pub(crate) fn new(max: std::time::Duration) -> Self {
+        Self {
+            delay: Self::FIRST,
+            max,
+        }
+    }
+
+    /// After a lost session: counts the reconnect, logs it with `what` (the
+    /// broker and its queue, stream or topic) and waits. `false` when the
+    /// shutdown came during the wait.
+    pub(crate) async fn after_loss(
+        &mut self,
+        started: bool,
+        counters: &Counters,
+        what: &str,
+        error: &(impl std::fmt::Display + Sync),
+        shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
+    ) -> bool {
+        if started {
+            self.delay = Self::FIRST;
+        }
+        Counters::bump(&counters.reconnects);
+        let delay = self.delay;
+        tracing::warn!(consumer = what, %error, ?delay, "consumer lost its broker; reconnecting");
+        self.delay = (delay * 2).min(self.max);
+        tokio::select! {
+            biased;
+            () = shutdown => false,
+            () = tokio::time::sleep(delay) => true,
+        }
+    }
+}

@@ -43,7 +43,7 @@ use tracing::{info, warn};
 
 pub use decode::decode;
 
-use crate::runner::Counters;
+use crate::runner::{Counters, Reconnect};
 use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
 
 /// Header of a dead-lettered record: why it was given up on.
@@ -194,25 +194,22 @@ impl KafkaConsumer {
         shutdown: impl Future<Output = ()>,
     ) -> Result<ConsumerReport, ConsumerError> {
         let mut shutdown = pin!(shutdown);
-        let mut delay = Duration::from_millis(100);
+        let mut reconnect = Reconnect::new(self.options.reconnect_max_delay);
+        let what = format!("Kafka topic {}", self.options.topic);
         loop {
-            match self.session(&handler, shutdown.as_mut()).await {
-                Ok(()) => {
-                    info!(topic = %self.options.topic, "consumer stopped");
-                    return Ok(self.report());
-                }
-                Err(e) => {
-                    Counters::bump(&self.counters.reconnects);
-                    warn!(topic = %self.options.topic, error = %e, ?delay, "Kafka consumer failed; joining again");
-                }
+            let error = match self.session(&handler, shutdown.as_mut()).await {
+                Ok(()) => break,
+                Err(e) => e,
+            };
+            if !reconnect
+                .after_loss(false, &self.counters, &what, &error, shutdown.as_mut())
+                .await
+            {
+                break;
             }
-            tokio::select! {
-                biased;
-                () = shutdown.as_mut() => return Ok(self.report()),
-                () = tokio::time::sleep(delay) => {}
-            }
-            delay = (delay * 2).min(self.options.reconnect_max_delay);
         }
+        info!(topic = %self.options.topic, "consumer stopped");
+        Ok(self.report())
     }
 
     /// One group membership; `Ok` on shutdown.

@@ -37,11 +37,11 @@ use std::time::Duration;
 
 use lapin::types::ShortString;
 use sqlx::PgConnection;
-use tracing::{info, warn};
+use tracing::info;
 
 pub use decode::decode;
 
-use crate::runner::Counters;
+use crate::runner::{Counters, Reconnect};
 use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, ReceivedEvent};
 
 /// Header of a dead-lettered message: why it was given up on.
@@ -177,32 +177,23 @@ impl RabbitMqConsumer {
         shutdown: impl Future<Output = ()>,
     ) -> Result<ConsumerReport, ConsumerError> {
         let mut shutdown = pin!(shutdown);
-        let mut delay = Duration::from_millis(100);
+        let mut reconnect = Reconnect::new(self.options.reconnect_max_delay);
+        let what = format!("RabbitMQ queue {}", self.options.queue);
         loop {
             let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
-            match session.run(shutdown.as_mut()).await {
-                Ok(session::Ended::Shutdown) => {
-                    info!(queue = %self.options.queue, "consumer stopped");
-                    return Ok(self.report());
-                }
-                Ok(session::Ended::Lost { started }) => {
-                    if started {
-                        delay = Duration::from_millis(100);
-                    }
-                    Counters::bump(&self.counters.reconnects);
-                    warn!(queue = %self.options.queue, "RabbitMQ connection lost; reconnecting");
-                }
-                Err(e) => {
-                    Counters::bump(&self.counters.reconnects);
-                    warn!(queue = %self.options.queue, error = %e, ?delay, "RabbitMQ consumer failed; reconnecting");
-                }
+            let (started, error) = match session.run(shutdown.as_mut()).await {
+                Ok(session::Ended::Shutdown) => break,
+                Ok(session::Ended::Lost { started }) => (started, "the connection was lost".to_owned()),
+                Err(e) => (false, e),
+            };
+            if !reconnect
+                .after_loss(started, &self.counters, &what, &error, shutdown.as_mut())
+                .await
+            {
+                break;
             }
-            tokio::select! {
-                biased;
-                () = shutdown.as_mut() => return Ok(self.report()),
-                () = tokio::time::sleep(delay) => {}
-            }
-            delay = (delay * 2).min(self.options.reconnect_max_delay);
         }
+        info!(queue = %self.options.queue, "consumer stopped");
+        Ok(self.report())
     }
 }

@@ -31,11 +31,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgConnection;
-use tracing::{info, warn};
+use tracing::info;
 
 pub use decode::decode;
 
-use crate::runner::Counters;
+use crate::runner::{Counters, Reconnect};
 use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, ReceivedEvent};
 
 /// Field of a dead-lettered entry: why it was given up on.
@@ -173,28 +173,22 @@ impl RedisConsumer {
         shutdown: impl Future<Output = ()>,
     ) -> Result<ConsumerReport, ConsumerError> {
         let mut shutdown = pin!(shutdown);
-        let mut delay = Duration::from_millis(100);
+        let mut reconnect = Reconnect::new(self.options.reconnect_max_delay);
+        let what = format!("Redis stream {}", self.options.stream);
         loop {
             let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
-            match session.run(shutdown.as_mut()).await {
-                Ok(()) => {
-                    info!(stream = %self.options.stream, "consumer stopped");
-                    return Ok(self.report());
-                }
-                Err(e) => {
-                    if session.started() {
-                        delay = Duration::from_millis(100);
-                    }
-                    Counters::bump(&self.counters.reconnects);
-                    warn!(stream = %self.options.stream, error = %e, ?delay, "Redis consumer failed; reconnecting");
-                }
+            let error = match session.run(shutdown.as_mut()).await {
+                Ok(()) => break,
+                Err(e) => e,
+            };
+            if !reconnect
+                .after_loss(session.started(), &self.counters, &what, &error, shutdown.as_mut())
+                .await
+            {
+                break;
             }
-            tokio::select! {
-                biased;
-                () = shutdown.as_mut() => return Ok(self.report()),
-                () = tokio::time::sleep(delay) => {}
-            }
-            delay = (delay * 2).min(self.options.reconnect_max_delay);
         }
+        info!(stream = %self.options.stream, "consumer stopped");
+        Ok(self.report())
     }
 }
