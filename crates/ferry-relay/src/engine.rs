@@ -211,6 +211,8 @@ pub struct Relay<S, C> {
     routes: Vec<Route>,
     sinks: HashMap<String, Arc<dyn Sink>>,
     progress: Progress,
+    #[cfg(feature = "wal")]
+    wal: Option<crate::wal::Wal>,
 }
 
 impl<S: Store, C: Clock> Relay<S, C> {
@@ -241,7 +243,19 @@ impl<S: Store, C: Clock> Relay<S, C> {
             routes,
             sinks,
             progress: Progress::default(),
+            #[cfg(feature = "wal")]
+            wal: None,
         })
+    }
+
+    /// Streams new events from a logical replication slot instead of
+    /// polling the outbox for them (WAL streaming mode). Every relay sharing
+    /// the database must run in this mode; one streams, the others stand by
+    /// for the slot and work the table path.
+    #[cfg(feature = "wal")]
+    pub fn with_wal(mut self, wal: crate::wal::Wal) -> Self {
+        self.wal = Some(wal);
+        self
     }
 
     /// A handle that reports how recently this relay made progress; take it
@@ -262,6 +276,8 @@ impl<S: Store, C: Clock> Relay<S, C> {
             routes,
             sinks,
             progress,
+            #[cfg(feature = "wal")]
+            wal,
         } = self;
         let mut shutdown = std::pin::pin!(shutdown);
         // Fail fast on a missing schema, before any task starts.
@@ -310,6 +326,16 @@ impl<S: Store, C: Clock> Relay<S, C> {
         info!(relay = %shared.settings.id, routes = shared.routes.len(), "relay started");
 
         let mut work = JoinSet::new();
+        #[cfg(feature = "wal")]
+        match wal {
+            Some(wal) => {
+                work.spawn(crate::wal::run(shared.clone(), wal));
+            }
+            None => {
+                work.spawn(router::run(shared.clone()));
+            }
+        }
+        #[cfg(not(feature = "wal"))]
         work.spawn(router::run(shared.clone()));
         for route in shared.routes.clone() {
             work.spawn(worker::run(shared.clone(), route));

@@ -14,6 +14,11 @@
 //!   [`ferry_core::decide`] and records it, fenced by the lease;
 //! - the **listener** turns commit notifications into wake-ups.
 //!
+//! With the `wal` feature and [`Relay::with_wal`], a **streamer** takes the
+//! router's place: it reads committed events from a logical replication slot
+//! in commit order and publishes them at once, leaving retries to the route
+//! workers' table path (see the `wal` module).
+//!
 //! Each batch is published inside a `ferry.publish` span (route, count);
 //! with the `otel` feature the span links to every event's `traceparent`.
 //!
@@ -26,8 +31,12 @@ mod lease;
 pub mod metrics;
 mod router;
 mod settings;
+#[cfg(feature = "wal")]
+pub mod wal;
 mod worker;
 
 pub use engine::{Progress, Relay, RelayError, RunReport};
 pub use router::plan_routes;
 pub use settings::RelaySettings;
+#[cfg(feature = "wal")]
+pub use wal::{Wal, WalOptions};

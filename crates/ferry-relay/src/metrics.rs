@@ -36,6 +36,17 @@ pub const OLDEST_LEASE_SECONDS: &str = "ferry_oldest_lease_age_seconds";
 pub const EXPIRED_LEASES: &str = "ferry_expired_leases";
 pub const CAPTURE_DROPPED: &str = "ferry_capture_dropped_events";
 
+// WAL streaming mode.
+/// 1 while this relay streams from the slot, 0 while it stands by or reconnects.
+pub const WAL_STREAMING: &str = "ferry_wal_streaming";
+/// WAL the slot holds back (written since its confirmed position), in bytes.
+pub const WAL_LAG_BYTES: &str = "ferry_wal_lag_bytes";
+/// Age of the newest transaction settled from the stream, at settling.
+pub const WAL_LAG_SECONDS: &str = "ferry_wal_lag_seconds";
+/// Streamed events queued in the table behind earlier deliveries of their
+/// route or key, instead of published directly.
+pub const WAL_PARKED: &str = "ferry_wal_parked_total";
+
 // Health, as `/readyz` sees it.
 pub const READY: &str = "ferry_ready";
 pub const DESTINATION_UP: &str = "ferry_destination_up";
@@ -60,6 +71,21 @@ pub fn describe() {
         "Failed publish attempts (retried or dead), per route and event type."
     );
     describe_counter!(DEAD, "Deliveries that went dead, per route and event type.");
+    describe_gauge!(WAL_STREAMING, "1 while this relay streams from the WAL slot.");
+    describe_gauge!(
+        WAL_LAG_BYTES,
+        Unit::Bytes,
+        "WAL the slot holds back, written since its confirmed position."
+    );
+    describe_gauge!(
+        WAL_LAG_SECONDS,
+        Unit::Seconds,
+        "Age of the newest streamed transaction when it was settled."
+    );
+    describe_counter!(
+        WAL_PARKED,
+        "Streamed events queued in the table behind earlier deliveries, per route."
+    );
     describe_counter!(REFUSED, "Outcomes the store refused because the lease had moved on.");
     describe_counter!(ROUTED, "Events routed into deliveries.");
     describe_counter!(

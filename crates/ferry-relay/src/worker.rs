@@ -253,7 +253,7 @@ async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch:
     }
 }
 
-fn account<S: Store, C: Clock>(
+pub(crate) fn account<S: Store, C: Clock>(
     shared: &Shared<S, C>,
     route: &Route,
     claimed: &[Claimed],

@@ -210,6 +210,22 @@ fn is_retryable_create_error(error: &sqlx::Error) -> bool {
 
 async fn drop_database(admin_url: &str, name: &str) -> Result<(), sqlx::Error> {
     let mut admin = PgConnection::connect(admin_url).await?;
+    // A replication slot in use keeps its database from being dropped: end
+    // the walsenders reading them (WAL streaming tests) and wait until every
+    // slot is released. Released slots are dropped with the database.
+    for _ in 0..50 {
+        let active: i64 = sqlx::query_scalar(
+            "SELECT count(pg_terminate_backend(active_pid)) FROM pg_replication_slots \
+             WHERE database = $1 AND active_pid IS NOT NULL",
+        )
+        .bind(name)
+        .fetch_one(&mut admin)
+        .await?;
+        if active == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     // `name` comes from `unique_name` or from pg_database filtered to that
     // shape, so it never needs quoting. FORCE ends connections a test's pool
     // still holds, which would otherwise block the drop.

@@ -6,6 +6,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (2, "inbox", include_str!("migrations/0002_inbox.sql")),
     (3, "admin", include_str!("migrations/0003_admin.sql")),
     (4, "capture", include_str!("migrations/0004_capture.sql")),
+    (5, "wal", include_str!("migrations/0005_wal.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -13,6 +13,8 @@ mod migrate;
 mod retention;
 mod status;
 mod store;
+#[cfg(feature = "wal")]
+pub mod wal;
 
 pub use enqueue::{EnqueueError, Enqueued, enqueue, enqueue_batch};
 pub use error::store_error;

@@ -1,0 +1,436 @@
+//! WAL streaming mode: the streamer takes the router's place.
+//!
+//! It reads committed transactions from the slot in commit order, publishes
+//! each event straight to its routes, settles the batch into the delivery
+//! table, and only then confirms the slot position: a crash replays from the
+//! last settled transaction and never skips one. A route whose destination
+//! fails (or that still has deliveries pending in the table) does not hold
+//! the stream up: its events are parked in the table, behind the failures,
+//! and the route workers' table path delivers them in order while the stream
+//! goes on for every other route. Once the table has nothing pending for the
+//! route, the stream publishes to it directly again.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use chrono::Utc;
+use ferry_core::{Claimed, Clock, ErrorKind, NO_ROUTE, Recorded, Route, Store, StoreError, Transition, decide};
+use ferry_store::postgres::wal::{Outcome, Settlement, WalEvent, WalItem, WalSource, WalStream, WalTxn};
+use rand::Rng;
+use tokio::time::{Duration, Instant};
+use tracing::{debug, info, warn};
+
+use crate::batch::publish_in_order;
+use crate::engine::Shared;
+use crate::metrics;
+
+/// How the streamer behaves.
+#[derive(Debug, Clone)]
+pub struct WalOptions {
+    /// A route's publish taking longer than this counts as failed: its
+    /// events go to the table path (and may arrive twice) rather than hold
+    /// the stream for every other route.
+    pub publish_timeout: Duration,
+    /// WAL the slot may hold back before the relay warns, in bytes.
+    pub lag_budget: u64,
+    /// How often the slot's lag is read.
+    pub lag_every: Duration,
+}
+
+impl Default for WalOptions {
+    fn default() -> Self {
+        Self {
+            publish_timeout: Duration::from_secs(5),
+            lag_budget: 1 << 30,
+            lag_every: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What the relay needs for WAL mode.
+#[derive(Debug, Clone)]
+pub struct Wal {
+    pub source: WalSource,
+    pub options: WalOptions,
+}
+
+/// Streams until the relay shuts down; reconnects after any failure.
+pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, wal: Wal) {
+    let mut backoff = Duration::from_millis(500);
+    loop {
+        if shared.cancel.is_cancelled() {
+            return;
+        }
+        let started = Instant::now();
+        match session(&shared, &wal).await {
+            Ok(()) => return,
+            Err(e) => {
+                ::metrics::gauge!(metrics::WAL_STREAMING).set(0.0);
+                // Another relay holding the slot is the normal standby state.
+                if e.message.contains("is active for PID") {
+                    info!(slot = %wal.source.config().slot, "another relay streams from the slot; standing by");
+                } else if e.kind == ErrorKind::Config {
+                    warn!(error = %e, "WAL streaming cannot start; retrying");
+                } else {
+                    warn!(error = %e, "WAL stream lost; reconnecting");
+                    ::metrics::counter!(metrics::RECONNECTS, "component" => "wal").increment(1);
+                }
+                if started.elapsed() > Duration::from_secs(30) {
+                    backoff = Duration::from_millis(500);
+                }
+                shared.sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+            }
+        }
+    }
+}
+
+/// Transactions read from the stream, processed together.
+#[derive(Default)]
+struct Batch {
+    txns: Vec<WalTxn>,
+    events: usize,
+    /// The position to confirm once the batch is settled.
+    confirm: u64,
+}
+
+impl Batch {
+    fn take(&mut self, item: WalItem) {
+        match item {
+            WalItem::Txn(t) => {
+                self.confirm = self.confirm.max(t.end_lsn);
+                self.events += t.events.len();
+                self.txns.push(t);
+            }
+            WalItem::Idle { lsn } => self.confirm = self.confirm.max(lsn),
+        }
+    }
+}
+
+/// One replication session: prepare, sweep, stream. `Ok` only on shutdown.
+async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result<(), StoreError> {
+    let source = &wal.source;
+    let unswept = source.prepare().await?;
+    let mut stream: WalStream = tokio::select! {
+        s = source.open() => s?,
+        _ = shared.cancel.cancelled() => return Ok(()),
+    };
+    info!(slot = %source.config().slot, publication = %source.config().publication, "streaming from the WAL");
+    ::metrics::gauge!(metrics::WAL_STREAMING).set(1.0);
+    // The slot is ours now. On a new slot, what is still unrouted was
+    // committed before the slot existed and will never be streamed: the
+    // table path takes it, ahead of what the stream brings next (which finds
+    // it routed and skips it, or queues behind it). Later sessions sweep
+    // nothing: every row not settled is replayed from the slot, in commit
+    // order with the tableless events around it.
+    if unswept {
+        sweep(shared, source).await?;
+        source.mark_swept().await?;
+    }
+    let mut lag_at = Instant::now();
+    read_lag(source, &wal.options).await;
+    loop {
+        let first = tokio::select! {
+            item = stream.next() => item?,
+            _ = tokio::time::sleep_until(lag_at + wal.options.lag_every) => {
+                lag_at = Instant::now();
+                read_lag(source, &wal.options).await;
+                continue;
+            }
+            _ = shared.cancel.cancelled() => {
+                stream.close().await;
+                return Ok(());
+            }
+        };
+        let mut batch = Batch::default();
+        batch.take(first);
+        // Whatever else has arrived joins the batch, up to its size.
+        while batch.events < shared.settings.batch_size {
+            match stream.try_next()? {
+                Some(item) => batch.take(item),
+                None => break,
+            }
+        }
+        let Batch { txns, confirm, .. } = batch;
+        if !deliver(shared, wal, &txns).await {
+            // Shutting down mid-settle: nothing confirmed, the next relay
+            // replays this batch.
+            stream.close().await;
+            return Ok(());
+        }
+        if confirm > 0 {
+            stream.confirm(confirm);
+        }
+        if let Some(last) = txns.last() {
+            let behind = (Utc::now() - last.commit_time).to_std().unwrap_or_default();
+            ::metrics::gauge!(metrics::WAL_LAG_SECONDS).set(behind.as_secs_f64());
+        } else {
+            ::metrics::gauge!(metrics::WAL_LAG_SECONDS).set(0.0);
+        }
+        shared.progress.advanced();
+    }
+}
+
+async fn read_lag(source: &WalSource, options: &WalOptions) {
+    match source.lag_bytes().await {
+        Ok(Some(lag)) => {
+            ::metrics::gauge!(metrics::WAL_LAG_BYTES).set(lag as f64);
+            if lag.max(0) as u64 > options.lag_budget {
+                warn!(
+                    lag_bytes = lag,
+                    budget = options.lag_budget,
+                    slot = %source.config().slot,
+                    "the WAL slot holds back more than its budget"
+                );
+            }
+        }
+        Ok(None) => {}
+        Err(e) => debug!(error = %e, "could not read the slot's lag"),
+    }
+}
+
+/// Routes every still-unrouted outbox row into the table path.
+async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource) -> Result<(), StoreError> {
+    let mut swept = 0u64;
+    loop {
+        let batch = source.unrouted(shared.settings.batch_size as i64).await?;
+        if batch.is_empty() {
+            break;
+        }
+        let now = shared.clock.now();
+        let mut settlement = Settlement::default();
+        let mut touched = HashSet::new();
+        for e in &batch {
+            let routes = matching(&shared.routes, e);
+            if routes.is_empty() {
+                settlement.outcomes.push((e, NO_ROUTE.to_owned(), no_route(e)));
+            }
+            for r in routes {
+                touched.insert(r.name.clone());
+                settlement.outcomes.push((e, r.name.clone(), Outcome::Parked));
+            }
+        }
+        let settled = source.settle(&settlement, now).await?;
+        swept += settled.routed;
+        for name in &touched {
+            shared.wake_route(name);
+        }
+    }
+    if swept > 0 {
+        info!(events = swept, "events committed before streaming began go through the table path");
+    }
+    Ok(())
+}
+
+fn matching<'a>(routes: &'a [Route], e: &WalEvent) -> Vec<&'a Route> {
+    routes.iter().filter(|r| r.matcher.matches(&e.event.event_type)).collect()
+}
+
+fn no_route(e: &WalEvent) -> Outcome {
+    Outcome::Dead {
+        attempts: 0,
+        reason: format!(
+            "no route: no [[routes]] entry matches type {:?}; add a route and requeue",
+            e.event.event_type
+        ),
+    }
+}
+
+/// Publishes and settles one batch. `false` when the relay shut down before
+/// the batch could be settled.
+async fn deliver<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal, txns: &[WalTxn]) -> bool {
+    let events: Vec<&WalEvent> = txns.iter().flat_map(|t| &t.events).collect();
+    if events.is_empty() {
+        return true;
+    }
+    let source = &wal.source;
+    let plans: Vec<(&WalEvent, Vec<&Route>)> = events.iter().map(|e| (*e, matching(&shared.routes, e))).collect();
+    let seqs: Vec<i64> = events.iter().filter(|e| !e.tableless()).map(|e| e.event.seq).collect();
+    let mut route_names: Vec<String> = plans
+        .iter()
+        .flat_map(|(_, rs)| rs.iter().map(|r| r.name.clone()))
+        .collect();
+    route_names.sort();
+    route_names.dedup();
+    let mut keys: Vec<String> = events.iter().filter_map(|e| e.event.key.clone()).collect();
+    keys.sort();
+    keys.dedup();
+    let Some(look) = persist(shared, "look", || source.look(&seqs, &route_names, &keys)).await else {
+        return false;
+    };
+    // Rows routed before (a replay) were taken care of by whoever routed them.
+    let plans: Vec<(&WalEvent, Vec<&Route>)> = plans
+        .into_iter()
+        .filter(|(e, _)| e.tableless() || look.unrouted.contains(&e.event.seq))
+        .collect();
+    if plans.is_empty() {
+        return true;
+    }
+    let mut settlement = Settlement::default();
+    for (e, routes) in &plans {
+        if routes.is_empty() {
+            settlement.outcomes.push((e, NO_ROUTE.to_owned(), no_route(e)));
+            ::metrics::counter!(metrics::UNROUTABLE).increment(1);
+        }
+    }
+    let publishes = shared.routes.iter().filter_map(|route| {
+        let mine: Vec<&WalEvent> = plans
+            .iter()
+            .filter(|(_, rs)| rs.iter().any(|r| r.name == route.name))
+            .map(|(e, _)| *e)
+            .collect();
+        (!mine.is_empty()).then(|| publish_route(shared, wal, route, mine, &look))
+    });
+    let results = futures::future::join_all(publishes).await;
+    let mut parked_routes = HashSet::new();
+    for (route, outcomes) in results {
+        for (e, outcome) in outcomes {
+            if !matches!(outcome, Outcome::Published { .. }) {
+                parked_routes.insert(route.name.clone());
+            }
+            settlement.outcomes.push((e, route.name.clone(), outcome));
+        }
+    }
+    let now = shared.clock.now();
+    let Some(settled) = persist(shared, "settle", || source.settle(&settlement, now)).await else {
+        return false;
+    };
+    ::metrics::counter!(metrics::ROUTED).increment(settled.routed + settled.written);
+    for p in &plans {
+        ::metrics::counter!(metrics::ENQUEUED, "type" => p.0.event.event_type.clone()).increment(1);
+    }
+    for name in parked_routes {
+        shared.wake_route(&name);
+    }
+    true
+}
+
+/// Runs a store call until it succeeds; `None` if the relay shuts down first.
+async fn persist<T, F, Fut>(shared: &Shared<impl Store, impl Clock>, op: &'static str, mut call: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match call().await {
+            Ok(v) => return Some(v),
+            Err(e) => {
+                ::metrics::counter!(metrics::STORE_ERRORS, "op" => op).increment(1);
+                warn!(error = %e, op, "WAL batch: database write failed; retrying");
+                if shared.cancel.is_cancelled() {
+                    return None;
+                }
+                shared.sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// Publishes one route's share of the batch, unless the table holds earlier
+/// deliveries it must queue behind.
+async fn publish_route<'a, S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    wal: &Wal,
+    route: &'a Route,
+    events: Vec<&'a WalEvent>,
+    look: &ferry_store::postgres::wal::Look,
+) -> (&'a Route, Vec<(&'a WalEvent, Outcome)>) {
+    if look.busy_routes.contains(&route.name) {
+        ::metrics::counter!(metrics::WAL_PARKED, "route" => route.name.clone()).increment(events.len() as u64);
+        return (route, events.into_iter().map(|e| (e, Outcome::Parked)).collect());
+    }
+    let mut out: Vec<(&WalEvent, Outcome)> = Vec::with_capacity(events.len());
+    let mut direct: Vec<&WalEvent> = Vec::with_capacity(events.len());
+    for e in events {
+        let held = e
+            .event
+            .key
+            .as_ref()
+            .is_some_and(|k| look.dead_keys.contains(&(route.name.clone(), k.clone())));
+        if held {
+            out.push((e, Outcome::Parked));
+        } else {
+            direct.push(e);
+        }
+    }
+    if direct.is_empty() {
+        return (route, out);
+    }
+    let sink = shared.sinks[&route.sink].clone();
+    let claimed: Vec<Claimed> = direct
+        .iter()
+        .map(|e| Claimed {
+            partition: e.partition.unwrap_or(0),
+            attempts: 0,
+            event: e.event.clone(),
+        })
+        .collect();
+    ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);
+    let started = Instant::now();
+    let span = tracing::info_span!("ferry.publish", route = %route.name, events = claimed.len(), mode = "wal");
+    let published = tracing::Instrument::instrument(
+        tokio::time::timeout(wal.options.publish_timeout, publish_in_order(sink.as_ref(), route, &claimed)),
+        span,
+    )
+    .await;
+    ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
+        .record(started.elapsed().as_secs_f64());
+    let now = shared.clock.now();
+    let outcomes: Vec<Option<ferry_core::PublishOutcome>> = match published {
+        Ok(p) => {
+            if p.order_breaks > 0 {
+                shared.counters.order_breaks.fetch_add(p.order_breaks, Ordering::Relaxed);
+                ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(p.order_breaks);
+            }
+            p.outcomes
+        }
+        Err(_) => {
+            let error = ferry_core::SinkError::transient(format!(
+                "publish took longer than {:?} (WAL mode); the table path retries, the destination may see it twice",
+                wal.options.publish_timeout
+            ));
+            vec![Some(Err(error)); claimed.len()]
+        }
+    };
+    let mut recorded = Vec::new();
+    let mut accounted = Vec::new();
+    {
+        let mut rng = rand::rng();
+        for (c, (e, o)) in claimed.into_iter().zip(direct.into_iter().zip(outcomes)) {
+            let Some(o) = o else {
+                out.push((e, Outcome::Parked));
+                continue;
+            };
+            let transition = decide(0, &o, now, &shared.settings.retry, rng.random::<f64>());
+            out.push((
+                e,
+                match &transition {
+                    Transition::Published { at, .. } => Outcome::Published { at: *at },
+                    Transition::Retry { next_at, error, .. } => Outcome::Retry {
+                        next_at: *next_at,
+                        error: error.clone(),
+                    },
+                    Transition::Dead { attempts, reason } => Outcome::Dead {
+                        attempts: *attempts,
+                        reason: reason.clone(),
+                    },
+                },
+            ));
+            recorded.push(Recorded {
+                seq: c.event.seq,
+                expected_attempts: 0,
+                transition,
+            });
+            accounted.push(c);
+        }
+    }
+    crate::worker::account(shared, route, &accounted, &recorded, now);
+    let parked = out.iter().filter(|(_, o)| matches!(o, Outcome::Parked)).count();
+    if parked > 0 {
+        ::metrics::counter!(metrics::WAL_PARKED, "route" => route.name.clone()).increment(parked as u64);
+    }
+    (route, out)
+}

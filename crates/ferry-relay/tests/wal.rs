@@ -1,0 +1,419 @@
+//! WAL streaming mode against a real PostgreSQL slot (wal_level=logical,
+//! set by scripts/test) and scripted sinks: commit order, a relay killed
+//! mid-stream, a destination down, tableless events.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_core::{Event, EventId, Glob, RetryPolicy, Route, Sink, StoredEvent, SystemClock};
+use ferry_relay::{Relay, RelaySettings, RunReport, Wal, WalOptions};
+use ferry_store::postgres::wal::{WalConfig, WalSource, emit};
+use ferry_store::postgres::{PgStore, enqueue, enqueue_batch, migrate};
+use ferry_testkit::mock_sink::MockSink;
+use ferry_testkit::pg::TestDb;
+use rand::Rng;
+use serde_json::json;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+struct Env {
+    pool: PgPool,
+    sink: Arc<MockSink>,
+    other: Arc<MockSink>,
+    slot: String,
+    db: TestDb,
+}
+
+async fn env() -> Env {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    Env {
+        pool,
+        sink: Arc::new(MockSink::new()),
+        other: Arc::new(MockSink::new()),
+        // Slots are named across the whole server: one per test database.
+        slot: db.name().to_owned(),
+        db,
+    }
+}
+
+fn route(name: &str, sink: &str) -> Route {
+    Route {
+        name: name.into(),
+        matcher: Glob::new("**").unwrap(),
+        sink: sink.into(),
+        destination: "d".into(),
+        routing_key: None,
+    }
+}
+
+fn settings(id: &str) -> RelaySettings {
+    RelaySettings {
+        batch_size: 200,
+        lease: Duration::from_secs(3),
+        retry: RetryPolicy {
+            max_attempts: 100,
+            base_delay: Duration::from_millis(20),
+            max_delay: Duration::from_millis(200),
+            jitter: 0.2,
+        },
+        poll_interval: Duration::from_secs(60),
+        shutdown_timeout: Duration::from_secs(5),
+        ..RelaySettings::new(id)
+    }
+}
+
+struct Running {
+    stop: oneshot::Sender<()>,
+    handle: JoinHandle<RunReport>,
+}
+
+impl Running {
+    async fn stop(self) -> RunReport {
+        let _ = self.stop.send(());
+        self.handle.await.unwrap()
+    }
+}
+
+fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
+    let sinks: HashMap<String, Arc<dyn Sink>> = [
+        ("mock".to_string(), e.sink.clone() as Arc<dyn Sink>),
+        ("other".to_string(), e.other.clone() as Arc<dyn Sink>),
+    ]
+    .into();
+    let source = WalSource::new(
+        e.pool.clone(),
+        WalConfig {
+            url: e.db.url().to_owned(),
+            slot: e.slot.clone(),
+            publication: "ferry".into(),
+        },
+    )
+    .unwrap();
+    let wal = Wal {
+        source,
+        options: WalOptions {
+            publish_timeout: Duration::from_secs(2),
+            ..WalOptions::default()
+        },
+    };
+    let relay = Relay::new(PgStore::new(e.pool.clone()), SystemClock, settings(id), routes, sinks)
+        .unwrap()
+        .with_wal(wal);
+    let (stop, rx) = oneshot::channel();
+    let handle = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap()
+    });
+    Running { stop, handle }
+}
+
+/// Waits until a relay streams from the slot.
+async fn streaming(e: &Env) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        // Streaming, and past the start-up sweep (tableless events allowed).
+        let active: Option<bool> = sqlx::query_scalar(
+            "SELECT s.active AND w.ready FROM pg_replication_slots s \
+               JOIN ferry.wal_slots w ON w.slot = s.slot_name WHERE s.slot_name = $1",
+        )
+            .bind(&e.slot)
+            .fetch_optional(&e.pool)
+            .await
+            .unwrap();
+        if active == Some(true) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no relay streams from the slot");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn unique(got: &[StoredEvent]) -> Vec<EventId> {
+    let mut seen = std::collections::HashSet::new();
+    got.iter().map(|e| e.id).filter(|id| seen.insert(*id)).collect()
+}
+
+/// Every id arrived; per key, first arrivals keep the order of `ids`.
+fn assert_complete_and_ordered(ids: &[(EventId, String)], got: &[StoredEvent]) {
+    let arrived = unique(got);
+    let missing: Vec<_> = ids.iter().filter(|(id, _)| !arrived.contains(id)).collect();
+    assert!(missing.is_empty(), "{} events lost, e.g. {:?}", missing.len(), missing.first());
+    let key_of: HashMap<EventId, &str> = ids.iter().map(|(id, k)| (*id, k.as_str())).collect();
+    let mut per_key_want: HashMap<&str, Vec<EventId>> = HashMap::new();
+    for (id, k) in ids {
+        per_key_want.entry(k).or_default().push(*id);
+    }
+    let mut per_key_got: HashMap<&str, Vec<EventId>> = HashMap::new();
+    for id in arrived {
+        if let Some(k) = key_of.get(&id) {
+            per_key_got.entry(k).or_default().push(id);
+        }
+    }
+    assert_eq!(per_key_got, per_key_want, "a key's events arrived out of commit order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn events_arrive_in_commit_order_across_concurrent_transactions() {
+    let e = env().await;
+    // Committed before the slot existed: the start-up sweep delivers them.
+    let mut tx = e.pool.begin().await.unwrap();
+    let early = enqueue_batch(&mut tx, (0..5).map(|i| Event::new("early.event", json!({ "i": i }))).collect())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    eventually("the early events", Duration::from_secs(20), || {
+        e.sink.delivered_ids("all").len() >= early.len()
+    })
+    .await;
+
+    // Producers draw their seq early and commit late, in an order only the
+    // commit decides. A lock taken just before each commit (and held through
+    // it) records the commit order.
+    let commits: Arc<Mutex<Vec<(EventId, i64)>>> = Arc::default();
+    let mut producers = Vec::new();
+    for p in 0..8 {
+        let pool = e.pool.clone();
+        let commits = commits.clone();
+        producers.push(tokio::spawn(async move {
+            for n in 0..25 {
+                let mut tx = pool.begin().await.unwrap();
+                let sent = enqueue(&mut tx, Event::new("order.placed", json!({ "p": p, "n": n })).key(format!("p{p}")))
+                    .await
+                    .unwrap();
+                let seq: i64 = sqlx::query_scalar("SELECT seq FROM ferry.events WHERE id = $1")
+                    .bind(sent.id.0)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .unwrap();
+                let pause = rand::rng().random_range(0..4);
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+                sqlx::query("SELECT pg_advisory_xact_lock(4242)")
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                commits.lock().unwrap().push((sent.id, seq));
+                tx.commit().await.unwrap();
+            }
+        }));
+    }
+    for p in producers {
+        p.await.unwrap();
+    }
+    let commits = commits.lock().unwrap().clone();
+    eventually("every event", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= early.len() + commits.len()
+    })
+    .await;
+    let got: Vec<EventId> = unique(&e.sink.delivered("all"))
+        .into_iter()
+        .filter(|id| !early.iter().any(|x| x.id == *id))
+        .collect();
+    let want: Vec<EventId> = commits.iter().map(|c| c.0).collect();
+    assert_eq!(got, want, "delivery order differs from commit order");
+    let mut by_seq = commits.clone();
+    by_seq.sort_by_key(|c| c.1);
+    assert_ne!(
+        by_seq.iter().map(|c| c.0).collect::<Vec<_>>(),
+        want,
+        "commits happened in seq order, so this run proves nothing about commit order"
+    );
+    let report = relay.stop().await;
+    assert_eq!(report.published as usize, early.len() + commits.len());
+    let unsettled: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.unrouted")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(unsettled, 0);
+    e.db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_killed_mid_stream_loses_nothing() {
+    let e = env().await;
+    let first = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let producer = {
+        let pool = e.pool.clone();
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for t in 0..100 {
+                let mut tx = pool.begin().await.unwrap();
+                let events = (0..10)
+                    .map(|i| Event::new("order.placed", json!({ "t": t, "i": i })).key(format!("k{}", (t * 10 + i) % 7)))
+                    .collect::<Vec<_>>();
+                let keys: Vec<String> = events.iter().map(|ev| ev.get_key().unwrap().to_owned()).collect();
+                // Outbox rows survive in the table whatever the slot says;
+                // tableless events live only in the WAL, so they are what
+                // a position confirmed too early would lose.
+                let sent: Vec<EventId> = if t % 2 == 0 {
+                    enqueue_batch(&mut tx, events).await.unwrap().into_iter().map(|s| s.id).collect()
+                } else {
+                    let mut sent = Vec::new();
+                    for ev in events {
+                        sent.push(emit(&mut tx, ev).await.unwrap());
+                    }
+                    sent
+                };
+                tx.commit().await.unwrap();
+                ids.extend(sent.into_iter().zip(keys));
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            ids
+        })
+    };
+    eventually("a part of the stream", Duration::from_secs(30), || {
+        e.sink.delivered("all").len() >= 200
+    })
+    .await;
+    // A crash: the relay's tasks die where they stand, nothing settled or
+    // confirmed after this point.
+    first.handle.abort();
+    let _ = first.handle.await;
+    let before = e.sink.delivered("all").len();
+    let ids = producer.await.unwrap();
+    let second = start(&e, "wal-b", vec![route("all", "mock")]);
+    eventually("every event after the restart", Duration::from_secs(60), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len()
+    })
+    .await;
+    assert!(before < ids.len(), "the crash came after everything was delivered; it proves nothing");
+    assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
+    second.stop().await;
+    let (published, other): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE state = 'published'), count(*) FILTER (WHERE state <> 'published') \
+           FROM ferry.deliveries",
+    )
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    // Tableless events delivered straight from the stream leave no row.
+    assert!(published <= ids.len() as i64);
+    assert_eq!(other, 0);
+    e.db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_destination_down_does_not_hold_up_the_others_and_loses_nothing() {
+    let e = env().await;
+    e.other.set_down(true);
+    let relay = start(&e, "wal-a", vec![route("up", "mock"), route("down", "other")]);
+    streaming(&e).await;
+    let mut ids = Vec::new();
+    for t in 0..60 {
+        let mut tx = e.pool.begin().await.unwrap();
+        let events: Vec<Event> = (0..5)
+            .map(|i| Event::new("order.placed", json!({ "t": t, "i": i })).key(format!("k{}", i % 3)))
+            .collect();
+        let keys: Vec<String> = events.iter().map(|ev| ev.get_key().unwrap().to_owned()).collect();
+        let sent = enqueue_batch(&mut tx, events).await.unwrap();
+        tx.commit().await.unwrap();
+        ids.extend(sent.into_iter().map(|s| s.id).zip(keys));
+    }
+    eventually("the healthy route's events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("up")).len() >= ids.len()
+    })
+    .await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("up"));
+    assert!(e.other.delivered("down").is_empty());
+    // The slot moves on: the failing route's events wait in the table.
+    let parked: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE route = 'down' AND state = 'pending'")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(parked as usize, ids.len());
+    e.other.set_down(false);
+    eventually("the failed route's events after the outage", Duration::from_secs(60), || {
+        unique(&e.other.delivered("down")).len() >= ids.len()
+    })
+    .await;
+    assert_complete_and_ordered(&ids, &e.other.delivered("down"));
+    // Back to direct publishing once the table is drained.
+    let mut tx = e.pool.begin().await.unwrap();
+    let after = enqueue(&mut tx, Event::new("order.placed", json!({})).key("k0")).await.unwrap();
+    tx.commit().await.unwrap();
+    eventually("an event after recovery", Duration::from_secs(30), || {
+        e.other.delivered_ids("down").contains(&after.id)
+    })
+    .await;
+    relay.stop().await;
+    e.db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they_fail() {
+    let e = env().await;
+    // Without a slot, a tableless event would be lost: refused.
+    let mut tx = e.pool.begin().await.unwrap();
+    let refused = emit(&mut tx, Event::new("order.placed", json!({}))).await.unwrap_err();
+    assert!(refused.to_string().contains("no WAL slot"), "{refused}");
+    drop(tx);
+
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let mut ids = Vec::new();
+    for i in 0..20 {
+        let mut tx = e.pool.begin().await.unwrap();
+        let id = emit(&mut tx, Event::new("order.placed", json!({ "i": i })).key("k")).await.unwrap();
+        tx.commit().await.unwrap();
+        ids.push((id, "k".to_owned()));
+    }
+    eventually("tableless events", Duration::from_secs(20), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len()
+    })
+    .await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "a delivered tableless event left a row");
+
+    e.sink.set_down(true);
+    let mut failed = Vec::new();
+    for i in 0..10 {
+        let mut tx = e.pool.begin().await.unwrap();
+        let id = emit(&mut tx, Event::new("order.placed", json!({ "i": i })).key("k")).await.unwrap();
+        tx.commit().await.unwrap();
+        failed.push((id, "k".to_owned()));
+    }
+    let pool = e.pool.clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if rows == failed.len() as i64 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "failed tableless events not in the outbox: {rows}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    e.sink.set_down(false);
+    eventually("tableless events after the outage", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len() + failed.len()
+    })
+    .await;
+    ids.extend(failed);
+    assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
+    relay.stop().await;
+    e.db.drop_db().await;
+}

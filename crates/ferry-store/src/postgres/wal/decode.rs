@@ -1,0 +1,306 @@
+//! From replication events to Ferry events: pgoutput inserts into
+//! `ferry.events` (decoded with pg_walstream) and `ferry` logical messages,
+//! gathered per committed transaction.
+
+use std::collections::HashMap;
+
+use base64::Engine;
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use ferry_core::{EventId, Headers, StoreError, StoredEvent};
+use pg_walstream::protocol::{LogicalReplicationMessage, LogicalReplicationParser, TupleData};
+use pgwire_replication::ReplicationEvent;
+
+use super::WalItem;
+
+/// The logical decoding message prefix of tableless events.
+pub(crate) const MESSAGE_PREFIX: &str = "ferry";
+
+/// One event as the slot handed it over.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WalEvent {
+    /// For an outbox row, its seq; for a tableless event, 0 until the event
+    /// is written to the outbox (only if its delivery fails).
+    pub event: StoredEvent,
+    /// The outbox partition of a row; `None` for a tableless event.
+    pub partition: Option<i32>,
+}
+
+impl WalEvent {
+    pub fn tableless(&self) -> bool {
+        self.partition.is_none()
+    }
+}
+
+/// A committed transaction's Ferry events, in the order it wrote them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WalTxn {
+    /// Confirming this position confirms the transaction.
+    pub end_lsn: u64,
+    pub commit_time: DateTime<Utc>,
+    pub events: Vec<WalEvent>,
+}
+
+/// Column positions of `ferry.events` in the relation the stream announced.
+#[derive(Debug, Clone, Default)]
+struct Columns {
+    seq: usize,
+    id: usize,
+    event_type: usize,
+    key: usize,
+    partition: usize,
+    payload: usize,
+    content_type: usize,
+    headers: usize,
+    created_at: usize,
+}
+
+#[derive(Default)]
+pub(crate) struct Decoder {
+    parser: Option<LogicalReplicationParser>,
+    /// Relations of `ferry.events` by oid (a table rewrite announces a new one).
+    relations: HashMap<u32, Columns>,
+    open: Option<Vec<WalEvent>>,
+}
+
+impl Decoder {
+    pub(crate) fn feed(&mut self, event: ReplicationEvent) -> Result<Option<WalItem>, StoreError> {
+        match event {
+            ReplicationEvent::Begin { .. } => {
+                self.open = Some(Vec::new());
+                Ok(None)
+            }
+            ReplicationEvent::Commit {
+                end_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                let events = self.open.take().unwrap_or_default();
+                Ok(Some(WalItem::Txn(WalTxn {
+                    end_lsn: end_lsn.as_u64(),
+                    commit_time: pg_time(commit_time_micros),
+                    events,
+                })))
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => Ok(match self.open {
+                None => Some(WalItem::Idle { lsn: wal_end.as_u64() }),
+                Some(_) => None,
+            }),
+            ReplicationEvent::Message {
+                transactional,
+                prefix,
+                content,
+                ..
+            } => {
+                if prefix != MESSAGE_PREFIX {
+                    return Ok(None);
+                }
+                let event = tableless(&content)?;
+                match (&mut self.open, transactional) {
+                    (Some(open), true) => open.push(event),
+                    _ => tracing::warn!(
+                        event_id = %event.event.id,
+                        "a non-transactional `ferry` message was ignored; ferry.emit writes transactional ones"
+                    ),
+                }
+                Ok(None)
+            }
+            ReplicationEvent::XLogData { data, .. } => {
+                self.change(data)?;
+                Ok(None)
+            }
+            ReplicationEvent::StoppedAt { .. } => Err(StoreError::transient("replication stream stopped")),
+        }
+    }
+
+    fn change(&mut self, data: Bytes) -> Result<(), StoreError> {
+        let parser = self
+            .parser
+            .get_or_insert_with(|| LogicalReplicationParser::with_protocol_version(1));
+        let message = parser
+            .parse_wal_message_bytes(data)
+            .map_err(|e| StoreError::permanent(format!("undecodable pgoutput message: {e}")))?
+            .message;
+        match message {
+            LogicalReplicationMessage::Relation {
+                relation_id,
+                namespace,
+                relation_name,
+                columns,
+                ..
+            } => {
+                if &*namespace == "ferry" && &*relation_name == "events" {
+                    let names: Vec<&str> = columns.iter().map(|c| &*c.name).collect();
+                    self.relations.insert(relation_id, columns_of(&names)?);
+                }
+            }
+            LogicalReplicationMessage::Insert { relation_id, tuple } => {
+                if let Some(columns) = self.relations.get(&relation_id) {
+                    let event = row(columns, &tuple)?;
+                    match &mut self.open {
+                        Some(open) => open.push(event),
+                        None => return Err(StoreError::permanent("an insert arrived outside a transaction")),
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+fn columns_of(names: &[&str]) -> Result<Columns, StoreError> {
+    let at = |name: &str| {
+        names.iter().position(|n| *n == name).ok_or_else(|| {
+            StoreError::config(format!(
+                "ferry.events as streamed has no column {name}; run `ferry migrate`"
+            ))
+        })
+    };
+    Ok(Columns {
+        seq: at("seq")?,
+        id: at("id")?,
+        event_type: at("type")?,
+        key: at("key")?,
+        partition: at("partition")?,
+        payload: at("payload")?,
+        content_type: at("content_type")?,
+        headers: at("headers")?,
+        created_at: at("created_at")?,
+    })
+}
+
+fn row(c: &Columns, tuple: &TupleData) -> Result<WalEvent, StoreError> {
+    let text = |i: usize, name: &str| -> Result<Option<String>, StoreError> {
+        let col = tuple
+            .get_column(i)
+            .ok_or_else(|| StoreError::permanent(format!("streamed row lacks column {name}")))?;
+        if col.is_null() {
+            return Ok(None);
+        }
+        col.as_string()
+            .map(Some)
+            .ok_or_else(|| StoreError::permanent(format!("streamed column {name} is not text")))
+    };
+    let need = |i: usize, name: &str| {
+        text(i, name)?.ok_or_else(|| StoreError::permanent(format!("streamed column {name} is NULL")))
+    };
+    let bad = |name: &str, e: &dyn std::fmt::Display| StoreError::permanent(format!("streamed column {name}: {e}"));
+    let seq: i64 = need(c.seq, "seq")?.parse().map_err(|e| bad("seq", &e))?;
+    let id: uuid::Uuid = need(c.id, "id")?.parse().map_err(|e| bad("id", &e))?;
+    let partition: i32 = need(c.partition, "partition")?.parse().map_err(|e| bad("partition", &e))?;
+    let payload = need(c.payload, "payload")?;
+    let payload = payload
+        .strip_prefix("\\x")
+        .ok_or_else(|| bad("payload", &"not hex bytea"))
+        .and_then(|h| hex(h).map_err(|e| bad("payload", &e)))?;
+    let headers: Headers = serde_json::from_str(&need(c.headers, "headers")?).map_err(|e| bad("headers", &e))?;
+    let created_at = need(c.created_at, "created_at")?;
+    let created_at = DateTime::parse_from_str(&created_at, "%Y-%m-%d %H:%M:%S%.f%#z")
+        .map_err(|e| bad("created_at", &e))?
+        .with_timezone(&Utc);
+    Ok(WalEvent {
+        event: StoredEvent {
+            id: EventId(id),
+            seq,
+            event_type: need(c.event_type, "type")?,
+            key: text(c.key, "key")?,
+            payload: Bytes::from(payload),
+            content_type: need(c.content_type, "content_type")?,
+            headers,
+            created_at,
+        },
+        partition: Some(partition),
+    })
+}
+
+#[derive(serde::Deserialize)]
+struct Message {
+    v: u32,
+    id: uuid::Uuid,
+    #[serde(rename = "type")]
+    event_type: String,
+    key: Option<String>,
+    content_type: String,
+    headers: Headers,
+    payload: String,
+    created_at: DateTime<Utc>,
+}
+
+fn tableless(content: &[u8]) -> Result<WalEvent, StoreError> {
+    let bad = |e: &dyn std::fmt::Display| StoreError::permanent(format!("undecodable `ferry` message: {e}"));
+    let m: Message = serde_json::from_slice(content).map_err(|e| bad(&e))?;
+    if m.v != 1 {
+        return Err(bad(&format!("version {} is newer than this relay; upgrade it", m.v)));
+    }
+    let payload = base64::engine::general_purpose::STANDARD
+        .decode(m.payload.as_bytes())
+        .map_err(|e| bad(&e))?;
+    Ok(WalEvent {
+        event: StoredEvent {
+            id: EventId(m.id),
+            seq: 0,
+            event_type: m.event_type,
+            key: m.key,
+            payload: Bytes::from(payload),
+            content_type: m.content_type,
+            headers: m.headers,
+            created_at: m.created_at,
+        },
+        partition: None,
+    })
+}
+
+/// PostgreSQL's microseconds since 2000-01-01.
+fn pg_time(micros: i64) -> DateTime<Utc> {
+    const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+    DateTime::from_timestamp_micros(micros.saturating_add(PG_EPOCH_MICROS)).unwrap_or_else(Utc::now)
+}
+
+fn hex(s: &str) -> Result<Vec<u8>, &'static str> {
+    fn nibble(b: u8) -> Result<u8, &'static str> {
+        match b {
+            b'0'..=b'9' => Ok(b - b'0'),
+            b'a'..=b'f' => Ok(b - b'a' + 10),
+            b'A'..=b'F' => Ok(b - b'A' + 10),
+            _ => Err("not a hex digit"),
+        }
+    }
+    let b = s.as_bytes();
+    if b.len() % 2 != 0 {
+        return Err("odd number of hex digits");
+    }
+    b.chunks_exact(2).map(|p| Ok(nibble(p[0])? << 4 | nibble(p[1])?)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_bytea_decodes() {
+        assert_eq!(hex("00ff7A").unwrap(), vec![0, 255, 122]);
+        assert!(hex("0").is_err());
+        assert!(hex("zz").is_err());
+    }
+
+    #[test]
+    fn tableless_messages_decode_and_refuse_newer_versions() {
+        let ok = br#"{"v":1,"id":"0190b6a0-0000-7000-8000-000000000001","type":"order.paid","key":"o-1",
+            "content_type":"application/json","headers":{"a":"b"},"payload":"eyJpZCI6MX0=",
+            "created_at":"2026-11-30T15:00:00.123456+00:00"}"#;
+        let e = tableless(ok).unwrap();
+        assert!(e.tableless());
+        assert_eq!(e.event.event_type, "order.paid");
+        assert_eq!(&e.event.payload[..], br#"{"id":1}"#);
+        assert_eq!(e.event.headers["a"], "b");
+        let newer = br#"{"v":2,"id":"0190b6a0-0000-7000-8000-000000000001","type":"a.b","key":null,
+            "content_type":"x","headers":{},"payload":"","created_at":"2026-11-30T15:00:00Z"}"#;
+        assert!(tableless(newer).unwrap_err().message.contains("upgrade"));
+    }
+
+    #[test]
+    fn commit_times_count_from_2000() {
+        assert_eq!(pg_time(0).to_rfc3339(), "2000-01-01T00:00:00+00:00");
+    }
+}

@@ -1,0 +1,162 @@
+//! What `ferry check` reports about WAL streaming, each problem with its fix.
+
+use sqlx::PgPool;
+
+use super::WalConfig;
+
+/// One line of the report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finding {
+    pub what: String,
+    pub ok: bool,
+    pub detail: String,
+}
+
+fn finding(what: impl Into<String>, ok: bool, detail: impl Into<String>) -> Finding {
+    Finding {
+        what: what.into(),
+        ok,
+        detail: detail.into(),
+    }
+}
+
+/// Checks `wal_level`, the role's replication grant, the publication and the
+/// slot (and its lag against `lag_budget` bytes).
+pub async fn diagnose(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Vec<Finding> {
+    match inspect(pool, config, lag_budget).await {
+        Ok(found) => found,
+        Err(e) => vec![finding("WAL streaming", false, format!("cannot inspect: {e}"))],
+    }
+}
+
+async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<Vec<Finding>, sqlx::Error> {
+    let WalConfig { slot, publication, .. } = config;
+    let mut out = Vec::new();
+
+    let wal_level: String = sqlx::query_scalar("SHOW wal_level").fetch_one(pool).await?;
+    out.push(if wal_level == "logical" {
+        finding("wal_level", true, "logical")
+    } else {
+        finding(
+            "wal_level",
+            false,
+            format!("{wal_level}; run ALTER SYSTEM SET wal_level = logical and restart PostgreSQL"),
+        )
+    });
+    let (senders, slots): (String, String) =
+        sqlx::query_as("SELECT current_setting('max_wal_senders'), current_setting('max_replication_slots')")
+            .fetch_one(pool)
+            .await?;
+    let zero = senders == "0" || slots == "0";
+    out.push(finding(
+        "max_wal_senders / max_replication_slots",
+        !zero,
+        if zero {
+            format!("{senders} / {slots}; set both above 0 (ALTER SYSTEM) and restart PostgreSQL")
+        } else {
+            format!("{senders} / {slots}")
+        },
+    ));
+
+    let (role, can): (String, bool) = sqlx::query_as(
+        "SELECT rolname::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
+    )
+    .fetch_one(pool)
+    .await?;
+    out.push(if can {
+        finding(format!("role {role}"), true, "may stream (REPLICATION)")
+    } else {
+        finding(
+            format!("role {role}"),
+            false,
+            format!("lacks REPLICATION; run ALTER ROLE {role} REPLICATION as an administrator"),
+        )
+    });
+
+    let what = format!("publication {publication}");
+    let publication_row: Option<(bool, bool)> = sqlx::query_as(
+        "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t \
+                 WHERE t.pubname = p.pubname AND t.schemaname = 'ferry' AND t.tablename = 'events') \
+           FROM pg_publication p WHERE p.pubname = $1",
+    )
+    .bind(publication)
+    .fetch_optional(pool)
+    .await?;
+    let create = format!("CREATE PUBLICATION {publication} FOR TABLE ferry.events WITH (publish = 'insert')");
+    out.push(match publication_row {
+        None => finding(
+            what,
+            true,
+            format!("not created yet; the relay creates it at start (as the owner of ferry.events), or run {create}"),
+        ),
+        Some((true, true)) => finding(what, true, "publishes inserts into ferry.events"),
+        Some((false, _)) => finding(
+            what,
+            false,
+            format!("does not publish inserts; run ALTER PUBLICATION {publication} SET (publish = 'insert')"),
+        ),
+        Some((_, false)) => finding(
+            what,
+            false,
+            format!("does not include ferry.events; run ALTER PUBLICATION {publication} ADD TABLE ferry.events"),
+        ),
+    });
+
+    let what = format!("replication slot {slot}");
+    type SlotRow = (Option<String>, Option<String>, bool, Option<i32>, Option<String>, Option<i64>);
+    let slot_row: Option<SlotRow> = sqlx::query_as(
+        "SELECT database::text, plugin::text, active, active_pid, wal_status, \
+                pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint \
+           FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await?;
+    let here: String = sqlx::query_scalar("SELECT current_database()::text").fetch_one(pool).await?;
+    out.push(match slot_row {
+        None => finding(what, can, "not created yet; the relay creates it at start"),
+        Some((db, plugin, active, pid, status, lag)) => {
+            if db.as_deref() != Some(here.as_str()) || plugin.as_deref() != Some("pgoutput") {
+                finding(
+                    what,
+                    false,
+                    format!(
+                        "belongs to database {} with plugin {}; choose another [relay] wal_slot",
+                        db.unwrap_or_default(),
+                        plugin.unwrap_or_default()
+                    ),
+                )
+            } else if status.as_deref() == Some("lost") {
+                finding(
+                    what,
+                    false,
+                    format!(
+                        "lost: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size). Outbox rows are \
+                         safe in the table; run SELECT pg_drop_replication_slot('{slot}') and restart the relay, \
+                         which recreates the slot and sweeps every unrouted row. Tableless events of that \
+                         window cannot be recovered"
+                    ),
+                )
+            } else {
+                let lag = lag.unwrap_or(0).max(0) as u64;
+                let who = match (active, pid) {
+                    (true, Some(pid)) => format!("streaming (walsender pid {pid})"),
+                    _ => "idle: no relay streams from it".to_owned(),
+                };
+                if lag > lag_budget {
+                    finding(
+                        what,
+                        false,
+                        format!(
+                            "{who}; holds back {lag} bytes of WAL, over the budget of {lag_budget} \
+                             ([relay] wal_lag_budget): start a relay, or see what slows it (ferry status)"
+                        ),
+                    )
+                } else {
+                    finding(what, true, format!("{who}; {lag} bytes behind"))
+                }
+            }
+        }
+    });
+    Ok(out)
+}

@@ -1,0 +1,402 @@
+//! WAL streaming: the outbox read from a logical replication slot.
+//!
+//! [`WalSource`] holds what the relay needs from the database in this mode:
+//! the slot and publication it streams from ([`WalSource::prepare`]), the
+//! replication connection ([`WalSource::open`], yielding committed
+//! transactions in commit order), and the writes that settle a streamed
+//! batch into the delivery table ([`WalSource::settle`]). The relay confirms
+//! a position to the slot only after the batch up to it is settled, so a
+//! crash replays from the last settled transaction and never skips one.
+//!
+//! [`emit`] is the tableless producer: the event travels as a logical
+//! decoding message and is written to the outbox only if its delivery fails.
+
+mod decode;
+mod diagnose;
+mod settle;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use ferry_core::{Event, EventId, StoreError};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::postgres::{EnqueueError, store_error};
+
+pub use decode::{WalEvent, WalTxn};
+pub use diagnose::{Finding, diagnose};
+pub use settle::{Look, Outcome, Settled, Settlement};
+
+/// Where a relay in WAL mode streams from.
+#[derive(Debug, Clone)]
+pub struct WalConfig {
+    /// The database URL (`postgres://user:password@host:port/db`); the
+    /// replication connection uses the same credentials and TLS mode.
+    pub url: String,
+    /// The logical replication slot; created on first use.
+    pub slot: String,
+    /// The publication on `ferry.events`; created on first use.
+    pub publication: String,
+}
+
+/// A replication slot or publication name PostgreSQL accepts unquoted.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+/// The database side of WAL streaming mode.
+#[derive(Debug, Clone)]
+pub struct WalSource {
+    pool: PgPool,
+    config: WalConfig,
+}
+
+impl WalSource {
+    /// Checks the names; connects nothing yet.
+    pub fn new(pool: PgPool, config: WalConfig) -> Result<Self, StoreError> {
+        for (field, name) in [("wal_slot", &config.slot), ("wal_publication", &config.publication)] {
+            if !valid_name(name) {
+                return Err(StoreError::config(format!(
+                    "[relay] {field} = {name:?}: use 1 to 63 characters of a-z, 0-9 and _"
+                )));
+            }
+        }
+        Ok(Self { pool, config })
+    }
+
+    pub fn config(&self) -> &WalConfig {
+        &self.config
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Creates the publication and the slot when they are missing, after
+    /// checking that the server can stream at all. A configuration problem
+    /// comes back as a `Config` error naming the fix. Returns whether the
+    /// events committed before the slot existed still wait for their sweep
+    /// ([`unrouted`](Self::unrouted), then [`mark_swept`](Self::mark_swept)).
+    pub async fn prepare(&self) -> Result<bool, StoreError> {
+        let mut conn = self.pool.acquire().await.map_err(store_error)?;
+        let wal_level: String = sqlx::query_scalar("SHOW wal_level")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        if wal_level != "logical" {
+            return Err(StoreError::config(format!(
+                "wal_level is {wal_level}; WAL streaming needs logical: run ALTER SYSTEM SET wal_level = logical \
+                 and restart PostgreSQL, or set [relay] mode = \"poll\""
+            )));
+        }
+        let WalConfig { slot, publication, .. } = &self.config;
+        let has_publication: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
+                .bind(publication)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(store_error)?;
+        if !has_publication {
+            // Two relays starting at once may both try; the loser's error is harmless.
+            let made = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "CREATE PUBLICATION {publication} FOR TABLE ferry.events WITH (publish = 'insert')"
+            )))
+            .execute(&mut *conn)
+            .await;
+            if let Err(e) = made {
+                let duplicate = e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42710");
+                if !duplicate {
+                    return Err(explain(e, "create the publication"));
+                }
+            }
+        }
+        let slot_db: Option<(Option<String>, Option<String>)> =
+            sqlx::query_as("SELECT database::text, plugin::text FROM pg_replication_slots WHERE slot_name = $1")
+                .bind(slot)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(store_error)?;
+        let here: String = sqlx::query_scalar("SELECT current_database()::text")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        match slot_db {
+            Some((db, plugin)) => {
+                if db.as_deref() != Some(here.as_str()) || plugin.as_deref() != Some("pgoutput") {
+                    return Err(StoreError::config(format!(
+                        "replication slot {slot} exists but is not a pgoutput slot of database {here} \
+                         (database {db:?}, plugin {plugin:?}); choose another [relay] wal_slot"
+                    )));
+                }
+            }
+            None => {
+                // A new slot streams only what commits after it: whatever
+                // is unrouted now must be swept before tableless events may
+                // be written (they could overtake it).
+                sqlx::query(
+                    "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
+                     ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false",
+                )
+                .bind(slot)
+                .bind(publication)
+                .execute(&mut *conn)
+                .await
+                .map_err(store_error)?;
+                let made = sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+                    .bind(slot)
+                    .execute(&mut *conn)
+                    .await;
+                if let Err(e) = made {
+                    let duplicate = e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42710");
+                    if !duplicate {
+                        return Err(explain(e, "create the replication slot"));
+                    }
+                }
+            }
+        }
+        let ready: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
+            .bind(slot)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        if ready.is_none() {
+            // A slot made by hand (or by an administrator, see OPERATIONS.md).
+            sqlx::query("INSERT INTO ferry.wal_slots (slot, publication) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+                .bind(slot)
+                .bind(publication)
+                .execute(&mut *conn)
+                .await
+                .map_err(store_error)?;
+        }
+        Ok(ready != Some(true))
+    }
+
+    /// Records that the events committed before the slot existed are swept
+    /// into the table path: from now on everything reaches the relay through
+    /// the slot, and ferry.emit may write tableless events.
+    pub async fn mark_swept(&self) -> Result<(), StoreError> {
+        sqlx::query("UPDATE ferry.wal_slots SET ready = true WHERE slot = $1")
+            .bind(&self.config.slot)
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(())
+    }
+
+    /// Starts streaming from the slot's confirmed position. Fails while
+    /// another relay streams from the slot (it is then a standby).
+    pub async fn open(&self) -> Result<WalStream, StoreError> {
+        let cfg = replication_config(&self.config)?;
+        let client = ReplicationClient::connect(cfg)
+            .await
+            .map_err(|e| StoreError::transient(format!("replication connection: {e}")))?;
+        Ok(WalStream {
+            client,
+            decoder: decode::Decoder::default(),
+        })
+    }
+
+    /// Bytes of WAL the slot holds back: written since its confirmed
+    /// position. `None` when the slot does not exist.
+    pub async fn lag_bytes(&self) -> Result<Option<i64>, StoreError> {
+        slot_lag_bytes(&self.pool, &self.config.slot).await
+    }
+}
+
+/// Bytes of WAL the slot holds back, `None` when it does not exist.
+pub async fn slot_lag_bytes(pool: &PgPool, slot: &str) -> Result<Option<i64>, StoreError> {
+    let lag: Option<Option<i64>> = sqlx::query_scalar(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint \
+           FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(store_error)?;
+    Ok(lag.flatten())
+}
+
+/// A permission or configuration error while setting up, with the fix.
+fn explain(e: sqlx::Error, doing: &str) -> StoreError {
+    let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+    match code.as_deref() {
+        Some("42501") => StoreError::config(format!(
+            "cannot {doing}: {e}; the relay's role needs REPLICATION (ALTER ROLE <role> REPLICATION) \
+             and ownership of ferry.events, or create it once as an administrator (OPERATIONS.md, \"WAL streaming\")"
+        )),
+        Some("53400") => StoreError::config(format!(
+            "cannot {doing}: {e}; raise max_replication_slots (and max_wal_senders) and restart PostgreSQL"
+        )),
+        Some("55000") => StoreError::config(format!("cannot {doing}: {e}")),
+        _ => store_error(e),
+    }
+}
+
+fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, StoreError> {
+    let bad = |why: &str| StoreError::config(format!("database.url: {why}; WAL streaming connects with it"));
+    let url = url::Url::parse(&config.url).map_err(|e| bad(&e.to_string()))?;
+    if !matches!(url.scheme(), "postgres" | "postgresql") {
+        return Err(bad("use a postgres:// URL"));
+    }
+    let decode = |s: &str| {
+        url::form_urlencoded::parse(format!("x={s}").as_bytes())
+            .next()
+            .map(|(_, v)| v.into_owned())
+            .unwrap_or_default()
+    };
+    let params: HashMap<String, String> = url.query_pairs().into_owned().collect();
+    let user = match url.username() {
+        "" => params
+            .get("user")
+            .cloned()
+            .or_else(|| std::env::var("PGUSER").ok())
+            .or_else(|| std::env::var("USER").ok())
+            .unwrap_or_else(|| "postgres".into()),
+        u => decode(u),
+    };
+    let password = url
+        .password()
+        .map(decode)
+        .or_else(|| params.get("password").cloned())
+        .or_else(|| std::env::var("PGPASSWORD").ok())
+        .unwrap_or_default();
+    let database = match url.path().trim_start_matches('/') {
+        "" => params.get("dbname").cloned().unwrap_or_else(|| user.clone()),
+        d => decode(d),
+    };
+    let host = match url.host_str() {
+        Some(h) if !h.is_empty() => h.trim_matches(|c| c == '[' || c == ']').to_owned(),
+        _ => params.get("host").cloned().unwrap_or_else(|| "localhost".into()),
+    };
+    // The replication connection speaks plain TCP or a Unix socket: its TLS
+    // layer would bring a second crypto provider into the binary.
+    let tls = match params.get("sslmode").map(String::as_str) {
+        None | Some("disable" | "allow" | "prefer") => TlsConfig::disabled(),
+        Some(mode @ ("require" | "verify-ca" | "verify-full")) => {
+            return Err(bad(&format!(
+                "sslmode={mode}, but the WAL stream connects without TLS; run the relay beside the \
+                 database (a Unix socket or a private network) with sslmode=prefer, or use [relay] mode = \"poll\""
+            )));
+        }
+        Some(other) => return Err(bad(&format!("unknown sslmode {other:?}"))),
+    };
+    let cfg = if host.starts_with('/') {
+        ReplicationConfig::unix(
+            host,
+            url.port().unwrap_or(5432),
+            user,
+            password,
+            database,
+            &config.slot,
+            &*config.publication,
+        )
+    } else {
+        ReplicationConfig::new(host, user, password, database, &config.slot, &*config.publication)
+            .with_port(url.port().unwrap_or(5432))
+            .with_tls(tls)
+    };
+    Ok(cfg
+        // Text values are parsed by the decoder: pin their formats.
+        .with_options("-c datestyle=ISO -c timezone=UTC -c bytea_output=hex -c extra_float_digits=3")
+        .with_application_name("ferry-relay")
+        // The slot's confirmed position follows the relay closely, so the
+        // lag a monitor reads off pg_replication_slots is the real one.
+        .with_status_interval(Duration::from_millis(500))
+        .with_wakeup_interval(Duration::from_secs(5))
+        .with_buffer_size(16_384))
+}
+
+/// What the stream hands over.
+#[derive(Debug)]
+pub enum WalItem {
+    /// A committed transaction, with the Ferry events it wrote (possibly
+    /// none).
+    Txn(WalTxn),
+    /// Everything before `lsn` has been sent and nothing is open: once the
+    /// transactions before it are settled, `lsn` may be confirmed.
+    Idle { lsn: u64 },
+}
+
+/// A replication session on the slot.
+pub struct WalStream {
+    client: ReplicationClient,
+    decoder: decode::Decoder,
+}
+
+impl WalStream {
+    /// The next committed transaction or idle position.
+    pub async fn next(&mut self) -> Result<WalItem, StoreError> {
+        loop {
+            let event = self
+                .client
+                .recv()
+                .await
+                .map_err(|e| StoreError::transient(format!("replication stream: {e}")))?;
+            let Some(event) = event else {
+                return Err(StoreError::transient("replication stream ended"));
+            };
+            if let Some(item) = self.feed(event)? {
+                return Ok(item);
+            }
+        }
+    }
+
+    /// Like [`next`](Self::next), but only what has already arrived.
+    pub fn try_next(&mut self) -> Result<Option<WalItem>, StoreError> {
+        use futures::FutureExt;
+        loop {
+            let Some(event) = self.client.recv().now_or_never() else {
+                return Ok(None);
+            };
+            let event = event.map_err(|e| StoreError::transient(format!("replication stream: {e}")))?;
+            let Some(event) = event else {
+                return Err(StoreError::transient("replication stream ended"));
+            };
+            if let Some(item) = self.feed(event)? {
+                return Ok(Some(item));
+            }
+        }
+    }
+
+    fn feed(&mut self, event: ReplicationEvent) -> Result<Option<WalItem>, StoreError> {
+        self.decoder.feed(event)
+    }
+
+    /// Tells the slot that everything before `lsn` is settled; the server
+    /// may then recycle that WAL, and a restart resumes from there.
+    pub fn confirm(&self, lsn: u64) {
+        self.client.update_applied_lsn(Lsn::from_u64(lsn));
+    }
+
+    /// Ends the session, sending the last confirmed position first.
+    pub async fn close(mut self) {
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.client.shutdown()).await;
+        self.client.abort();
+    }
+}
+
+/// Writes `event` as a tableless event in the caller's transaction: a
+/// logical decoding message that the WAL relay publishes at commit. No
+/// outbox row is written unless its delivery fails. Fails when no slot
+/// reads this database (the event would be lost), and ignores a dispatch
+/// key (there is no table to deduplicate against).
+pub async fn emit(conn: &mut PgConnection, event: Event) -> Result<EventId, EnqueueError> {
+    if !conn.is_in_transaction() {
+        return Err(EnqueueError::NotInTransaction);
+    }
+    event.validate()?;
+    let headers = serde_json::to_value(event.headers()).expect("string map serialises");
+    let id: uuid::Uuid = sqlx::query_scalar("SELECT ferry._emit($1, $2, $3, $4, $5, $6)")
+        .bind(event.id().0)
+        .bind(event.event_type())
+        .bind(event.get_key())
+        .bind(event.payload().to_bytes().to_vec())
+        .bind(event.payload().content_type())
+        .bind(headers)
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(EventId(id))
+}

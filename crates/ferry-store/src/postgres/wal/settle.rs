@@ -1,0 +1,229 @@
+//! The writes of WAL streaming mode: what a streamed batch may publish
+//! directly ([`WalSource::look`]), and the delivery rows that record what
+//! happened to it ([`WalSource::settle`]).
+
+use std::collections::{HashMap, HashSet};
+
+use chrono::{DateTime, Utc};
+use ferry_core::{NO_ROUTE, StoreError};
+use sqlx::Row;
+
+use super::{WalEvent, WalSource};
+use crate::postgres::store_error;
+
+/// What the delivery table says about a streamed batch.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Look {
+    /// Outbox rows of the batch not routed yet: the stream may deliver
+    /// them. Any other row was routed before (a replay after a crash, or a
+    /// relay's start-up sweep) and is skipped.
+    pub unrouted: HashSet<i64>,
+    /// Routes with pending deliveries in the table (failed and waiting, or
+    /// parked): their new events queue behind those, in the table.
+    pub busy_routes: HashSet<String>,
+    /// (route, key) pairs held by a dead delivery: later events of the key
+    /// wait behind it, in the table, as on the table path.
+    pub dead_keys: HashSet<(String, String)>,
+}
+
+/// What happened to one event on one route.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Confirmed by the destination on the first attempt.
+    Published { at: DateTime<Utc> },
+    /// Not attempted: queued in the table behind earlier deliveries.
+    Parked,
+    /// The first attempt failed; the table path retries at `next_at`.
+    Retry { next_at: DateTime<Utc>, error: String },
+    /// Failed for good, or matched no route.
+    Dead { attempts: u32, reason: String },
+}
+
+/// A streamed batch's outcomes, to be written before its position is
+/// confirmed to the slot.
+#[derive(Debug, Default)]
+pub struct Settlement<'a> {
+    /// (event, route, outcome); the route is [`NO_ROUTE`] for an event that
+    /// matched none.
+    pub outcomes: Vec<(&'a WalEvent, String, Outcome)>,
+}
+
+/// What a settlement wrote.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Settled {
+    /// Outbox rows taken out of `unrouted` by this settlement.
+    pub routed: u64,
+    /// Tableless events written to the outbox because a delivery failed.
+    pub written: u64,
+    /// Delivery rows created.
+    pub deliveries: u64,
+}
+
+impl WalSource {
+    /// Which of `seqs` are still unrouted, which of `routes` have pending
+    /// deliveries, and which of `keys` are held by a dead delivery on one of
+    /// `routes`. One round trip.
+    pub async fn look(&self, seqs: &[i64], routes: &[String], keys: &[String]) -> Result<Look, StoreError> {
+        let rows = sqlx::query(include_str!("look.sql"))
+            .bind(seqs)
+            .bind(routes)
+            .bind(keys)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
+        let mut look = Look::default();
+        for row in rows {
+            let kind: i32 = row.get(0);
+            match kind {
+                0 => {
+                    look.unrouted.insert(row.get::<i64, _>(1));
+                }
+                1 => {
+                    look.busy_routes.insert(row.get::<String, _>(2));
+                }
+                _ => {
+                    look.dead_keys.insert((row.get::<String, _>(2), row.get::<String, _>(3)));
+                }
+            }
+        }
+        Ok(look)
+    }
+
+    /// Up to `limit` events still unrouted, oldest first: at start, the ones
+    /// committed before the slot existed or streamed but never settled.
+    pub async fn unrouted(&self, limit: i64) -> Result<Vec<WalEvent>, StoreError> {
+        let rows = sqlx::query(
+            "SELECT e.seq, e.id, e.type, e.key, e.partition, e.payload, e.content_type, e.headers, e.created_at \
+               FROM ferry.unrouted u JOIN ferry.events e ON e.seq = u.seq ORDER BY u.seq LIMIT $1",
+        )
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_error)?;
+        rows.into_iter()
+            .map(|r| {
+                let headers: sqlx::types::Json<ferry_core::Headers> = r.try_get(7).map_err(store_error)?;
+                Ok(WalEvent {
+                    event: ferry_core::StoredEvent {
+                        seq: r.try_get(0).map_err(store_error)?,
+                        id: ferry_core::EventId(r.try_get(1).map_err(store_error)?),
+                        event_type: r.try_get(2).map_err(store_error)?,
+                        key: r.try_get(3).map_err(store_error)?,
+                        payload: bytes::Bytes::from(r.try_get::<Vec<u8>, _>(5).map_err(store_error)?),
+                        content_type: r.try_get(6).map_err(store_error)?,
+                        headers: headers.0,
+                        created_at: r.try_get(8).map_err(store_error)?,
+                    },
+                    partition: Some(r.try_get(4).map_err(store_error)?),
+                })
+            })
+            .collect()
+    }
+
+    /// Writes the outcomes in one transaction, committed durably (the slot
+    /// position is confirmed right after): delivery rows for every outbox
+    /// row still unrouted, and for tableless events that need the table (a
+    /// delivery that did not publish), the event itself first. Partitions
+    /// that received pending deliveries are notified, so the relays leasing
+    /// them claim at once.
+    pub async fn settle(&self, s: &Settlement<'_>, now: DateTime<Utc>) -> Result<Settled, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        let mut settled = Settled::default();
+        // Tableless events some route could not publish: written to the
+        // outbox (and `unrouted`, which the statement below takes them out
+        // of again). A replay finds the id taken and writes nothing twice.
+        let mut seq_of: HashMap<uuid::Uuid, i64> = HashMap::new();
+        let mut tableless: Vec<&WalEvent> = Vec::new();
+        for (e, _, outcome) in &s.outcomes {
+            if e.tableless() && !matches!(outcome, Outcome::Published { .. }) && !seq_of.contains_key(&e.event.id.0) {
+                seq_of.insert(e.event.id.0, 0);
+                tableless.push(e);
+            }
+        }
+        if !tableless.is_empty() {
+            let rows = sqlx::query(include_str!("write_tableless.sql"))
+                .bind(tableless.iter().map(|e| e.event.id.0).collect::<Vec<_>>())
+                .bind(tableless.iter().map(|e| e.event.event_type.clone()).collect::<Vec<_>>())
+                .bind(tableless.iter().map(|e| e.event.key.clone()).collect::<Vec<_>>())
+                .bind(tableless.iter().map(|e| e.event.payload.to_vec()).collect::<Vec<_>>())
+                .bind(tableless.iter().map(|e| e.event.content_type.clone()).collect::<Vec<_>>())
+                .bind(
+                    tableless
+                        .iter()
+                        .map(|e| serde_json::to_value(&e.event.headers).expect("string map serialises"))
+                        .collect::<Vec<_>>(),
+                )
+                .bind(tableless.iter().map(|e| e.event.created_at).collect::<Vec<_>>())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(store_error)?;
+            seq_of.clear();
+            for row in rows {
+                seq_of.insert(row.get(0), row.get(1));
+            }
+            settled.written = seq_of.len() as u64;
+        }
+        let mut claim: Vec<i64> = Vec::new();
+        let (mut d_seq, mut d_route, mut d_key, mut d_state, mut d_attempts, mut d_next, mut d_err, mut d_pub) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
+        for (e, route, outcome) in &s.outcomes {
+            let seq = if e.tableless() {
+                match seq_of.get(&e.event.id.0) {
+                    Some(seq) => *seq,
+                    // Published, or written by an earlier run: nothing to add.
+                    None => continue,
+                }
+            } else {
+                e.event.seq
+            };
+            if claim.last() != Some(&seq) && !claim.contains(&seq) {
+                claim.push(seq);
+            }
+            let (state, attempts, next, err, published) = match outcome {
+                Outcome::Published { at } => ("published", 1, now, None, Some(*at)),
+                Outcome::Parked => ("pending", 0, now, None, None),
+                Outcome::Retry { next_at, error } => ("pending", 1, *next_at, Some(error.clone()), None),
+                Outcome::Dead { attempts, reason } => ("dead", *attempts as i32, now, Some(reason.clone()), None),
+            };
+            debug_assert!(route != NO_ROUTE || state == "dead");
+            d_seq.push(seq);
+            d_route.push(route.clone());
+            d_key.push(e.event.key.clone());
+            d_state.push(state);
+            d_attempts.push(attempts);
+            d_next.push(next);
+            d_err.push(err);
+            d_pub.push(published);
+        }
+        if !claim.is_empty() {
+            let row = sqlx::query(include_str!("settle.sql"))
+                .persistent(false)
+                .bind(&claim)
+                .bind(&d_seq)
+                .bind(&d_route)
+                .bind(&d_key)
+                .bind(&d_state)
+                .bind(&d_attempts)
+                .bind(&d_next)
+                .bind(&d_err)
+                .bind(&d_pub)
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(store_error)?;
+            let gone: i64 = row.get(0);
+            settled.routed = (gone as u64).saturating_sub(settled.written);
+            settled.deliveries = row.get::<i64, _>(1) as u64;
+        }
+        tx.commit().await.map_err(store_error)?;
+        Ok(settled)
+    }
+}

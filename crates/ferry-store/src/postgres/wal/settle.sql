@@ -1,0 +1,33 @@
+-- Settles a streamed batch: takes its outbox rows out of `unrouted` (only
+-- those still there: a row routed before is left alone) and writes their
+-- deliveries, with a failures row for each failed first attempt. Pending
+-- deliveries wake the relays leasing their partitions. Committed durably:
+-- the slot position is confirmed after it.
+-- $1 seqs to take; $2..$9 one row per delivery: seq, route, key, state,
+-- attempts, next attempt, error, published at; $10 now
+WITH gone AS (
+    DELETE FROM ferry.unrouted u
+     WHERE u.seq = ANY($1::bigint[])
+    RETURNING u.seq, u.partition
+), made AS (
+    INSERT INTO ferry.deliveries
+           (seq, route, partition, key, state, attempts, next_attempt_at, last_error, published_at, updated_at)
+    SELECT d.seq, d.route, g.partition, d.key, d.state, d.attempts, d.next_at, d.error, d.published_at, $10
+      FROM unnest($2::bigint[], $3::text[], $4::text[], $5::text[], $6::int[], $7::timestamptz[],
+                  $8::text[], $9::timestamptz[])
+           AS d(seq, route, key, state, attempts, next_at, error, published_at)
+      JOIN gone g ON g.seq = d.seq
+    ON CONFLICT (seq, route) DO NOTHING
+    RETURNING seq, route, partition, state, attempts, last_error
+), failed AS (
+    INSERT INTO ferry.failures (seq, route, attempt, at, dead, error)
+    SELECT m.seq, m.route, m.attempts, $10, m.state = 'dead', m.last_error
+      FROM made m
+     WHERE m.attempts > 0 AND m.state <> 'published'
+    ON CONFLICT DO NOTHING
+), woke AS (
+    SELECT pg_notify('ferry', p.partition::text)
+      FROM (SELECT DISTINCT partition FROM made WHERE state = 'pending') p
+)
+SELECT (SELECT count(*) FROM gone) AS gone, (SELECT count(*) FROM made) AS made,
+       (SELECT count(*) FROM woke) AS woke
