@@ -83,6 +83,29 @@ pub struct RelaySettings {
     /// On SIGTERM, how long in-flight publishes may finish before their
     /// events are released.
     pub shutdown_timeout: Duration,
+    /// How new events reach the relay: polling the outbox, or streaming
+    /// from a logical replication slot (PostgreSQL only).
+    pub mode: RelayMode,
+    /// The replication slot of WAL mode; created on first use.
+    pub wal_slot: String,
+    /// The publication of WAL mode; created on first use.
+    pub wal_publication: String,
+    /// WAL the slot may hold back before the relay warns and `ferry check`
+    /// fails, in bytes.
+    pub wal_lag_budget: u64,
+    /// In WAL mode, a route's publish that takes longer counts as failed and
+    /// goes to the table path, so one slow destination cannot hold the
+    /// stream up for the others.
+    pub wal_publish_timeout: Duration,
+}
+
+/// How new events reach the relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelayMode {
+    /// Producers' commits wake the relay, which reads the outbox table.
+    Poll,
+    /// The relay streams committed events from a logical replication slot.
+    Wal,
 }
 
 /// Retention: which settled events are deleted, when, and whether they are
@@ -329,6 +352,9 @@ const DEFAULT_BACKOFF_BASE: Duration = Duration::from_millis(500);
 const DEFAULT_BACKOFF_MAX: Duration = Duration::from_secs(300);
 const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(60);
 const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_WAL_NAME: &str = "ferry";
+const DEFAULT_WAL_LAG_BUDGET_MB: i64 = 1024;
+const DEFAULT_WAL_PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_PUBLISHED_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
 const DEFAULT_DEAD_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
 const DEFAULT_RETENTION_BATCH: usize = 1_000;
@@ -417,6 +443,14 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
     let mut check = Checker::default();
     let database = database(&mut check, raw.database, from_file);
     let relay = relay(&mut check, raw.relay);
+    if relay.mode == RelayMode::Wal
+        && !(database.url.starts_with("postgres://") || database.url.starts_with("postgresql://"))
+    {
+        check.problem(
+            "relay.mode",
+            "\"wal\" streams from PostgreSQL logical replication; with this database.url use \"poll\"",
+        );
+    }
     let metrics = raw
         .metrics
         .listen
@@ -588,7 +622,50 @@ fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
             millisecond,
         ),
         shutdown_timeout: check.duration("relay.shutdown_timeout", raw.shutdown_timeout, DEFAULT_SHUTDOWN_TIMEOUT),
+        mode: match raw.mode.as_deref() {
+            None | Some("poll") => RelayMode::Poll,
+            Some("wal") => RelayMode::Wal,
+            Some(other) => {
+                check.problem(
+                    "relay.mode",
+                    format!(
+                        "unknown mode {other:?}; use \"poll\" (the default) or \"wal\" (PostgreSQL logical replication)"
+                    ),
+                );
+                RelayMode::Poll
+            }
+        },
+        wal_slot: wal_name(check, "relay.wal_slot", raw.wal_slot),
+        wal_publication: wal_name(check, "relay.wal_publication", raw.wal_publication),
+        wal_lag_budget: check.integer::<u64>(
+            "relay.wal_lag_budget_mb",
+            raw.wal_lag_budget_mb,
+            DEFAULT_WAL_LAG_BUDGET_MB as u64,
+            1,
+            None,
+        ) * 1024
+            * 1024,
+        wal_publish_timeout: check.duration_at_least(
+            "relay.wal_publish_timeout",
+            raw.wal_publish_timeout,
+            DEFAULT_WAL_PUBLISH_TIMEOUT,
+            Duration::from_millis(10),
+        ),
     }
+}
+
+/// A slot or publication name PostgreSQL takes unquoted.
+fn wal_name(check: &mut Checker, field: &str, raw: Option<String>) -> String {
+    let name = raw.unwrap_or_else(|| DEFAULT_WAL_NAME.to_owned());
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if !ok {
+        check.problem(field, format!("{name:?}: use 1 to 63 characters of a-z, 0-9 and _"));
+    }
+    name
 }
 
 /// `<hostname>-<pid>-<4 hex>`: readable in `ferry status`, and unique even

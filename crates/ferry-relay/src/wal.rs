@@ -218,13 +218,19 @@ async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource) ->
         }
     }
     if swept > 0 {
-        info!(events = swept, "events committed before streaming began go through the table path");
+        info!(
+            events = swept,
+            "events committed before streaming began go through the table path"
+        );
     }
     Ok(())
 }
 
 fn matching<'a>(routes: &'a [Route], e: &WalEvent) -> Vec<&'a Route> {
-    routes.iter().filter(|r| r.matcher.matches(&e.event.event_type)).collect()
+    routes
+        .iter()
+        .filter(|r| r.matcher.matches(&e.event.event_type))
+        .collect()
 }
 
 fn no_route(e: &WalEvent) -> Outcome {
@@ -372,7 +378,10 @@ async fn publish_route<'a, S: Store, C: Clock>(
     let started = Instant::now();
     let span = tracing::info_span!("ferry.publish", route = %route.name, events = claimed.len(), mode = "wal");
     let published = tracing::Instrument::instrument(
-        tokio::time::timeout(wal.options.publish_timeout, publish_in_order(sink.as_ref(), route, &claimed)),
+        tokio::time::timeout(
+            wal.options.publish_timeout,
+            publish_in_order(sink.as_ref(), route, &claimed),
+        ),
         span,
     )
     .await;
@@ -382,7 +391,10 @@ async fn publish_route<'a, S: Store, C: Clock>(
     let outcomes: Vec<Option<ferry_core::PublishOutcome>> = match published {
         Ok(p) => {
             if p.order_breaks > 0 {
-                shared.counters.order_breaks.fetch_add(p.order_breaks, Ordering::Relaxed);
+                shared
+                    .counters
+                    .order_breaks
+                    .fetch_add(p.order_breaks, Ordering::Relaxed);
                 ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(p.order_breaks);
             }
             p.outcomes

@@ -124,10 +124,10 @@ async fn streaming(e: &Env) {
             "SELECT s.active AND w.ready FROM pg_replication_slots s \
                JOIN ferry.wal_slots w ON w.slot = s.slot_name WHERE s.slot_name = $1",
         )
-            .bind(&e.slot)
-            .fetch_optional(&e.pool)
-            .await
-            .unwrap();
+        .bind(&e.slot)
+        .fetch_optional(&e.pool)
+        .await
+        .unwrap();
         if active == Some(true) {
             return;
         }
@@ -153,7 +153,12 @@ fn unique(got: &[StoredEvent]) -> Vec<EventId> {
 fn assert_complete_and_ordered(ids: &[(EventId, String)], got: &[StoredEvent]) {
     let arrived = unique(got);
     let missing: Vec<_> = ids.iter().filter(|(id, _)| !arrived.contains(id)).collect();
-    assert!(missing.is_empty(), "{} events lost, e.g. {:?}", missing.len(), missing.first());
+    assert!(
+        missing.is_empty(),
+        "{} events lost, e.g. {:?}",
+        missing.len(),
+        missing.first()
+    );
     let key_of: HashMap<EventId, &str> = ids.iter().map(|(id, k)| (*id, k.as_str())).collect();
     let mut per_key_want: HashMap<&str, Vec<EventId>> = HashMap::new();
     for (id, k) in ids {
@@ -173,9 +178,12 @@ async fn events_arrive_in_commit_order_across_concurrent_transactions() {
     let e = env().await;
     // Committed before the slot existed: the start-up sweep delivers them.
     let mut tx = e.pool.begin().await.unwrap();
-    let early = enqueue_batch(&mut tx, (0..5).map(|i| Event::new("early.event", json!({ "i": i }))).collect())
-        .await
-        .unwrap();
+    let early = enqueue_batch(
+        &mut tx,
+        (0..5).map(|i| Event::new("early.event", json!({ "i": i }))).collect(),
+    )
+    .await
+    .unwrap();
     tx.commit().await.unwrap();
     let relay = start(&e, "wal-a", vec![route("all", "mock")]);
     streaming(&e).await;
@@ -195,9 +203,12 @@ async fn events_arrive_in_commit_order_across_concurrent_transactions() {
         producers.push(tokio::spawn(async move {
             for n in 0..25 {
                 let mut tx = pool.begin().await.unwrap();
-                let sent = enqueue(&mut tx, Event::new("order.placed", json!({ "p": p, "n": n })).key(format!("p{p}")))
-                    .await
-                    .unwrap();
+                let sent = enqueue(
+                    &mut tx,
+                    Event::new("order.placed", json!({ "p": p, "n": n })).key(format!("p{p}")),
+                )
+                .await
+                .unwrap();
                 let seq: i64 = sqlx::query_scalar("SELECT seq FROM ferry.events WHERE id = $1")
                     .bind(sent.id.0)
                     .fetch_one(&mut *tx)
@@ -257,14 +268,21 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
             for t in 0..100 {
                 let mut tx = pool.begin().await.unwrap();
                 let events = (0..10)
-                    .map(|i| Event::new("order.placed", json!({ "t": t, "i": i })).key(format!("k{}", (t * 10 + i) % 7)))
+                    .map(|i| {
+                        Event::new("order.placed", json!({ "t": t, "i": i })).key(format!("k{}", (t * 10 + i) % 7))
+                    })
                     .collect::<Vec<_>>();
                 let keys: Vec<String> = events.iter().map(|ev| ev.get_key().unwrap().to_owned()).collect();
                 // Outbox rows survive in the table whatever the slot says;
                 // tableless events live only in the WAL, so they are what
                 // a position confirmed too early would lose.
                 let sent: Vec<EventId> = if t % 2 == 0 {
-                    enqueue_batch(&mut tx, events).await.unwrap().into_iter().map(|s| s.id).collect()
+                    enqueue_batch(&mut tx, events)
+                        .await
+                        .unwrap()
+                        .into_iter()
+                        .map(|s| s.id)
+                        .collect()
                 } else {
                     let mut sent = Vec::new();
                     for ev in events {
@@ -294,7 +312,10 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
         unique(&e.sink.delivered("all")).len() >= ids.len()
     })
     .await;
-    assert!(before < ids.len(), "the crash came after everything was delivered; it proves nothing");
+    assert!(
+        before < ids.len(),
+        "the crash came after everything was delivered; it proves nothing"
+    );
     assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
     second.stop().await;
     let (published, other): (i64, i64) = sqlx::query_as(
@@ -334,20 +355,25 @@ async fn a_destination_down_does_not_hold_up_the_others_and_loses_nothing() {
     assert_complete_and_ordered(&ids, &e.sink.delivered("up"));
     assert!(e.other.delivered("down").is_empty());
     // The slot moves on: the failing route's events wait in the table.
-    let parked: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE route = 'down' AND state = 'pending'")
-        .fetch_one(&e.pool)
-        .await
-        .unwrap();
+    let parked: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE route = 'down' AND state = 'pending'")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap();
     assert_eq!(parked as usize, ids.len());
     e.other.set_down(false);
-    eventually("the failed route's events after the outage", Duration::from_secs(60), || {
-        unique(&e.other.delivered("down")).len() >= ids.len()
-    })
+    eventually(
+        "the failed route's events after the outage",
+        Duration::from_secs(60),
+        || unique(&e.other.delivered("down")).len() >= ids.len(),
+    )
     .await;
     assert_complete_and_ordered(&ids, &e.other.delivered("down"));
     // Back to direct publishing once the table is drained.
     let mut tx = e.pool.begin().await.unwrap();
-    let after = enqueue(&mut tx, Event::new("order.placed", json!({})).key("k0")).await.unwrap();
+    let after = enqueue(&mut tx, Event::new("order.placed", json!({})).key("k0"))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     eventually("an event after recovery", Duration::from_secs(30), || {
         e.other.delivered_ids("down").contains(&after.id)
@@ -371,7 +397,9 @@ async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they
     let mut ids = Vec::new();
     for i in 0..20 {
         let mut tx = e.pool.begin().await.unwrap();
-        let id = emit(&mut tx, Event::new("order.placed", json!({ "i": i })).key("k")).await.unwrap();
+        let id = emit(&mut tx, Event::new("order.placed", json!({ "i": i })).key("k"))
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         ids.push((id, "k".to_owned()));
     }
@@ -390,7 +418,9 @@ async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they
     let mut failed = Vec::new();
     for i in 0..10 {
         let mut tx = e.pool.begin().await.unwrap();
-        let id = emit(&mut tx, Event::new("order.placed", json!({ "i": i })).key("k")).await.unwrap();
+        let id = emit(&mut tx, Event::new("order.placed", json!({ "i": i })).key("k"))
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
         failed.push((id, "k".to_owned()));
     }
@@ -404,7 +434,10 @@ async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they
         if rows == failed.len() as i64 {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "failed tableless events not in the outbox: {rows}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "failed tableless events not in the outbox: {rows}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     e.sink.set_down(false);

@@ -19,6 +19,9 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     // Table capture exists on PostgreSQL only.
     if !crate::store::is_sqlite(&cfg.database.url) {
         findings.extend(check_captures(cfg).await);
+        if cfg.relay.mode == crate::config::RelayMode::Wal {
+            findings.extend(check_wal(cfg).await);
+        }
     }
     let sinks = sinks::build(cfg)?;
     for (i, route) in cfg.routes.iter().enumerate() {
@@ -88,6 +91,29 @@ async fn check_database(cfg: &Config) -> Finding {
         Err(detail) => (false, detail),
     };
     Finding { what, ok, detail }
+}
+
+/// WAL streaming: wal_level, the role's REPLICATION grant, the publication
+/// and the slot with its lag, each problem with its fix.
+async fn check_wal(cfg: &Config) -> Vec<Finding> {
+    use ferry_store::postgres::wal::{WalConfig, diagnose};
+    let Ok(crate::store::AnyStore::Postgres(pg)) = super::store(cfg) else {
+        return Vec::new();
+    };
+    let config = WalConfig {
+        url: cfg.database.url.clone(),
+        slot: cfg.relay.wal_slot.clone(),
+        publication: cfg.relay.wal_publication.clone(),
+    };
+    diagnose(pg.pool(), &config, cfg.relay.wal_lag_budget)
+        .await
+        .into_iter()
+        .map(|f| Finding {
+            what: f.what,
+            ok: f.ok,
+            detail: f.detail,
+        })
+        .collect()
 }
 
 /// A finding per captured table: its trigger matches the table, or is out

@@ -5,6 +5,8 @@ use std::time::Duration;
 use anyhow::Context;
 use ferry_core::{ErrorKind, SystemClock};
 use ferry_relay::{Relay, RelaySettings};
+
+use crate::config::RelayMode;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -50,6 +52,10 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
         sinks.clone(),
     )
     .map_err(|e| UsageError(e.to_string()))?;
+    let relay = match cfg.relay.mode {
+        RelayMode::Poll => relay,
+        RelayMode::Wal => relay.with_wal(wal(&cfg, &store).await?),
+    };
     // Beside the relay: retention, which stops on the signal (a batch in
     // flight finishes), and the health and metrics endpoint, which serves
     // until the relay has drained and stopped.
@@ -130,6 +136,42 @@ fn init_telemetry(cfg: &Config) -> anyhow::Result<()> {
     }
     telemetry::init_logs(&cfg.log);
     Ok(())
+}
+
+/// WAL streaming mode's source, prepared: a server that cannot stream (no
+/// wal_level=logical, no REPLICATION grant, no slot left) is refused at
+/// start with the fix, not retried forever.
+async fn wal(cfg: &Config, store: &crate::store::AnyStore) -> anyhow::Result<ferry_relay::Wal> {
+    use ferry_store::postgres::wal::{WalConfig, WalSource};
+    let crate::store::AnyStore::Postgres(pg) = store else {
+        return Err(UsageError("relay.mode: \"wal\" needs a postgres:// database.url".into()).into());
+    };
+    let source = WalSource::new(
+        pg.pool().clone(),
+        WalConfig {
+            url: cfg.database.url.clone(),
+            slot: cfg.relay.wal_slot.clone(),
+            publication: cfg.relay.wal_publication.clone(),
+        },
+    )
+    .map_err(|e| UsageError(e.message))?;
+    match source.prepare().await {
+        Ok(_) => {}
+        Err(e) if e.kind == ErrorKind::Config => {
+            return Err(UsageError(format!("relay.mode = \"wal\": {}", e.message)).into());
+        }
+        // Unreachable now: the relay retries, as it does for polling.
+        Err(e) => warn!(error = %e, "could not prepare WAL streaming at start; the relay retries"),
+    }
+    info!(slot = %cfg.relay.wal_slot, publication = %cfg.relay.wal_publication, "WAL streaming mode");
+    Ok(ferry_relay::Wal {
+        source,
+        options: ferry_relay::WalOptions {
+            publish_timeout: cfg.relay.wal_publish_timeout,
+            lag_budget: cfg.relay.wal_lag_budget,
+            ..ferry_relay::WalOptions::default()
+        },
+    })
 }
 
 /// The relay's settings from the `[relay]` section.

@@ -57,6 +57,11 @@ pub(super) struct RawRelay {
     pub(super) backoff_max: Option<DurationText>,
     pub(super) poll_interval: Option<DurationText>,
     pub(super) shutdown_timeout: Option<DurationText>,
+    pub(super) mode: Option<String>,
+    pub(super) wal_slot: Option<String>,
+    pub(super) wal_publication: Option<String>,
+    pub(super) wal_lag_budget_mb: Option<i64>,
+    pub(super) wal_publish_timeout: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]

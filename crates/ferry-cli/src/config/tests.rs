@@ -33,6 +33,11 @@ fn the_example_file_parses_to_its_documented_values() {
             backoff_max: Duration::from_secs(300),
             poll_interval: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(10),
+            mode: RelayMode::Poll,
+            wal_slot: "ferry".into(),
+            wal_publication: "ferry".into(),
+            wal_lag_budget: 1 << 30,
+            wal_publish_timeout: Duration::from_secs(5),
         }
     );
     assert_eq!(c.metrics, Some("127.0.0.1:9464".parse().unwrap()));
@@ -737,4 +742,28 @@ fn retention_problems_name_the_field() {
     .unwrap_err()
     .to_string();
     assert!(e.starts_with("retention.interval: \"soon\" is not a duration"), "{e}");
+}
+
+#[test]
+fn wal_mode_is_checked_against_the_database_and_names() {
+    let c = from_toml_str(
+        "[database]\nurl = \"postgres://h/db\"\n[relay]\nmode = \"wal\"\nwal_slot = \"orders_1\"\nwal_lag_budget_mb = 64\n",
+    )
+    .unwrap();
+    assert_eq!(c.relay.mode, RelayMode::Wal);
+    assert_eq!(c.relay.wal_slot, "orders_1");
+    assert_eq!(c.relay.wal_lag_budget, 64 << 20);
+    let err = from_toml_str("[database]\nurl = \"sqlite://x.db\"\n[relay]\nmode = \"wal\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("relay.mode") && err.contains("\"poll\""), "{err}");
+    let err =
+        from_toml_str("[database]\nurl = \"postgres://h/db\"\n[relay]\nmode = \"stream\"\nwal_slot = \"Bad-Name\"\n")
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("unknown mode \"stream\""), "{err}");
+    assert!(
+        err.contains("relay.wal_slot") && err.contains("a-z, 0-9 and _"),
+        "{err}"
+    );
 }

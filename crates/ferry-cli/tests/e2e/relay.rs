@@ -241,3 +241,70 @@ async fn a_database_connection_cut_mid_drain_loses_nothing() {
         "{published} published, {pending} pending"
     );
 }
+
+/// Waits until a relay streams from the test database's slot, past its
+/// start-up sweep.
+async fn streaming(s: &Stack) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let ready: Option<bool> = sqlx::query_scalar(
+            "SELECT s.active AND w.ready FROM pg_replication_slots s \
+               JOIN ferry.wal_slots w ON w.slot = s.slot_name WHERE s.slot_name = $1",
+        )
+        .bind(s.db.name())
+        .fetch_optional(&s.pool)
+        .await
+        .unwrap();
+        if ready == Some(true) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no relay streams from the slot");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn in_wal_mode_a_relay_killed_mid_stream_and_restarted_loses_nothing() {
+    let s = Stack::new(TestTopology::create("e2e-wal").await).await;
+    // Committed before the slot exists: swept into the table path.
+    produce(&s.pool, 500, 50).await;
+    let cfg = s.config(&Overrides {
+        wal: true,
+        ..Overrides::default()
+    });
+    let first = s.spawn(&cfg, "relay-a");
+    streaming(&s).await;
+    let check = s.ferry(&cfg, &["check"]);
+    let report = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "ferry check failed:\n{report}");
+    assert!(report.contains("ok   wal_level: logical"), "{report}");
+    assert!(
+        report.contains(&format!("ok   replication slot {}: streaming", s.db.name())),
+        "{report}"
+    );
+    // Produced while the relay streams, in many small transactions.
+    let producer = {
+        let pool = s.pool.clone();
+        tokio::spawn(async move {
+            for t in 0..95 {
+                produce_from(&pool, 500 + t * 50, 50, 50).await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let mut tally = Tally::default();
+    tally.collect(&s.topo, 1_500, PATIENCE).await;
+    assert!(
+        tally.unique() >= 1_500,
+        "the first relay made no progress:\n{}",
+        first.log()
+    );
+    first.kill();
+    producer.await.unwrap();
+    let second = s.spawn(&cfg, "relay-b");
+    tally.collect(&s.topo, 5_250, PATIENCE).await;
+    assert_eq!(tally.unique(), 5_250, "lost events; log:\n{}", second.log());
+    tally.assert_per_key_order();
+    assert!(second.terminate().success());
+    assert_eq!(published(&s.status(&cfg).await, "orders"), (5_250, 0, 0));
+}

@@ -58,6 +58,7 @@ backoff_base = "50ms"
 backoff_max = "1s"
 poll_interval = "30s"
 shutdown_timeout = "10s"
+{wal}
 
 [log]
 level = "warn"
@@ -80,6 +81,12 @@ routing_key = "{routing_key}"
             max_attempts = o.max_attempts.unwrap_or(1000),
             max_bytes = o.max_message_bytes.unwrap_or(1 << 20),
             exchange = self.topo.exchange(),
+            wal = if o.wal {
+                // Slot names are server-wide: one per test database.
+                format!("mode = \"wal\"\nwal_slot = \"{}\"", self.db.name())
+            } else {
+                String::new()
+            },
             management = o
                 .management_url
                 .as_ref()
@@ -135,6 +142,8 @@ pub struct Overrides {
     pub routing_key: Option<String>,
     /// RabbitMQ's management API, asked for bindings at start.
     pub management_url: Option<String>,
+    /// WAL streaming mode, with a slot named after the test database.
+    pub wal: bool,
 }
 
 /// A running `ferry run` process.

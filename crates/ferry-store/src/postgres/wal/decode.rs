@@ -128,11 +128,9 @@ impl Decoder {
                 relation_name,
                 columns,
                 ..
-            } => {
-                if &*namespace == "ferry" && &*relation_name == "events" {
-                    let names: Vec<&str> = columns.iter().map(|c| &*c.name).collect();
-                    self.relations.insert(relation_id, columns_of(&names)?);
-                }
+            } if &*namespace == "ferry" && &*relation_name == "events" => {
+                let names: Vec<&str> = columns.iter().map(|c| &*c.name).collect();
+                self.relations.insert(relation_id, columns_of(&names)?);
             }
             LogicalReplicationMessage::Insert { relation_id, tuple } => {
                 if let Some(columns) = self.relations.get(&relation_id) {
@@ -188,7 +186,9 @@ fn row(c: &Columns, tuple: &TupleData) -> Result<WalEvent, StoreError> {
     let bad = |name: &str, e: &dyn std::fmt::Display| StoreError::permanent(format!("streamed column {name}: {e}"));
     let seq: i64 = need(c.seq, "seq")?.parse().map_err(|e| bad("seq", &e))?;
     let id: uuid::Uuid = need(c.id, "id")?.parse().map_err(|e| bad("id", &e))?;
-    let partition: i32 = need(c.partition, "partition")?.parse().map_err(|e| bad("partition", &e))?;
+    let partition: i32 = need(c.partition, "partition")?
+        .parse()
+        .map_err(|e| bad("partition", &e))?;
     let payload = need(c.payload, "payload")?;
     let payload = payload
         .strip_prefix("\\x")
@@ -267,10 +267,12 @@ fn hex(s: &str) -> Result<Vec<u8>, &'static str> {
         }
     }
     let b = s.as_bytes();
-    if b.len() % 2 != 0 {
+    if !b.len().is_multiple_of(2) {
         return Err("odd number of hex digits");
     }
-    b.chunks_exact(2).map(|p| Ok(nibble(p[0])? << 4 | nibble(p[1])?)).collect()
+    b.chunks_exact(2)
+        .map(|p| Ok(nibble(p[0])? << 4 | nibble(p[1])?))
+        .collect()
 }
 
 #[cfg(test)]

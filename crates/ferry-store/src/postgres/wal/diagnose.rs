@@ -58,11 +58,10 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
         },
     ));
 
-    let (role, can): (String, bool) = sqlx::query_as(
-        "SELECT rolname::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user",
-    )
-    .fetch_one(pool)
-    .await?;
+    let (role, can): (String, bool) =
+        sqlx::query_as("SELECT rolname::text, rolreplication OR rolsuper FROM pg_roles WHERE rolname = current_user")
+            .fetch_one(pool)
+            .await?;
     out.push(if can {
         finding(format!("role {role}"), true, "may stream (REPLICATION)")
     } else {
@@ -103,7 +102,14 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
     });
 
     let what = format!("replication slot {slot}");
-    type SlotRow = (Option<String>, Option<String>, bool, Option<i32>, Option<String>, Option<i64>);
+    type SlotRow = (
+        Option<String>,
+        Option<String>,
+        bool,
+        Option<i32>,
+        Option<String>,
+        Option<i64>,
+    );
     let slot_row: Option<SlotRow> = sqlx::query_as(
         "SELECT database::text, plugin::text, active, active_pid, wal_status, \
                 pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint \
@@ -112,7 +118,9 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
     .bind(slot)
     .fetch_optional(pool)
     .await?;
-    let here: String = sqlx::query_scalar("SELECT current_database()::text").fetch_one(pool).await?;
+    let here: String = sqlx::query_scalar("SELECT current_database()::text")
+        .fetch_one(pool)
+        .await?;
     out.push(match slot_row {
         None => finding(what, can, "not created yet; the relay creates it at start"),
         Some((db, plugin, active, pid, status, lag)) => {

@@ -82,7 +82,8 @@ impl WalSource {
                     look.busy_routes.insert(row.get::<String, _>(2));
                 }
                 _ => {
-                    look.dead_keys.insert((row.get::<String, _>(2), row.get::<String, _>(3)));
+                    look.dead_keys
+                        .insert((row.get::<String, _>(2), row.get::<String, _>(3)));
                 }
             }
         }
@@ -146,7 +147,12 @@ impl WalSource {
                 .bind(tableless.iter().map(|e| e.event.event_type.clone()).collect::<Vec<_>>())
                 .bind(tableless.iter().map(|e| e.event.key.clone()).collect::<Vec<_>>())
                 .bind(tableless.iter().map(|e| e.event.payload.to_vec()).collect::<Vec<_>>())
-                .bind(tableless.iter().map(|e| e.event.content_type.clone()).collect::<Vec<_>>())
+                .bind(
+                    tableless
+                        .iter()
+                        .map(|e| e.event.content_type.clone())
+                        .collect::<Vec<_>>(),
+                )
                 .bind(
                     tableless
                         .iter()
