@@ -15,6 +15,8 @@ const NAME_PREFIX: &str = "ferry_bench_";
 /// A database named `ferry_bench_<hex>` with the Ferry schema.
 pub(crate) struct BenchDb {
     name: String,
+    /// The database's URL, for the WAL stream's replication connection.
+    url: String,
     admin: PgConnectOptions,
     options: PgConnectOptions,
     pool: PgPool,
@@ -42,7 +44,11 @@ impl BenchDb {
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(10))
             .connect_lazy_with(options.clone());
+        let mut url =
+            url::Url::parse(admin_url).map_err(|e| crate::commands::UsageError(format!("--database-url: {e}")))?;
+        url.set_path(&name);
         let db = Self {
+            url: url.to_string(),
             name,
             admin,
             options,
@@ -61,6 +67,10 @@ impl BenchDb {
             .await
             .context("migrating the bench database")?;
         Ok(())
+    }
+
+    pub(crate) fn url(&self) -> &str {
+        &self.url
     }
 
     pub(crate) fn name(&self) -> &str {

@@ -86,6 +86,7 @@ async fn drain(ctx: &Ctx<'_>, topology: &Topology, scenario: &str, keys: u64) ->
         topology.exchange(),
         &format!("bench-{scenario}"),
         batch_size,
+        false,
     )?;
     let waited = wait_for_depth(topology, &relay, events, &bar).await;
     let drained = started.elapsed();

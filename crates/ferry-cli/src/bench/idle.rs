@@ -45,6 +45,7 @@ async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<IdleResul
         topology.exchange(),
         "bench-idle",
         ctx.args.batch_size,
+        false,
     )?;
     let bar = progress::spinner("idle");
     let measured = async {

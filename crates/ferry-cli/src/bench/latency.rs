@@ -54,10 +54,15 @@ struct Arrivals {
 }
 
 pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<LatencyResult> {
-    topology::with_topology(&ctx.args.amqp_url, "latency", async |t| measure(ctx, t).await).await
+    topology::with_topology(&ctx.args.amqp_url, "latency", async |t| measure(ctx, t, false).await).await
 }
 
-async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<LatencyResult> {
+/// The same, with the relay streaming from a WAL slot instead of polling.
+pub(crate) async fn run_wal(ctx: &Ctx<'_>) -> anyhow::Result<LatencyResult> {
+    topology::with_topology(&ctx.args.amqp_url, "wal-latency", async |t| measure(ctx, t, true).await).await
+}
+
+async fn measure(ctx: &Ctx<'_>, topology: &Topology, wal: bool) -> anyhow::Result<LatencyResult> {
     ctx.db.reset_outbox().await?;
     let arrivals = Arc::new(Arrivals::default());
     let consumer = consume(topology, arrivals.clone()).await?;
@@ -67,8 +72,9 @@ async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<LatencyRe
         topology.exchange(),
         "bench-latency",
         ctx.args.batch_size,
+        wal,
     )?;
-    let result = produce(ctx, &relay, &arrivals).await;
+    let result = produce(ctx, &relay, &arrivals, wal).await;
     let stopped = relay.stop().await;
     consumer.abort();
     let result = result?;
@@ -94,12 +100,24 @@ async fn consume(topology: &Topology, arrivals: Arc<Arrivals>) -> anyhow::Result
     }))
 }
 
-async fn produce(ctx: &Ctx<'_>, relay: &relay::RunningRelay, arrivals: &Arrivals) -> anyhow::Result<LatencyResult> {
+async fn produce(
+    ctx: &Ctx<'_>,
+    relay: &relay::RunningRelay,
+    arrivals: &Arrivals,
+    wal: bool,
+) -> anyhow::Result<LatencyResult> {
     let args = ctx.args;
     let mut conn = PgConnection::connect_with(ctx.db.options()).await?;
-    relay
-        .wait_until_sleeping(ctx.db.pool(), Duration::from_secs(10))
-        .await?;
+    let idle = async || {
+        if wal {
+            relay
+                .wait_until_streaming(ctx.db.pool(), ctx.db.name(), Duration::from_secs(30))
+                .await
+        } else {
+            relay.wait_until_sleeping(ctx.db.pool(), Duration::from_secs(10)).await
+        }
+    };
+    idle().await?;
     // Warm-up: the sink connects to RabbitMQ on its first publish.
     commit_one(&mut conn, 0, args.keys).await?;
     wait_for(arrivals, 1, Duration::from_secs(10)).await;
@@ -107,12 +125,11 @@ async fn produce(ctx: &Ctx<'_>, relay: &relay::RunningRelay, arrivals: &Arrivals
         arrivals.count.load(Ordering::Relaxed) >= 1,
         "the warm-up event never arrived"
     );
-    relay
-        .wait_until_sleeping(ctx.db.pool(), Duration::from_secs(10))
-        .await?;
+    idle().await?;
 
     let total = u64::from(args.latency_rate) * args.latency_seconds;
-    let bar = progress::bar(total, "latency");
+    let label = if wal { "wal-latency" } else { "latency" };
+    let bar = progress::bar(total, label);
     let mut tick = interval(Duration::from_secs_f64(1.0 / f64::from(args.latency_rate)));
     tick.set_missed_tick_behavior(MissedTickBehavior::Burst);
     let mut commits = Vec::with_capacity(total as usize);
@@ -155,7 +172,7 @@ async fn produce(ctx: &Ctx<'_>, relay: &relay::RunningRelay, arrivals: &Arrivals
         .latency
         .as_ref()
         .map_or_else(|| "no message arrived".to_owned(), Percentiles::describe);
-    progress::done(&bar, format!("latency: {total} events, {missing} missing; {summary}"));
+    progress::done(&bar, format!("{label}: {total} events, {missing} missing; {summary}"));
     Ok(result)
 }
 

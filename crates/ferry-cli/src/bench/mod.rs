@@ -118,6 +118,8 @@ pub struct SinkArgs {
 pub enum Scenario {
     Drain,
     Latency,
+    /// Latency with the relay streaming from a WAL slot (wal_level=logical).
+    WalLatency,
     Idle,
     Producer,
     Hotkey,
@@ -214,6 +216,9 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
     }
     if args.runs(Scenario::Latency) {
         report.latency = Some(latency::run(ctx).await?);
+    }
+    if args.runs(Scenario::WalLatency) {
+        report.wal_latency = Some(latency::run_wal(ctx).await?);
     }
     if args.runs(Scenario::Producer) {
         report.producer = producer::run(ctx).await?;

@@ -32,19 +32,51 @@ pub(crate) struct RunningRelay {
     task: JoinHandle<Result<RunReport, ferry_relay::RelayError>>,
 }
 
-/// Starts a relay named `id` that routes `bench.**` to `exchange`.
+/// Starts a relay named `id` that routes `bench.**` to `exchange`; with
+/// `wal`, in WAL streaming mode.
 pub(crate) fn start(
     db: &BenchDb,
     amqp_url: &str,
     exchange: &str,
     id: &str,
     batch_size: usize,
+    wal: bool,
 ) -> anyhow::Result<RunningRelay> {
     let sink: Arc<dyn Sink> = Arc::new(RabbitMqSink::new(RabbitMqOptions {
         url: amqp_url.to_owned(),
         ..RabbitMqOptions::default()
     }));
-    start_routes(db, id, batch_size, vec![(SINK.to_owned(), sink, exchange.to_owned())])
+    let targets = vec![(SINK.to_owned(), sink, exchange.to_owned())];
+    if wal {
+        start_wal(db, id, batch_size, targets)
+    } else {
+        start_routes(db, id, batch_size, targets)
+    }
+}
+
+/// Like [`start_routes`], streaming from a slot named after the database.
+fn start_wal(
+    db: &BenchDb,
+    id: &str,
+    batch_size: usize,
+    targets: Vec<(String, Arc<dyn Sink>, String)>,
+) -> anyhow::Result<RunningRelay> {
+    use ferry_store::postgres::wal::{WalConfig, WalSource};
+    build(db, id, batch_size, targets, |pool| {
+        let source = WalSource::new(
+            pool.clone(),
+            WalConfig {
+                url: db.url().to_owned(),
+                slot: db.name().to_owned(),
+                publication: "ferry".into(),
+            },
+        )
+        .map_err(|e| anyhow!("{e}"))?;
+        Ok(Some(ferry_relay::Wal {
+            source,
+            options: ferry_relay::WalOptions::default(),
+        }))
+    })
 }
 
 /// Starts a relay named `id` with one route per `(sink name, sink,
@@ -54,6 +86,16 @@ pub(crate) fn start_routes(
     id: &str,
     batch_size: usize,
     targets: Vec<(String, Arc<dyn Sink>, String)>,
+) -> anyhow::Result<RunningRelay> {
+    build(db, id, batch_size, targets, |_| Ok(None))
+}
+
+fn build(
+    db: &BenchDb,
+    id: &str,
+    batch_size: usize,
+    targets: Vec<(String, Arc<dyn Sink>, String)>,
+    wal: impl FnOnce(&PgPool) -> anyhow::Result<Option<ferry_relay::Wal>>,
 ) -> anyhow::Result<RunningRelay> {
     let pool = PgPoolOptions::new()
         .max_connections(POOL_CONNECTIONS)
@@ -78,6 +120,10 @@ pub(crate) fn start_routes(
         ..RelaySettings::new(id)
     };
     let relay = Relay::new(PgStore::new(pool.clone()), SystemClock, settings, routes, sinks)?;
+    let relay = match wal(&pool)? {
+        Some(wal) => relay.with_wal(wal),
+        None => relay,
+    };
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(relay.run(async move {
         let _ = stopped.await;
@@ -113,6 +159,31 @@ impl RunningRelay {
             anyhow::ensure!(
                 Instant::now() < deadline,
                 "relay {} did not go idle within {within:?}",
+                self.id
+            );
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits until the relay streams from its WAL slot, past the start-up
+    /// sweep.
+    pub(crate) async fn wait_until_streaming(&self, pool: &PgPool, slot: &str, within: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            self.ensure_running()?;
+            let ready: Option<bool> = sqlx::query_scalar(
+                "SELECT s.active AND w.ready FROM pg_replication_slots s \
+                   JOIN ferry.wal_slots w ON w.slot = s.slot_name WHERE s.slot_name = $1",
+            )
+            .bind(slot)
+            .fetch_optional(pool)
+            .await?;
+            if ready == Some(true) {
+                return Ok(());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "relay {} did not stream from slot {slot} within {within:?}",
                 self.id
             );
             sleep(Duration::from_millis(20)).await;

@@ -117,6 +117,7 @@ async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<Retention
         topology.exchange(),
         "bench-retention",
         ctx.args.batch_size,
+        false,
     )?;
     let result = drive(ctx, &relay).await;
     let stopped = relay.stop().await;
