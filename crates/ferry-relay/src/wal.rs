@@ -262,8 +262,42 @@ async fn deliver<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal, txns: &[W
     let mut keys: Vec<String> = events.iter().filter_map(|e| e.event.key.clone()).collect();
     keys.sort();
     keys.dedup();
-    let Some(look) = persist(shared, "look", || source.look(&seqs, &route_names, &keys)).await else {
-        return false;
+    let mut xids: Vec<u32> = txns
+        .iter()
+        .filter(|t| t.events.iter().any(|e| !e.tableless()))
+        .map(|t| t.xid)
+        .collect();
+    xids.dedup();
+    // A transaction the slot handed over may not be visible yet; until it
+    // is, its rows would look routed. Wait for it (it committed, so it will
+    // be), warning if that takes long (synchronous replication waiting for a
+    // standby does that).
+    let waiting = Instant::now();
+    let mut warned = waiting;
+    let look = loop {
+        let Some(look) = persist(shared, "look", || source.look(&seqs, &route_names, &keys, &xids)).await else {
+            return false;
+        };
+        if look.invisible.is_empty() {
+            break look;
+        }
+        if warned.elapsed() > Duration::from_secs(10) {
+            warned = Instant::now();
+            warn!(
+                transactions = look.invisible.len(),
+                waited = ?waiting.elapsed(),
+                "streamed transactions are committed but not visible yet; waiting (synchronous replication?)"
+            );
+        }
+        if shared.cancel.is_cancelled() {
+            return false;
+        }
+        tokio::time::sleep(
+            Duration::from_micros(200)
+                .max(waiting.elapsed() / 4)
+                .min(Duration::from_millis(100)),
+        )
+        .await;
     };
     // Rows routed before (a replay) were taken care of by whoever routed them.
     let plans: Vec<(&WalEvent, Vec<&Route>)> = plans

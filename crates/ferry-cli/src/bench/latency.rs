@@ -147,7 +147,7 @@ async fn produce(
     wait_for(arrivals, total + 1, TAIL).await;
 
     let mut histogram = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3).context("creating a histogram")?;
-    let mut missing = 0;
+    let mut missing = Vec::new();
     {
         let at = arrivals.at.lock().expect("not poisoned");
         for (id, committed) in &commits {
@@ -157,10 +157,14 @@ async fn produce(
                     let micros = arrived.saturating_duration_since(*committed).as_micros();
                     histogram.saturating_record(u64::try_from(micros).unwrap_or(u64::MAX).max(1));
                 }
-                None => missing += 1,
+                None => missing.push(*id),
             }
         }
     }
+    if !missing.is_empty() {
+        explain_missing(ctx, &missing).await;
+    }
+    let missing = missing.len() as u64;
     let result = LatencyResult {
         rate: args.latency_rate,
         sent: total,
@@ -178,6 +182,31 @@ async fn produce(
 
 /// Commits one event in a transaction of its own; returns its id and the
 /// instant COMMIT returned.
+/// Where the events that never arrived are, by the outbox's account.
+async fn explain_missing(ctx: &Ctx<'_>, missing: &[Uuid]) {
+    let rows: Result<Vec<(Option<String>, Option<i32>, i64, Option<String>)>, _> = sqlx::query_as(
+        "SELECT d.state, d.attempts, count(*), max(d.last_error) \
+           FROM ferry.events e LEFT JOIN ferry.deliveries d ON d.seq = e.seq \
+          WHERE e.id = ANY($1) GROUP BY d.state, d.attempts ORDER BY 3 DESC",
+    )
+    .bind(missing)
+    .fetch_all(ctx.db.pool())
+    .await;
+    match rows {
+        Ok(rows) => {
+            for (state, attempts, n, error) in rows {
+                eprintln!(
+                    "missing: {n} with delivery {} after {} attempt(s){}",
+                    state.as_deref().unwrap_or("(none: unrouted)"),
+                    attempts.unwrap_or(0),
+                    error.map(|e| format!(", last error: {e}")).unwrap_or_default()
+                );
+            }
+        }
+        Err(e) => eprintln!("missing: could not look them up: {e}"),
+    }
+}
+
 async fn commit_one(conn: &mut PgConnection, seq: u64, keys: u64) -> anyhow::Result<(Uuid, Instant)> {
     let key = workload::random_key(keys);
     let event = Event::new(workload::EVENT_TYPE, workload::payload(seq, &key)).key(key);

@@ -35,6 +35,8 @@ impl WalEvent {
 /// A committed transaction's Ferry events, in the order it wrote them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WalTxn {
+    /// The transaction id (32 bits, as the stream gives it).
+    pub xid: u32,
     /// Confirming this position confirms the transaction.
     pub end_lsn: u64,
     pub commit_time: DateTime<Utc>,
@@ -61,13 +63,16 @@ pub(crate) struct Decoder {
     /// Relations of `ferry.events` by oid (a table rewrite announces a new one).
     relations: HashMap<u32, Columns>,
     open: Option<Vec<WalEvent>>,
+    /// The open transaction's id.
+    xid: u32,
 }
 
 impl Decoder {
     pub(crate) fn feed(&mut self, event: ReplicationEvent) -> Result<Option<WalItem>, StoreError> {
         match event {
-            ReplicationEvent::Begin { .. } => {
+            ReplicationEvent::Begin { xid, .. } => {
                 self.open = Some(Vec::new());
+                self.xid = xid;
                 Ok(None)
             }
             ReplicationEvent::Commit {
@@ -77,6 +82,7 @@ impl Decoder {
             } => {
                 let events = self.open.take().unwrap_or_default();
                 Ok(Some(WalItem::Txn(WalTxn {
+                    xid: self.xid,
                     end_lsn: end_lsn.as_u64(),
                     commit_time: pg_time(commit_time_micros),
                     events,

@@ -1,6 +1,17 @@
 -- What a streamed batch may publish directly. $1 the batch's outbox seqs,
--- $2 the routes it touches, $3 its keys. Rows: (0, seq) still unrouted;
--- (1, route) has pending deliveries; (2, route, key) held by a dead delivery.
+-- $2 the routes it touches, $3 its keys, $4 the ids of the transactions that
+-- wrote the seqs. Rows: (0, seq) still unrouted; (1, route) has pending
+-- deliveries; (2, route, key) held by a dead delivery; (3, xid) a transaction
+-- not yet visible to this statement's snapshot.
+--
+-- The slot hands a transaction over once its commit is in the WAL, which
+-- can be a moment before other sessions see it (and much longer with
+-- synchronous replication). Until its xid is visible, "not in unrouted"
+-- would wrongly read as "routed before": the relay waits instead. The
+-- 32-bit xid gets its epoch from the snapshot's xmax, which is above it.
+WITH snap AS (
+    SELECT pg_current_snapshot() AS s, pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax
+)
 SELECT 0 AS kind, u.seq, NULL::text AS route, NULL::text AS key
   FROM ferry.unrouted u
  WHERE u.seq = ANY($1::bigint[])
@@ -12,3 +23,11 @@ UNION ALL
 SELECT DISTINCT 2, NULL::bigint, d.route, d.key
   FROM ferry.deliveries d
  WHERE d.key = ANY($3::text[]) AND d.route = ANY($2::text[]) AND d.state = 'dead'
+UNION ALL
+SELECT 3, x.xid, NULL, NULL
+  FROM unnest($4::bigint[]) AS x(xid), snap
+ WHERE NOT pg_visible_in_snapshot(
+           (CASE WHEN ((snap.xmax >> 32) << 32 | x.xid) >= snap.xmax
+                 THEN (((snap.xmax >> 32) - 1) << 32 | x.xid)
+                 ELSE ((snap.xmax >> 32) << 32 | x.xid) END)::text::xid8,
+           snap.s)

@@ -24,6 +24,9 @@ pub struct Look {
     /// (route, key) pairs held by a dead delivery: later events of the key
     /// wait behind it, in the table, as on the table path.
     pub dead_keys: HashSet<(String, String)>,
+    /// Transactions of the batch that committed but are not visible yet:
+    /// `unrouted` says nothing about their rows until they are.
+    pub invisible: HashSet<u32>,
 }
 
 /// What happened to one event on one route.
@@ -62,12 +65,20 @@ pub struct Settled {
 impl WalSource {
     /// Which of `seqs` are still unrouted, which of `routes` have pending
     /// deliveries, and which of `keys` are held by a dead delivery on one of
-    /// `routes`. One round trip.
-    pub async fn look(&self, seqs: &[i64], routes: &[String], keys: &[String]) -> Result<Look, StoreError> {
+    /// `routes`, and which of `xids` are not visible yet. One round trip.
+    pub async fn look(
+        &self,
+        seqs: &[i64],
+        routes: &[String],
+        keys: &[String],
+        xids: &[u32],
+    ) -> Result<Look, StoreError> {
+        let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
         let rows = sqlx::query(include_str!("look.sql"))
             .bind(seqs)
             .bind(routes)
             .bind(keys)
+            .bind(&xids)
             .fetch_all(&self.pool)
             .await
             .map_err(store_error)?;
@@ -80,6 +91,9 @@ impl WalSource {
                 }
                 1 => {
                     look.busy_routes.insert(row.get::<String, _>(2));
+                }
+                3 => {
+                    look.invisible.insert(row.get::<i64, _>(1) as u32);
                 }
                 _ => {
                     look.dead_keys
