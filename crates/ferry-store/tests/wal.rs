@@ -33,7 +33,10 @@ async fn look_reports_transactions_not_yet_visible() {
     assert!(look.invisible.contains(&xid), "an open transaction counts as visible");
     tx.commit().await.unwrap();
     let look = source.look(&[], &[], &[], &[xid]).await.unwrap();
-    assert!(look.invisible.is_empty(), "a committed transaction is still invisible: {look:?}");
+    assert!(
+        look.invisible.is_empty(),
+        "a committed transaction is still invisible: {look:?}"
+    );
     // One from long ago (a small xid of this epoch) is visible too.
     let look = source.look(&[], &[], &[], &[3]).await.unwrap();
     assert!(look.invisible.is_empty(), "{look:?}");

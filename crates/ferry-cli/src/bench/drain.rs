@@ -61,15 +61,45 @@ impl DrainResult {
 /// `scenario` names the topology and the relay; `keys` is 1 for the hot key.
 pub(crate) async fn run(ctx: &Ctx<'_>, scenario: &str, keys: u64) -> anyhow::Result<DrainResult> {
     topology::with_topology(&ctx.args.amqp_url, scenario, async |t| {
-        drain(ctx, t, scenario, keys).await
+        drain(ctx, t, scenario, keys, false).await
     })
     .await
 }
 
-async fn drain(ctx: &Ctx<'_>, topology: &Topology, scenario: &str, keys: u64) -> anyhow::Result<DrainResult> {
+/// The same in WAL streaming mode: the backlog is committed while the slot
+/// exists and no relay reads it, so the relay drains it from the slot.
+pub(crate) async fn run_wal(ctx: &Ctx<'_>) -> anyhow::Result<DrainResult> {
+    topology::with_topology(&ctx.args.amqp_url, "wal-drain", async |t| {
+        drain(ctx, t, "wal-drain", ctx.args.keys, true).await
+    })
+    .await
+}
+
+async fn drain(
+    ctx: &Ctx<'_>,
+    topology: &Topology,
+    scenario: &str,
+    keys: u64,
+    wal: bool,
+) -> anyhow::Result<DrainResult> {
     let events = ctx.args.events;
     let batch_size = ctx.args.batch_size;
     ctx.db.reset_outbox().await?;
+    if wal {
+        // Creates the slot (and sweeps the empty outbox), then stops.
+        let relay = relay::start(
+            ctx.db,
+            &ctx.args.amqp_url,
+            topology.exchange(),
+            "bench-wal-setup",
+            batch_size,
+            true,
+        )?;
+        relay
+            .wait_until_streaming(ctx.db.pool(), ctx.db.name(), Duration::from_secs(30))
+            .await?;
+        relay.stop().await?;
+    }
     let prefill = prefill(ctx, scenario, events, keys).await?;
 
     let mut admin = ctx.db.admin().await?;
@@ -86,7 +116,7 @@ async fn drain(ctx: &Ctx<'_>, topology: &Topology, scenario: &str, keys: u64) ->
         topology.exchange(),
         &format!("bench-{scenario}"),
         batch_size,
-        false,
+        wal,
     )?;
     let waited = wait_for_depth(topology, &relay, events, &bar).await;
     let drained = started.elapsed();

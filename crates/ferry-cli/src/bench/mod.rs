@@ -86,7 +86,7 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub sinks: Box<SinkArgs>,
     /// Run only these scenarios (comma-separated). The broker baseline runs
-    /// with `drain` or `hotkey`.
+    /// with `drain`, `hotkey` or `wal-drain`.
     #[arg(long, value_enum, value_delimiter = ',', value_name = "LIST")]
     pub only: Vec<Scenario>,
     /// Also write the report into FILE, between `<!-- ferry bench: begin -->`
@@ -120,6 +120,8 @@ pub enum Scenario {
     Latency,
     /// Latency with the relay streaming from a WAL slot (wal_level=logical).
     WalLatency,
+    /// Drain with the relay streaming the backlog from a WAL slot.
+    WalDrain,
     Idle,
     Producer,
     Hotkey,
@@ -205,7 +207,7 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
     if args.runs(Scenario::Idle) {
         report.idle = Some(idle::run(ctx).await?);
     }
-    if args.runs(Scenario::Drain) || args.runs(Scenario::Hotkey) {
+    if args.runs(Scenario::Drain) || args.runs(Scenario::Hotkey) || args.runs(Scenario::WalDrain) {
         report.broker = Some(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys).await?);
     }
     if args.runs(Scenario::Drain) {
@@ -216,6 +218,9 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
     }
     if args.runs(Scenario::Latency) {
         report.latency = Some(latency::run(ctx).await?);
+    }
+    if args.runs(Scenario::WalDrain) {
+        report.wal_drain = Some(drain::run_wal(ctx).await?);
     }
     if args.runs(Scenario::WalLatency) {
         report.wal_latency = Some(latency::run_wal(ctx).await?);

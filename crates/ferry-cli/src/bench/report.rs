@@ -81,6 +81,7 @@ pub(crate) struct Report {
     pub drain: Option<DrainResult>,
     pub latency: Option<LatencyResult>,
     pub wal_latency: Option<LatencyResult>,
+    pub wal_drain: Option<DrainResult>,
     pub idle: Option<IdleResult>,
     pub producer: Vec<ProducerResult>,
     pub hotkey: Option<DrainResult>,
@@ -206,6 +207,18 @@ impl Report {
                 l.missing
             );
             row("latency: delivered", figure, "all", Some(l.missing == 0));
+        }
+        if let Some(d) = &self.wal_drain {
+            let share = broker.map(|b| d.rate() / b);
+            let figure = match share {
+                Some(s) => format!("{} events/s = {} of broker", rate(d.rate()), pct(s)),
+                None => format!("{} events/s", rate(d.rate())),
+            };
+            row("wal drain", figure, "–", None);
+            if let Some(t) = d.transactions_per_batch() {
+                let figure = format!("{t:.1} transactions per batch of {}", d.batch_size);
+                row("wal drain: database", figure, "–", None);
+            }
         }
         if let Some(l) = &self.wal_latency {
             if let Some(p) = l.latency {
