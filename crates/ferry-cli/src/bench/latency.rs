@@ -184,7 +184,9 @@ async fn produce(
 /// instant COMMIT returned.
 /// Where the events that never arrived are, by the outbox's account.
 async fn explain_missing(ctx: &Ctx<'_>, missing: &[Uuid]) {
-    let rows: Result<Vec<(Option<String>, Option<i32>, i64, Option<String>)>, _> = sqlx::query_as(
+    // (state, attempts, count, last error); no state: still unrouted.
+    type Row = (Option<String>, Option<i32>, i64, Option<String>);
+    let rows: Result<Vec<Row>, _> = sqlx::query_as(
         "SELECT d.state, d.attempts, count(*), max(d.last_error) \
            FROM ferry.events e LEFT JOIN ferry.deliveries d ON d.seq = e.seq \
           WHERE e.id = ANY($1) GROUP BY d.state, d.attempts ORDER BY 3 DESC",
