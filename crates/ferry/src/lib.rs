@@ -23,6 +23,8 @@
 //! - With the `relay` feature, [`relay`] and [`sink`] embed the relay.
 //! - With the `otel` feature, `enqueue` puts the current span's W3C
 //!   `traceparent` and `tracestate` into the event's headers (see `trace`).
+//! - With the `wal` feature, [`wal`] writes tableless events and feeds an
+//!   embedded relay from a logical replication slot.
 //! - With the `inbox` feature, [`inbox`] is the consuming side: exactly-once
 //!   effects from at-least-once delivery, and consumer runners
 //!   (`inbox-rabbitmq`, `inbox-redis`, `inbox-nats`, `inbox-kafka`).
@@ -45,6 +47,13 @@ pub use ferry_store::postgres::{PgStore, enqueue, enqueue_batch, migrate};
 /// library side of `ferry capture`).
 #[cfg(feature = "postgres")]
 pub use ferry_store::postgres::capture;
+
+/// WAL streaming mode (`wal` feature): [`wal::emit`] writes a tableless
+/// event (a logical decoding message, no outbox row) in the caller's
+/// transaction, and [`wal::WalSource`] is what an embedded relay streams
+/// from (`Relay::with_wal`).
+#[cfg(feature = "wal")]
+pub use ferry_store::postgres::wal;
 
 /// The embedded SQLite store (`sqlite` feature): `ferry::sqlite::SqliteStore`,
 /// `ferry::sqlite::enqueue` and `ferry::sqlite::migrate`, for a service that
