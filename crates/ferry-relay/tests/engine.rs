@@ -5,15 +5,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::{Event, EventId, Glob, NO_ROUTE, RetryPolicy, Route, Sink, SinkError, SystemClock};
-use ferry_relay::{Relay, RelaySettings, RunReport};
+use ferry_core::{Event, EventId, Glob, NO_ROUTE, Route, Sink, SinkError, SystemClock};
+use ferry_relay::{Relay, RelaySettings};
 use ferry_store::postgres::{PgStore, enqueue_batch, migrate};
 use ferry_testkit::mock_sink::MockSink;
 use ferry_testkit::pg::TestDb;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+
+mod support;
+use support::{Running, eventually, settings};
 
 struct Env {
     pool: PgPool,
@@ -45,36 +47,8 @@ fn route(name: &str, glob: &str) -> Route {
     }
 }
 
-fn settings(id: &str) -> RelaySettings {
-    RelaySettings {
-        batch_size: 200,
-        lease: Duration::from_secs(3),
-        retry: RetryPolicy {
-            max_attempts: 4,
-            base_delay: Duration::from_millis(20),
-            max_delay: Duration::from_millis(200),
-            jitter: 0.2,
-        },
-        poll_interval: Duration::from_secs(60),
-        shutdown_timeout: Duration::from_secs(5),
-        ..RelaySettings::new(id)
-    }
-}
-
-struct Running {
-    stop: oneshot::Sender<()>,
-    handle: JoinHandle<RunReport>,
-}
-
-impl Running {
-    async fn stop(self) -> RunReport {
-        let _ = self.stop.send(());
-        self.handle.await.unwrap()
-    }
-}
-
 fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
-    start_with(e, settings(id), routes)
+    start_with(e, settings(id, 4), routes)
 }
 
 fn start_with(e: &Env, settings: RelaySettings, routes: Vec<Route>) -> Running {
@@ -116,15 +90,6 @@ fn orders(n: usize, keys: usize) -> Vec<Event> {
     (0..n)
         .map(|i| Event::new("order.item.created", json!({ "n": i })).key(format!("k{}", i % keys)))
         .collect()
-}
-
-/// Polls `cond` until it holds or `within` passes.
-async fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + within;
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Every id in `ids` appears in `got`; per key, first appearances keep `ids` order.
@@ -300,7 +265,7 @@ async fn a_failing_route_never_delays_another() {
         sink: "other".into(),
         ..route("audit", "**")
     };
-    let mut s = settings("a");
+    let mut s = settings("a", 4);
     s.retry.max_attempts = u32::MAX; // the outage must not outlast the retry budget
     let relay = start_with(&e, s, vec![route("orders", "order.**"), audit]);
     let ids = produce(&e.pool, orders(400, 4)).await;
@@ -416,7 +381,7 @@ async fn a_database_that_stops_answering_does_not_hold_up_shutdown() {
     let relay = Relay::new(
         PgStore::new(pool),
         SystemClock,
-        settings("silent-db"),
+        settings("silent-db", 4),
         vec![route("orders", "order.**")],
         sinks,
     )
@@ -471,7 +436,7 @@ async fn a_relay_dropped_mid_run_stops_renewing_and_another_takes_over() {
     let relay = Relay::new(
         PgStore::new(e.pool.clone()),
         SystemClock,
-        settings("dropped"),
+        settings("dropped", 4),
         vec![route("orders", "order.**")],
         sinks,
     )

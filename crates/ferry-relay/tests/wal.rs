@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::{Event, EventId, Glob, RetryPolicy, Route, Sink, StoredEvent, SystemClock};
-use ferry_relay::{Relay, RelaySettings, RunReport, Wal, WalOptions};
+use ferry_core::{Event, EventId, Glob, Route, Sink, StoredEvent, SystemClock};
+use ferry_relay::{Relay, Wal, WalOptions};
 use ferry_store::postgres::wal::{WalConfig, WalSource, emit};
 use ferry_store::postgres::{PgStore, enqueue, enqueue_batch, migrate};
 use ferry_testkit::mock_sink::MockSink;
@@ -16,7 +16,9 @@ use rand::Rng;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
+
+mod support;
+use support::{Running, eventually, settings};
 
 struct Env {
     pool: PgPool,
@@ -50,34 +52,6 @@ fn route(name: &str, sink: &str) -> Route {
     }
 }
 
-fn settings(id: &str) -> RelaySettings {
-    RelaySettings {
-        batch_size: 200,
-        lease: Duration::from_secs(3),
-        retry: RetryPolicy {
-            max_attempts: 100,
-            base_delay: Duration::from_millis(20),
-            max_delay: Duration::from_millis(200),
-            jitter: 0.2,
-        },
-        poll_interval: Duration::from_secs(60),
-        shutdown_timeout: Duration::from_secs(5),
-        ..RelaySettings::new(id)
-    }
-}
-
-struct Running {
-    stop: oneshot::Sender<()>,
-    handle: JoinHandle<RunReport>,
-}
-
-impl Running {
-    async fn stop(self) -> RunReport {
-        let _ = self.stop.send(());
-        self.handle.await.unwrap()
-    }
-}
-
 fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
     let sinks: HashMap<String, Arc<dyn Sink>> = [
         ("mock".to_string(), e.sink.clone() as Arc<dyn Sink>),
@@ -100,9 +74,15 @@ fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
             ..WalOptions::default()
         },
     };
-    let relay = Relay::new(PgStore::new(e.pool.clone()), SystemClock, settings(id), routes, sinks)
-        .unwrap()
-        .with_wal(wal);
+    let relay = Relay::new(
+        PgStore::new(e.pool.clone()),
+        SystemClock,
+        settings(id, 100),
+        routes,
+        sinks,
+    )
+    .unwrap()
+    .with_wal(wal);
     let (stop, rx) = oneshot::channel();
     let handle = tokio::spawn(async move {
         relay
@@ -133,14 +113,6 @@ async fn streaming(e: &Env) {
         }
         assert!(tokio::time::Instant::now() < deadline, "no relay streams from the slot");
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-async fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + within;
-    while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -192,22 +192,6 @@ impl Report {
                 row("drain: database", figure, "–", None);
             }
         }
-        if let Some(l) = &self.latency {
-            if let Some(p) = l.latency {
-                row("latency p50", ms(p.p50), "< 3 ms", Some(p.p50 < P50_TARGET_US));
-                row("latency p90", ms(p.p90), "–", None);
-                row("latency p99", ms(p.p99), "< 15 ms", Some(p.p99 < P99_TARGET_US));
-                row("latency max", ms(p.max), "–", None);
-            }
-            let figure = format!(
-                "{} of {} at {}/s ({} missing)",
-                thousands(l.sent - l.missing),
-                thousands(l.sent),
-                rate(l.achieved_rate()),
-                l.missing
-            );
-            row("latency: delivered", figure, "all", Some(l.missing == 0));
-        }
         if let Some(d) = &self.wal_drain {
             let share = broker.map(|b| d.rate() / b);
             let figure = match share {
@@ -220,12 +204,26 @@ impl Report {
                 row("wal drain: database", figure, "–", None);
             }
         }
-        if let Some(l) = &self.wal_latency {
+        // (result, label, p50 target, p99 target): the table mode, then WAL streaming.
+        let latencies = [
+            (
+                &self.latency,
+                "latency",
+                Some(("< 3 ms", P50_TARGET_US)),
+                ("< 15 ms", P99_TARGET_US),
+            ),
+            (&self.wal_latency, "wal latency", None, ("< 10 ms", WAL_P99_TARGET_US)),
+        ];
+        for (result, label, p50_target, (p99_text, p99_us)) in latencies {
+            let Some(l) = result else { continue };
             if let Some(p) = l.latency {
-                row("wal latency p50", ms(p.p50), "–", None);
-                row("wal latency p90", ms(p.p90), "–", None);
-                row("wal latency p99", ms(p.p99), "< 10 ms", Some(p.p99 < WAL_P99_TARGET_US));
-                row("wal latency max", ms(p.max), "–", None);
+                match p50_target {
+                    Some((text, us)) => row(&format!("{label} p50"), ms(p.p50), text, Some(p.p50 < us)),
+                    None => row(&format!("{label} p50"), ms(p.p50), "–", None),
+                }
+                row(&format!("{label} p90"), ms(p.p90), "–", None);
+                row(&format!("{label} p99"), ms(p.p99), p99_text, Some(p.p99 < p99_us));
+                row(&format!("{label} max"), ms(p.max), "–", None);
             }
             let figure = format!(
                 "{} of {} at {}/s ({} missing)",
@@ -234,7 +232,7 @@ impl Report {
                 rate(l.achieved_rate()),
                 l.missing
             );
-            row("wal latency: delivered", figure, "all", Some(l.missing == 0));
+            row(&format!("{label}: delivered"), figure, "all", Some(l.missing == 0));
         }
         if let Some(i) = &self.idle {
             let figure = format!(
