@@ -130,17 +130,45 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     }
     let mut lag_at = Instant::now();
     read_lag(source, &wal.options).await;
+    // Batch n is settled while batch n + 1 is published, so the database
+    // write is off the publish path; positions are confirmed in order, each
+    // after its own batch is settled.
+    let mut unsettled: Option<Published> = None;
     loop {
-        let first = tokio::select! {
-            item = stream.next() => item?,
-            _ = tokio::time::sleep_until(lag_at + wal.options.lag_every) => {
-                lag_at = Instant::now();
-                read_lag(source, &wal.options).await;
-                continue;
+        if shared.cancel.is_cancelled() {
+            if let Some(p) = unsettled.take() {
+                settle_and_confirm(shared, wal, &stream, p).await;
             }
-            _ = shared.cancel.cancelled() => {
-                stream.close().await;
-                return Ok(());
+            stream.close().await;
+            return Ok(());
+        }
+        // Busy, the stream never waits on the timer below: read the lag here.
+        if lag_at.elapsed() >= wal.options.lag_every {
+            lag_at = Instant::now();
+            read_lag(source, &wal.options).await;
+        }
+        let first = if unsettled.is_some() {
+            match stream.try_next()? {
+                Some(item) => item,
+                None => {
+                    // Nothing more has arrived: settle what is published.
+                    let p = unsettled.take().expect("checked");
+                    if !settle_and_confirm(shared, wal, &stream, p).await {
+                        stream.close().await;
+                        return Ok(());
+                    }
+                    continue;
+                }
+            }
+        } else {
+            tokio::select! {
+                item = stream.next() => item?,
+                _ = tokio::time::sleep_until(lag_at + wal.options.lag_every) => {
+                    lag_at = Instant::now();
+                    read_lag(source, &wal.options).await;
+                    continue;
+                }
+                _ = shared.cancel.cancelled() => continue,
             }
         };
         let mut batch = Batch::default();
@@ -152,24 +180,109 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
                 None => break,
             }
         }
-        let Batch { txns, confirm, .. } = batch;
-        if !deliver(shared, wal, &txns).await {
-            // Shutting down mid-settle: nothing confirmed, the next relay
-            // replays this batch.
-            stream.close().await;
-            return Ok(());
-        }
-        if confirm > 0 {
-            stream.confirm(confirm);
-        }
-        if let Some(last) = txns.last() {
-            let behind = (Utc::now() - last.commit_time).to_std().unwrap_or_default();
-            ::metrics::gauge!(metrics::WAL_LAG_SECONDS).set(behind.as_secs_f64());
-        } else {
-            ::metrics::gauge!(metrics::WAL_LAG_SECONDS).set(0.0);
+        let carry = unsettled.as_ref().map(Carry::of).unwrap_or_default();
+        let previous = unsettled.take();
+        let (settled, published) = tokio::join!(
+            async {
+                match previous {
+                    Some(p) => settle_and_confirm(shared, wal, &stream, p).await,
+                    None => true,
+                }
+            },
+            publish_batch(shared, wal, batch, &carry),
+        );
+        match (settled, published) {
+            (true, Some(p)) => unsettled = Some(p),
+            // Shutting down mid-batch: nothing after the last settled batch
+            // is confirmed; the next relay replays it.
+            _ => {
+                stream.close().await;
+                return Ok(());
+            }
         }
         shared.progress.advanced();
     }
+}
+
+/// A batch published (or parked), its outcomes not yet written.
+struct Published {
+    events: Vec<WalEvent>,
+    /// (index into `events`, route, outcome).
+    outcomes: Vec<(usize, String, Outcome)>,
+    confirm: u64,
+    last_commit: Option<chrono::DateTime<Utc>>,
+}
+
+/// What an unsettled batch means for the next one, before the table shows
+/// it: routes that parked or failed something are busy, keys that went dead
+/// are held.
+#[derive(Default)]
+struct Carry {
+    busy_routes: HashSet<String>,
+    dead_keys: HashSet<(String, String)>,
+}
+
+impl Carry {
+    fn of(p: &Published) -> Carry {
+        let mut carry = Carry::default();
+        for (i, route, outcome) in &p.outcomes {
+            match outcome {
+                Outcome::Published { .. } => {}
+                Outcome::Dead { .. } if route == NO_ROUTE => {}
+                Outcome::Dead { .. } => {
+                    if let Some(key) = &p.events[*i].event.key {
+                        carry.dead_keys.insert((route.clone(), key.clone()));
+                    }
+                }
+                Outcome::Parked | Outcome::Retry { .. } => {
+                    carry.busy_routes.insert(route.clone());
+                }
+            }
+        }
+        carry
+    }
+}
+
+/// Writes a published batch's outcomes, then confirms its position. `false`
+/// when the relay shut down before the write succeeded.
+async fn settle_and_confirm<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    wal: &Wal,
+    stream: &WalStream,
+    p: Published,
+) -> bool {
+    if !p.outcomes.is_empty() {
+        let settlement = Settlement {
+            outcomes: p
+                .outcomes
+                .iter()
+                .map(|(i, route, outcome)| (&p.events[*i], route.clone(), outcome.clone()))
+                .collect(),
+        };
+        let now = shared.clock.now();
+        let Some(settled) = persist(shared, "settle", || wal.source.settle(&settlement, now)).await else {
+            return false;
+        };
+        ::metrics::counter!(metrics::ROUTED).increment(settled.routed + settled.written);
+        let mut parked_routes = HashSet::new();
+        for (_, route, outcome) in &p.outcomes {
+            if !matches!(outcome, Outcome::Published { .. }) && route != NO_ROUTE {
+                parked_routes.insert(route.as_str());
+            }
+        }
+        for name in parked_routes {
+            shared.wake_route(name);
+        }
+    }
+    if p.confirm > 0 {
+        stream.confirm(p.confirm);
+    }
+    let behind = p
+        .last_commit
+        .map(|t| (Utc::now() - t).to_std().unwrap_or_default())
+        .unwrap_or_default();
+    ::metrics::gauge!(metrics::WAL_LAG_SECONDS).set(behind.as_secs_f64());
+    true
 }
 
 async fn read_lag(source: &WalSource, options: &WalOptions) {
@@ -243,41 +356,51 @@ fn no_route(e: &WalEvent) -> Outcome {
     }
 }
 
-/// Publishes and settles one batch. `false` when the relay shut down before
-/// the batch could be settled.
-async fn deliver<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal, txns: &[WalTxn]) -> bool {
-    let events: Vec<&WalEvent> = txns.iter().flat_map(|t| &t.events).collect();
-    if events.is_empty() {
-        return true;
-    }
-    let source = &wal.source;
-    let plans: Vec<(&WalEvent, Vec<&Route>)> = events.iter().map(|e| (*e, matching(&shared.routes, e))).collect();
-    let seqs: Vec<i64> = events.iter().filter(|e| !e.tableless()).map(|e| e.event.seq).collect();
-    let mut route_names: Vec<String> = plans
-        .iter()
-        .flat_map(|(_, rs)| rs.iter().map(|r| r.name.clone()))
-        .collect();
-    route_names.sort();
-    route_names.dedup();
-    let mut keys: Vec<String> = events.iter().filter_map(|e| e.event.key.clone()).collect();
-    keys.sort();
-    keys.dedup();
+/// Publishes one batch (or parks it behind what the table, or the batch
+/// before it, holds). `None` when the relay shut down first.
+async fn publish_batch<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    wal: &Wal,
+    batch: Batch,
+    carry: &Carry,
+) -> Option<Published> {
+    let Batch { txns, confirm, .. } = batch;
+    let last_commit = txns.last().map(|t| t.commit_time);
     let mut xids: Vec<u32> = txns
         .iter()
         .filter(|t| t.events.iter().any(|e| !e.tableless()))
         .map(|t| t.xid)
         .collect();
     xids.dedup();
+    let events: Vec<WalEvent> = txns.into_iter().flat_map(|t| t.events).collect();
+    let mut published = Published {
+        events: Vec::new(),
+        outcomes: Vec::new(),
+        confirm,
+        last_commit,
+    };
+    if events.is_empty() {
+        return Some(published);
+    }
+    let source = &wal.source;
+    let seqs: Vec<i64> = events.iter().filter(|e| !e.tableless()).map(|e| e.event.seq).collect();
+    let mut route_names: Vec<String> = events
+        .iter()
+        .flat_map(|e| matching(&shared.routes, e).into_iter().map(|r| r.name.clone()))
+        .collect();
+    route_names.sort();
+    route_names.dedup();
+    let mut keys: Vec<String> = events.iter().filter_map(|e| e.event.key.clone()).collect();
+    keys.sort();
+    keys.dedup();
     // A transaction the slot handed over may not be visible yet; until it
     // is, its rows would look routed. Wait for it (it committed, so it will
     // be), warning if that takes long (synchronous replication waiting for a
     // standby does that).
     let waiting = Instant::now();
     let mut warned = waiting;
-    let look = loop {
-        let Some(look) = persist(shared, "look", || source.look(&seqs, &route_names, &keys, &xids)).await else {
-            return false;
-        };
+    let mut look = loop {
+        let look = persist(shared, "look", || source.look(&seqs, &route_names, &keys, &xids)).await?;
         if look.invisible.is_empty() {
             break look;
         }
@@ -290,7 +413,7 @@ async fn deliver<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal, txns: &[W
             );
         }
         if shared.cancel.is_cancelled() {
-            return false;
+            return None;
         }
         tokio::time::sleep(
             Duration::from_micros(200)
@@ -299,51 +422,37 @@ async fn deliver<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal, txns: &[W
         )
         .await;
     };
+    look.busy_routes.extend(carry.busy_routes.iter().cloned());
+    look.dead_keys.extend(carry.dead_keys.iter().cloned());
     // Rows routed before (a replay) were taken care of by whoever routed them.
-    let plans: Vec<(&WalEvent, Vec<&Route>)> = plans
+    published.events = events
         .into_iter()
-        .filter(|(e, _)| e.tableless() || look.unrouted.contains(&e.event.seq))
+        .filter(|e| e.tableless() || look.unrouted.contains(&e.event.seq))
         .collect();
-    if plans.is_empty() {
-        return true;
-    }
-    let mut settlement = Settlement::default();
-    for (e, routes) in &plans {
+    let events = &published.events;
+    let plans: Vec<Vec<&Route>> = events.iter().map(|e| matching(&shared.routes, e)).collect();
+    let mut outcomes = Vec::new();
+    for (i, routes) in plans.iter().enumerate() {
         if routes.is_empty() {
-            settlement.outcomes.push((e, NO_ROUTE.to_owned(), no_route(e)));
+            outcomes.push((i, NO_ROUTE.to_owned(), no_route(&events[i])));
             ::metrics::counter!(metrics::UNROUTABLE).increment(1);
         }
+        ::metrics::counter!(metrics::ENQUEUED, "type" => events[i].event.event_type.clone()).increment(1);
     }
     let publishes = shared.routes.iter().filter_map(|route| {
-        let mine: Vec<&WalEvent> = plans
+        let mine: Vec<usize> = plans
             .iter()
+            .enumerate()
             .filter(|(_, rs)| rs.iter().any(|r| r.name == route.name))
-            .map(|(e, _)| *e)
+            .map(|(i, _)| i)
             .collect();
-        (!mine.is_empty()).then(|| publish_route(shared, wal, route, mine, &look))
+        (!mine.is_empty()).then(|| publish_route(shared, wal, route, events, mine, &look))
     });
-    let results = futures::future::join_all(publishes).await;
-    let mut parked_routes = HashSet::new();
-    for (route, outcomes) in results {
-        for (e, outcome) in outcomes {
-            if !matches!(outcome, Outcome::Published { .. }) {
-                parked_routes.insert(route.name.clone());
-            }
-            settlement.outcomes.push((e, route.name.clone(), outcome));
-        }
+    for (route, route_outcomes) in futures::future::join_all(publishes).await {
+        outcomes.extend(route_outcomes.into_iter().map(|(i, o)| (i, route.name.clone(), o)));
     }
-    let now = shared.clock.now();
-    let Some(settled) = persist(shared, "settle", || source.settle(&settlement, now)).await else {
-        return false;
-    };
-    ::metrics::counter!(metrics::ROUTED).increment(settled.routed + settled.written);
-    for p in &plans {
-        ::metrics::counter!(metrics::ENQUEUED, "type" => p.0.event.event_type.clone()).increment(1);
-    }
-    for name in parked_routes {
-        shared.wake_route(&name);
-    }
-    true
+    published.outcomes = outcomes;
+    Some(published)
 }
 
 /// Runs a store call until it succeeds; `None` if the relay shuts down first.
@@ -375,25 +484,26 @@ async fn publish_route<'a, S: Store, C: Clock>(
     shared: &Shared<S, C>,
     wal: &Wal,
     route: &'a Route,
-    events: Vec<&'a WalEvent>,
+    all: &[WalEvent],
+    mine: Vec<usize>,
     look: &ferry_store::postgres::wal::Look,
-) -> (&'a Route, Vec<(&'a WalEvent, Outcome)>) {
+) -> (&'a Route, Vec<(usize, Outcome)>) {
     if look.busy_routes.contains(&route.name) {
-        ::metrics::counter!(metrics::WAL_PARKED, "route" => route.name.clone()).increment(events.len() as u64);
-        return (route, events.into_iter().map(|e| (e, Outcome::Parked)).collect());
+        ::metrics::counter!(metrics::WAL_PARKED, "route" => route.name.clone()).increment(mine.len() as u64);
+        return (route, mine.into_iter().map(|i| (i, Outcome::Parked)).collect());
     }
-    let mut out: Vec<(&WalEvent, Outcome)> = Vec::with_capacity(events.len());
-    let mut direct: Vec<&WalEvent> = Vec::with_capacity(events.len());
-    for e in events {
-        let held = e
+    let mut out: Vec<(usize, Outcome)> = Vec::with_capacity(mine.len());
+    let mut direct: Vec<usize> = Vec::with_capacity(mine.len());
+    for i in mine {
+        let held = all[i]
             .event
             .key
             .as_ref()
             .is_some_and(|k| look.dead_keys.contains(&(route.name.clone(), k.clone())));
         if held {
-            out.push((e, Outcome::Parked));
+            out.push((i, Outcome::Parked));
         } else {
-            direct.push(e);
+            direct.push(i);
         }
     }
     if direct.is_empty() {
@@ -402,10 +512,10 @@ async fn publish_route<'a, S: Store, C: Clock>(
     let sink = shared.sinks[&route.sink].clone();
     let claimed: Vec<Claimed> = direct
         .iter()
-        .map(|e| Claimed {
-            partition: e.partition.unwrap_or(0),
+        .map(|&i| Claimed {
+            partition: all[i].partition.unwrap_or(0),
             attempts: 0,
-            event: e.event.clone(),
+            event: all[i].event.clone(),
         })
         .collect();
     ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);

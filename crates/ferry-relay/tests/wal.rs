@@ -422,3 +422,42 @@ async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they
     relay.stop().await;
     e.db.drop_db().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_event_holds_back_later_events_of_its_route_until_it_is_delivered() {
+    let e = env().await;
+    // The tenth event fails once; every later one must wait for its retry,
+    // including those streamed while the failure is not written yet.
+    let failed_once = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let failed_once = failed_once.clone();
+        e.sink.fail_when(move |ev| {
+            let tenth = ev.payload.as_ref() == br#"{"n":9}"#;
+            (tenth && !failed_once.swap(true, std::sync::atomic::Ordering::SeqCst))
+                .then(|| ferry_core::SinkError::transient("refused once"))
+        });
+    }
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let mut ids = Vec::new();
+    for n in 0..60 {
+        let mut tx = e.pool.begin().await.unwrap();
+        let sent = enqueue(&mut tx, Event::new("order.placed", json!({ "n": n })).key("k"))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        ids.push((sent.id, "k".to_owned()));
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    eventually("every event", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len()
+    })
+    .await;
+    assert!(
+        failed_once.load(std::sync::atomic::Ordering::SeqCst),
+        "the failure never happened"
+    );
+    assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
+    relay.stop().await;
+    e.db.drop_db().await;
+}
