@@ -657,12 +657,7 @@ fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
 /// A slot or publication name PostgreSQL takes unquoted.
 fn wal_name(check: &mut Checker, field: &str, raw: Option<String>) -> String {
     let name = raw.unwrap_or_else(|| DEFAULT_WAL_NAME.to_owned());
-    let ok = !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-    if !ok {
+    if !ferry_store::postgres::wal::valid_name(&name) {
         check.problem(field, format!("{name:?}: use 1 to 63 characters of a-z, 0-9 and _"));
     }
     name

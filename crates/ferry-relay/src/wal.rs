@@ -384,10 +384,8 @@ async fn publish_batch<S: Store, C: Clock>(
     }
     let source = &wal.source;
     let seqs: Vec<i64> = events.iter().filter(|e| !e.tableless()).map(|e| e.event.seq).collect();
-    let mut route_names: Vec<String> = events
-        .iter()
-        .flat_map(|e| matching(&shared.routes, e).into_iter().map(|r| r.name.clone()))
-        .collect();
+    let plans: Vec<Vec<&Route>> = events.iter().map(|e| matching(&shared.routes, e)).collect();
+    let mut route_names: Vec<String> = plans.iter().flatten().map(|r| r.name.clone()).collect();
     route_names.sort();
     route_names.dedup();
     let mut keys: Vec<String> = events.iter().filter_map(|e| e.event.key.clone()).collect();
@@ -425,12 +423,13 @@ async fn publish_batch<S: Store, C: Clock>(
     look.busy_routes.extend(carry.busy_routes.iter().cloned());
     look.dead_keys.extend(carry.dead_keys.iter().cloned());
     // Rows routed before (a replay) were taken care of by whoever routed them.
-    published.events = events
+    let (events, plans): (Vec<WalEvent>, Vec<Vec<&Route>>) = events
         .into_iter()
-        .filter(|e| e.tableless() || look.unrouted.contains(&e.event.seq))
-        .collect();
+        .zip(plans)
+        .filter(|(e, _)| e.tableless() || look.unrouted.contains(&e.event.seq))
+        .unzip();
+    published.events = events;
     let events = &published.events;
-    let plans: Vec<Vec<&Route>> = events.iter().map(|e| matching(&shared.routes, e)).collect();
     let mut outcomes = Vec::new();
     for (i, routes) in plans.iter().enumerate() {
         if routes.is_empty() {
@@ -494,12 +493,14 @@ async fn publish_route<'a, S: Store, C: Clock>(
     }
     let mut out: Vec<(usize, Outcome)> = Vec::with_capacity(mine.len());
     let mut direct: Vec<usize> = Vec::with_capacity(mine.len());
+    let dead: HashSet<&str> = look
+        .dead_keys
+        .iter()
+        .filter(|(r, _)| *r == route.name)
+        .map(|(_, k)| k.as_str())
+        .collect();
     for i in mine {
-        let held = all[i]
-            .event
-            .key
-            .as_ref()
-            .is_some_and(|k| look.dead_keys.contains(&(route.name.clone(), k.clone())));
+        let held = all[i].event.key.as_deref().is_some_and(|k| dead.contains(k));
         if held {
             out.push((i, Outcome::Parked));
         } else {

@@ -100,15 +100,7 @@ async fn streaming(e: &Env) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         // Streaming, and past the start-up sweep (tableless events allowed).
-        let active: Option<bool> = sqlx::query_scalar(
-            "SELECT s.active AND w.ready FROM pg_replication_slots s \
-               JOIN ferry.wal_slots w ON w.slot = s.slot_name WHERE s.slot_name = $1",
-        )
-        .bind(&e.slot)
-        .fetch_optional(&e.pool)
-        .await
-        .unwrap();
-        if active == Some(true) {
+        if ferry_store::postgres::wal::streaming(&e.pool, &e.slot).await.unwrap() {
             return;
         }
         assert!(tokio::time::Instant::now() < deadline, "no relay streams from the slot");

@@ -171,14 +171,7 @@ impl RunningRelay {
         let deadline = Instant::now() + within;
         loop {
             self.ensure_running()?;
-            let ready: Option<bool> = sqlx::query_scalar(
-                "SELECT s.active AND w.ready FROM pg_replication_slots s \
-                   JOIN ferry.wal_slots w ON w.slot = s.slot_name WHERE s.slot_name = $1",
-            )
-            .bind(slot)
-            .fetch_optional(pool)
-            .await?;
-            if ready == Some(true) {
+            if ferry_store::postgres::wal::streaming(pool, slot).await? {
                 return Ok(());
             }
             anyhow::ensure!(

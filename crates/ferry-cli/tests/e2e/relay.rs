@@ -247,15 +247,10 @@ async fn a_database_connection_cut_mid_drain_loses_nothing() {
 async fn streaming(s: &Stack) {
     let deadline = tokio::time::Instant::now() + PATIENCE;
     loop {
-        let ready: Option<bool> = sqlx::query_scalar(
-            "SELECT s.active AND w.ready FROM pg_replication_slots s \
-               JOIN ferry.wal_slots w ON w.slot = s.slot_name WHERE s.slot_name = $1",
-        )
-        .bind(s.db.name())
-        .fetch_optional(&s.pool)
-        .await
-        .unwrap();
-        if ready == Some(true) {
+        if ferry_store::postgres::wal::streaming(&s.pool, s.db.name())
+            .await
+            .unwrap()
+        {
             return;
         }
         assert!(tokio::time::Instant::now() < deadline, "no relay streams from the slot");

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, StoreError};
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, TlsConfig};
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::postgres::{EnqueueError, store_error};
@@ -108,11 +108,10 @@ impl WalSource {
             )))
             .execute(&mut *conn)
             .await;
-            if let Err(e) = made {
-                let duplicate = e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42710");
-                if !duplicate {
-                    return Err(explain(e, "create the publication"));
-                }
+            if let Err(e) = made
+                && !already_exists(&e)
+            {
+                return Err(explain(e, "create the publication"));
             }
         }
         let slot_db: Option<(Option<String>, Option<String>)> =
@@ -151,11 +150,10 @@ impl WalSource {
                     .bind(slot)
                     .execute(&mut *conn)
                     .await;
-                if let Err(e) = made {
-                    let duplicate = e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42710");
-                    if !duplicate {
-                        return Err(explain(e, "create the replication slot"));
-                    }
+                if let Err(e) = made
+                    && !already_exists(&e)
+                {
+                    return Err(explain(e, "create the replication slot"));
                 }
             }
         }
@@ -219,6 +217,25 @@ pub async fn slot_lag_bytes(pool: &PgPool, slot: &str) -> Result<Option<i64>, St
     .await
     .map_err(store_error)?;
     Ok(lag.flatten())
+}
+
+/// Whether a relay starting at the same time created the object first.
+fn already_exists(e: &sqlx::Error) -> bool {
+    e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42710")
+}
+
+/// Whether a relay streams from `slot` and has swept what was committed
+/// before the slot existed (from then on `ferry.emit` is allowed).
+pub async fn streaming(pool: &PgPool, slot: &str) -> Result<bool, StoreError> {
+    let ready: Option<bool> = sqlx::query_scalar(
+        "SELECT s.active AND w.ready FROM pg_replication_slots s \
+           JOIN ferry.wal_slots w ON w.slot = s.slot_name WHERE s.slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(store_error)?;
+    Ok(ready == Some(true))
 }
 
 /// A permission or configuration error while setting up, with the fix.
@@ -340,7 +357,7 @@ impl WalStream {
             let Some(event) = event else {
                 return Err(StoreError::transient("replication stream ended"));
             };
-            if let Some(item) = self.feed(event)? {
+            if let Some(item) = self.decoder.feed(event)? {
                 return Ok(item);
             }
         }
@@ -357,14 +374,10 @@ impl WalStream {
             let Some(event) = event else {
                 return Err(StoreError::transient("replication stream ended"));
             };
-            if let Some(item) = self.feed(event)? {
+            if let Some(item) = self.decoder.feed(event)? {
                 return Ok(Some(item));
             }
         }
-    }
-
-    fn feed(&mut self, event: ReplicationEvent) -> Result<Option<WalItem>, StoreError> {
-        self.decoder.feed(event)
     }
 
     /// Tells the slot that everything before `lsn` is settled; the server
