@@ -7,7 +7,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use ferry_core::{
-    Claimed, EventId, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError, UnroutedEvent, WakeSource,
+    Claimed, DirectBatch, DirectRecord, EventId, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError,
+    UnroutedEvent, WakeSource,
 };
 use ferry_store::postgres::PgStore;
 #[cfg(feature = "sqlite")]
@@ -112,6 +113,25 @@ impl Store for AnyStore {
     }
     async fn route(&self, owned: &Ownership, plans: &[RoutePlan], now: DateTime<Utc>) -> Result<u64, StoreError> {
         each!(self, s => s.route(owned, plans, now).await)
+    }
+    async fn fetch_direct(
+        &self,
+        owned: &Ownership,
+        limit: usize,
+        routes: &[String],
+        down: &[String],
+        exclude: &[i64],
+    ) -> Result<Option<DirectBatch>, StoreError> {
+        each!(self, s => s.fetch_direct(owned, limit, routes, down, exclude).await)
+    }
+    async fn settle(
+        &self,
+        owned: &Ownership,
+        seqs: &[i64],
+        records: &[DirectRecord],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        each!(self, s => s.settle(owned, seqs, records, now).await)
     }
     async fn claim(
         &self,

@@ -29,6 +29,6 @@ pub use lifecycle::{RetryPolicy, Transition, decide};
 pub use route::{Glob, Route, render_template};
 pub use sink::{PublishOutcome, Sink, SinkError};
 pub use store::{
-    Claimed, DeliveryState, NO_ROUTE, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError,
-    UnroutedEvent, WakeSource,
+    Claimed, DeliveryState, DirectBatch, DirectOutcome, DirectRecord, NO_ROUTE, Ownership, Partition, Recorded,
+    RelayId, RoutePlan, Store, StoreError, UnroutedEvent, Wake, WakeSource,
 };

@@ -97,6 +97,46 @@ pub struct Recorded {
     pub transition: Transition,
 }
 
+/// What happened to one event on one route when the relay delivered it
+/// straight from the outbox (direct delivery, or WAL streaming), without a
+/// delivery row to claim first.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DirectOutcome {
+    /// Confirmed by the destination on the first attempt.
+    Published { at: DateTime<Utc> },
+    /// Not attempted: queued in the delivery table behind earlier deliveries
+    /// of its key (or of its route, while the destination is down).
+    Parked,
+    /// The first attempt failed; the table path retries at `next_at`.
+    Retry { next_at: DateTime<Utc>, error: String },
+    /// Failed for good, or matched no route.
+    Dead { attempts: u32, reason: String },
+}
+
+/// New events for direct delivery, with what the delivery table says about
+/// them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DirectBatch {
+    /// Unrouted events of the owned partitions, in seq order.
+    pub events: Vec<Claimed>,
+    /// Per event (same index): the routes on which an earlier delivery of its
+    /// key is pending or dead. On those routes the event queues behind it.
+    pub held: Vec<Vec<String>>,
+    /// Of the routes asked about as down, those that still have pending
+    /// deliveries in the owned partitions.
+    pub busy: Vec<String>,
+}
+
+/// One row of a directly delivered batch's settlement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DirectRecord {
+    pub seq: i64,
+    pub key: Option<String>,
+    /// The route, or [`NO_ROUTE`] for an event that matched none.
+    pub route: String,
+    pub outcome: DirectOutcome,
+}
+
 /// A delivery's state in the store. "In flight" is not stored per row: a due
 /// pending delivery in a partition under a live lease is in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -148,13 +188,31 @@ impl StoreError {
     }
 }
 
+/// What a commit notification says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// New events were committed in the partition: the router has work.
+    Events(Partition),
+    /// Deliveries in the partition became due without new events (an
+    /// operator's requeue, events parked for the table path): every part
+    /// of the relay should look.
+    Due(Partition),
+}
+
+impl Wake {
+    pub fn partition(self) -> Partition {
+        match self {
+            Wake::Events(p) | Wake::Due(p) => p,
+        }
+    }
+}
+
 /// Notifications that new events were committed.
 #[async_trait]
 pub trait WakeSource: Send {
-    /// Waits for the next notification: `Some(p)` for partition `p`, `None`
-    /// when notifications may have been missed (a reconnect) and the caller
-    /// should look at everything.
-    async fn wait(&mut self) -> Result<Option<Partition>, StoreError>;
+    /// Waits for the next notification; `None` when notifications may have
+    /// been missed (a reconnect) and the caller should look at everything.
+    async fn wait(&mut self) -> Result<Option<Wake>, StoreError>;
 }
 
 /// The queries the relay runs against an outbox database. Each store runs the
@@ -210,6 +268,40 @@ pub trait Store: Send + Sync + 'static {
         route: &str,
         now: DateTime<Utc>,
     ) -> Result<Option<DateTime<Utc>>, StoreError>;
+
+    /// Direct delivery: up to `limit` unrouted events of the owned
+    /// partitions with everything needed to publish them, in seq order, and
+    /// which of `routes` hold each one's key back; `down` are routes whose
+    /// destination failed, asked about for pending deliveries; `exclude` are
+    /// events published but not settled yet. `None` when this store has no
+    /// direct path: the relay then routes events into the delivery table and
+    /// claims them from there.
+    async fn fetch_direct(
+        &self,
+        owned: &Ownership,
+        limit: usize,
+        routes: &[String],
+        down: &[String],
+        exclude: &[i64],
+    ) -> Result<Option<DirectBatch>, StoreError> {
+        let _ = (owned, limit, routes, down, exclude);
+        Ok(None)
+    }
+
+    /// Writes what happened to a directly delivered batch, fenced by the
+    /// leases: takes `seqs` out of the unrouted events and writes the
+    /// delivery rows of `records`. Returns how many events it took; 0 when
+    /// the leases moved on (the next owner delivers them again).
+    async fn settle(
+        &self,
+        owned: &Ownership,
+        seqs: &[i64],
+        records: &[DirectRecord],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        let _ = (owned, seqs, records, now);
+        Err(StoreError::permanent("this store has no direct delivery"))
+    }
 
     /// Tells producers whether this relay sleeps and wants a notification.
     async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError>;

@@ -8,7 +8,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::Utc;
 use ferry_core::{
-    Claimed, Event, EventId, NO_ROUTE, Ownership, Recorded, RelayId, RetryPolicy, SinkError, Store, Transition, decide,
+    Claimed, DirectBatch, DirectOutcome, DirectRecord, Event, EventId, NO_ROUTE, Ownership, Recorded, RelayId,
+    RetryPolicy, SinkError, Store, Transition, decide,
 };
 use serde_json::json;
 
@@ -313,9 +314,104 @@ pub async fn a_sleeping_relay_is_notified<H: StoreHarness>(h: &H) {
     let got = tokio::time::timeout(Duration::from_secs(10), source.wait())
         .await
         .expect("a notification");
-    let p = got.expect("listener ok").expect("a partition");
-    assert!(o.owns(p));
+    let wake = got.expect("listener ok").expect("a partition");
+    assert!(matches!(wake, ferry_core::Wake::Events(_)), "{wake:?}");
+    assert!(o.owns(wake.partition()));
     assert_eq!(h.store().fetch_unrouted(&o, 10).await.unwrap().len(), 1);
+}
+
+async fn fetch_direct<H: StoreHarness>(h: &H, o: &Ownership, down: &[&str], exclude: &[i64]) -> DirectBatch {
+    let routes = ["r1".to_string(), "r2".to_string()];
+    let down: Vec<String> = down.iter().map(|r| r.to_string()).collect();
+    h.store()
+        .fetch_direct(o, 10_000, &routes, &down, exclude)
+        .await
+        .expect("fetch_direct")
+        .expect("the store has a direct path")
+}
+
+fn direct(seq: i64, key: &str, route: &str, outcome: DirectOutcome) -> DirectRecord {
+    DirectRecord {
+        seq,
+        key: Some(key.to_owned()),
+        route: route.to_owned(),
+        outcome,
+    }
+}
+
+/// Direct delivery: new events come with their payloads in outbox order;
+/// settling writes their delivery rows once; a failed or parked delivery
+/// holds its key back on its route (and only there) for the events after it;
+/// a route asked about as down is reported busy while it has pending rows.
+pub async fn direct_delivery_settles_once_and_holds_keys<H: StoreHarness>(h: &H) {
+    let ids = h.enqueue(vec![order(0, "a"), order(1, "b"), order(2, "c")]).await;
+    let o = own(h, "a").await;
+    let batch = fetch_direct(h, &o, &["r1"], &[]).await;
+    assert_eq!(batch.events.iter().map(|c| c.event.id).collect::<Vec<_>>(), ids);
+    assert_eq!(batch.events[1].event.payload.as_ref(), br#"{"n":1}"#);
+    assert!(batch.held.iter().all(Vec::is_empty) && batch.held.len() == 3);
+    assert!(batch.busy.is_empty(), "nothing pending yet");
+    let seqs: Vec<i64> = batch.events.iter().map(|c| c.event.seq).collect();
+    let skipped = fetch_direct(h, &o, &[], &seqs[..2]).await;
+    assert_eq!(skipped.events.len(), 1, "excluded events are skipped");
+
+    let now = Utc::now();
+    let records = vec![
+        direct(seqs[0], "a", "r1", DirectOutcome::Published { at: now }),
+        direct(seqs[0], "a", "r2", DirectOutcome::Published { at: now }),
+        direct(
+            seqs[1],
+            "b",
+            "r1",
+            DirectOutcome::Retry {
+                next_at: now + chrono::Duration::hours(1),
+                error: "down".into(),
+            },
+        ),
+        direct(seqs[1], "b", "r2", DirectOutcome::Published { at: now }),
+        direct(seqs[2], "c", "r1", DirectOutcome::Parked),
+        direct(seqs[2], "c", "r2", DirectOutcome::Published { at: now }),
+    ];
+    assert_eq!(h.store().settle(&o, &seqs, &records, now).await.unwrap(), 3);
+    assert_eq!(
+        h.store().settle(&o, &seqs, &records, now).await.unwrap(),
+        0,
+        "settled once"
+    );
+    assert!(fetch_direct(h, &o, &[], &[]).await.events.is_empty());
+    assert_eq!(h.delivery_state("r1", ids[1]).await, Some(("pending".into(), 1)));
+    assert_eq!(h.delivery_state("r1", ids[2]).await, Some(("pending".into(), 0)));
+    // The parked delivery is the route worker's to claim, due now; the
+    // failed one waits for its retry.
+    let c = claim(h, &o, "r1").await;
+    assert_eq!(c.iter().map(|c| c.event.id).collect::<Vec<_>>(), vec![ids[2]]);
+
+    let later = h.enqueue(vec![order(3, "a"), order(4, "b"), order(5, "c")]).await;
+    let batch = fetch_direct(h, &o, &["r1", "r2"], &[]).await;
+    assert_eq!(batch.events.iter().map(|c| c.event.id).collect::<Vec<_>>(), later);
+    assert_eq!(
+        batch.held,
+        vec![vec![], vec!["r1".to_string()], vec!["r1".to_string()]],
+        "b and c wait on r1 only"
+    );
+    assert_eq!(batch.busy, vec!["r1".to_string()], "r1 has pending rows, r2 none");
+}
+
+/// Settling under a lost lease writes nothing; the next owner gets the
+/// events again.
+pub async fn direct_settle_is_fenced<H: StoreHarness>(h: &H) {
+    let ids = h.enqueue(vec![order(0, "a")]).await;
+    let a = own(h, "a").await;
+    let batch = fetch_direct(h, &a, &[], &[]).await;
+    let seq = batch.events[0].event.seq;
+    h.expire_leases(&relay("a")).await;
+    let b = own(h, "b").await;
+    let records = vec![direct(seq, "a", "r1", DirectOutcome::Published { at: Utc::now() })];
+    assert_eq!(h.store().settle(&a, &[seq], &records, Utc::now()).await.unwrap(), 0);
+    assert_eq!(h.delivery_state("r1", ids[0]).await, None);
+    let again = fetch_direct(h, &b, &[], &[]).await;
+    assert_eq!(again.events.iter().map(|c| c.event.id).collect::<Vec<_>>(), ids);
+    assert_eq!(h.store().settle(&b, &[seq], &records, Utc::now()).await.unwrap(), 1);
 }
 
 /// Expands to one `#[tokio::test]` per scenario; `$make` is an async
@@ -331,7 +427,9 @@ macro_rules! store_conformance {
             stale_outcomes_are_refused,
             no_lease_no_work,
             retries_count_attempts,
-            a_sleeping_relay_is_notified
+            a_sleeping_relay_is_notified,
+            direct_delivery_settles_once_and_holds_keys,
+            direct_settle_is_fenced
         );
     };
     (@tests $make:expr; $($name:ident),*) => {

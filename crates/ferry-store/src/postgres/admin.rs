@@ -278,7 +278,7 @@ impl Admin for PgStore {
         // a cancelled one no longer holds its key's later events back (and
         // events going back to the router are unrouted again).
         sqlx::query(
-            "SELECT pg_notify('ferry', p::text)
+            "SELECT pg_notify('ferry', 'due:' || p)
                FROM (SELECT u.partition AS p FROM ferry.unrouted u WHERE u.seq = ANY($1)
                      UNION
                      SELECT d.partition FROM ferry.deliveries d WHERE d.seq = ANY($1)) x",

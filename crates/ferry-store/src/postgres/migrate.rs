@@ -7,6 +7,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (3, "admin", include_str!("migrations/0003_admin.sql")),
     (4, "capture", include_str!("migrations/0004_capture.sql")),
     (5, "wal", include_str!("migrations/0005_wal.sql")),
+    (6, "direct", include_str!("migrations/0006_direct.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

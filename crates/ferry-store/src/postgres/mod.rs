@@ -5,6 +5,7 @@
 
 mod admin;
 pub mod capture;
+mod direct;
 mod enqueue;
 mod error;
 mod gauges;

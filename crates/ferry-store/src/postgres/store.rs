@@ -5,13 +5,14 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use ferry_core::{
-    Claimed, EventId, NO_ROUTE, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError, StoredEvent,
-    Transition, UnroutedEvent, WakeSource,
+    Claimed, DirectBatch, DirectRecord, EventId, NO_ROUTE, Ownership, Partition, Recorded, RelayId, RoutePlan, Store,
+    StoreError, StoredEvent, Transition, UnroutedEvent, WakeSource,
 };
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
+use super::direct::{self, SettleMode};
 use super::error::store_error;
 use super::listen::PgWakeSource;
 
@@ -195,28 +196,7 @@ impl Store for PgStore {
             .fetch_all(&self.pool)
             .await
             .map_err(store_error)?;
-        rows.into_iter()
-            .map(|r| {
-                let headers: serde_json::Value = r.get(8);
-                let headers: BTreeMap<String, String> = serde_json::from_value(headers)
-                    .map_err(|e| StoreError::permanent(format!("event headers are not a string map: {e}")))?;
-                let seq: i64 = r.get(0);
-                Ok(Claimed {
-                    partition: r.get(1),
-                    attempts: r.get::<i32, _>(2).max(0) as u32,
-                    event: StoredEvent {
-                        id: EventId(r.get::<Uuid, _>(3)),
-                        seq,
-                        event_type: r.get(4),
-                        key: r.get(5),
-                        payload: Bytes::from(r.get::<Vec<u8>, _>(6)),
-                        content_type: r.get(7),
-                        headers,
-                        created_at: r.get(9),
-                    },
-                })
-            })
-            .collect()
+        rows.iter().map(claimed_of).collect()
     }
 
     async fn record(
@@ -301,6 +281,62 @@ impl Store for PgStore {
             .map_err(store_error)
     }
 
+    async fn fetch_direct(
+        &self,
+        owned: &Ownership,
+        limit: usize,
+        routes: &[String],
+        down: &[String],
+        exclude: &[i64],
+    ) -> Result<Option<DirectBatch>, StoreError> {
+        if owned.is_empty() {
+            return Ok(Some(DirectBatch::default()));
+        }
+        let rows = sqlx::query(include_str!("sql/fetch_direct.sql"))
+            .bind(owned.partitions())
+            .bind(limit as i64)
+            .bind(routes)
+            .bind(down)
+            .bind(exclude)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
+        let mut batch = DirectBatch::default();
+        for (i, r) in rows.iter().enumerate() {
+            batch.events.push(claimed_of(r)?);
+            batch.held.push(r.get(10));
+            if i == 0 {
+                batch.busy = r.get(11);
+            }
+        }
+        Ok(Some(batch))
+    }
+
+    async fn settle(
+        &self,
+        owned: &Ownership,
+        seqs: &[i64],
+        records: &[DirectRecord],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        if seqs.is_empty() || owned.is_empty() {
+            return Ok(0);
+        }
+        let rows = records
+            .iter()
+            .map(|r| (r.seq, r.route.as_str(), r.key.as_deref(), &r.outcome));
+        // Asynchronous commit: a write lost in a database crash leaves the
+        // events unrouted and the relay publishes them again; a duplicate,
+        // never a loss (ARCHITECTURE.md, "Durability of the relay's own
+        // writes"). The relay wakes its own route workers for what it parked.
+        let mode = SettleMode {
+            fence: Some(owned),
+            notify: false,
+            durable: false,
+        };
+        Ok(direct::settle(&self.pool, seqs, rows, now, mode).await?.gone)
+    }
+
     async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError> {
         sqlx::query("UPDATE ferry.relays SET sleeping = $2 WHERE id = $1 AND sleeping <> $2")
             .bind(&relay.0)
@@ -314,6 +350,27 @@ impl Store for PgStore {
     async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
         Ok(Box::new(PgWakeSource::connect(&self.pool).await?))
     }
+}
+
+/// A row laid out as claim.sql's: seq, partition, attempts, then the event.
+fn claimed_of(r: &PgRow) -> Result<Claimed, StoreError> {
+    let headers: serde_json::Value = r.get(8);
+    let headers: BTreeMap<String, String> = serde_json::from_value(headers)
+        .map_err(|e| StoreError::permanent(format!("event headers are not a string map: {e}")))?;
+    Ok(Claimed {
+        partition: r.get(1),
+        attempts: r.get::<i32, _>(2).max(0) as u32,
+        event: StoredEvent {
+            id: EventId(r.get::<Uuid, _>(3)),
+            seq: r.get(0),
+            event_type: r.get(4),
+            key: r.get(5),
+            payload: Bytes::from(r.get::<Vec<u8>, _>(6)),
+            content_type: r.get(7),
+            headers,
+            created_at: r.get(9),
+        },
+    })
 }
 
 /// The relay a lease set belongs to travels with the ownership.

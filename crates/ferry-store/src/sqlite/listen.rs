@@ -2,7 +2,7 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use ferry_core::{Partition, StoreError, WakeSource};
+use ferry_core::{Partition, StoreError, Wake, WakeSource};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 use tokio::time::{Interval, MissedTickBehavior};
 
@@ -64,10 +64,10 @@ async fn data_version(conn: &mut SqliteConnection) -> Result<i64, StoreError> {
 
 #[async_trait]
 impl WakeSource for SqliteWakeSource {
-    async fn wait(&mut self) -> Result<Option<Partition>, StoreError> {
+    async fn wait(&mut self) -> Result<Option<Wake>, StoreError> {
         loop {
             if let Some(p) = self.ready.pop_front() {
-                return Ok(Some(p));
+                return Ok(Some(Wake::Events(p)));
             }
             self.interval.tick().await;
             let version = data_version(&mut self.conn).await?;

@@ -5,6 +5,7 @@ use sqlx::{Connection, SqliteConnection};
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "outbox", include_str!("migrations/0001_outbox.sql")),
     (2, "inbox", include_str!("migrations/0002_inbox.sql")),
+    (3, "direct", include_str!("migrations/0003_direct.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

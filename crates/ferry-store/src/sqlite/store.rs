@@ -1,4 +1,4 @@
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -7,10 +7,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use ferry_core::{
-    Claimed, EventId, NO_ROUTE, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError, StoredEvent,
-    Transition, UnroutedEvent, WakeSource,
+    Claimed, DirectBatch, DirectOutcome, DirectRecord, EventId, NO_ROUTE, Ownership, Partition, Recorded, RelayId,
+    RoutePlan, Store, StoreError, StoredEvent, Transition, UnroutedEvent, WakeSource,
 };
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{Row, SqliteConnection, SqlitePool};
 
 use super::error::store_error;
@@ -119,6 +119,34 @@ async fn fenced(conn: &mut SqliteConnection, owned: &Ownership) -> Result<Vec<Pa
         .filter(|(p, t)| current.contains(&(i64::from(*p), *t)))
         .map(|(p, _)| *p)
         .collect())
+}
+
+/// A row laid out as claim.sql's: seq, partition, attempts, then the event.
+fn claimed_of(r: &SqliteRow) -> Result<Claimed, StoreError> {
+    let headers: String = r.get(8);
+    let headers: BTreeMap<String, String> = serde_json::from_str(&headers)
+        .map_err(|e| StoreError::permanent(format!("event headers are not a string map: {e}")))?;
+    let id: String = r.get(3);
+    let id =
+        EventId::from_str(&id).map_err(|e| StoreError::permanent(format!("event id {id:?} is not a UUID: {e}")))?;
+    Ok(Claimed {
+        partition: r.get(1),
+        attempts: r.get::<i64, _>(2).max(0) as u32,
+        event: StoredEvent {
+            id,
+            seq: r.get(0),
+            event_type: r.get(4),
+            key: r.get(5),
+            payload: Bytes::from(r.get::<Vec<u8>, _>(6)),
+            content_type: r.get(7),
+            headers,
+            created_at: from_micros(r.get(9)),
+        },
+    })
+}
+
+fn json_strings(text: &str) -> Result<Vec<String>, StoreError> {
+    serde_json::from_str(text).map_err(|e| StoreError::permanent(format!("route list {text:?} is not JSON: {e}")))
 }
 
 #[async_trait]
@@ -291,6 +319,119 @@ impl Store for SqliteStore {
         Ok(routed)
     }
 
+    async fn fetch_direct(
+        &self,
+        owned: &Ownership,
+        limit: usize,
+        routes: &[String],
+        down: &[String],
+        exclude: &[i64],
+    ) -> Result<Option<DirectBatch>, StoreError> {
+        if owned.is_empty() {
+            return Ok(Some(DirectBatch::default()));
+        }
+        let json = |v: &[String]| serde_json::to_string(v).expect("strings serialise");
+        let rows = sqlx::query(include_str!("sql/fetch_direct.sql"))
+            .bind(json_list(owned.partitions()))
+            .bind(limit as i64)
+            .bind(json(routes))
+            .bind(json(down))
+            .bind(json_list(exclude))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
+        let mut batch = DirectBatch::default();
+        for (i, r) in rows.iter().enumerate() {
+            batch.events.push(claimed_of(r)?);
+            batch.held.push(json_strings(r.get(10))?);
+            if i == 0 {
+                batch.busy = json_strings(r.get(11))?;
+            }
+        }
+        Ok(Some(batch))
+    }
+
+    async fn settle(
+        &self,
+        owned: &Ownership,
+        seqs: &[i64],
+        records: &[DirectRecord],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        if seqs.is_empty() {
+            return Ok(0);
+        }
+        let now = micros(now);
+        let mut by_seq: HashMap<i64, Vec<&DirectRecord>> = HashMap::new();
+        for r in records {
+            by_seq.entry(r.seq).or_default().push(r);
+        }
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        let fence = fenced(&mut tx, owned).await?;
+        if fence.is_empty() {
+            return Ok(0);
+        }
+        let fence = json_list(fence);
+        let mut taken = 0;
+        for seq in seqs {
+            let partition: Option<i64> = sqlx::query_scalar(
+                "DELETE FROM ferry_unrouted WHERE seq = ?1 AND partition IN (SELECT value FROM json_each(?2))
+                 RETURNING partition",
+            )
+            .bind(seq)
+            .bind(&fence)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(store_error)?;
+            let Some(partition) = partition else { continue };
+            taken += 1;
+            for r in by_seq.get(seq).map(Vec::as_slice).unwrap_or_default() {
+                let (state, attempts, next, error, published) = match &r.outcome {
+                    DirectOutcome::Published { at } => ("published", 1, now, None, Some(micros(*at))),
+                    DirectOutcome::Parked => ("pending", 0, now, None, None),
+                    DirectOutcome::Retry { next_at, error } => ("pending", 1, micros(*next_at), Some(error), None),
+                    DirectOutcome::Dead { attempts, reason } => ("dead", i64::from(*attempts), now, Some(reason), None),
+                };
+                sqlx::query(
+                    "INSERT INTO ferry_deliveries
+                         (seq, route, partition, key, state, attempts, next_attempt_at, last_error, published_at,
+                          updated_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+                     ON CONFLICT (seq, route) DO NOTHING",
+                )
+                .bind(seq)
+                .bind(&r.route)
+                .bind(partition)
+                .bind(&r.key)
+                .bind(state)
+                .bind(attempts)
+                .bind(next)
+                .bind(error)
+                .bind(published)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+                if attempts > 0 && state != "published" {
+                    sqlx::query(
+                        "INSERT INTO ferry_failures (seq, route, attempt, at, dead, error) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    )
+                    .bind(seq)
+                    .bind(&r.route)
+                    .bind(attempts)
+                    .bind(now)
+                    .bind(state == "dead")
+                    .bind(error)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                }
+            }
+        }
+        tx.commit().await.map_err(store_error)?;
+        Ok(taken)
+    }
+
     async fn claim(
         &self,
         owned: &Ownership,
@@ -311,30 +452,7 @@ impl Store for SqliteStore {
             .fetch_all(&self.pool)
             .await
             .map_err(store_error)?;
-        rows.into_iter()
-            .map(|r| {
-                let headers: String = r.get(8);
-                let headers: BTreeMap<String, String> = serde_json::from_str(&headers)
-                    .map_err(|e| StoreError::permanent(format!("event headers are not a string map: {e}")))?;
-                let id: String = r.get(3);
-                let id = EventId::from_str(&id)
-                    .map_err(|e| StoreError::permanent(format!("event id {id:?} is not a UUID: {e}")))?;
-                Ok(Claimed {
-                    partition: r.get(1),
-                    attempts: r.get::<i64, _>(2).max(0) as u32,
-                    event: StoredEvent {
-                        id,
-                        seq: r.get(0),
-                        event_type: r.get(4),
-                        key: r.get(5),
-                        payload: Bytes::from(r.get::<Vec<u8>, _>(6)),
-                        content_type: r.get(7),
-                        headers,
-                        created_at: from_micros(r.get(9)),
-                    },
-                })
-            })
-            .collect()
+        rows.iter().map(claimed_of).collect()
     }
 
     async fn record(

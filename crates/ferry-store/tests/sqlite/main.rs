@@ -313,5 +313,5 @@ async fn a_requeued_unroutable_event_wakes_the_router() {
         .unwrap();
     let unrouted = h.store.fetch_unrouted(&owned, 10).await.unwrap();
     assert_eq!(unrouted.len(), 1);
-    assert!(woke.is_none_or(|p| p == unrouted[0].partition), "{woke:?}");
+    assert!(woke.is_none_or(|w| w.partition() == unrouted[0].partition), "{woke:?}");
 }

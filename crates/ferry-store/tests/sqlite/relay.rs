@@ -282,6 +282,27 @@ impl Store for Killable {
         self.check()?;
         self.inner.route(owned, plans, now).await
     }
+    async fn fetch_direct(
+        &self,
+        owned: &ferry_core::Ownership,
+        limit: usize,
+        routes: &[String],
+        down: &[String],
+        exclude: &[i64],
+    ) -> Result<Option<ferry_core::DirectBatch>, ferry_core::StoreError> {
+        self.check()?;
+        self.inner.fetch_direct(owned, limit, routes, down, exclude).await
+    }
+    async fn settle(
+        &self,
+        owned: &ferry_core::Ownership,
+        seqs: &[i64],
+        records: &[ferry_core::DirectRecord],
+        now: chrono::DateTime<chrono::Utc>,
+    ) -> Result<u64, ferry_core::StoreError> {
+        self.check()?;
+        self.inner.settle(owned, seqs, records, now).await
+    }
     async fn claim(
         &self,
         owned: &ferry_core::Ownership,

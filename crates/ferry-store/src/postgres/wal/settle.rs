@@ -5,10 +5,11 @@
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
-use ferry_core::{NO_ROUTE, StoreError};
+use ferry_core::StoreError;
 use sqlx::Row;
 
 use super::{WalEvent, WalSource};
+use crate::postgres::direct::{self, SettleMode};
 use crate::postgres::store_error;
 
 /// What the delivery table says about a streamed batch.
@@ -30,17 +31,7 @@ pub struct Look {
 }
 
 /// What happened to one event on one route.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Outcome {
-    /// Confirmed by the destination on the first attempt.
-    Published { at: DateTime<Utc> },
-    /// Not attempted: queued in the table behind earlier deliveries.
-    Parked,
-    /// The first attempt failed; the table path retries at `next_at`.
-    Retry { next_at: DateTime<Utc>, error: String },
-    /// Failed for good, or matched no route.
-    Dead { attempts: u32, reason: String },
-}
+pub use ferry_core::DirectOutcome as Outcome;
 
 /// A streamed batch's outcomes, to be written before its position is
 /// confirmed to the slot.
@@ -184,16 +175,8 @@ impl WalSource {
             settled.written = seq_of.len() as u64;
         }
         let mut claim: Vec<i64> = Vec::new();
-        let (mut d_seq, mut d_route, mut d_key, mut d_state, mut d_attempts, mut d_next, mut d_err, mut d_pub) = (
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-            Vec::new(),
-        );
+        let mut claimed: HashSet<i64> = HashSet::new();
+        let mut rows = Vec::with_capacity(s.outcomes.len());
         for (e, route, outcome) in &s.outcomes {
             let seq = if e.tableless() {
                 match seq_of.get(&e.event.id.0) {
@@ -204,44 +187,20 @@ impl WalSource {
             } else {
                 e.event.seq
             };
-            if claim.last() != Some(&seq) && !claim.contains(&seq) {
+            if claimed.insert(seq) {
                 claim.push(seq);
             }
-            let (state, attempts, next, err, published) = match outcome {
-                Outcome::Published { at } => ("published", 1, now, None, Some(*at)),
-                Outcome::Parked => ("pending", 0, now, None, None),
-                Outcome::Retry { next_at, error } => ("pending", 1, *next_at, Some(error.clone()), None),
-                Outcome::Dead { attempts, reason } => ("dead", *attempts as i32, now, Some(reason.clone()), None),
-            };
-            debug_assert!(route != NO_ROUTE || state == "dead");
-            d_seq.push(seq);
-            d_route.push(route.clone());
-            d_key.push(e.event.key.clone());
-            d_state.push(state);
-            d_attempts.push(attempts);
-            d_next.push(next);
-            d_err.push(err);
-            d_pub.push(published);
+            rows.push((seq, route.as_str(), e.event.key.as_deref(), outcome));
         }
         if !claim.is_empty() {
-            let row = sqlx::query(include_str!("settle.sql"))
-                .persistent(false)
-                .bind(&claim)
-                .bind(&d_seq)
-                .bind(&d_route)
-                .bind(&d_key)
-                .bind(&d_state)
-                .bind(&d_attempts)
-                .bind(&d_next)
-                .bind(&d_err)
-                .bind(&d_pub)
-                .bind(now)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            let gone: i64 = row.get(0);
-            settled.routed = (gone as u64).saturating_sub(settled.written);
-            settled.deliveries = row.get::<i64, _>(1) as u64;
+            let mode = SettleMode {
+                fence: None,
+                notify: true,
+                durable: true,
+            };
+            let written = direct::settle(&mut *tx, &claim, rows.into_iter(), now, mode).await?;
+            settled.routed = written.gone.saturating_sub(settled.written);
+            settled.deliveries = written.made;
         }
         tx.commit().await.map_err(store_error)?;
         Ok(settled)

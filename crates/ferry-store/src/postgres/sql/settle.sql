@@ -1,13 +1,23 @@
--- Settles a streamed batch: takes its outbox rows out of `unrouted` (only
--- those still there: a row routed before is left alone) and writes their
--- deliveries, with a failures row for each failed first attempt. Pending
--- deliveries wake the relays leasing their partitions. Committed durably:
--- the slot position is confirmed after it.
+-- Settles a batch delivered straight from the outbox (direct delivery, or
+-- WAL streaming): takes its events out of `unrouted` (only those still
+-- there: a row routed before is left alone) and writes their deliveries,
+-- with a failures row for each failed first attempt.
 -- $1 seqs to take; $2..$9 one row per delivery: seq, route, key, state,
--- attempts, next attempt, error, published at; $10 now
-WITH gone AS (
+-- attempts, next attempt, error, published at; $10 now;
+-- $11 relay, $12 partitions, $13 tokens: the fence, or a NULL relay for none
+-- (WAL streaming holds the slot instead); $14 notify the partitions that
+-- received pending deliveries; $15 commit durably.
+WITH fence AS (
+    SELECT p.partition
+      FROM ferry.partitions p
+      JOIN unnest($12::int[], $13::bigint[]) AS l(partition, token)
+        ON l.partition = p.partition AND l.token = p.token
+     WHERE p.owner = $11
+       FOR SHARE OF p
+), gone AS (
     DELETE FROM ferry.unrouted u
      WHERE u.seq = ANY($1::bigint[])
+       AND ($11::text IS NULL OR u.partition IN (SELECT f.partition FROM fence f))
     RETURNING u.seq, u.partition
 ), made AS (
     INSERT INTO ferry.deliveries
@@ -26,8 +36,10 @@ WITH gone AS (
      WHERE m.attempts > 0 AND m.state <> 'published'
     ON CONFLICT DO NOTHING
 ), woke AS (
-    SELECT pg_notify('ferry', p.partition::text)
+    SELECT pg_notify('ferry', 'due:' || p.partition)
       FROM (SELECT DISTINCT partition FROM made WHERE state = 'pending') p
+     WHERE $14
 )
 SELECT (SELECT count(*) FROM gone) AS gone, (SELECT count(*) FROM made) AS made,
-       (SELECT count(*) FROM woke) AS woke
+       (SELECT count(*) FROM woke) AS woke,
+       CASE WHEN $15 THEN 'on' ELSE set_config('synchronous_commit', 'off', true) END AS durability

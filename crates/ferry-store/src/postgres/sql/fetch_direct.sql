@@ -1,0 +1,31 @@
+-- Direct delivery: the next unrouted events of the owned partitions with
+-- everything needed to publish them, in seq order (columns as in claim.sql);
+-- per event, the routes among $3 on which a delivery of its key is pending
+-- or dead, which it must queue behind; and, of the routes in $4 (their
+-- destination failed), those that still have pending deliveries in the
+-- owned partitions. Events published but not settled yet ($5) are skipped.
+-- $1 owned partitions, $2 limit, $3 routes, $4 routes reported down,
+-- $5 seqs to skip
+WITH batch AS MATERIALIZED (
+    SELECT u.seq, u.partition
+      FROM ferry.unrouted u
+     WHERE u.partition = ANY($1::int[])
+       AND u.seq <> ALL($5::bigint[])
+     ORDER BY u.seq
+     LIMIT $2
+)
+SELECT b.seq, b.partition, 0 AS attempts,
+       e.id, e.type, e.key, e.payload, e.content_type, e.headers, e.created_at,
+       CASE WHEN e.key IS NULL THEN '{}'::text[] ELSE ARRAY(
+           SELECT DISTINCT d.route
+             FROM ferry.deliveries d
+            WHERE d.key = e.key AND d.route = ANY($3::text[]) AND d.state IN ('pending', 'dead'))
+       END AS held,
+       ARRAY(SELECT r.route
+               FROM unnest($4::text[]) AS r(route)
+              WHERE EXISTS (SELECT 1 FROM ferry.deliveries d
+                             WHERE d.route = r.route AND d.state = 'pending'
+                               AND d.partition = ANY($1::int[]))) AS busy
+  FROM batch b
+  JOIN ferry.events e ON e.seq = b.seq
+ ORDER BY b.seq
