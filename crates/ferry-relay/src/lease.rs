@@ -1,6 +1,6 @@
 use std::sync::Arc;
 
-use ferry_core::{Clock, ErrorKind, Partition, Store};
+use ferry_core::{Clock, ErrorKind, Partition, Store, Wake};
 use tokio::sync::watch;
 use tokio::time::{Duration, Instant};
 use tracing::{debug, info, warn};
@@ -89,15 +89,18 @@ pub(crate) async fn listen<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
         // Anything committed (or requeued) while we were not listening is
         // found by a look at everything.
         shared.wake_all();
-        // A notification wakes the router (new events) and the workers too:
-        // an operator's requeue makes deliveries due without new events.
-        // Notifications come only while the relay sleeps, so this costs a
-        // claim per route when there was nothing to do, never when busy.
+        // New events wake the router alone: it publishes them itself, and
+        // waking the route workers too would cost a claim per route per
+        // commit for nothing. Deliveries made due without new events (an
+        // operator's requeue, events parked by a WAL settle) wake everyone.
         loop {
             match source.wait().await {
-                Ok(Some(p)) => {
-                    if shared.lease.borrow().owned.owns(p) {
-                        shared.wake_all();
+                Ok(Some(wake)) => {
+                    if shared.lease.borrow().owned.owns(wake.partition()) {
+                        match wake {
+                            Wake::Events(_) => shared.router_wake.notify_one(),
+                            Wake::Due(_) => shared.wake_all(),
+                        }
                     }
                 }
                 Ok(None) => shared.wake_all(),

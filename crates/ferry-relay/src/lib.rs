@@ -26,6 +26,7 @@
 //! [`ferry_core::decide`]; the tasks only move data between store and sinks.
 
 mod batch;
+mod direct;
 mod engine;
 mod lease;
 pub mod metrics;

@@ -1,12 +1,18 @@
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
-use ferry_core::{Clock, Route, RoutePlan, Store, UnroutedEvent};
+use chrono::{DateTime, Utc};
+use ferry_core::{
+    Claimed, Clock, DirectBatch, DirectOutcome, DirectRecord, NO_ROUTE, Ownership, Route, RoutePlan, Store,
+    UnroutedEvent,
+};
+use tokio::sync::RwLockReadGuard;
 use tokio::time::{Duration, Instant};
 use tracing::{debug, warn};
 
 use crate::engine::Shared;
-use crate::metrics;
+use crate::{direct, metrics};
 
 /// Which routes each event goes to. An event that matches none gets an empty
 /// plan, which the store records as dead with reason `no route`.
@@ -34,97 +40,449 @@ const RECHECKS: [Duration; 3] = [
 ];
 
 pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
-    let mut sleeping = false;
-    let mut rechecks: Vec<Duration> = Vec::new();
+    let shared = &*shared;
+    let mut idle = Idle::default();
+    let mut direct = Direct::new(&shared.routes);
+    // Until the store says it has no direct path.
+    let mut direct_path = true;
     let mut backoff = Duration::from_millis(50);
     loop {
         if shared.cancel.is_cancelled() {
+            direct.finish(shared).await;
             return;
         }
-        let gate = shared.gate.read().await;
+        let gate = match direct.gate.take() {
+            Some(gate) => gate,
+            None => shared.gate.read().await,
+        };
         let Some(owned) = shared.valid_ownership() else {
+            direct.finish(shared).await;
             drop(gate);
             shared.wait_for_lease().await;
             continue;
         };
-        let fetched = shared.store.fetch_unrouted(&owned, shared.settings.batch_size).await;
-        let events = match fetched {
-            Ok(events) => events,
-            Err(err) => {
-                drop(gate);
-                warn!(error = %err, "fetching unrouted events failed; retrying");
-                ::metrics::counter!(metrics::STORE_ERRORS, "op" => "fetch_unrouted").increment(1);
+        let step = if direct_path {
+            direct.step(shared, owned, gate).await
+        } else {
+            let step = route_step(shared, &owned).await;
+            drop(gate);
+            step
+        };
+        let full = match step {
+            Step::Done { full } => full,
+            Step::Unsupported => {
+                direct_path = false;
+                continue;
+            }
+            Step::Failed => {
                 shared.sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
                 continue;
             }
         };
         backoff = Duration::from_millis(50);
-        let full = events.len() >= shared.settings.batch_size;
-        if !events.is_empty() {
-            let plans = plan_routes(&shared.routes, events);
-            let touched: HashSet<&str> = plans.iter().flat_map(|p| p.routes.iter().map(String::as_str)).collect();
-            let unroutable = plans.iter().filter(|p| p.routes.is_empty()).count();
-            let mut per_type: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
-            for p in &plans {
-                *per_type.entry(p.event.event_type.as_str()).or_default() += 1;
+        // Caught up: settle the last batch while waiting for the next
+        // commit, and let the gate go before the wait can outlast it.
+        let settling = async {
+            if !full {
+                direct.finish(shared).await;
             }
-            match shared.store.route(&owned, &plans, shared.clock.now()).await {
-                Ok(n) => {
-                    debug!(routed = n, "routed events");
-                    ::metrics::counter!(metrics::ROUTED).increment(n);
-                    // A store that routed fewer (a lost lease) leaves the rest
-                    // to the relay that routes them next.
-                    if n as usize == plans.len() {
-                        for (event_type, count) in per_type {
-                            ::metrics::counter!(metrics::ENQUEUED, "type" => event_type.to_owned()).increment(count);
-                        }
-                    }
-                    if unroutable > 0 {
-                        warn!(
-                            events = unroutable,
-                            "events matched no route and are dead with reason `no route`"
-                        );
-                        ::metrics::counter!(metrics::UNROUTABLE).increment(unroutable as u64);
-                    }
-                    for name in touched {
-                        shared.wake_route(name);
-                    }
-                }
-                Err(err) => {
-                    drop(gate);
-                    warn!(error = %err, "routing events failed; retrying");
-                    ::metrics::counter!(metrics::STORE_ERRORS, "op" => "route").increment(1);
-                    shared.sleep(backoff).await;
-                    continue;
-                }
-            }
+        };
+        let (_, go_on) = tokio::join!(settling, idle.after(shared, full));
+        if !go_on {
+            direct.finish(shared).await;
+            return;
         }
-        drop(gate);
+    }
+}
+
+/// How one round of the router went.
+enum Step {
+    /// `full`: the batch was full, more is likely waiting.
+    Done { full: bool },
+    /// The store has no direct path.
+    Unsupported,
+    /// A database error, logged; back off.
+    Failed,
+}
+
+/// Whether the router sleeps (and wants producers to notify it).
+#[derive(Default)]
+struct Idle {
+    sleeping: bool,
+    rechecks: Vec<Duration>,
+}
+
+impl Idle {
+    /// After a round: go on at once while busy, else wait for a commit
+    /// notification or a poll. `false` when the relay shuts down.
+    async fn after<S: Store, C: Clock>(&mut self, shared: &Shared<S, C>, full: bool) -> bool {
         if full {
             // Busy: keep going without waiting, and spare producers the NOTIFY.
-            if sleeping && shared.store.set_sleeping(&shared.settings.id, false).await.is_ok() {
-                sleeping = false;
+            if self.sleeping && shared.store.set_sleeping(&shared.settings.id, false).await.is_ok() {
+                self.sleeping = false;
             }
-            continue;
+            return true;
         }
-        if !sleeping {
+        if !self.sleeping {
             match shared.store.set_sleeping(&shared.settings.id, true).await {
                 Ok(()) => {
-                    sleeping = true;
-                    rechecks = RECHECKS.iter().rev().copied().collect();
-                    continue;
+                    self.sleeping = true;
+                    self.rechecks = RECHECKS.iter().rev().copied().collect();
+                    return true;
                 }
                 Err(err) => warn!(error = %err, "could not ask producers for notifications; polling instead"),
             }
         }
-        let wait = rechecks.pop().unwrap_or(shared.settings.poll_interval);
+        let wait = self.rechecks.pop().unwrap_or(shared.settings.poll_interval);
         let deadline = Instant::now() + wait;
         tokio::select! {
-            _ = shared.router_wake.notified() => {}
-            _ = tokio::time::sleep_until(deadline) => {}
-            _ = shared.cancel.cancelled() => return,
+            _ = shared.router_wake.notified() => true,
+            _ = tokio::time::sleep_until(deadline) => true,
+            _ = shared.cancel.cancelled() => false,
         }
+    }
+}
+
+/// The table path's routing: deliveries created for the route workers to
+/// claim. For stores without direct delivery.
+async fn route_step<S: Store, C: Clock>(shared: &Shared<S, C>, owned: &Ownership) -> Step {
+    let events = match shared.store.fetch_unrouted(owned, shared.settings.batch_size).await {
+        Ok(events) => events,
+        Err(err) => {
+            warn!(error = %err, "fetching unrouted events failed; retrying");
+            ::metrics::counter!(metrics::STORE_ERRORS, "op" => "fetch_unrouted").increment(1);
+            return Step::Failed;
+        }
+    };
+    let full = events.len() >= shared.settings.batch_size;
+    if events.is_empty() {
+        return Step::Done { full };
+    }
+    let plans = plan_routes(&shared.routes, events);
+    let touched: HashSet<&str> = plans.iter().flat_map(|p| p.routes.iter().map(String::as_str)).collect();
+    let unroutable = plans.iter().filter(|p| p.routes.is_empty()).count();
+    let mut per_type: HashMap<&str, u64> = HashMap::new();
+    for p in &plans {
+        *per_type.entry(p.event.event_type.as_str()).or_default() += 1;
+    }
+    match shared.store.route(owned, &plans, shared.clock.now()).await {
+        Ok(n) => {
+            debug!(routed = n, "routed events");
+            ::metrics::counter!(metrics::ROUTED).increment(n);
+            // A store that routed fewer (a lost lease) leaves the rest to the
+            // relay that routes them next.
+            if n as usize == plans.len() {
+                for (event_type, count) in per_type {
+                    ::metrics::counter!(metrics::ENQUEUED, "type" => event_type.to_owned()).increment(count);
+                }
+            }
+            if unroutable > 0 {
+                warn!(
+                    events = unroutable,
+                    "events matched no route and are dead with reason `no route`"
+                );
+                ::metrics::counter!(metrics::UNROUTABLE).increment(unroutable as u64);
+            }
+            for name in touched {
+                shared.wake_route(name);
+            }
+            Step::Done { full }
+        }
+        Err(err) => {
+            warn!(error = %err, "routing events failed; retrying");
+            ::metrics::counter!(metrics::STORE_ERRORS, "op" => "route").increment(1);
+            Step::Failed
+        }
+    }
+}
+
+/// Direct delivery: the router publishes new events itself, straight from
+/// the outbox, and writes their delivery rows afterwards (settles). An event
+/// goes to the delivery table instead (parked, for its route worker) when an
+/// earlier delivery of its key on that route is pending or dead there, or
+/// while its route's destination is down. Settling batch n overlaps
+/// publishing batch n + 1, or, caught up, the wait for the next commit.
+struct Direct<'a> {
+    route_names: Vec<String>,
+    /// Routes whose last direct publish confirmed nothing and failed
+    /// transiently: their events park until the route worker has emptied
+    /// the table of them.
+    down: HashSet<String>,
+    unsettled: Option<Unsettled>,
+    /// Held from a batch's publish until it is settled (see `Shared::quiesce`).
+    gate: Option<RwLockReadGuard<'a, ()>>,
+}
+
+/// A batch published (or parked), its delivery rows not written yet.
+struct Unsettled {
+    owned: Ownership,
+    seqs: Vec<i64>,
+    records: Vec<DirectRecord>,
+    now: DateTime<Utc>,
+}
+
+/// What an unsettled batch means for the next one, before the table shows
+/// it: the (route, key) pairs it parked, failed or killed.
+#[derive(Debug, Default)]
+pub(crate) struct Carry {
+    held: HashSet<(String, String)>,
+}
+
+impl Carry {
+    fn of(u: &Unsettled) -> Carry {
+        let mut carry = Carry::default();
+        for r in &u.records {
+            if matches!(r.outcome, DirectOutcome::Published { .. }) || r.route == NO_ROUTE {
+                continue;
+            }
+            if let Some(key) = &r.key {
+                carry.held.insert((r.route.clone(), key.clone()));
+            }
+        }
+        carry
+    }
+}
+
+/// Which events of a batch each route publishes directly and which it
+/// parks, by index into the batch; and the events that matched no route.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct DirectPlan {
+    /// Per route (index into the routes): (direct, parked).
+    pub per_route: Vec<(Vec<usize>, Vec<usize>)>,
+    pub unroutable: Vec<usize>,
+}
+
+/// Decides, without I/O, where each event of a direct batch goes.
+pub(crate) fn plan_direct(routes: &[Route], batch: &DirectBatch, down: &HashSet<String>, carry: &Carry) -> DirectPlan {
+    let mut plan = DirectPlan {
+        per_route: vec![(Vec::new(), Vec::new()); routes.len()],
+        unroutable: Vec::new(),
+    };
+    for (i, c) in batch.events.iter().enumerate() {
+        let mut matched = false;
+        for (r, route) in routes.iter().enumerate() {
+            if !route.matcher.matches(&c.event.event_type) {
+                continue;
+            }
+            matched = true;
+            let held = down.contains(&route.name)
+                || c.event.key.as_ref().is_some_and(|k| {
+                    batch.held.get(i).is_some_and(|h| h.contains(&route.name))
+                        || carry.held.contains(&(route.name.clone(), k.clone()))
+                });
+            if held {
+                plan.per_route[r].1.push(i);
+            } else {
+                plan.per_route[r].0.push(i);
+            }
+        }
+        if !matched {
+            plan.unroutable.push(i);
+        }
+    }
+    plan
+}
+
+impl<'a> Direct<'a> {
+    fn new(routes: &[Route]) -> Self {
+        Self {
+            route_names: routes.iter().map(|r| r.name.clone()).collect(),
+            down: HashSet::new(),
+            unsettled: None,
+            gate: None,
+        }
+    }
+
+    /// Settles what is unsettled and lets the gate go.
+    async fn finish<S: Store, C: Clock>(&mut self, shared: &Shared<S, C>) {
+        if let Some(u) = self.unsettled.take() {
+            settle(shared, u).await;
+        }
+        self.gate = None;
+    }
+
+    async fn step<S: Store, C: Clock>(
+        &mut self,
+        shared: &'a Shared<S, C>,
+        owned: Ownership,
+        gate: RwLockReadGuard<'a, ()>,
+    ) -> Step {
+        let previous = self.unsettled.take();
+        let exclude: Vec<i64> = previous.as_ref().map(|u| u.seqs.clone()).unwrap_or_default();
+        let down: Vec<String> = self.down.iter().cloned().collect();
+        let fetch_started = Instant::now();
+        let fetched = shared
+            .store
+            .fetch_direct(&owned, shared.settings.batch_size, &self.route_names, &down, &exclude)
+            .await;
+        let fetch_took = fetch_started.elapsed();
+        let batch = match fetched {
+            Ok(Some(batch)) => batch,
+            Ok(None) => {
+                debug_assert!(previous.is_none());
+                return Step::Unsupported;
+            }
+            Err(err) => {
+                if let Some(u) = previous {
+                    settle(shared, u).await;
+                }
+                drop(gate);
+                warn!(error = %err, "fetching new events failed; retrying");
+                ::metrics::counter!(metrics::STORE_ERRORS, "op" => "fetch_direct").increment(1);
+                return Step::Failed;
+            }
+        };
+        shared.progress.advanced();
+        if batch.events.is_empty() {
+            if let Some(u) = previous {
+                settle(shared, u).await;
+            }
+            drop(gate);
+            return Step::Done { full: false };
+        }
+        let full = batch.events.len() >= shared.settings.batch_size;
+        let carry = previous.as_ref().map(Carry::of).unwrap_or_default();
+        // A down route is back once the table holds nothing pending for it
+        // (what the unsettled batch parked on it is held back per key by
+        // `carry`, so trying it again early costs at most a failed attempt).
+        self.down.retain(|r| batch.busy.contains(r));
+        let plan = plan_direct(&shared.routes, &batch, &self.down, &carry);
+        let publish_started = Instant::now();
+        let (settle_took, (published, publish_took)) = tokio::join!(
+            async {
+                if let Some(u) = previous {
+                    settle(shared, u).await;
+                }
+                publish_started.elapsed()
+            },
+            async {
+                let published = self.publish(shared, owned, batch, plan).await;
+                (published, publish_started.elapsed())
+            },
+        );
+        shared.progress.advanced();
+        debug!(
+            events = published.seqs.len(),
+            ?fetch_took,
+            ?publish_took,
+            ?settle_took,
+            "direct batch published"
+        );
+        if !shared.quiesce.load(Ordering::SeqCst) && !shared.cancel.is_cancelled() {
+            // Settled while the next batch publishes, or while the router
+            // waits for new commits.
+            self.unsettled = Some(published);
+            self.gate = Some(gate);
+        } else {
+            settle(shared, published).await;
+            drop(gate);
+        }
+        Step::Done { full }
+    }
+
+    async fn publish<S: Store, C: Clock>(
+        &mut self,
+        shared: &Shared<S, C>,
+        owned: Ownership,
+        batch: DirectBatch,
+        plan: DirectPlan,
+    ) -> Unsettled {
+        let now = shared.clock.now();
+        let events = &batch.events;
+        let mut records: Vec<DirectRecord> = Vec::with_capacity(events.len());
+        let record = |i: usize, route: &str, outcome: DirectOutcome| DirectRecord {
+            seq: events[i].event.seq,
+            key: events[i].event.key.clone(),
+            route: route.to_owned(),
+            outcome,
+        };
+        for &i in &plan.unroutable {
+            records.push(record(i, NO_ROUTE, direct::no_route(&events[i].event.event_type)));
+            ::metrics::counter!(metrics::UNROUTABLE).increment(1);
+        }
+        if !plan.unroutable.is_empty() {
+            warn!(
+                events = plan.unroutable.len(),
+                "events matched no route and are dead with reason `no route`"
+            );
+        }
+        let mut per_type: HashMap<&str, u64> = HashMap::new();
+        for c in events {
+            *per_type.entry(c.event.event_type.as_str()).or_default() += 1;
+        }
+        for (event_type, count) in per_type {
+            ::metrics::counter!(metrics::ENQUEUED, "type" => event_type.to_owned()).increment(count);
+        }
+        let mut publishes = Vec::new();
+        for (route, (direct_ix, parked)) in shared.routes.iter().zip(plan.per_route) {
+            for i in parked {
+                records.push(record(i, &route.name, DirectOutcome::Parked));
+            }
+            if direct_ix.is_empty() {
+                continue;
+            }
+            let tagged: Vec<(usize, Claimed)> = direct_ix.into_iter().map(|i| (i, events[i].clone())).collect();
+            publishes.push(async move { (route, direct::publish(shared, route, tagged, None, "direct").await) });
+        }
+        for (route, published) in futures::future::join_all(publishes).await {
+            if published.down && self.down.insert(route.name.clone()) {
+                warn!(route = %route.name, "the destination failed; its events wait in the table for the route worker");
+            }
+            for (i, outcome) in published.outcomes {
+                records.push(record(i, &route.name, outcome));
+            }
+        }
+        Unsettled {
+            owned,
+            seqs: events.iter().map(|c| c.event.seq).collect(),
+            records,
+            now,
+        }
+    }
+}
+
+/// Writes a published batch's delivery rows, retrying while the lease
+/// lasts (a write that fails costs a duplicate publish later, never an
+/// event); then wakes the route workers of what it parked.
+async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        match shared.store.settle(&u.owned, &u.seqs, &u.records, u.now).await {
+            Ok(taken) => {
+                ::metrics::counter!(metrics::ROUTED).increment(taken);
+                let refused = u.seqs.len() as u64 - taken.min(u.seqs.len() as u64);
+                if refused > 0 {
+                    warn!(
+                        refused,
+                        "settling refused: lease lost; the next owner publishes those events again"
+                    );
+                    shared.counters.refused.fetch_add(refused, Ordering::Relaxed);
+                }
+                break;
+            }
+            Err(e) => {
+                ::metrics::counter!(metrics::STORE_ERRORS, "op" => "settle").increment(1);
+                if shared.valid_ownership().is_none()
+                    || shared.cancel.is_cancelled() && backoff > Duration::from_secs(1)
+                {
+                    warn!(events = u.seqs.len(), error = %e, "could not settle published events; they will be published again");
+                    return;
+                }
+                debug!(events = u.seqs.len(), error = %e, "settling failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+    let parked: HashSet<&str> = u
+        .records
+        .iter()
+        .filter(|r| !matches!(r.outcome, DirectOutcome::Published { .. }) && r.route != NO_ROUTE)
+        .map(|r| r.route.as_str())
+        .collect();
+    for name in parked {
+        shared.wake_route(name);
     }
 }
 
@@ -150,6 +508,54 @@ mod tests {
             event_type: t.into(),
             key: None,
         }
+    }
+
+    fn claimed(seq: i64, t: &str, key: Option<&str>) -> Claimed {
+        Claimed {
+            partition: 0,
+            attempts: 0,
+            event: ferry_core::StoredEvent {
+                id: ferry_core::EventId::new(),
+                seq,
+                event_type: t.into(),
+                key: key.map(Into::into),
+                payload: Default::default(),
+                content_type: "application/json".into(),
+                headers: Default::default(),
+                created_at: chrono::Utc::now(),
+            },
+        }
+    }
+
+    #[test]
+    fn direct_delivery_parks_only_what_an_earlier_delivery_of_its_key_holds_back() {
+        let routes = [route("orders", "order.*"), route("audit", "**")];
+        let batch = DirectBatch {
+            events: vec![
+                claimed(1, "order.created", Some("a")),
+                claimed(2, "order.created", Some("b")),
+                claimed(3, "order.created", Some("c")),
+                claimed(4, "order.created", None),
+                claimed(5, "user.created", Some("a")),
+            ],
+            // a is held on orders by the table (a pending or dead delivery).
+            held: vec![vec!["orders".into()], vec![], vec![], vec![], vec!["orders".into()]],
+            busy: vec![],
+        };
+        // b failed on audit in the batch still being settled.
+        let carry = Carry {
+            held: [("audit".to_string(), "b".to_string())].into(),
+        };
+        let plan = plan_direct(&routes, &batch, &HashSet::new(), &carry);
+        assert_eq!(plan.per_route[0], (vec![1, 2, 3], vec![0]), "orders");
+        assert_eq!(plan.per_route[1], (vec![0, 2, 3, 4], vec![1]), "audit");
+        assert!(plan.unroutable.is_empty());
+
+        // A route that is down parks everything, keyless events too; an
+        // event no route matches is reported.
+        let plan = plan_direct(&routes[..1], &batch, &["orders".to_string()].into(), &Carry::default());
+        assert_eq!(plan.per_route[0], (vec![], vec![0, 1, 2, 3]));
+        assert_eq!(plan.unroutable, vec![4]);
     }
 
     #[test]

@@ -12,16 +12,13 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use chrono::Utc;
-use ferry_core::{Claimed, Clock, ErrorKind, NO_ROUTE, Recorded, Route, Store, StoreError, Transition, decide};
+use ferry_core::{Claimed, Clock, ErrorKind, NO_ROUTE, Route, Store, StoreError};
 use ferry_store::postgres::wal::{Outcome, Settlement, WalEvent, WalItem, WalSource, WalStream, WalTxn};
-use rand::Rng;
 use tokio::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
-use crate::batch::publish_in_order;
 use crate::engine::Shared;
 use crate::metrics;
 
@@ -347,13 +344,7 @@ fn matching<'a>(routes: &'a [Route], e: &WalEvent) -> Vec<&'a Route> {
 }
 
 fn no_route(e: &WalEvent) -> Outcome {
-    Outcome::Dead {
-        attempts: 0,
-        reason: format!(
-            "no route: no [[routes]] entry matches type {:?}; add a route and requeue",
-            e.event.event_type
-        ),
-    }
+    crate::direct::no_route(&e.event.event_type)
 }
 
 /// Publishes one batch (or parks it behind what the table, or the batch
@@ -510,81 +501,19 @@ async fn publish_route<'a, S: Store, C: Clock>(
     if direct.is_empty() {
         return (route, out);
     }
-    let sink = shared.sinks[&route.sink].clone();
-    let claimed: Vec<Claimed> = direct
+    let tagged: Vec<(usize, Claimed)> = direct
         .iter()
-        .map(|&i| Claimed {
-            partition: all[i].partition.unwrap_or(0),
-            attempts: 0,
-            event: all[i].event.clone(),
+        .map(|&i| {
+            let c = Claimed {
+                partition: all[i].partition.unwrap_or(0),
+                attempts: 0,
+                event: all[i].event.clone(),
+            };
+            (i, c)
         })
         .collect();
-    ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);
-    let started = Instant::now();
-    let span = tracing::info_span!("ferry.publish", route = %route.name, events = claimed.len(), mode = "wal");
-    let published = tracing::Instrument::instrument(
-        tokio::time::timeout(
-            wal.options.publish_timeout,
-            publish_in_order(sink.as_ref(), route, &claimed),
-        ),
-        span,
-    )
-    .await;
-    ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
-        .record(started.elapsed().as_secs_f64());
-    let now = shared.clock.now();
-    let outcomes: Vec<Option<ferry_core::PublishOutcome>> = match published {
-        Ok(p) => {
-            if p.order_breaks > 0 {
-                shared
-                    .counters
-                    .order_breaks
-                    .fetch_add(p.order_breaks, Ordering::Relaxed);
-                ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(p.order_breaks);
-            }
-            p.outcomes
-        }
-        Err(_) => {
-            let error = ferry_core::SinkError::transient(format!(
-                "publish took longer than {:?} (WAL mode); the table path retries, the destination may see it twice",
-                wal.options.publish_timeout
-            ));
-            vec![Some(Err(error)); claimed.len()]
-        }
-    };
-    let mut recorded = Vec::new();
-    let mut accounted = Vec::new();
-    {
-        let mut rng = rand::rng();
-        for (c, (e, o)) in claimed.into_iter().zip(direct.into_iter().zip(outcomes)) {
-            let Some(o) = o else {
-                out.push((e, Outcome::Parked));
-                continue;
-            };
-            let transition = decide(0, &o, now, &shared.settings.retry, rng.random::<f64>());
-            out.push((
-                e,
-                match &transition {
-                    Transition::Published { at, .. } => Outcome::Published { at: *at },
-                    Transition::Retry { next_at, error, .. } => Outcome::Retry {
-                        next_at: *next_at,
-                        error: error.clone(),
-                    },
-                    Transition::Dead { attempts, reason } => Outcome::Dead {
-                        attempts: *attempts,
-                        reason: reason.clone(),
-                    },
-                },
-            ));
-            recorded.push(Recorded {
-                seq: c.event.seq,
-                expected_attempts: 0,
-                transition,
-            });
-            accounted.push(c);
-        }
-    }
-    crate::worker::account(shared, route, &accounted, &recorded, now);
+    let published = crate::direct::publish(shared, route, tagged, Some(wal.options.publish_timeout), "wal").await;
+    out.extend(published.outcomes);
     let parked = out.iter().filter(|(_, o)| matches!(o, Outcome::Parked)).count();
     if parked > 0 {
         ::metrics::counter!(metrics::WAL_PARKED, "route" => route.name.clone()).increment(parked as u64);

@@ -323,7 +323,7 @@ pub(crate) fn account<S: Store, C: Clock>(
 /// many traces, and a span has one parent. Costs nothing when no
 /// OpenTelemetry layer listens.
 #[cfg(feature = "otel")]
-fn link_producers(span: &tracing::Span, claimed: &[Claimed]) {
+pub(crate) fn link_producers(span: &tracing::Span, claimed: &[Claimed]) {
     use opentelemetry::KeyValue;
     use tracing_opentelemetry::OpenTelemetrySpanExt;
     if span.is_disabled() {

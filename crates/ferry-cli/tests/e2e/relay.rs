@@ -228,17 +228,21 @@ async fn a_database_connection_cut_mid_drain_loses_nothing() {
     tally.collect(&s.topo, 5_000, PATIENCE).await;
     assert_eq!(tally.unique(), 5_000, "lost events; log:\n{}", relay.log());
     tally.assert_per_key_order();
+    let log = relay.log();
     assert!(relay.terminate().success());
     // A batch confirmed while the database was unreachable may not have been
-    // recorded before the relay's lease lapsed: it stays pending and the next
-    // relay publishes it again (a duplicate the contract allows). Nothing may
-    // be dead, and every delivery is published or still pending.
+    // settled or recorded before the relay's lease lapsed: it stays unrouted
+    // or pending and the next relay publishes it again (a duplicate the
+    // contract allows). Nothing may be dead, and every event is published or
+    // still waiting.
     let direct = s.config(&Overrides::default());
-    let (published, pending, dead) = published(&s.status(&direct).await, "orders");
+    let status = s.status(&direct).await;
+    let (published, pending, dead) = published(&status, "orders");
+    let unrouted = status["unrouted"].as_u64().unwrap();
     assert_eq!(
-        (published + pending, dead),
+        (published + pending + unrouted, dead),
         (5_000, 0),
-        "{published} published, {pending} pending"
+        "{published} published, {pending} pending, {unrouted} unrouted; log:\n{log}"
     );
 }
 

@@ -1,0 +1,122 @@
+//! Publishing straight from the outbox, without a delivery row to claim:
+//! shared by the router's direct delivery and WAL streaming. Whoever calls
+//! it has decided which events may go directly (nothing earlier of their key
+//! waits in the delivery table); the outcomes become delivery rows when the
+//! batch is settled.
+
+use std::sync::atomic::Ordering;
+
+use ferry_core::{
+    Claimed, Clock, DirectOutcome, ErrorKind, PublishOutcome, Recorded, Route, SinkError, Store, Transition, decide,
+};
+use rand::Rng;
+use tokio::time::{Duration, Instant};
+
+use crate::batch::publish_in_order;
+use crate::engine::Shared;
+use crate::metrics;
+
+/// One route's direct publish.
+pub(crate) struct DirectPublish {
+    /// (caller's index, outcome) for every event handed in.
+    pub outcomes: Vec<(usize, DirectOutcome)>,
+    /// Nothing was confirmed and something failed transiently: the
+    /// destination looks down.
+    pub down: bool,
+}
+
+/// Publishes `claimed` (each tagged with the caller's index) to `route` as
+/// one pipelined batch, in order. An event held back behind a failure of its
+/// key in the batch comes back [`DirectOutcome::Parked`]. A publish slower
+/// than `timeout` counts as a transient failure of every event in it.
+pub(crate) async fn publish<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    route: &Route,
+    tagged: Vec<(usize, Claimed)>,
+    timeout: Option<Duration>,
+    mode: &'static str,
+) -> DirectPublish {
+    let (index, claimed): (Vec<usize>, Vec<Claimed>) = tagged.into_iter().unzip();
+    let sink = shared.sinks[&route.sink].clone();
+    ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);
+    let started = Instant::now();
+    let span = tracing::info_span!("ferry.publish", route = %route.name, events = claimed.len(), mode);
+    #[cfg(feature = "otel")]
+    crate::worker::link_producers(&span, &claimed);
+    let publishing = tracing::Instrument::instrument(publish_in_order(sink.as_ref(), route, &claimed), span);
+    let published = match timeout {
+        Some(t) => tokio::time::timeout(t, publishing).await.map_err(|_| t),
+        None => Ok(publishing.await),
+    };
+    ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
+        .record(started.elapsed().as_secs_f64());
+    let now = shared.clock.now();
+    let outcomes: Vec<Option<PublishOutcome>> = match published {
+        Ok(p) => {
+            if p.order_breaks > 0 {
+                shared
+                    .counters
+                    .order_breaks
+                    .fetch_add(p.order_breaks, Ordering::Relaxed);
+                ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(p.order_breaks);
+            }
+            p.outcomes
+        }
+        Err(t) => {
+            let error = SinkError::transient(format!(
+                "publish took longer than {t:?}; the table path retries, the destination may see it twice"
+            ));
+            vec![Some(Err(error)); claimed.len()]
+        }
+    };
+    let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(()))));
+    let transient = outcomes
+        .iter()
+        .any(|o| matches!(o, Some(Err(e)) if e.kind == ErrorKind::Transient));
+    let mut out = Vec::with_capacity(claimed.len());
+    let mut recorded = Vec::with_capacity(claimed.len());
+    let mut accounted = Vec::with_capacity(claimed.len());
+    {
+        let mut rng = rand::rng();
+        for ((i, c), o) in index.into_iter().zip(claimed).zip(outcomes) {
+            let Some(o) = o else {
+                out.push((i, DirectOutcome::Parked));
+                continue;
+            };
+            let transition = decide(0, &o, now, &shared.settings.retry, rng.random::<f64>());
+            out.push((
+                i,
+                match &transition {
+                    Transition::Published { at, .. } => DirectOutcome::Published { at: *at },
+                    Transition::Retry { next_at, error, .. } => DirectOutcome::Retry {
+                        next_at: *next_at,
+                        error: error.clone(),
+                    },
+                    Transition::Dead { attempts, reason } => DirectOutcome::Dead {
+                        attempts: *attempts,
+                        reason: reason.clone(),
+                    },
+                },
+            ));
+            recorded.push(Recorded {
+                seq: c.event.seq,
+                expected_attempts: 0,
+                transition,
+            });
+            accounted.push(c);
+        }
+    }
+    crate::worker::account(shared, route, &accounted, &recorded, now);
+    DirectPublish {
+        outcomes: out,
+        down: !confirmed && transient,
+    }
+}
+
+/// The dead outcome of an event that matched no route.
+pub(crate) fn no_route(event_type: &str) -> DirectOutcome {
+    DirectOutcome::Dead {
+        attempts: 0,
+        reason: format!("no route: no [[routes]] entry matches type {event_type:?}; add a route and requeue"),
+    }
+}
