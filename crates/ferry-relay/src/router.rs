@@ -448,8 +448,10 @@ impl<'a> Direct<'a> {
 async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) {
     let mut backoff = Duration::from_millis(20);
     loop {
+        let started = Instant::now();
         match shared.store.settle(&u.owned, &u.seqs, &u.records, u.now).await {
             Ok(taken) => {
+                debug!(events = u.seqs.len(), took = ?started.elapsed(), "settled");
                 ::metrics::counter!(metrics::ROUTED).increment(taken);
                 let refused = u.seqs.len() as u64 - taken.min(u.seqs.len() as u64);
                 if refused > 0 {

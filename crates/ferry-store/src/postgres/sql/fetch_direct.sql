@@ -6,6 +6,10 @@
 -- owned partitions. Events published but not settled yet ($5) are skipped.
 -- $1 owned partitions, $2 limit, $3 routes, $4 routes reported down,
 -- $5 seqs to skip
+--
+-- Each event is looked up by its seq (LATERAL, kept apart by its LIMIT): a
+-- prepared statement's generic plan otherwise may merge-join the batch with
+-- the whole events table, a scan that grows with the outbox.
 WITH batch AS MATERIALIZED (
     SELECT u.seq, u.partition
       FROM ferry.unrouted u
@@ -27,5 +31,5 @@ SELECT b.seq, b.partition, 0 AS attempts,
                              WHERE d.route = r.route AND d.state = 'pending'
                                AND d.partition = ANY($1::int[]))) AS busy
   FROM batch b
-  JOIN ferry.events e ON e.seq = b.seq
+ CROSS JOIN LATERAL (SELECT * FROM ferry.events e WHERE e.seq = b.seq LIMIT 1) e
  ORDER BY b.seq
