@@ -8,10 +8,13 @@
 //!   hands back partitions above its fair share (after the workers have
 //!   quiesced) and takes free or expired ones;
 //! - the **router** reads committed, unrouted events of the leased partitions
-//!   and creates one delivery per matching route (or a dead `no route` one);
-//! - one **worker per route** claims due deliveries in outbox order, publishes
-//!   them as one pipelined batch, decides each outcome with
-//!   [`ferry_core::decide`] and records it, fenced by the lease;
+//!   and publishes them directly to every matching route, then settles their
+//!   delivery rows (a dead `no route` one for an event that matches none);
+//!   an event whose key waits in the table on a route is parked behind it;
+//! - one **worker per route** works the table path: it claims due deliveries
+//!   (retries, parked events, requeues) in outbox order, publishes them as
+//!   one pipelined batch, decides each outcome with [`ferry_core::decide`]
+//!   and records it, fenced by the lease;
 //! - the **listener** turns commit notifications into wake-ups.
 //!
 //! With the `wal` feature and [`Relay::with_wal`], a **streamer** takes the

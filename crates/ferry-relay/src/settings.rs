@@ -6,7 +6,7 @@ use ferry_core::{RelayId, RetryPolicy};
 #[derive(Debug, Clone)]
 pub struct RelaySettings {
     pub id: RelayId,
-    /// Events routed, and deliveries claimed, per round trip.
+    /// Events fetched and published, and deliveries claimed, per round trip.
     pub batch_size: usize,
     /// How long a partition lease lasts without renewal. Renewed every third.
     pub lease: Duration,
