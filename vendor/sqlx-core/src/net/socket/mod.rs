@@ -189,7 +189,7 @@ pub async fn connect_tcp<Ws: WithSocket>(
     #[cfg(feature = "_rt-tokio")]
     if crate::rt::rt_tokio::available() {
         let stream = tokio::net::TcpStream::connect((host, port)).await?;
-        // Patched (upstream launchbadge/sqlx#4336, unreleased in 0.9.0):
+        // Patched (upstream sqlx #4336, not released in 0.9.0):
         // without TCP_NODELAY, a message longer than one segment waits for
         // the server's delayed ACK, about 40 ms.
         stream.set_nodelay(true)?;
