@@ -210,8 +210,21 @@ struct Direct<'a> {
     /// the table of them.
     down: HashSet<String>,
     unsettled: Option<Unsettled>,
+    /// The next batch, fetched while the last one published (only while
+    /// batches come full).
+    ahead: Option<Ahead>,
+    /// What the batch settled during `ahead`'s fetch parked, failed or
+    /// killed: that fetch may not have seen it.
+    ahead_carry: Carry,
     /// Held from a batch's publish until it is settled (see `Shared::quiesce`).
     gate: Option<RwLockReadGuard<'a, ()>>,
+}
+
+/// A batch fetched ahead, under the leases it was fetched with.
+struct Ahead {
+    leases: Vec<(ferry_core::Partition, i64)>,
+    batch: DirectBatch,
+    fetch_took: Duration,
 }
 
 /// A batch published (or parked), its delivery rows not written yet.
@@ -230,6 +243,10 @@ pub(crate) struct Carry {
 }
 
 impl Carry {
+    fn extend(&mut self, other: Carry) {
+        self.held.extend(other.held);
+    }
+
     fn of(u: &Unsettled) -> Carry {
         let mut carry = Carry::default();
         for r in &u.records {
@@ -290,6 +307,8 @@ impl<'a> Direct<'a> {
             route_names: routes.iter().map(|r| r.name.clone()).collect(),
             down: HashSet::new(),
             unsettled: None,
+            ahead: None,
+            ahead_carry: Carry::default(),
             gate: None,
         }
     }
@@ -299,6 +318,8 @@ impl<'a> Direct<'a> {
         if let Some(u) = self.unsettled.take() {
             settle(shared, u).await;
         }
+        // Not published: its events stay unrouted and are fetched again.
+        self.ahead = None;
         self.gate = None;
     }
 
@@ -309,14 +330,25 @@ impl<'a> Direct<'a> {
         gate: RwLockReadGuard<'a, ()>,
     ) -> Step {
         let previous = self.unsettled.take();
-        let exclude: Vec<i64> = previous.as_ref().map(|u| u.seqs.clone()).unwrap_or_default();
         let down: Vec<String> = self.down.iter().cloned().collect();
-        let fetch_started = Instant::now();
-        let fetched = shared
-            .store
-            .fetch_direct(&owned, shared.settings.batch_size, &self.route_names, &down, &exclude)
-            .await;
-        let fetch_took = fetch_started.elapsed();
+        let (fetched, fetch_took, mut carry) = match self.ahead.take() {
+            // Fetched while `previous` published: it skipped `previous`'s
+            // events but may have missed what `previous` and the batch
+            // settled beside it parked.
+            Some(a) if a.leases == owned.leases => {
+                (Ok(Some(a.batch)), a.fetch_took, std::mem::take(&mut self.ahead_carry))
+            }
+            _ => {
+                self.ahead_carry = Carry::default();
+                let exclude: Vec<i64> = previous.as_ref().map(|u| u.seqs.clone()).unwrap_or_default();
+                let fetch_started = Instant::now();
+                let fetched = shared
+                    .store
+                    .fetch_direct(&owned, shared.settings.batch_size, &self.route_names, &down, &exclude)
+                    .await;
+                (fetched, fetch_started.elapsed(), Carry::default())
+            }
+        };
         let batch = match fetched {
             Ok(Some(batch)) => batch,
             Ok(None) => {
@@ -342,14 +374,35 @@ impl<'a> Direct<'a> {
             return Step::Done { full: false };
         }
         let full = batch.events.len() >= shared.settings.batch_size;
-        let carry = previous.as_ref().map(Carry::of).unwrap_or_default();
+        let previous_carry = previous.as_ref().map(Carry::of).unwrap_or_default();
         // A down route is back once the table holds nothing pending for it
         // (what the unsettled batch parked on it is held back per key by
         // `carry`, so trying it again early costs at most a failed attempt).
         self.down.retain(|r| batch.busy.contains(r));
+        // While batches come full, the next one is fetched beside this
+        // one's publish, skipping this batch and the one being settled.
+        let fetch_ahead = full && !shared.quiesce.load(Ordering::SeqCst) && !shared.cancel.is_cancelled();
+        let ahead_exclude: Vec<i64> = if fetch_ahead {
+            let mut seqs: Vec<i64> = batch.events.iter().map(|c| c.event.seq).collect();
+            if let Some(u) = &previous {
+                seqs.extend_from_slice(&u.seqs);
+            }
+            seqs
+        } else {
+            Vec::new()
+        };
+        let settling_carry = if fetch_ahead {
+            previous.as_ref().map(Carry::of).unwrap_or_default()
+        } else {
+            Carry::default()
+        };
+        carry.extend(previous_carry);
         let plan = plan_direct(&shared.routes, &batch, &self.down, &carry);
+        let leases = owned.leases.clone();
+        let ahead_owned = owned.clone();
+        let route_names = self.route_names.clone();
         let publish_started = Instant::now();
-        let (settle_took, (published, publish_took)) = tokio::join!(
+        let (settle_took, (published, publish_took), ahead) = tokio::join!(
             async {
                 if let Some(u) = previous {
                     settle(shared, u).await;
@@ -360,7 +413,40 @@ impl<'a> Direct<'a> {
                 let published = self.publish(shared, owned, batch, plan).await;
                 (published, publish_started.elapsed())
             },
+            async {
+                if !fetch_ahead {
+                    return None;
+                }
+                let started = Instant::now();
+                let fetched = shared
+                    .store
+                    .fetch_direct(
+                        &ahead_owned,
+                        shared.settings.batch_size,
+                        &route_names,
+                        &down,
+                        &ahead_exclude,
+                    )
+                    .await;
+                match fetched {
+                    Ok(Some(batch)) if !batch.events.is_empty() => Some((batch, started.elapsed())),
+                    Ok(_) => None,
+                    Err(e) => {
+                        // The next round fetches again.
+                        debug!(error = %e, "fetching ahead failed");
+                        None
+                    }
+                }
+            },
         );
+        if let Some((batch, fetch_took)) = ahead {
+            self.ahead = Some(Ahead {
+                leases,
+                batch,
+                fetch_took,
+            });
+            self.ahead_carry = settling_carry;
+        }
         shared.progress.advanced();
         debug!(
             events = published.seqs.len(),
