@@ -5,9 +5,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_core::{Event, EventId, Glob, NO_ROUTE, Route, Sink, SinkError, SystemClock};
+use ferry_core::{Event, EventId, Glob, NO_ROUTE, Route, Sink, SinkError, Store, SystemClock};
 use ferry_relay::{Relay, RelaySettings};
 use ferry_store::postgres::{PgStore, enqueue_batch, migrate};
+use ferry_testkit::hooked::Hooked;
 use ferry_testkit::mock_sink::MockSink;
 use ferry_testkit::pg::TestDb;
 use serde_json::json;
@@ -52,12 +53,16 @@ fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
 }
 
 fn start_with(e: &Env, settings: RelaySettings, routes: Vec<Route>) -> Running {
+    start_on(e, PgStore::new(e.pool.clone()), settings, routes)
+}
+
+fn start_on(e: &Env, store: impl Store, settings: RelaySettings, routes: Vec<Route>) -> Running {
     let sinks: HashMap<String, Arc<dyn Sink>> = [
         ("mock".to_string(), e.sink.clone() as Arc<dyn Sink>),
         ("other".to_string(), e.other.clone() as Arc<dyn Sink>),
     ]
     .into();
-    let relay = Relay::new(PgStore::new(e.pool.clone()), SystemClock, settings, routes, sinks).unwrap();
+    let relay = Relay::new(store, SystemClock, settings, routes, sinks).unwrap();
     let (stop, rx) = oneshot::channel();
     let handle = tokio::spawn(async move {
         relay
@@ -464,95 +469,6 @@ async fn a_relay_dropped_mid_run_stops_renewing_and_another_takes_over() {
     assert!(report.published > 0, "the successor took work over: {report:?}");
 }
 
-/// The PostgreSQL store with a slow settle: the router's next-batch fetch,
-/// made while a batch is published, then always runs before the settle of
-/// the batch before it commits.
-#[derive(Clone)]
-struct SlowSettle(PgStore);
-
-#[async_trait::async_trait]
-impl ferry_core::Store for SlowSettle {
-    async fn tick(
-        &self,
-        relay: &ferry_core::RelayId,
-        lease: Duration,
-        release: &[ferry_core::Partition],
-    ) -> Result<ferry_core::Ownership, ferry_core::StoreError> {
-        self.0.tick(relay, lease, release).await
-    }
-    async fn leave(&self, relay: &ferry_core::RelayId) -> Result<(), ferry_core::StoreError> {
-        self.0.leave(relay).await
-    }
-    async fn fetch_unrouted(
-        &self,
-        owned: &ferry_core::Ownership,
-        limit: usize,
-    ) -> Result<Vec<ferry_core::UnroutedEvent>, ferry_core::StoreError> {
-        self.0.fetch_unrouted(owned, limit).await
-    }
-    async fn route(
-        &self,
-        owned: &ferry_core::Ownership,
-        plans: &[ferry_core::RoutePlan],
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<u64, ferry_core::StoreError> {
-        self.0.route(owned, plans, now).await
-    }
-    async fn fetch_direct(
-        &self,
-        owned: &ferry_core::Ownership,
-        limit: usize,
-        routes: &[String],
-        down: &[String],
-        exclude: &[i64],
-    ) -> Result<Option<ferry_core::DirectBatch>, ferry_core::StoreError> {
-        self.0.fetch_direct(owned, limit, routes, down, exclude).await
-    }
-    async fn settle(
-        &self,
-        owned: &ferry_core::Ownership,
-        seqs: &[i64],
-        records: &[ferry_core::DirectRecord],
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<u64, ferry_core::StoreError> {
-        tokio::time::sleep(Duration::from_millis(150)).await;
-        self.0.settle(owned, seqs, records, now).await
-    }
-    async fn claim(
-        &self,
-        owned: &ferry_core::Ownership,
-        route: &str,
-        limit: usize,
-        now: chrono::DateTime<chrono::Utc>,
-        exclude: &[i64],
-    ) -> Result<Vec<ferry_core::Claimed>, ferry_core::StoreError> {
-        self.0.claim(owned, route, limit, now, exclude).await
-    }
-    async fn record(
-        &self,
-        owned: &ferry_core::Ownership,
-        route: &str,
-        outcomes: &[ferry_core::Recorded],
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<u64, ferry_core::StoreError> {
-        self.0.record(owned, route, outcomes, now).await
-    }
-    async fn next_due(
-        &self,
-        owned: &ferry_core::Ownership,
-        route: &str,
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, ferry_core::StoreError> {
-        self.0.next_due(owned, route, now).await
-    }
-    async fn set_sleeping(&self, relay: &ferry_core::RelayId, sleeping: bool) -> Result<(), ferry_core::StoreError> {
-        self.0.set_sleeping(relay, sleeping).await
-    }
-    async fn listen(&self) -> Result<Box<dyn ferry_core::WakeSource>, ferry_core::StoreError> {
-        self.0.listen().await
-    }
-}
-
 /// Batch n fails an event of key k; batch n + 1 has no k; batch n + 2,
 /// fetched while batch n's settle has not committed yet, has k's next event.
 /// That event must wait behind the failed one (in the table) rather than go
@@ -579,33 +495,19 @@ async fn a_failure_holds_its_key_back_in_a_batch_fetched_before_the_failure_was_
         (ev.id == first_k && !failed.swap(true, std::sync::atomic::Ordering::SeqCst))
             .then(|| SinkError::transient("refused once"))
     });
-    let sinks: HashMap<String, Arc<dyn Sink>> = [("mock".to_string(), e.sink.clone() as Arc<dyn Sink>)].into();
-    let relay = Relay::new(
-        SlowSettle(PgStore::new(e.pool.clone())),
-        SystemClock,
-        RelaySettings {
-            batch_size: 10,
-            ..settings("slow-settle", 6)
-        },
-        vec![route("orders", "order.**")],
-        sinks,
-    )
-    .unwrap();
-    let (stop, rx) = oneshot::channel();
-    let handle = tokio::spawn(async move {
-        relay
-            .run(async {
-                let _ = rx.await;
-            })
-            .await
-            .unwrap()
-    });
+    // A slow settle: the router's next-batch fetch, made while a batch is
+    // published, then always runs before the batch before it is settled.
+    let store = Hooked::delaying(PgStore::new(e.pool.clone()), "settle", Duration::from_millis(150));
+    let settings = RelaySettings {
+        batch_size: 10,
+        ..settings("slow-settle", 6)
+    };
+    let relay = start_on(&e, store, settings, vec![route("orders", "order.**")]);
     eventually("all 40 events", Duration::from_secs(30), || {
         e.sink.delivered_ids("orders").len() >= 40
     })
     .await;
-    let _ = stop.send(());
-    let report = handle.await.unwrap();
+    let report = relay.stop().await;
     let k: Vec<EventId> = e
         .sink
         .delivered("orders")

@@ -6,7 +6,8 @@
 //!   fault tests against real services.
 //! - [`rabbit`]: uniquely named RabbitMQ exchanges and queues, and a counting
 //!   consumer.
-//! - [`clock`]: a manual clock; [`mock_sink`]: a scripted sink for engine tests.
+//! - [`clock`]: a manual clock; [`mock_sink`]: a scripted sink for engine tests;
+//!   [`hooked`]: a store whose calls can be failed or delayed.
 //! - [`store_suite`] and [`sink_suite`]: the conformance suites every store
 //!   and sink implementation runs against the real thing; [`admin_suite`]
 //!   and [`retention_suite`], the operator's commands, retention and gauges
@@ -14,6 +15,7 @@
 
 pub mod admin_suite;
 pub mod clock;
+pub mod hooked;
 pub mod metrics;
 pub mod mock_sink;
 pub mod pg;

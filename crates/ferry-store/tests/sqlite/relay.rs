@@ -6,12 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use ferry_core::{
     ErrorKind, Event, EventId, Glob, RelayId, RetryPolicy, Route, Sink, SinkError, Store, StoredEvent, SystemClock,
 };
 use ferry_relay::{Relay, RelaySettings, RunReport};
 use ferry_store::sqlite::SqliteStore;
+use ferry_testkit::hooked::Hooked;
 use ferry_testkit::mock_sink::MockSink;
 use ferry_testkit::store_suite::StoreHarness;
 use serde_json::json;
@@ -230,119 +230,6 @@ async fn a_failing_sink_loses_nothing() {
     assert_eq!((orders.published, orders.dead, orders.blocked.waiting), (300, 1, 1));
 }
 
-/// A store that fails every call once killed: how a relay that died looks
-/// to the database (no more heartbeats, renewals or writes). Aborting a
-/// relay's task alone is not enough, since the engine's lease keeper and
-/// listener are spawned apart from it.
-#[derive(Clone)]
-struct Killable {
-    inner: SqliteStore,
-    dead: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Killable {
-    fn check(&self) -> Result<(), ferry_core::StoreError> {
-        if self.dead.load(std::sync::atomic::Ordering::SeqCst) {
-            Err(ferry_core::StoreError::transient("the relay process is gone"))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-#[async_trait]
-impl Store for Killable {
-    async fn tick(
-        &self,
-        relay: &RelayId,
-        lease: Duration,
-        release: &[ferry_core::Partition],
-    ) -> Result<ferry_core::Ownership, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.tick(relay, lease, release).await
-    }
-    async fn leave(&self, relay: &RelayId) -> Result<(), ferry_core::StoreError> {
-        self.check()?;
-        self.inner.leave(relay).await
-    }
-    async fn fetch_unrouted(
-        &self,
-        owned: &ferry_core::Ownership,
-        limit: usize,
-    ) -> Result<Vec<ferry_core::UnroutedEvent>, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.fetch_unrouted(owned, limit).await
-    }
-    async fn route(
-        &self,
-        owned: &ferry_core::Ownership,
-        plans: &[ferry_core::RoutePlan],
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<u64, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.route(owned, plans, now).await
-    }
-    async fn fetch_direct(
-        &self,
-        owned: &ferry_core::Ownership,
-        limit: usize,
-        routes: &[String],
-        down: &[String],
-        exclude: &[i64],
-    ) -> Result<Option<ferry_core::DirectBatch>, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.fetch_direct(owned, limit, routes, down, exclude).await
-    }
-    async fn settle(
-        &self,
-        owned: &ferry_core::Ownership,
-        seqs: &[i64],
-        records: &[ferry_core::DirectRecord],
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<u64, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.settle(owned, seqs, records, now).await
-    }
-    async fn claim(
-        &self,
-        owned: &ferry_core::Ownership,
-        route: &str,
-        limit: usize,
-        now: chrono::DateTime<chrono::Utc>,
-        exclude: &[i64],
-    ) -> Result<Vec<ferry_core::Claimed>, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.claim(owned, route, limit, now, exclude).await
-    }
-    async fn record(
-        &self,
-        owned: &ferry_core::Ownership,
-        route: &str,
-        outcomes: &[ferry_core::Recorded],
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<u64, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.record(owned, route, outcomes, now).await
-    }
-    async fn next_due(
-        &self,
-        owned: &ferry_core::Ownership,
-        route: &str,
-        now: chrono::DateTime<chrono::Utc>,
-    ) -> Result<Option<chrono::DateTime<chrono::Utc>>, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.next_due(owned, route, now).await
-    }
-    async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), ferry_core::StoreError> {
-        self.check()?;
-        self.inner.set_sleeping(relay, sleeping).await
-    }
-    async fn listen(&self) -> Result<Box<dyn ferry_core::WakeSource>, ferry_core::StoreError> {
-        self.check()?;
-        self.inner.listen().await
-    }
-}
-
 /// A relay that dies mid-drain (no clean shutdown, leases left behind) loses
 /// nothing: its leases expire and the next relay takes the work over.
 /// Duplicates are allowed (published, not yet recorded); order per key holds.
@@ -351,10 +238,25 @@ async fn a_relay_that_dies_mid_drain_loses_nothing() {
     let h = harness().await;
     let sink = Arc::new(MockSink::new());
     let ids = produce(&h, orders(3000, 30)).await;
-    let doomed = Killable {
-        inner: h.store.clone(),
-        dead: Arc::default(),
-    };
+    // Fails every call once killed: how a relay that died looks to the
+    // database (no more heartbeats, renewals or writes). Aborting the
+    // relay's task alone is not enough, since the engine's lease keeper and
+    // listener are spawned apart from it.
+    let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let killed = dead.clone();
+    let doomed = Hooked::new(
+        h.store.clone(),
+        Arc::new(move |_| {
+            let dead = killed.load(std::sync::atomic::Ordering::SeqCst);
+            Box::pin(async move {
+                if dead {
+                    Err(ferry_core::StoreError::transient("the relay process is gone"))
+                } else {
+                    Ok(())
+                }
+            })
+        }),
+    );
     let relay = Relay::new(
         doomed.clone(),
         SystemClock,
@@ -368,7 +270,7 @@ async fn a_relay_that_dies_mid_drain_loses_nothing() {
         !sink.delivered("orders").is_empty()
     })
     .await;
-    doomed.dead.store(true, std::sync::atomic::Ordering::SeqCst);
+    dead.store(true, std::sync::atomic::Ordering::SeqCst);
     first.abort();
     let _ = first.await;
     let before = sink.delivered("orders").len();

@@ -1,0 +1,125 @@
+//! A store wrapper for fault tests: every call runs a hook first, which can
+//! fail it (a relay whose process died) or delay it (a slow write), then
+//! goes to the wrapped store. Every method of [`Store`] is forwarded, the
+//! direct-delivery ones included, so the relay sees the same store it would
+//! see without the wrapper.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use ferry_core::{
+    Claimed, DirectBatch, DirectRecord, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError,
+    UnroutedEvent, WakeSource,
+};
+use futures::future::BoxFuture;
+
+/// Runs before each call, given the method's name; an error is returned in
+/// place of the call.
+pub type Hook = Arc<dyn Fn(&'static str) -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>;
+
+/// `inner`, with `hook` run before every call.
+#[derive(Clone)]
+pub struct Hooked<S> {
+    pub inner: S,
+    pub hook: Hook,
+}
+
+impl<S> Hooked<S> {
+    pub fn new(inner: S, hook: Hook) -> Self {
+        Self { inner, hook }
+    }
+
+    /// Delays every call of `method` by `delay`.
+    pub fn delaying(inner: S, method: &'static str, delay: Duration) -> Self {
+        let hook: Hook = Arc::new(move |called| {
+            Box::pin(async move {
+                if called == method {
+                    tokio::time::sleep(delay).await;
+                }
+                Ok(())
+            })
+        });
+        Self { inner, hook }
+    }
+}
+
+#[async_trait]
+impl<S: Store> Store for Hooked<S> {
+    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
+        (self.hook)("tick").await?;
+        self.inner.tick(relay, lease, release).await
+    }
+    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
+        (self.hook)("leave").await?;
+        self.inner.leave(relay).await
+    }
+    async fn fetch_unrouted(&self, owned: &Ownership, limit: usize) -> Result<Vec<UnroutedEvent>, StoreError> {
+        (self.hook)("fetch_unrouted").await?;
+        self.inner.fetch_unrouted(owned, limit).await
+    }
+    async fn route(&self, owned: &Ownership, plans: &[RoutePlan], now: DateTime<Utc>) -> Result<u64, StoreError> {
+        (self.hook)("route").await?;
+        self.inner.route(owned, plans, now).await
+    }
+    async fn fetch_direct(
+        &self,
+        owned: &Ownership,
+        limit: usize,
+        routes: &[String],
+        down: &[String],
+        exclude: &[i64],
+    ) -> Result<Option<DirectBatch>, StoreError> {
+        (self.hook)("fetch_direct").await?;
+        self.inner.fetch_direct(owned, limit, routes, down, exclude).await
+    }
+    async fn settle(
+        &self,
+        owned: &Ownership,
+        seqs: &[i64],
+        records: &[DirectRecord],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        (self.hook)("settle").await?;
+        self.inner.settle(owned, seqs, records, now).await
+    }
+    async fn claim(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        limit: usize,
+        now: DateTime<Utc>,
+        exclude: &[i64],
+    ) -> Result<Vec<Claimed>, StoreError> {
+        (self.hook)("claim").await?;
+        self.inner.claim(owned, route, limit, now, exclude).await
+    }
+    async fn record(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        outcomes: &[Recorded],
+        now: DateTime<Utc>,
+    ) -> Result<u64, StoreError> {
+        (self.hook)("record").await?;
+        self.inner.record(owned, route, outcomes, now).await
+    }
+    async fn next_due(
+        &self,
+        owned: &Ownership,
+        route: &str,
+        now: DateTime<Utc>,
+    ) -> Result<Option<DateTime<Utc>>, StoreError> {
+        (self.hook)("next_due").await?;
+        self.inner.next_due(owned, route, now).await
+    }
+    async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError> {
+        (self.hook)("set_sleeping").await?;
+        self.inner.set_sleeping(relay, sleeping).await
+    }
+    async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
+        (self.hook)("listen").await?;
+        self.inner.listen().await
+    }
+}
