@@ -96,6 +96,10 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
     }
 }
 
+/// The `route` label under which events whose direct settle was refused
+/// are counted in `ferry_outcomes_refused_total`.
+const DIRECT_REFUSED: &str = "(direct)";
+
 /// How one round of the router went.
 enum Step {
     /// `full`: the batch was full, more is likely waiting.
@@ -546,6 +550,7 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) {
                         "settling refused: lease lost; the next owner publishes those events again"
                     );
                     shared.counters.refused.fetch_add(refused, Ordering::Relaxed);
+                    ::metrics::counter!(metrics::REFUSED, "route" => DIRECT_REFUSED).increment(refused);
                 }
                 break;
             }
