@@ -155,6 +155,25 @@ async fn events_arrive_in_commit_order_across_concurrent_transactions() {
         e.sink.delivered_ids("all").len() >= early.len()
     })
     .await;
+    // Delivered is not yet recorded: until the table path has recorded the
+    // swept events, the route counts as busy and new events would be parked
+    // behind them, and the table path delivers in outbox order, not commit
+    // order. Streamed events are what this test is about.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE state = 'pending'")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap();
+        if pending == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the swept events were never recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 
     // Producers draw their seq early and commit late, in an order only the
     // commit decides. A lock taken just before each commit (and held through
