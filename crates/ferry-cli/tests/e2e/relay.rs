@@ -65,8 +65,10 @@ async fn a_relay_killed_mid_drain_and_restarted_loses_nothing() {
     tally.collect(&s.topo, 10_000, PATIENCE).await;
     assert_eq!(tally.unique(), 10_000, "lost events; log:\n{}", second.log());
     tally.assert_per_key_order();
-    // Only what was in flight at the kill can come twice: one batch at most.
-    assert!(tally.duplicates() <= 500, "{} duplicates", tally.duplicates());
+    // Only what was in flight at the kill can come twice: the batch whose
+    // settle was being written and the batch being published, two batches
+    // of 500 at most.
+    assert!(tally.duplicates() <= 1_000, "{} duplicates", tally.duplicates());
     assert!(second.terminate().success());
     assert_eq!(published(&s.status(&cfg).await, "orders"), (10_000, 0, 0));
 }
