@@ -465,6 +465,9 @@ impl<'a> Direct<'a> {
             self.unsettled = Some(published);
             self.gate = Some(gate);
         } else {
+            // The batch fetched ahead cannot see what this one parks once it
+            // is settled here, and no carry will tell it: fetch it again.
+            self.ahead = None;
             settle(shared, published).await;
             drop(gate);
         }
