@@ -113,6 +113,33 @@ pub enum DirectOutcome {
     Dead { attempts: u32, reason: String },
 }
 
+impl DirectOutcome {
+    /// The dead outcome of an event that matched no route.
+    pub fn no_route(event_type: &str) -> Self {
+        DirectOutcome::Dead {
+            attempts: 0,
+            reason: format!("no route: no [[routes]] entry matches type {event_type:?}; add a route and requeue"),
+        }
+    }
+}
+
+impl RoutePlan {
+    /// The delivery rows that route this event into the table: one parked
+    /// (pending, for the route worker) per route, or a dead `no route` one.
+    pub fn records(&self) -> Vec<DirectRecord> {
+        let record = |route: &str, outcome| DirectRecord {
+            seq: self.event.seq,
+            key: self.event.key.clone(),
+            route: route.to_owned(),
+            outcome,
+        };
+        if self.routes.is_empty() {
+            return vec![record(NO_ROUTE, DirectOutcome::no_route(&self.event.event_type))];
+        }
+        self.routes.iter().map(|r| record(r, DirectOutcome::Parked)).collect()
+    }
+}
+
 /// New events for direct delivery, with what the delivery table says about
 /// them.
 #[derive(Debug, Clone, Default, PartialEq)]

@@ -112,11 +112,3 @@ pub(crate) async fn publish<S: Store, C: Clock>(
         down: !confirmed && transient,
     }
 }
-
-/// The dead outcome of an event that matched no route.
-pub(crate) fn no_route(event_type: &str) -> DirectOutcome {
-    DirectOutcome::Dead {
-        attempts: 0,
-        reason: format!("no route: no [[routes]] entry matches type {event_type:?}; add a route and requeue"),
-    }
-}

@@ -241,7 +241,7 @@ struct Unsettled {
 
 /// What an unsettled batch means for the next one, before the table shows
 /// it: the (route, key) pairs it parked, failed or killed.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct Carry {
     held: HashSet<(String, String)>,
 }
@@ -395,8 +395,10 @@ impl<'a> Direct<'a> {
         } else {
             Vec::new()
         };
+        // The batch being settled is carried into this plan, and into the
+        // plan of the batch fetched ahead, whose fetch may not see it either.
         let settling_carry = if fetch_ahead {
-            previous.as_ref().map(Carry::of).unwrap_or_default()
+            previous_carry.clone()
         } else {
             Carry::default()
         };
@@ -404,9 +406,8 @@ impl<'a> Direct<'a> {
         let plan = plan_direct(&shared.routes, &batch, &self.down, &carry);
         let leases = owned.leases.clone();
         let ahead_owned = owned.clone();
-        let route_names = self.route_names.clone();
         let publish_started = Instant::now();
-        let (settle_took, (published, publish_took), ahead) = tokio::join!(
+        let (settle_took, ((published, now_down), publish_took), ahead) = tokio::join!(
             async {
                 if let Some(u) = previous {
                     settle(shared, u).await;
@@ -414,7 +415,7 @@ impl<'a> Direct<'a> {
                 publish_started.elapsed()
             },
             async {
-                let published = self.publish(shared, owned, batch, plan).await;
+                let published = Self::publish(shared, owned, batch, plan).await;
                 (published, publish_started.elapsed())
             },
             async {
@@ -427,7 +428,7 @@ impl<'a> Direct<'a> {
                     .fetch_direct(
                         &ahead_owned,
                         shared.settings.batch_size,
-                        &route_names,
+                        &self.route_names,
                         &down,
                         &ahead_exclude,
                     )
@@ -443,6 +444,11 @@ impl<'a> Direct<'a> {
                 }
             },
         );
+        for route in now_down {
+            if self.down.insert(route.clone()) {
+                warn!(route = %route, "the destination failed; its events wait in the table for the route worker");
+            }
+        }
         if let Some((batch, fetch_took)) = ahead {
             self.ahead = Some(Ahead {
                 leases,
@@ -474,13 +480,14 @@ impl<'a> Direct<'a> {
         Step::Done { full }
     }
 
+    /// Publishes a planned batch; also returns the routes whose destination
+    /// looked down.
     async fn publish<S: Store, C: Clock>(
-        &mut self,
         shared: &Shared<S, C>,
         owned: Ownership,
         batch: DirectBatch,
         plan: DirectPlan,
-    ) -> Unsettled {
+    ) -> (Unsettled, Vec<String>) {
         let now = shared.clock.now();
         let events = &batch.events;
         let mut records: Vec<DirectRecord> = Vec::with_capacity(events.len());
@@ -491,7 +498,11 @@ impl<'a> Direct<'a> {
             outcome,
         };
         for &i in &plan.unroutable {
-            records.push(record(i, NO_ROUTE, direct::no_route(&events[i].event.event_type)));
+            records.push(record(
+                i,
+                NO_ROUTE,
+                DirectOutcome::no_route(&events[i].event.event_type),
+            ));
             ::metrics::counter!(metrics::UNROUTABLE).increment(1);
         }
         if !plan.unroutable.is_empty() {
@@ -518,20 +529,22 @@ impl<'a> Direct<'a> {
             let tagged: Vec<(usize, Claimed)> = direct_ix.into_iter().map(|i| (i, events[i].clone())).collect();
             publishes.push(async move { (route, direct::publish(shared, route, tagged, None, "direct").await) });
         }
+        let mut down = Vec::new();
         for (route, published) in futures::future::join_all(publishes).await {
-            if published.down && self.down.insert(route.name.clone()) {
-                warn!(route = %route.name, "the destination failed; its events wait in the table for the route worker");
+            if published.down {
+                down.push(route.name.clone());
             }
             for (i, outcome) in published.outcomes {
                 records.push(record(i, &route.name, outcome));
             }
         }
-        Unsettled {
+        let unsettled = Unsettled {
             owned,
             seqs: events.iter().map(|c| c.event.seq).collect(),
             records,
             now,
-        }
+        };
+        (unsettled, down)
     }
 }
 

@@ -344,7 +344,7 @@ fn matching<'a>(routes: &'a [Route], e: &WalEvent) -> Vec<&'a Route> {
 }
 
 fn no_route(e: &WalEvent) -> Outcome {
-    crate::direct::no_route(&e.event.event_type)
+    Outcome::no_route(&e.event.event_type)
 }
 
 /// Publishes one batch (or parks it behind what the table, or the batch

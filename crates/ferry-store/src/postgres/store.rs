@@ -5,8 +5,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use ferry_core::{
-    Claimed, DirectBatch, DirectRecord, EventId, NO_ROUTE, Ownership, Partition, Recorded, RelayId, RoutePlan, Store,
-    StoreError, StoredEvent, Transition, UnroutedEvent, WakeSource,
+    Claimed, DirectBatch, DirectRecord, EventId, Ownership, Partition, Recorded, RelayId, RoutePlan, Store, StoreError,
+    StoredEvent, Transition, UnroutedEvent, WakeSource,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Row};
@@ -122,54 +122,9 @@ impl Store for PgStore {
     }
 
     async fn route(&self, owned: &Ownership, plans: &[RoutePlan], now: DateTime<Utc>) -> Result<u64, StoreError> {
-        if plans.is_empty() {
-            return Ok(0);
-        }
         let seqs: Vec<i64> = plans.iter().map(|p| p.event.seq).collect();
-        let (mut d_seq, mut d_route, mut d_part, mut d_key, mut d_state, mut d_err) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for plan in plans {
-            let e = &plan.event;
-            if plan.routes.is_empty() {
-                d_seq.push(e.seq);
-                d_route.push(NO_ROUTE.to_owned());
-                d_part.push(e.partition);
-                d_key.push(e.key.clone());
-                d_state.push("dead");
-                d_err.push(Some(format!(
-                    "no route: no [[routes]] entry matches type {:?}; add a route and requeue",
-                    e.event_type
-                )));
-            }
-            for route in &plan.routes {
-                d_seq.push(e.seq);
-                d_route.push(route.clone());
-                d_part.push(e.partition);
-                d_key.push(e.key.clone());
-                d_state.push("pending");
-                d_err.push(None);
-            }
-        }
-        let row = sqlx::query(include_str!("sql/route.sql"))
-            // Unprepared: planned for the actual arrays on every run. A cached
-            // generic plan guesses their sizes and can turn a batch's
-            // primary-key lookups into repeated scans.
-            .persistent(false)
-            .bind(relay_of(owned))
-            .bind(owned.partitions())
-            .bind(owned.tokens())
-            .bind(&seqs)
-            .bind(&d_seq)
-            .bind(&d_route)
-            .bind(&d_part)
-            .bind(&d_key)
-            .bind(&d_state)
-            .bind(&d_err)
-            .bind(now)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(row.get::<i64, _>(0) as u64)
+        let records: Vec<DirectRecord> = plans.iter().flat_map(RoutePlan::records).collect();
+        self.settle(owned, &seqs, &records, now).await
     }
 
     async fn claim(

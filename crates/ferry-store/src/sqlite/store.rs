@@ -7,8 +7,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use ferry_core::{
-    Claimed, DirectBatch, DirectOutcome, DirectRecord, EventId, NO_ROUTE, Ownership, Partition, Recorded, RelayId,
-    RoutePlan, Store, StoreError, StoredEvent, Transition, UnroutedEvent, WakeSource,
+    Claimed, DirectBatch, DirectOutcome, DirectRecord, EventId, Ownership, Partition, Recorded, RelayId, RoutePlan,
+    Store, StoreError, StoredEvent, Transition, UnroutedEvent, WakeSource,
 };
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{Row, SqliteConnection, SqlitePool};
@@ -263,60 +263,9 @@ impl Store for SqliteStore {
     }
 
     async fn route(&self, owned: &Ownership, plans: &[RoutePlan], now: DateTime<Utc>) -> Result<u64, StoreError> {
-        if plans.is_empty() {
-            return Ok(0);
-        }
-        let now = micros(now);
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-        let fence: HashSet<Partition> = fenced(&mut tx, owned).await?.into_iter().collect();
-        let mut routed = 0;
-        for plan in plans {
-            let e = &plan.event;
-            if !fence.contains(&e.partition) {
-                continue;
-            }
-            let gone = sqlx::query("DELETE FROM ferry_unrouted WHERE seq = ?1 AND partition = ?2")
-                .bind(e.seq)
-                .bind(e.partition)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?
-                .rows_affected();
-            if gone == 0 {
-                continue;
-            }
-            routed += 1;
-            let no_route = plan.routes.is_empty().then(|| {
-                format!(
-                    "no route: no [[routes]] entry matches type {:?}; add a route and requeue",
-                    e.event_type
-                )
-            });
-            let deliveries: Vec<(&str, &str, Option<&str>)> = match &no_route {
-                Some(reason) => vec![(NO_ROUTE, "dead", Some(reason.as_str()))],
-                None => plan.routes.iter().map(|r| (r.as_str(), "pending", None)).collect(),
-            };
-            for (route, state, error) in deliveries {
-                sqlx::query(
-                    "INSERT INTO ferry_deliveries
-                         (seq, route, partition, key, state, next_attempt_at, last_error, updated_at)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?6)
-                     ON CONFLICT (seq, route) DO NOTHING",
-                )
-                .bind(e.seq)
-                .bind(route)
-                .bind(e.partition)
-                .bind(&e.key)
-                .bind(state)
-                .bind(now)
-                .bind(error)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            }
-        }
-        tx.commit().await.map_err(store_error)?;
-        Ok(routed)
+        let seqs: Vec<i64> = plans.iter().map(|p| p.event.seq).collect();
+        let records: Vec<DirectRecord> = plans.iter().flat_map(RoutePlan::records).collect();
+        self.settle(owned, &seqs, &records, now).await
     }
 
     async fn fetch_direct(
