@@ -1,7 +1,8 @@
 -- Due deliveries of one route in outbox order. A delivery is held back while
 -- an earlier delivery of the same key and route failed and awaits its retry,
 -- or is dead: a failing event holds back only its own key.
--- $1 route, $2 owned partitions, $3 now, $4 limit, $5 seqs to skip
+-- $1 route, $2 owned partitions, $3 now, $4 limit, $5 seqs to skip (a hashed
+-- subquery: see fetch_direct.sql)
 SELECT d.seq, d.partition, d.attempts,
        e.id, e.type, e.key, e.payload, e.content_type, e.headers, e.created_at
   FROM ferry.deliveries d
@@ -10,7 +11,7 @@ SELECT d.seq, d.partition, d.attempts,
    AND d.state = 'pending'
    AND d.partition = ANY($2::int[])
    AND d.next_attempt_at <= $3
-   AND d.seq <> ALL($5::bigint[])
+   AND d.seq NOT IN (SELECT unnest($5::bigint[]))
    AND (d.key IS NULL OR NOT EXISTS (
         SELECT 1 FROM ferry.deliveries b
          WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq

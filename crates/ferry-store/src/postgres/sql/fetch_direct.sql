@@ -9,12 +9,16 @@
 --
 -- Each event is looked up by its seq (LATERAL, kept apart by its LIMIT): a
 -- prepared statement's generic plan otherwise may merge-join the batch with
--- the whole events table, a scan that grows with the outbox.
+-- the whole events table, a scan that grows with the outbox. The seqs to
+-- skip are a hashed subquery: `seq <> ALL($5)` is hashed only when the
+-- array is a constant, and under the generic plan it compared every row
+-- scanned with every seq skipped (3.7 ms instead of 0.7 ms for 500 rows
+-- behind 1,000 skipped).
 WITH batch AS MATERIALIZED (
     SELECT u.seq, u.partition
       FROM ferry.unrouted u
      WHERE u.partition = ANY($1::int[])
-       AND u.seq <> ALL($5::bigint[])
+       AND u.seq NOT IN (SELECT unnest($5::bigint[]))
      ORDER BY u.seq
      LIMIT $2
 )
