@@ -103,6 +103,10 @@ pub struct SinkArgs {
     /// Events per run in the sinks scenario.
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub sink_events: u64,
+    /// Rounds of the sinks scenario: each measures every baseline and drain
+    /// once; the report gives medians and the spread of the rounds.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub sink_rounds: u32,
     /// The Kafka brokers of the sinks scenario.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:19092")]
     pub kafka_brokers: String,
@@ -151,7 +155,7 @@ impl BenchArgs {
     fn describe(&self) -> String {
         format!(
             "{} events over {} keys, batch {}; latency {}/s for {} s; idle {} s; producers {} × {} s; \
-             sinks {} events",
+             sinks {} events × {} rounds",
             report::thousands(self.events),
             report::thousands(self.keys),
             self.batch_size,
@@ -160,7 +164,8 @@ impl BenchArgs {
             self.idle_seconds,
             self.producer_clients,
             self.producer_seconds,
-            report::thousands(self.sinks.sink_events)
+            report::thousands(self.sinks.sink_events),
+            self.sinks.sink_rounds
         )
     }
 }

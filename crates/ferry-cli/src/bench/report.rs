@@ -285,9 +285,14 @@ impl Report {
 
 fn sink_rows(s: &SinksResult, row: &mut impl FnMut(&str, String, &'static str, Option<bool>)) {
     let n = s.events;
+    let rounds = if s.rounds > 1 {
+        format!(", median of {} rounds", s.rounds)
+    } else {
+        String::new()
+    };
     let handover = s.handover.map(|d| per_second(n, d));
     if let Some(h) = handover {
-        let figure = format!("{} events/s (relay into a sink that only counts)", rate(h));
+        let figure = format!("{} events/s (relay into a sink that only counts{rounds})", rate(h));
         row("sinks: hand-over", figure, "–", None);
     }
     for k in &s.sinks {
@@ -296,11 +301,18 @@ fn sink_rows(s: &SinksResult, row: &mut impl FnMut(&str, String, &'static str, O
             Some(c) => format!("{c} requests in flight"),
             None => format!("windows of {}", thousands(s.window as u64)),
         };
-        let figure = format!("{} confirmed publishes/s ({} in {shape})", rate(base), thousands(n));
+        let figure = format!(
+            "{} confirmed publishes/s ({} in {shape}{rounds})",
+            rate(base),
+            thousands(n)
+        );
         row(&format!("sinks: {} baseline", k.kind), figure, "baseline", None);
         let drained = k.drain_rate(n);
         let share = drained / base;
         let mut figure = format!("{} events/s = {} of baseline", rate(drained), pct(share));
+        if let Some((low, high)) = spread(&k.shares) {
+            let _ = write!(figure, " (rounds {}–{})", pct(low), pct(high));
+        }
         if let Some(h) = handover {
             let _ = write!(figure, ", {} of hand-over", pct(drained / h));
         }
@@ -323,6 +335,9 @@ fn sink_rows(s: &SinksResult, row: &mut impl FnMut(&str, String, &'static str, O
                 k.kind,
                 rate(k.drain_rate(n))
             );
+            if let Some((low, high)) = spread(&s.fanout_ratios) {
+                let _ = write!(figure, " (rounds {low:.2}–{high:.2}×)");
+            }
         }
         row(
             "sinks: fan-out (3 destinations)",
@@ -331,6 +346,15 @@ fn sink_rows(s: &SinksResult, row: &mut impl FnMut(&str, String, &'static str, O
             ratio.map(|r| r <= FANOUT_TARGET),
         );
     }
+}
+
+/// The lowest and highest of per-round figures; `None` for fewer than two.
+fn spread(values: &[f64]) -> Option<(f64, f64)> {
+    (values.len() > 1).then(|| {
+        values.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| {
+            (lo.min(v), hi.max(v))
+        })
+    })
 }
 
 fn per_second(n: u64, d: Duration) -> f64 {

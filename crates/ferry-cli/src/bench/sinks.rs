@@ -1,4 +1,4 @@
-//! Sinks: every destination beside RabbitMQ, each measured twice in one run
+//! Sinks: every destination beside RabbitMQ, each measured twice per round
 //! with `--sink-events` events: its own confirmed-publish rate from one plain
 //! client (the baseline, in windows of `--batch-size`), then a pre-filled
 //! backlog drained through the relay with a single route to that sink, timed
@@ -7,6 +7,11 @@
 //! RabbitMQ is measured the same way so that the fan-out run (one event type
 //! routed to RabbitMQ, Redis and NATS at once) can be read against the
 //! slowest of its three single-sink drains.
+//!
+//! A run of 20,000 events lasts about a second, so one round swings by ten
+//! points or more on a shared machine: `--sink-rounds` rounds run one after
+//! the other (every measurement once per round), the report gives the median
+//! of each time and the spread of the per-round shares.
 
 use std::time::Duration;
 
@@ -23,20 +28,39 @@ pub(crate) struct SinkFigures {
     /// Requests in flight in the baseline, where it does not publish in
     /// windows of `--batch-size` (the webhook).
     pub in_flight: Option<usize>,
+    /// Median over the rounds.
     pub baseline: Duration,
+    /// Median over the rounds.
     pub drain: Duration,
+    /// Per round: the drain's rate as a share of that round's baseline.
+    pub shares: Vec<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct SinksResult {
     pub events: u64,
     pub window: usize,
-    /// The drain into a sink that only counts.
+    pub rounds: usize,
+    /// The drain into a sink that only counts (median).
     pub handover: Option<Duration>,
     /// RabbitMQ first, then the kinds of [`Kind::ALL`].
     pub sinks: Vec<SinkFigures>,
-    /// One event type to RabbitMQ, Redis and NATS at once.
+    /// One event type to RabbitMQ, Redis and NATS at once (median).
     pub fanout: Option<Duration>,
+    /// Per round: the fan-out's time over that round's drain of the sink
+    /// that is slowest by median (see [`SinksResult::slowest_fanout_single`]).
+    pub fanout_ratios: Vec<f64>,
+}
+
+/// The middle value (the mean of the two middle ones for an even count).
+pub(crate) fn median(mut times: Vec<Duration>) -> Option<Duration> {
+    times.sort();
+    let n = times.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(times[n / 2]),
+        _ => Some((times[n / 2 - 1] + times[n / 2]) / 2),
+    }
 }
 
 /// The destinations of the fan-out run.
@@ -60,4 +84,57 @@ impl SinksResult {
             .filter(|s| FANOUT.contains(&s.kind))
             .max_by_key(|s| s.drain)
     }
+}
+
+/// One round's times: every sink's baseline and drain, the hand-over and
+/// the fan-out.
+pub(crate) struct Round {
+    pub handover: Duration,
+    /// (kind, requests in flight, baseline, drain), RabbitMQ first.
+    pub sinks: Vec<(&'static str, Option<usize>, Duration, Duration)>,
+    pub fanout: Duration,
+}
+
+/// Medians over the rounds, and the per-round shares.
+pub(crate) fn summarise(events: u64, window: usize, rounds: Vec<Round>) -> SinksResult {
+    let first = rounds.first();
+    let sinks: Vec<SinkFigures> = first
+        .map(|r| &r.sinks)
+        .into_iter()
+        .flatten()
+        .enumerate()
+        .map(|(i, &(kind, in_flight, _, _))| {
+            let baselines = rounds.iter().map(|r| r.sinks[i].2).collect::<Vec<_>>();
+            let drains = rounds.iter().map(|r| r.sinks[i].3).collect::<Vec<_>>();
+            let shares = baselines
+                .iter()
+                .zip(&drains)
+                .map(|(b, d)| b.as_secs_f64() / d.as_secs_f64().max(f64::EPSILON))
+                .collect();
+            SinkFigures {
+                kind,
+                in_flight,
+                baseline: median(baselines).unwrap_or_default(),
+                drain: median(drains).unwrap_or_default(),
+                shares,
+            }
+        })
+        .collect();
+    let mut result = SinksResult {
+        events,
+        window,
+        rounds: rounds.len(),
+        handover: median(rounds.iter().map(|r| r.handover).collect()),
+        sinks,
+        fanout: median(rounds.iter().map(|r| r.fanout).collect()),
+        fanout_ratios: Vec::new(),
+    };
+    if let Some(slowest) = result.slowest_fanout_single().map(|k| k.kind) {
+        let i = result.sinks.iter().position(|k| k.kind == slowest).unwrap_or_default();
+        result.fanout_ratios = rounds
+            .iter()
+            .map(|r| r.fanout.as_secs_f64() / r.sinks[i].3.as_secs_f64().max(f64::EPSILON))
+            .collect();
+    }
+    result
 }

@@ -120,11 +120,13 @@ fn the_sinks_section_reads_against_baselines_and_the_slowest_drain() {
         in_flight: None,
         baseline: Duration::from_secs(baseline),
         drain: Duration::from_secs(drain),
+        shares: Vec::new(),
     };
     let report = Report {
         sinks: Some(SinksResult {
             events: 20_000,
             window: 500,
+            rounds: 1,
             // 4,000/s.
             handover: Some(Duration::from_secs(5)),
             sinks: vec![
@@ -141,6 +143,7 @@ fn the_sinks_section_reads_against_baselines_and_the_slowest_drain() {
             ],
             // 20 s against redis' 20 s: 1.00×, met.
             fanout: Some(Duration::from_secs(20)),
+            fanout_ratios: Vec::new(),
         }),
         ..Report::default()
     };
@@ -156,4 +159,52 @@ fn the_sinks_section_reads_against_baselines_and_the_slowest_drain() {
     ] {
         assert!(table.contains(line), "missing {line:?} in\n{table}");
     }
+}
+
+#[test]
+fn sink_rounds_are_read_by_their_medians_with_their_spread() {
+    use crate::bench::sinks::{Round, summarise};
+    let s = Duration::from_secs;
+    // 20,000 events: rabbitmq's baseline takes 5 s (4,000/s) in every round;
+    // its drain 10, 5 and 8 s: shares 50%, 100%, 62.5%, median drain 8 s.
+    // redis drains in 4, 3 and 2 s; the fan-out takes 12, 6 and 8 s.
+    let round = |rabbit_drain, redis_drain, fanout| Round {
+        handover: s(4),
+        sinks: vec![
+            ("rabbitmq", None, s(5), s(rabbit_drain)),
+            ("redis", None, s(1), s(redis_drain)),
+        ],
+        fanout: s(fanout),
+    };
+    let result = summarise(20_000, 500, vec![round(10, 4, 12), round(5, 3, 6), round(8, 2, 8)]);
+    assert_eq!(result.rounds, 3);
+    assert_eq!(result.handover, Some(s(4)));
+    assert_eq!(result.sinks[0].drain, s(8));
+    assert_eq!(result.sinks[0].shares, vec![0.5, 1.0, 0.625]);
+    assert_eq!(result.sinks[1].drain, s(3));
+    assert_eq!(result.fanout, Some(s(8)));
+    // Against rabbitmq, the slowest by median, round by round: 1.2, 1.2, 1.0.
+    assert_eq!(result.fanout_ratios, vec![1.2, 1.2, 1.0]);
+    let table = Report {
+        sinks: Some(result),
+        ..Report::default()
+    }
+    .render();
+    for line in [
+        "| sinks: hand-over | 5,000 events/s (relay into a sink that only counts, median of 3 rounds) | – | – |",
+        "| sinks: rabbitmq baseline | 4,000 confirmed publishes/s (20,000 in windows of 500, median of 3 rounds) | baseline | – |",
+        "| sinks: rabbitmq drain | 2,500 events/s = 62.5% of baseline (rounds 50.0%–100.0%), 50.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | **no** |",
+        "| sinks: fan-out (3 destinations) | 2,500 events/s to each; 1.00× the time of the slowest single drain (rabbitmq, 2,500 events/s) (rounds 1.00–1.20×) | ≤ 1× the slowest single drain | yes |",
+    ] {
+        assert!(table.contains(line), "missing {line:?} in\n{table}");
+    }
+}
+
+#[test]
+fn an_even_number_of_rounds_takes_the_mean_of_the_middle_two() {
+    use crate::bench::sinks::median;
+    let ms = Duration::from_millis;
+    assert_eq!(median(vec![ms(40), ms(10), ms(30), ms(20)]), Some(ms(25)));
+    assert_eq!(median(vec![ms(7)]), Some(ms(7)));
+    assert_eq!(median(Vec::new()), None);
 }

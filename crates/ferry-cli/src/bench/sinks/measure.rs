@@ -8,17 +8,18 @@ use ferry_core::Sink;
 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
 use tokio::time::{Instant, MissedTickBehavior, interval};
 
-use super::{SinkFigures, SinksResult};
+use super::{Round, SinksResult, summarise};
 use crate::bench::broker::{self, per_second};
 use crate::bench::dest::{Dest, Discard, Endpoints, Kind, WEBHOOK_CONCURRENCY, with_dest};
 use crate::bench::topology::{self, Topology};
 use crate::bench::{Ctx, drain, progress, relay};
 
-const POLL: Duration = Duration::from_millis(50);
+/// How often the destinations are counted: a 20,000-event drain lasts about a
+/// second, so a coarser poll would add its own error to the time.
+const POLL: Duration = Duration::from_millis(20);
 /// A drain that makes no progress for this long has failed.
 const STALL: Duration = Duration::from_secs(60);
 
-/// One destination's two figures.
 /// What a drain waits on.
 enum Counter<'a> {
     Dest(&'a Dest),
@@ -39,6 +40,18 @@ impl Counter<'_> {
 type Target = (String, Arc<dyn Sink>, String);
 
 pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
+    let rounds = ctx.args.sinks.sink_rounds as usize;
+    let mut measured = Vec::with_capacity(rounds);
+    for round in 1..=rounds {
+        if rounds > 1 {
+            eprintln!("sinks: round {round} of {rounds}");
+        }
+        measured.push(one_round(ctx).await?);
+    }
+    Ok(summarise(ctx.args.sinks.sink_events, ctx.args.batch_size, measured))
+}
+
+async fn one_round(ctx: &Ctx<'_>) -> anyhow::Result<Round> {
     let args = ctx.args;
     let (events, window, keys) = (args.sinks.sink_events, args.batch_size, args.keys);
     let at = Endpoints {
@@ -46,21 +59,15 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
         nats: args.sinks.nats_url.clone(),
         redis: args.sinks.redis_url.clone(),
     };
-    let mut result = SinksResult {
-        events,
-        window,
-        handover: None,
-        sinks: Vec::new(),
-        fanout: None,
-    };
 
     let received = Arc::new(AtomicU64::new(0));
     let discard: Arc<dyn Sink> = Arc::new(Discard {
         received: Arc::clone(&received),
     });
     let target = ("discard".to_owned(), discard, "nowhere".to_owned());
-    result.handover = Some(drain_into(ctx, "hand-over", vec![target], &[Counter::Atomic(received)]).await?);
+    let handover = drain_into(ctx, "hand-over", vec![target], &[Counter::Atomic(received)]).await?;
 
+    let mut sinks = Vec::new();
     let rabbit = broker::run(&args.amqp_url, events, window, keys).await?;
     let drained = topology::with_topology(&args.amqp_url, "sinks", async |t| {
         drain_into(
@@ -72,12 +79,7 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
         .await
     })
     .await?;
-    result.sinks.push(SinkFigures {
-        kind: "rabbitmq",
-        in_flight: None,
-        baseline: rabbit.elapsed,
-        drain: drained,
-    });
+    sinks.push(("rabbitmq", None, rabbit.elapsed, drained));
 
     for kind in Kind::ALL {
         let baseline = with_dest(kind, "baseline", &at, async |d| d.baseline(events, window, keys).await).await?;
@@ -86,12 +88,8 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
             drain_into(ctx, kind.label(), vec![target], &[Counter::Dest(d)]).await
         })
         .await?;
-        result.sinks.push(SinkFigures {
-            kind: kind.label(),
-            in_flight: (kind == Kind::Webhook).then_some(WEBHOOK_CONCURRENCY),
-            baseline,
-            drain: drained,
-        });
+        let in_flight = (kind == Kind::Webhook).then_some(WEBHOOK_CONCURRENCY);
+        sinks.push((kind.label(), in_flight, baseline, drained));
     }
 
     let fanout = topology::with_topology(&args.amqp_url, "fanout", async |t| {
@@ -110,8 +108,11 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
         .await
     })
     .await?;
-    result.fanout = Some(fanout);
-    Ok(result)
+    Ok(Round {
+        handover,
+        sinks,
+        fanout,
+    })
 }
 
 fn rabbit_target(amqp_url: &str, topology: &Topology) -> Target {
