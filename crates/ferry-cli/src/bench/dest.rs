@@ -554,3 +554,36 @@ impl Sink for Discard {
         Ok(())
     }
 }
+
+/// Wraps a sink to count the events its destination confirmed, as the relay
+/// sees them: a drain is timed to the last confirmation, like the baseline.
+pub(crate) struct Confirming {
+    pub inner: Arc<dyn Sink>,
+    pub confirmed: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Sink for Confirming {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
+        self.inner.admit(route, event)
+    }
+
+    async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        let outcomes = self.inner.publish(route, events).await;
+        let ok = outcomes.iter().filter(|o| o.is_ok()).count() as u64;
+        self.confirmed.fetch_add(ok, Ordering::Relaxed);
+        outcomes
+    }
+
+    async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        self.inner.check(route).await
+    }
+
+    async fn close(&self) {
+        self.inner.close().await;
+    }
+}

@@ -2,7 +2,9 @@
 //! with `--sink-events` events: its own confirmed-publish rate from one plain
 //! client (the baseline, in windows of `--batch-size`), then a pre-filled
 //! backlog drained through the relay with a single route to that sink, timed
-//! until the destination holds every event. A discard sink gives what the
+//! until the destination has confirmed every event to the relay (as the
+//! baseline is timed to its last confirmation) and then checked to hold
+//! every event. A discard sink gives what the
 //! database and the relay hand over when the destination costs nothing, and
 //! RabbitMQ is measured the same way so that the fan-out run (one event type
 //! routed to RabbitMQ, Redis and NATS at once) can be read against the
