@@ -31,6 +31,7 @@ mod signature;
 mod status;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -283,6 +284,12 @@ fn chains(events: &[StoredEvent]) -> Vec<Vec<usize>> {
     chains
 }
 
+/// Chains ordered longest first; chains of one length keep batch order.
+fn longest_first(mut chains: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
+    chains.sort_by_key(|chain| std::cmp::Reverse(chain.len()));
+    chains
+}
+
 impl std::fmt::Debug for WebhookSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WebhookSink")
@@ -308,12 +315,20 @@ impl Sink for WebhookSink {
             return Vec::new();
         }
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
-        let chains = chains(events);
-        let sent = join_all(
-            chains
-                .iter()
-                .map(|chain| self.send_chain(route, events, &prepared, chain)),
-        )
+        let chains = longest_first(chains(events));
+        // `concurrency` senders, each taking the longest chain left and
+        // sending it in order: a key with many events starts early instead
+        // of queueing each of its requests behind every other key's, which
+        // left the batch's tail to one request at a time.
+        let next = AtomicUsize::new(0);
+        let senders = self.options.concurrency.min(chains.len());
+        let sent = join_all((0..senders).map(|_| async {
+            let mut out = Vec::new();
+            while let Some(chain) = chains.get(next.fetch_add(1, Ordering::Relaxed)) {
+                out.extend(self.send_chain(route, events, &prepared, chain).await);
+            }
+            out
+        }))
         .await;
         let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
         for (i, outcome) in sent.into_iter().flatten() {
@@ -408,6 +423,19 @@ mod tests {
             ev(Some("b")),
         ];
         assert_eq!(chains(&events), vec![vec![0, 3], vec![1], vec![2, 5], vec![4]]);
+    }
+
+    #[test]
+    fn the_longest_chains_are_sent_first_and_ties_keep_batch_order() {
+        let events = [
+            ev(Some("a")),
+            ev(Some("b")),
+            ev(Some("c")),
+            ev(Some("b")),
+            ev(Some("c")),
+            ev(Some("b")),
+        ];
+        assert_eq!(longest_first(chains(&events)), vec![vec![1, 3, 5], vec![2, 4], vec![0]]);
     }
 
     #[test]
