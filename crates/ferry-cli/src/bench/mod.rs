@@ -58,6 +58,10 @@ pub struct BenchArgs {
     /// Distinct event keys.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     pub keys: u64,
+    /// Rounds of the broker baseline and the drain, one after the other: the
+    /// report gives the middle round of each and the spread of the shares.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub drain_rounds: u32,
     /// The relay's batch size, and the broker baseline's publish window.
     #[arg(long, default_value_t = 500, value_parser = positive_usize)]
     pub batch_size: usize,
@@ -155,7 +159,7 @@ impl BenchArgs {
     fn describe(&self) -> String {
         format!(
             "{} events over {} keys, batch {}; latency {}/s for {} s; idle {} s; producers {} × {} s; \
-             sinks {} events × {} rounds",
+             drain × {} rounds; sinks {} events × {} rounds",
             report::thousands(self.events),
             report::thousands(self.keys),
             self.batch_size,
@@ -164,6 +168,7 @@ impl BenchArgs {
             self.idle_seconds,
             self.producer_clients,
             self.producer_seconds,
+            self.drain_rounds,
             report::thousands(self.sinks.sink_events),
             self.sinks.sink_rounds
         )
@@ -212,11 +217,23 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
     if args.runs(Scenario::Idle) {
         report.idle = Some(idle::run(ctx).await?);
     }
-    if args.runs(Scenario::Drain) || args.runs(Scenario::Hotkey) || args.runs(Scenario::WalDrain) {
-        report.broker = Some(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys).await?);
-    }
     if args.runs(Scenario::Drain) {
-        report.drain = Some(drain::run(ctx, "drain", args.keys).await?);
+        // Broker and drain alternate, so that a slow spell of the machine
+        // weighs on both sides of a round's share.
+        let rounds = args.drain_rounds as usize;
+        let (mut brokers, mut drains) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+        for round in 1..=rounds {
+            if rounds > 1 {
+                eprintln!("drain: round {round} of {rounds}");
+            }
+            brokers.push(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys).await?);
+            drains.push(drain::run(ctx, "drain", args.keys).await?);
+        }
+        report.drain_shares = brokers.iter().zip(&drains).map(|(b, d)| d.rate() / b.rate()).collect();
+        report.broker = middle(brokers, |b| b.elapsed);
+        report.drain = middle(drains, |d| d.drain);
+    } else if args.runs(Scenario::Hotkey) || args.runs(Scenario::WalDrain) {
+        report.broker = Some(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys).await?);
     }
     if args.runs(Scenario::Hotkey) {
         report.hotkey = Some(drain::run(ctx, "hotkey", 1).await?);
@@ -251,4 +268,12 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
         }
     }
     Ok(())
+}
+
+/// The round whose `time` is in the middle (for an even count, the upper
+/// of the two middle ones): a real run, so its other figures stay its own.
+pub(crate) fn middle<T>(mut runs: Vec<T>, time: impl Fn(&T) -> std::time::Duration) -> Option<T> {
+    runs.sort_by_key(|r| time(r));
+    let mid = runs.len() / 2;
+    (!runs.is_empty()).then(|| runs.swap_remove(mid))
 }

@@ -79,6 +79,8 @@ pub(crate) struct Report {
     pub settings: String,
     pub broker: Option<BrokerResult>,
     pub drain: Option<DrainResult>,
+    /// Per drain round: its rate as a share of that round's broker rate.
+    pub drain_shares: Vec<f64>,
     pub latency: Option<LatencyResult>,
     pub wal_latency: Option<LatencyResult>,
     pub wal_drain: Option<DrainResult>,
@@ -163,20 +165,33 @@ impl Report {
         };
         let broker = self.broker.as_ref().map(BrokerResult::rate);
         if let Some(b) = &self.broker {
-            let figure = format!(
-                "{} confirmed publishes/s ({} in windows of {})",
+            let mut figure = format!(
+                "{} confirmed publishes/s ({} in windows of {}",
                 rate(b.rate()),
                 thousands(b.events),
                 thousands(b.window as u64)
             );
+            if self.drain_shares.len() > 1 {
+                let _ = write!(figure, "; middle of {} rounds", self.drain_shares.len());
+            }
+            figure.push(')');
             row("broker", figure, "baseline", None);
         }
         if let Some(d) = &self.drain {
             let share = broker.map(|b| d.rate() / b);
-            let figure = match share {
+            let mut figure = match share {
                 Some(s) => format!("{} events/s = {} of broker", rate(d.rate()), pct(s)),
                 None => format!("{} events/s", rate(d.rate())),
             };
+            if let Some((low, high)) = spread(&self.drain_shares) {
+                let _ = write!(
+                    figure,
+                    " (middle of {} rounds; rounds {}–{})",
+                    self.drain_shares.len(),
+                    pct(low),
+                    pct(high)
+                );
+            }
             row("drain", figure, "≥ 75% of broker", share.map(|s| s >= DRAIN_TARGET));
             let figure = format!(
                 "{} events/s (enqueue_batch, 1,000 per transaction)",

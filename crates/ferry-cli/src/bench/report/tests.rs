@@ -208,3 +208,34 @@ fn an_even_number_of_rounds_takes_the_mean_of_the_middle_two() {
     assert_eq!(median(vec![ms(7)]), Some(ms(7)));
     assert_eq!(median(Vec::new()), None);
 }
+
+#[test]
+fn drain_rounds_report_the_middle_round_and_the_spread_of_shares() {
+    use crate::bench::middle;
+    let broker = |secs| BrokerResult {
+        events: 100_000,
+        window: 500,
+        elapsed: Duration::from_secs(secs),
+    };
+    // Rounds of 100,000 events: broker 10 s with drain 12 s (83.3%), broker
+    // 8 s with drain 20 s (40%), broker 12 s with drain 10 s (120%).
+    let brokers = vec![broker(10), broker(8), broker(12)];
+    let drains = vec![drain(100_000, 12), drain(100_000, 20), drain(100_000, 10)];
+    let shares: Vec<f64> = brokers.iter().zip(&drains).map(|(b, d)| d.rate() / b.rate()).collect();
+    let report = Report {
+        broker: middle(brokers, |b| b.elapsed),
+        drain: middle(drains, |d| d.drain),
+        drain_shares: shares,
+        ..Report::default()
+    };
+    assert_eq!(report.broker.as_ref().map(|b| b.elapsed), Some(Duration::from_secs(10)));
+    assert_eq!(report.drain.as_ref().map(|d| d.drain), Some(Duration::from_secs(12)));
+    let text = report.render();
+    for line in [
+        "| broker | 10,000 confirmed publishes/s (100,000 in windows of 500; middle of 3 rounds) | baseline | – |",
+        "| drain | 8,333 events/s = 83.3% of broker (middle of 3 rounds; rounds 40.0%–120.0%) | ≥ 75% of broker | yes |",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    assert_eq!(middle(Vec::<BrokerResult>::new(), |b| b.elapsed), None);
+}
