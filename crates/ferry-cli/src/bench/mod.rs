@@ -270,6 +270,18 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
     Ok(())
 }
 
+/// The middle of per-round times (the mean of the two middle ones for an
+/// even count), where no other figure of the rounds is kept.
+pub(crate) fn median(mut times: Vec<std::time::Duration>) -> Option<std::time::Duration> {
+    times.sort();
+    let n = times.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(times[n / 2]),
+        _ => Some((times[n / 2 - 1] + times[n / 2]) / 2),
+    }
+}
+
 /// The round whose `time` is in the middle (for an even count, the upper
 /// of the two middle ones): a real run, so its other figures stay its own.
 pub(crate) fn middle<T>(mut runs: Vec<T>, time: impl Fn(&T) -> std::time::Duration) -> Option<T> {

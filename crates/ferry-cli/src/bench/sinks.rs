@@ -18,6 +18,7 @@
 use std::time::Duration;
 
 use super::broker::per_second;
+use super::median;
 
 #[cfg(feature = "bench-sinks")]
 mod measure;
@@ -52,17 +53,6 @@ pub(crate) struct SinksResult {
     /// Per round: the fan-out's time over that round's drain of the sink
     /// that is slowest by median (see [`SinksResult::slowest_fanout_single`]).
     pub fanout_ratios: Vec<f64>,
-}
-
-/// The middle value (the mean of the two middle ones for an even count).
-pub(crate) fn median(mut times: Vec<Duration>) -> Option<Duration> {
-    times.sort();
-    let n = times.len();
-    match n {
-        0 => None,
-        _ if n % 2 == 1 => Some(times[n / 2]),
-        _ => Some((times[n / 2 - 1] + times[n / 2]) / 2),
-    }
 }
 
 /// The destinations of the fan-out run.

@@ -202,7 +202,7 @@ fn sink_rounds_are_read_by_their_medians_with_their_spread() {
 
 #[test]
 fn an_even_number_of_rounds_takes_the_mean_of_the_middle_two() {
-    use crate::bench::sinks::median;
+    use crate::bench::median;
     let ms = Duration::from_millis;
     assert_eq!(median(vec![ms(40), ms(10), ms(30), ms(20)]), Some(ms(25)));
     assert_eq!(median(vec![ms(7)]), Some(ms(7)));
