@@ -97,6 +97,27 @@ pub(crate) enum Dest {
     },
 }
 
+/// An idempotent Kafka producer that has delivered one message to `topic`:
+/// connected, with the topic's metadata and a producer id, as the relay's
+/// producer is after its start-up check.
+async fn warm_producer(bootstrap: &str, topic: &str) -> anyhow::Result<FutureProducer> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("max.in.flight.requests.per.connection", "5")
+        .set("message.timeout.ms", "30000")
+        .create()
+        .context("creating a Kafka producer")?;
+    producer
+        .send_result(FutureRecord::to(topic).key("warm-up").payload("{}"))
+        .map_err(|(e, _)| anyhow!("enqueueing the Kafka warm-up message: {e}"))?
+        .await
+        .map_err(|_| anyhow!("the Kafka warm-up delivery report was dropped"))?
+        .map_err(|(e, _)| anyhow!("Kafka refused the warm-up message: {e}"))?;
+    Ok(producer)
+}
+
 fn unique(kind: Kind, phase: &str) -> String {
     format!("ferry-bench-{}-{phase}-{:08x}", kind.label(), rand::random::<u32>())
 }
@@ -317,17 +338,12 @@ impl Dest {
             let key = workload::key(seq, keys);
             (workload::payload_bytes(seq, &key), key)
         };
-        let started = Instant::now();
+        let mut started = Instant::now();
         match self {
             Dest::Kafka { bootstrap, topic, .. } => {
-                let producer: FutureProducer = ClientConfig::new()
-                    .set("bootstrap.servers", bootstrap)
-                    .set("enable.idempotence", "true")
-                    .set("acks", "all")
-                    .set("max.in.flight.requests.per.connection", "5")
-                    .set("message.timeout.ms", "30000")
-                    .create()
-                    .context("creating a Kafka producer")?;
+                let producer = warm_producer(bootstrap, topic).await?;
+                // The relay's producer is connected by its start-up check.
+                started = Instant::now();
                 let mut sent = 0;
                 while sent < events {
                     let n = (events - sent).min(window);
@@ -400,6 +416,7 @@ impl Dest {
             }
             Dest::Webhook { url, .. } => {
                 let client = http_client()?;
+                started = Instant::now();
                 let posted = futures::stream::iter(0..events)
                     .map(|seq| {
                         let client = client.clone();
@@ -444,7 +461,8 @@ impl Dest {
             ),
         );
         // A destination may report what it stored a moment late (Kafka's
-        // end offsets); the figure stands, but every message must be there.
+        // end offsets); the figure stands, but every message must be there
+        // (Kafka's topic also holds the producer's warm-up message).
         let deadline = Instant::now() + SETTLE;
         let mut held = self.count().await?;
         while held < events && Instant::now() < deadline {

@@ -166,14 +166,10 @@ pub(crate) async fn prefill(ctx: &Ctx<'_>, scenario: &str, events: u64, keys: u6
     let mut seq = 0;
     while seq < events {
         let end = (seq + PREFILL_TX).min(events);
-        let batch: Vec<Event> = (seq..end)
-            .map(|i| {
-                let key = workload::key(i, keys);
-                Event::new(workload::EVENT_TYPE, workload::payload(i, &key)).key(key)
-            })
-            .collect();
         let mut tx = conn.begin().await?;
-        enqueue_batch(&mut tx, batch).await.context("enqueue_batch")?;
+        enqueue_batch(&mut tx, backlog(seq..end, keys))
+            .await
+            .context("enqueue_batch")?;
         tx.commit().await?;
         seq = end;
         bar.set_position(seq);
@@ -188,11 +184,38 @@ pub(crate) async fn prefill(ctx: &Ctx<'_>, scenario: &str, events: u64, keys: u6
         ),
     );
     // A backlog that built up over time has been analysed by autovacuum.
-    sqlx::raw_sql("ANALYZE ferry.events; ANALYZE ferry.unrouted;")
-        .execute(&mut conn)
-        .await?;
+    sqlx::raw_sql(ANALYZE).execute(&mut conn).await?;
     conn.close().await?;
     Ok(elapsed)
+}
+
+/// Writes a backlog of `events` events into the caller's transaction, in
+/// statements of [`PREFILL_TX`], and analyses the outbox inside it: the
+/// backlog appears at once when the caller commits, to a relay that is
+/// already running, with the statistics a backlog that built up over time
+/// would have.
+pub(crate) async fn stage(tx: &mut PgConnection, events: u64, keys: u64) -> anyhow::Result<()> {
+    let mut seq = 0;
+    while seq < events {
+        let end = (seq + PREFILL_TX).min(events);
+        enqueue_batch(&mut *tx, backlog(seq..end, keys))
+            .await
+            .context("enqueue_batch")?;
+        seq = end;
+    }
+    sqlx::raw_sql(ANALYZE).execute(&mut *tx).await?;
+    Ok(())
+}
+
+const ANALYZE: &str = "ANALYZE ferry.events; ANALYZE ferry.unrouted;";
+
+/// The bench workload's events numbered `seqs`, spread over `keys` keys.
+fn backlog(seqs: std::ops::Range<u64>, keys: u64) -> Vec<Event> {
+    seqs.map(|i| {
+        let key = workload::key(i, keys);
+        Event::new(workload::EVENT_TYPE, workload::payload(i, &key)).key(key)
+    })
+    .collect()
 }
 
 async fn wait_for_depth(
