@@ -83,6 +83,19 @@ async fn the_sql_door_validates_and_returns_v7_ids() {
             "headers",
         ),
         (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '{\"a\": \"x\", \"b\": {\"c\": \"d\"}}')",
+            "headers",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '{\"a\": null}')",
+            "headers",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '[\"x\"]')",
+            "headers",
+        ),
+        ("SELECT ferry.enqueue('order.created', NULL, '{}', '\"x\"')", "headers"),
+        (
             "SELECT ferry.enqueue('order.created', NULL, jsonb_build_object('x', repeat('x', 1100000)))",
             "payload",
         ),

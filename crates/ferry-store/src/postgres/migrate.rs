@@ -8,6 +8,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (4, "capture", include_str!("migrations/0004_capture.sql")),
     (5, "wal", include_str!("migrations/0005_wal.sql")),
     (6, "direct", include_str!("migrations/0006_direct.sql")),
+    (7, "enqueue", include_str!("migrations/0007_enqueue.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
