@@ -91,6 +91,14 @@ async fn the_sql_door_validates_and_returns_v7_ids() {
             "headers",
         ),
         (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '{\"a\": \"x\", \"b\": [\"y\"]}')",
+            "headers",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '{\"a\": []}')",
+            "headers",
+        ),
+        (
             "SELECT ferry.enqueue('order.created', NULL, '{}', '[\"x\"]')",
             "headers",
         ),

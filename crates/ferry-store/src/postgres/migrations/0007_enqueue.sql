@@ -36,7 +36,9 @@ BEGIN
                   HINT = 'store large bodies elsewhere and put a reference in the event';
     END IF;
     IF p_headers IS NULL OR jsonb_typeof(p_headers) <> 'object'
-       OR (p_headers <> '{}'::jsonb AND jsonb_path_exists(p_headers, '$.* ? (@.type() != "string")')) THEN
+       -- Strict: lax mode would unwrap an array value and pass ["x"] and [].
+       OR (p_headers <> '{}'::jsonb
+           AND jsonb_path_exists(p_headers, 'strict $.* ? (@.type() != "string")', '{}', true)) THEN
         RAISE EXCEPTION 'ferry: invalid event headers: %', p_headers
             USING ERRCODE = '22023',
                   HINT = 'headers must be a JSON object whose values are strings';
