@@ -163,16 +163,14 @@ pub(crate) async fn prefill(ctx: &Ctx<'_>, scenario: &str, events: u64, keys: u6
     let mut conn = PgConnection::connect_with(ctx.db.options()).await?;
     let bar = progress::bar(events, "prefill");
     let started = Instant::now();
-    let mut seq = 0;
-    while seq < events {
-        let end = (seq + PREFILL_TX).min(events);
+    for chunk in chunks(events) {
+        let end = chunk.end;
         let mut tx = conn.begin().await?;
-        enqueue_batch(&mut tx, backlog(seq..end, keys))
+        enqueue_batch(&mut tx, backlog(chunk, keys))
             .await
             .context("enqueue_batch")?;
         tx.commit().await?;
-        seq = end;
-        bar.set_position(seq);
+        bar.set_position(end);
     }
     let elapsed = started.elapsed();
     progress::done(
@@ -195,19 +193,23 @@ pub(crate) async fn prefill(ctx: &Ctx<'_>, scenario: &str, events: u64, keys: u6
 /// already running, with the statistics a backlog that built up over time
 /// would have.
 pub(crate) async fn stage(tx: &mut PgConnection, events: u64, keys: u64) -> anyhow::Result<()> {
-    let mut seq = 0;
-    while seq < events {
-        let end = (seq + PREFILL_TX).min(events);
-        enqueue_batch(&mut *tx, backlog(seq..end, keys))
+    for chunk in chunks(events) {
+        enqueue_batch(&mut *tx, backlog(chunk, keys))
             .await
             .context("enqueue_batch")?;
-        seq = end;
     }
     sqlx::raw_sql(ANALYZE).execute(&mut *tx).await?;
     Ok(())
 }
 
 const ANALYZE: &str = "ANALYZE ferry.events; ANALYZE ferry.unrouted;";
+
+/// `0..events` in runs of [`PREFILL_TX`], one `enqueue_batch` each.
+fn chunks(events: u64) -> impl Iterator<Item = std::ops::Range<u64>> {
+    (0..events)
+        .step_by(PREFILL_TX as usize)
+        .map(move |start| start..(start + PREFILL_TX).min(events))
+}
 
 /// The bench workload's events numbered `seqs`, spread over `keys` keys.
 fn backlog(seqs: std::ops::Range<u64>, keys: u64) -> Vec<Event> {
