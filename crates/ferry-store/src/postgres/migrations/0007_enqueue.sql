@@ -3,10 +3,8 @@
 -- ferry._enqueue's time. The headers check is now a plain expression (a
 -- JSON path instead of a subquery), and the two inserts and the check for a
 -- sleeping relay are one statement: two statements per event instead of
--- five (without a dispatch key, while relays are busy). An event without a
--- dispatch key is inserted without ON CONFLICT, which costs a speculative
--- insertion even where nothing can conflict. What it checks and writes is
--- unchanged.
+-- five (without a dispatch key, while relays are busy). What it checks and
+-- writes is unchanged.
 
 CREATE OR REPLACE FUNCTION ferry._enqueue(
     p_id uuid, p_type text, p_key text, p_payload bytea,
@@ -60,34 +58,21 @@ BEGIN
     END IF;
     v_partition := ferry.partition_of(p_key, p_id);
     -- The event, its `unrouted` row and whether a relay sleeps, in one
-    -- statement. Only an event with a dispatch key can conflict, and only
-    -- such an insert pays for ON CONFLICT's speculative insertion.
-    IF p_dispatch_key IS NULL THEN
-        WITH e AS (
-            INSERT INTO ferry.events (id, type, key, partition, payload, content_type, headers)
-            VALUES (p_id, p_type, p_key, v_partition, p_payload, coalesce(p_content_type, 'application/json'),
-                    p_headers)
-            RETURNING seq
-        ), u AS (
-            INSERT INTO ferry.unrouted (seq, partition) SELECT e.seq, v_partition FROM e
-        )
-        SELECT e.seq, EXISTS (SELECT 1 FROM ferry.relays r WHERE r.sleeping) INTO v_seq, v_sleeping FROM e;
-    ELSE
-        WITH e AS (
-            INSERT INTO ferry.events (id, type, key, partition, payload, content_type, headers, dispatch_key)
-            VALUES (p_id, p_type, p_key, v_partition, p_payload, coalesce(p_content_type, 'application/json'),
-                    p_headers, p_dispatch_key)
-            ON CONFLICT (dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
-            RETURNING seq
-        ), u AS (
-            INSERT INTO ferry.unrouted (seq, partition) SELECT e.seq, v_partition FROM e
-        )
-        SELECT e.seq, EXISTS (SELECT 1 FROM ferry.relays r WHERE r.sleeping) INTO v_seq, v_sleeping FROM e;
-        IF v_seq IS NULL THEN
-            -- A concurrent transaction committed the same dispatch key first.
-            SELECT e.id INTO v_existing FROM ferry.events e WHERE e.dispatch_key = p_dispatch_key;
-            RETURN v_existing;
-        END IF;
+    -- statement.
+    WITH e AS (
+        INSERT INTO ferry.events (id, type, key, partition, payload, content_type, headers, dispatch_key)
+        VALUES (p_id, p_type, p_key, v_partition, p_payload, coalesce(p_content_type, 'application/json'),
+                p_headers, p_dispatch_key)
+        ON CONFLICT (dispatch_key) WHERE dispatch_key IS NOT NULL DO NOTHING
+        RETURNING seq
+    ), u AS (
+        INSERT INTO ferry.unrouted (seq, partition) SELECT e.seq, v_partition FROM e
+    )
+    SELECT e.seq, EXISTS (SELECT 1 FROM ferry.relays r WHERE r.sleeping) INTO v_seq, v_sleeping FROM e;
+    IF v_seq IS NULL THEN
+        -- A concurrent transaction committed the same dispatch key first.
+        SELECT e.id INTO v_existing FROM ferry.events e WHERE e.dispatch_key = p_dispatch_key;
+        RETURN v_existing;
     END IF;
     -- NOTIFY takes a global lock at commit, so only pay for it when a relay
     -- sleeps; a busy relay polls on its own.
