@@ -2,10 +2,20 @@
 //! one connection, in windows of `batch-size` (publish the window, await all
 //! its confirms), which is how the relay publishes a claimed batch. The drain
 //! figure is read against this one, measured in the same run.
+//!
+//! The plain baseline sends what a bare client would (message id, content
+//! type, persistent). [`Format::Ferry`] sends the same bodies with the
+//! properties and CloudEvents headers the RabbitMQ sink gives every event,
+//! so that the broker's cost of Ferry's message format can be told apart
+//! from the relay's own.
 
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use bytes::Bytes;
+use chrono::Utc;
+use ferry_core::{EventId, Headers, StoredEvent};
+use ferry_sink::rabbitmq::RabbitMqOptions;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Confirmation};
 use tokio::time::Instant;
@@ -15,6 +25,15 @@ use super::topology::{self, Topology};
 use super::workload;
 
 const PERSISTENT: u8 = 2;
+
+/// What the baseline's messages carry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Format {
+    /// Message id, content type, persistent.
+    Plain,
+    /// What the RabbitMQ sink sends: [`ferry_sink::rabbitmq::properties`].
+    Ferry,
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct BrokerResult {
@@ -33,9 +52,15 @@ pub(crate) fn per_second(n: u64, elapsed: Duration) -> f64 {
     n as f64 / elapsed.as_secs_f64().max(f64::EPSILON)
 }
 
-pub(crate) async fn run(amqp_url: &str, events: u64, window: usize, keys: u64) -> anyhow::Result<BrokerResult> {
+pub(crate) async fn run(
+    amqp_url: &str,
+    events: u64,
+    window: usize,
+    keys: u64,
+    format: Format,
+) -> anyhow::Result<BrokerResult> {
     topology::with_topology(amqp_url, "broker", async |t| {
-        publish_all(amqp_url, t, events, window.max(1), keys).await
+        publish_all(amqp_url, t, events, window.max(1), keys, format).await
     })
     .await
 }
@@ -46,6 +71,7 @@ async fn publish_all(
     events: u64,
     window: usize,
     keys: u64,
+    format: Format,
 ) -> anyhow::Result<BrokerResult> {
     let connection = topology::connect(amqp_url, "ferry-bench-broker").await?;
     let channel = connection.create_channel().await?;
@@ -61,11 +87,15 @@ async fn publish_all(
     while sent < events {
         let n = (events - sent).min(window as u64);
         for seq in sent..sent + n {
-            let body = workload::payload_bytes(seq, &workload::key(seq, keys));
-            let properties = BasicProperties::default()
-                .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                .with_content_type("application/json".into())
-                .with_delivery_mode(PERSISTENT);
+            let key = workload::key(seq, keys);
+            let body = workload::payload_bytes(seq, &key);
+            let properties = match format {
+                Format::Plain => BasicProperties::default()
+                    .with_message_id(uuid::Uuid::now_v7().to_string().into())
+                    .with_content_type("application/json".into())
+                    .with_delivery_mode(PERSISTENT),
+                Format::Ferry => ferry_properties(seq, key)?,
+            };
             let confirm = channel
                 .basic_publish(
                     topology.exchange().into(),
@@ -110,4 +140,21 @@ async fn publish_all(
     );
     let _ = connection.close(200, "OK".into()).await;
     Ok(result)
+}
+
+/// The properties the RabbitMQ sink would send for this message as an event
+/// of the bench's type, key and the sink's default source.
+fn ferry_properties(seq: u64, key: String) -> anyhow::Result<BasicProperties> {
+    let event = StoredEvent {
+        id: EventId::new(),
+        seq: i64::try_from(seq).unwrap_or(i64::MAX),
+        event_type: workload::EVENT_TYPE.to_owned(),
+        key: Some(key),
+        payload: Bytes::new(),
+        content_type: "application/json".to_owned(),
+        headers: Headers::default(),
+        created_at: Utc::now(),
+    };
+    ferry_sink::rabbitmq::properties(&event, &RabbitMqOptions::default().source)
+        .map_err(|e| anyhow::anyhow!("building the sink's message properties: {e}"))
 }

@@ -37,6 +37,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::anyhow;
+use broker::Format;
 use tokio::time::Instant;
 
 use crate::config::{LogConfig, LogFormat};
@@ -218,22 +219,36 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
         report.idle = Some(idle::run(ctx).await?);
     }
     if args.runs(Scenario::Drain) {
-        // Broker and drain alternate, so that a slow spell of the machine
-        // weighs on both sides of a round's share.
+        // Both baselines and the drain alternate, so that a slow spell of
+        // the machine weighs on every side of a round's shares.
         let rounds = args.drain_rounds as usize;
-        let (mut brokers, mut drains) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
+        let baseline =
+            async |format| broker::run(&args.amqp_url, args.events, args.batch_size, args.keys, format).await;
+        let (mut brokers, mut formatted, mut drains) = (
+            Vec::with_capacity(rounds),
+            Vec::with_capacity(rounds),
+            Vec::with_capacity(rounds),
+        );
         for round in 1..=rounds {
             if rounds > 1 {
                 eprintln!("drain: round {round} of {rounds}");
             }
-            brokers.push(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys).await?);
+            brokers.push(baseline(Format::Plain).await?);
+            formatted.push(baseline(Format::Ferry).await?);
             drains.push(drain::run(ctx, "drain", args.keys).await?);
         }
         report.drain_shares = brokers.iter().zip(&drains).map(|(b, d)| d.rate() / b.rate()).collect();
+        report.format_shares = formatted
+            .iter()
+            .zip(&drains)
+            .map(|(b, d)| d.rate() / b.rate())
+            .collect();
         report.broker = middle(brokers, |b| b.elapsed);
+        report.broker_ferry_format = middle(formatted, |b| b.elapsed);
         report.drain = middle(drains, |d| d.drain);
     } else if args.runs(Scenario::Hotkey) || args.runs(Scenario::WalDrain) {
-        report.broker = Some(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys).await?);
+        report.broker =
+            Some(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys, Format::Plain).await?);
     }
     if args.runs(Scenario::Hotkey) {
         report.hotkey = Some(drain::run(ctx, "hotkey", 1).await?);

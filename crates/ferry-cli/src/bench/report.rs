@@ -81,6 +81,11 @@ pub(crate) struct Report {
     pub drain: Option<DrainResult>,
     /// Per drain round: its rate as a share of that round's broker rate.
     pub drain_shares: Vec<f64>,
+    /// The broker baseline with the RabbitMQ sink's message properties.
+    pub broker_ferry_format: Option<BrokerResult>,
+    /// Per drain round: its rate as a share of that round's
+    /// `broker_ferry_format` rate.
+    pub format_shares: Vec<f64>,
     pub latency: Option<LatencyResult>,
     pub wal_latency: Option<LatencyResult>,
     pub wal_drain: Option<DrainResult>,
@@ -177,6 +182,19 @@ impl Report {
             figure.push(')');
             row("broker", figure, "baseline", None);
         }
+        let formatted = self.broker_ferry_format.as_ref().map(BrokerResult::rate);
+        if let Some(f) = formatted {
+            let mut figure = format!("{} confirmed publishes/s", rate(f));
+            if let Some(b) = broker {
+                let _ = write!(figure, " = {} of broker", pct(f / b));
+            }
+            figure.push_str(" (the same publishes with the properties and CloudEvents headers the RabbitMQ sink sends");
+            if self.format_shares.len() > 1 {
+                let _ = write!(figure, "; middle of {} rounds", self.format_shares.len());
+            }
+            figure.push(')');
+            row("broker: Ferry's messages", figure, "–", None);
+        }
         if let Some(d) = &self.drain {
             let share = broker.map(|b| d.rate() / b);
             let mut figure = match share {
@@ -191,6 +209,12 @@ impl Report {
                     pct(low),
                     pct(high)
                 );
+            }
+            if let Some(f) = formatted {
+                let _ = write!(figure, "; {} of broker with Ferry's messages", pct(d.rate() / f));
+                if let Some((low, high)) = spread(&self.format_shares) {
+                    let _ = write!(figure, " (rounds {}–{})", pct(low), pct(high));
+                }
             }
             row("drain", figure, "≥ 75% of broker", share.map(|s| s >= DRAIN_TARGET));
             let figure = format!(

@@ -40,35 +40,7 @@ impl Message {
         let routing_key = render_template(route.routing_key.as_deref().unwrap_or("{type}"), event);
         let routing_key = short("routing key", "routes[].routing_key", routing_key)?;
 
-        let mut headers = FieldTable::default();
-        for (name, value) in &event.headers {
-            let name = short("header name", "the producer's headers", name.clone())?;
-            headers.insert(name, long(value));
-        }
-        // Inserted after the producer's headers so a producer cannot spoof them.
-        let id = event.id.to_string();
-        let time = event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
-        headers.insert("cloudEvents:specversion".into(), long(SPEC_VERSION));
-        headers.insert("cloudEvents:id".into(), long(&id));
-        headers.insert("cloudEvents:type".into(), long(&event.event_type));
-        headers.insert("cloudEvents:source".into(), long(source));
-        headers.insert("cloudEvents:time".into(), long(&time));
-        if let Some(key) = &event.key {
-            headers.insert("cloudEvents:subject".into(), long(key));
-            headers.insert(KEY_HEADER.into(), long(key));
-        }
-
-        let properties = BasicProperties::default()
-            .with_message_id(id.into())
-            .with_content_type(short(
-                "content type",
-                "the event's content_type",
-                event.content_type.clone(),
-            )?)
-            .with_type(short("event type", "the event's type", event.event_type.clone())?)
-            .with_timestamp(u64::try_from(event.created_at.timestamp()).unwrap_or(0))
-            .with_delivery_mode(PERSISTENT)
-            .with_headers(headers);
+        let properties = properties(event, source)?;
         Ok(Self {
             exchange,
             routing_key,
@@ -76,6 +48,42 @@ impl Message {
             payload: event.payload.clone(),
         })
     }
+}
+
+/// The AMQP properties an event is published with: message id, content
+/// type, type, timestamp, persistent delivery, the producer's headers and the
+/// CloudEvents 1.0 binary-mode headers (`source` is their `source`).
+/// Refused (permanently) when a value does not fit an AMQP short string.
+pub fn properties(event: &StoredEvent, source: &str) -> Result<BasicProperties, SinkError> {
+    let mut headers = FieldTable::default();
+    for (name, value) in &event.headers {
+        let name = short("header name", "the producer's headers", name.clone())?;
+        headers.insert(name, long(value));
+    }
+    // Inserted after the producer's headers so a producer cannot spoof them.
+    let id = event.id.to_string();
+    let time = event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
+    headers.insert("cloudEvents:specversion".into(), long(SPEC_VERSION));
+    headers.insert("cloudEvents:id".into(), long(&id));
+    headers.insert("cloudEvents:type".into(), long(&event.event_type));
+    headers.insert("cloudEvents:source".into(), long(source));
+    headers.insert("cloudEvents:time".into(), long(&time));
+    if let Some(key) = &event.key {
+        headers.insert("cloudEvents:subject".into(), long(key));
+        headers.insert(KEY_HEADER.into(), long(key));
+    }
+
+    Ok(BasicProperties::default()
+        .with_message_id(id.into())
+        .with_content_type(short(
+            "content type",
+            "the event's content_type",
+            event.content_type.clone(),
+        )?)
+        .with_type(short("event type", "the event's type", event.event_type.clone())?)
+        .with_timestamp(u64::try_from(event.created_at.timestamp()).unwrap_or(0))
+        .with_delivery_mode(PERSISTENT)
+        .with_headers(headers))
 }
 
 fn long(value: &str) -> AMQPValue {

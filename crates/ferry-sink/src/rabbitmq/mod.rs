@@ -29,7 +29,7 @@ use async_trait::async_trait;
 use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
 use tokio::sync::Mutex;
 
-pub use message::{KEY_HEADER, SPEC_VERSION};
+pub use message::{KEY_HEADER, SPEC_VERSION, properties};
 pub use reply::{
     ACCESS_REFUSED, CONNECTION_FORCED, CONTENT_TOO_LARGE, INVALID_PATH, NO_CONSUMERS, NO_ROUTE, NOT_ALLOWED, NOT_FOUND,
     reply_code_kind,

@@ -239,3 +239,41 @@ fn drain_rounds_report_the_middle_round_and_the_spread_of_shares() {
     }
     assert_eq!(middle(Vec::<BrokerResult>::new(), |b| b.elapsed), None);
 }
+
+#[test]
+fn the_drain_is_also_read_against_the_broker_with_ferrys_messages() {
+    let broker = |secs| BrokerResult {
+        events: 100_000,
+        window: 500,
+        elapsed: Duration::from_secs(secs),
+    };
+    // Plain 10,000/s, with the sink's headers 8,000/s; the drain 7,000/s
+    // misses 75% of the plain rate and reads 87.5% of the formatted one,
+    // and the target stays on the plain rate.
+    let report = Report {
+        broker: Some(broker(10)),
+        broker_ferry_format: Some(broker(12)),
+        format_shares: vec![0.80, 0.875, 0.95],
+        drain_shares: vec![0.65, 0.70, 0.75],
+        drain: Some(drain(70_000, 10)),
+        ..Report::default()
+    };
+    let text = report.render();
+    for line in [
+        "| broker: Ferry's messages | 8,333 confirmed publishes/s = 83.3% of broker (the same publishes with the \
+         properties and CloudEvents headers the RabbitMQ sink sends; middle of 3 rounds) | – | – |",
+        "| drain | 7,000 events/s = 70.0% of broker (middle of 3 rounds; rounds 65.0%–75.0%); 84.0% of broker \
+         with Ferry's messages (rounds 80.0%–95.0%) | ≥ 75% of broker | **no** |",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    let plain = Report {
+        broker: Some(broker(10)),
+        drain: Some(drain(70_000, 10)),
+        ..Report::default()
+    };
+    assert!(
+        !plain.render().contains("Ferry's messages"),
+        "no formatted baseline, no row"
+    );
+}

@@ -72,7 +72,7 @@ async fn one_round(ctx: &Ctx<'_>) -> anyhow::Result<Round> {
     let handover = drain_into(ctx, "hand-over", vec![target], &[]).await?;
 
     let mut sinks = Vec::new();
-    let rabbit = broker::run(&args.amqp_url, events, window, keys).await?;
+    let rabbit = broker::run(&args.amqp_url, events, window, keys, broker::Format::Plain).await?;
     let drained = topology::with_topology(&args.amqp_url, "sinks", async |t| {
         drain_into(
             ctx,
