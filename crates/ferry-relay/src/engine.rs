@@ -362,9 +362,14 @@ impl<S: Store, C: Clock> Relay<S, C> {
         // unreachable, a lease renewal, the hand-back or a sink's close could
         // each wait out a connect timeout. Leases not handed back expire.
         drop(listener);
-        keeper.0.abort();
-        let _ = (&mut keeper.0).await;
         let farewell = shared.settings.shutdown_timeout.min(FAREWELL_TIMEOUT);
+        // A renewal in flight finishes first (the keeper stops at its next
+        // wait): aborted half-way, its statement would still run on the
+        // server and could take the leases again after the hand-back.
+        if tokio::time::timeout(farewell, &mut keeper.0).await.is_err() {
+            keeper.0.abort();
+            let _ = (&mut keeper.0).await;
+        }
         match tokio::time::timeout(farewell, shared.store.leave(&shared.settings.id)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => warn!(error = %e, "could not hand leases back; they expire on their own"),

@@ -367,6 +367,52 @@ async fn shutdown_hands_the_leases_back() {
     b.stop().await;
 }
 
+/// A lease renewal in flight when the relay stops must not take the leases
+/// again after the hand-back. A client that gives up on a statement already
+/// sent leaves it running on the server; here the renewal's statement runs
+/// in a task of its own, 300 ms late, so that giving up on it does not stop
+/// it either.
+#[tokio::test]
+async fn a_renewal_in_flight_at_shutdown_does_not_keep_the_leases() {
+    let e = env().await;
+    let server = PgStore::new(e.pool.clone());
+    let (started_tx, started) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let ticks = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
+        let (server, started_tx, ticks) = (server.clone(), started_tx.clone(), ticks.clone());
+        Box::pin(async move {
+            // The first tick takes the leases at start-up; later ones are slow.
+            if called != "tick" || ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+                return Ok(());
+            }
+            let _ = started_tx.send(());
+            let statement = tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                server
+                    .tick(&ferry_core::RelayId("late".into()), Duration::from_secs(3), &[])
+                    .await
+                    .map(drop)
+            });
+            statement.await.expect("the late statement ran")
+        })
+    });
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let relay = start_on(&e, store, settings("late", 4), vec![route("orders", "order.**")]);
+    let mut started = started;
+    tokio::time::timeout(Duration::from_secs(20), started.recv())
+        .await
+        .expect("a renewal within 20 s")
+        .unwrap();
+    relay.stop().await;
+    // Past the moment the late statement would have run.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let owned: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner IS NOT NULL")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(owned, 0, "the renewal took leases after the relay handed them back");
+}
+
 /// A database that stops answering (a partition, not a refusal) must not
 /// hold the relay's exit: SIGTERM ends it within its shutdown timeout and
 /// the farewell's bound, and no delivery is lost (what it could not record

@@ -86,13 +86,16 @@ impl Store for PgStore {
     }
 
     async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
+        // The relay's row first, then its partitions: the order
+        // `ferry.relay_tick` locks them in. The other order deadlocks with a
+        // renewal still running, and PostgreSQL may cancel the hand-back.
         let mut tx = self.pool.begin().await.map_err(store_error)?;
-        sqlx::query("UPDATE ferry.partitions SET owner = NULL, expires_at = NULL WHERE owner = $1")
+        sqlx::query("DELETE FROM ferry.relays WHERE id = $1")
             .bind(&relay.0)
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;
-        sqlx::query("DELETE FROM ferry.relays WHERE id = $1")
+        sqlx::query("UPDATE ferry.partitions SET owner = NULL, expires_at = NULL WHERE owner = $1")
             .bind(&relay.0)
             .execute(&mut *tx)
             .await
