@@ -376,7 +376,7 @@ async fn shutdown_hands_the_leases_back() {
 async fn a_renewal_in_flight_at_shutdown_does_not_keep_the_leases() {
     let e = env().await;
     let server = PgStore::new(e.pool.clone());
-    let (started_tx, started) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel::<()>();
     let ticks = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
         let (server, started_tx, ticks) = (server.clone(), started_tx.clone(), ticks.clone());
@@ -398,7 +398,6 @@ async fn a_renewal_in_flight_at_shutdown_does_not_keep_the_leases() {
     });
     let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
     let relay = start_on(&e, store, settings("late", 4), vec![route("orders", "order.**")]);
-    let mut started = started;
     tokio::time::timeout(Duration::from_secs(20), started.recv())
         .await
         .expect("a renewal within 20 s")

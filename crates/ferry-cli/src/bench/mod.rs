@@ -238,12 +238,16 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
             formatted.push(baseline(Format::Ferry).await?);
             drains.push(drain::run(ctx, "drain", args.keys).await?);
         }
-        report.drain_shares = brokers.iter().zip(&drains).map(|(b, d)| d.rate() / b.rate()).collect();
-        report.format_shares = formatted
-            .iter()
-            .zip(&drains)
-            .map(|(b, d)| d.rate() / b.rate())
-            .collect();
+        // Per round: the drain's rate as a share of that round's baseline.
+        let shares = |baselines: &[broker::BrokerResult]| -> Vec<f64> {
+            baselines
+                .iter()
+                .zip(&drains)
+                .map(|(b, d)| d.rate() / b.rate())
+                .collect()
+        };
+        report.drain_shares = shares(&brokers);
+        report.format_shares = shares(&formatted);
         report.broker = middle(brokers, |b| b.elapsed);
         report.broker_ferry_format = middle(formatted, |b| b.elapsed);
         report.drain = middle(drains, |d| d.drain);
