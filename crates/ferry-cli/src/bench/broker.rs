@@ -7,7 +7,9 @@
 //! type, persistent). [`Format::Ferry`] sends the same bodies with the
 //! properties and CloudEvents headers the RabbitMQ sink gives every event,
 //! so that the broker's cost of Ferry's message format can be told apart
-//! from the relay's own.
+//! from the relay's own. [`Format::Stamped`] adds one 8-byte property to the
+//! plain publish: RabbitMQ slows by a step once a message's encoded
+//! properties pass 64 bytes, whatever they hold, and the plain ones take 57.
 
 use std::time::Duration;
 
@@ -26,11 +28,20 @@ use super::workload;
 
 const PERSISTENT: u8 = 2;
 
+/// The plain baseline's encoded properties: the flags (2), the content type
+/// (1 + 16), the delivery mode (1) and the message id (1 + 36).
+pub(crate) const PLAIN_PROPERTY_BYTES: usize = 2 + 1 + "application/json".len() + 1 + 1 + 36;
+/// What a timestamp property adds.
+pub(crate) const TIMESTAMP_BYTES: usize = 8;
+
 /// What the baseline's messages carry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Format {
-    /// Message id, content type, persistent.
+    /// Message id, content type, persistent: 57 bytes of encoded
+    /// properties ([`PLAIN_PROPERTY_BYTES`]).
     Plain,
+    /// The plain properties and a timestamp: 65 bytes.
+    Stamped,
     /// What the RabbitMQ sink sends: [`ferry_sink::rabbitmq::properties`].
     Ferry,
 }
@@ -89,11 +100,15 @@ async fn publish_all(
         for seq in sent..sent + n {
             let key = workload::key(seq, keys);
             let body = workload::payload_bytes(seq, &key);
-            let properties = match format {
-                Format::Plain => BasicProperties::default()
+            let plain = || {
+                BasicProperties::default()
                     .with_message_id(uuid::Uuid::now_v7().to_string().into())
                     .with_content_type("application/json".into())
-                    .with_delivery_mode(PERSISTENT),
+                    .with_delivery_mode(PERSISTENT)
+            };
+            let properties = match format {
+                Format::Plain => plain(),
+                Format::Stamped => plain().with_timestamp(Utc::now().timestamp().unsigned_abs()),
                 Format::Ferry => ferry_properties(seq, key)?,
             };
             let confirm = channel

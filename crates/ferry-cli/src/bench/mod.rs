@@ -59,8 +59,8 @@ pub struct BenchArgs {
     /// Distinct event keys.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     pub keys: u64,
-    /// Rounds of the broker baselines (plain, and with Ferry's message
-    /// properties) and the drain, one after the other: the report gives the
+    /// Rounds of the broker baselines (plain, plain with a timestamp, and
+    /// with Ferry's message properties) and the drain, one after the other: the report gives the
     /// middle round of each and the spread of the shares.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub drain_rounds: u32,
@@ -220,12 +220,13 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
         report.idle = Some(idle::run(ctx).await?);
     }
     if args.runs(Scenario::Drain) {
-        // Both baselines and the drain alternate, so that a slow spell of
+        // The baselines and the drain alternate, so that a slow spell of
         // the machine weighs on every side of a round's shares.
         let rounds = args.drain_rounds as usize;
         let baseline =
             async |format| broker::run(&args.amqp_url, args.events, args.batch_size, args.keys, format).await;
-        let (mut brokers, mut formatted, mut drains) = (
+        let (mut brokers, mut stamped, mut formatted, mut drains) = (
+            Vec::with_capacity(rounds),
             Vec::with_capacity(rounds),
             Vec::with_capacity(rounds),
             Vec::with_capacity(rounds),
@@ -235,6 +236,7 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
                 eprintln!("drain: round {round} of {rounds}");
             }
             brokers.push(baseline(Format::Plain).await?);
+            stamped.push(baseline(Format::Stamped).await?);
             formatted.push(baseline(Format::Ferry).await?);
             drains.push(drain::run(ctx, "drain", args.keys).await?);
         }
@@ -250,6 +252,7 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
         report.format_shares = shares(&formatted);
         report.broker = middle(brokers, |b| b.elapsed);
         report.broker_ferry_format = middle(formatted, |b| b.elapsed);
+        report.broker_stamped = middle(stamped, |b| b.elapsed);
         report.drain = middle(drains, |d| d.drain);
     } else if args.runs(Scenario::Hotkey) || args.runs(Scenario::WalDrain) {
         report.broker =

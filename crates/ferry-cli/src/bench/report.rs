@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use hdrhistogram::Histogram;
 
-use super::broker::BrokerResult;
+use super::broker::{self, BrokerResult};
 use super::drain::DrainResult;
 use super::idle::IdleResult;
 use super::latency::LatencyResult;
@@ -81,6 +81,8 @@ pub(crate) struct Report {
     pub drain: Option<DrainResult>,
     /// Per drain round: its rate as a share of that round's broker rate.
     pub drain_shares: Vec<f64>,
+    /// The plain broker baseline with one property more (a timestamp).
+    pub broker_stamped: Option<BrokerResult>,
     /// The broker baseline with the RabbitMQ sink's message properties.
     pub broker_ferry_format: Option<BrokerResult>,
     /// Per drain round: its rate as a share of that round's
@@ -181,6 +183,21 @@ impl Report {
             }
             figure.push(')');
             row("broker", figure, "baseline", None);
+        }
+        if let (Some(s), Some(b)) = (&self.broker_stamped, broker) {
+            let mut figure = format!(
+                "{} confirmed publishes/s = {} of broker (the plain publishes with a timestamp property: \
+                 {} bytes of encoded properties against {}",
+                rate(s.rate()),
+                pct(s.rate() / b),
+                broker::PLAIN_PROPERTY_BYTES + broker::TIMESTAMP_BYTES,
+                broker::PLAIN_PROPERTY_BYTES,
+            );
+            if self.drain_shares.len() > 1 {
+                let _ = write!(figure, "; middle of {} rounds", self.drain_shares.len());
+            }
+            figure.push(')');
+            row("broker: one property more", figure, "–", None);
         }
         let formatted = self.broker_ferry_format.as_ref().map(BrokerResult::rate);
         if let Some(f) = formatted {
