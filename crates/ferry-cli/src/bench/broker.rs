@@ -27,10 +27,13 @@ use super::topology::{self, Topology};
 use super::workload;
 
 const PERSISTENT: u8 = 2;
+const CONTENT_TYPE: &str = "application/json";
+/// A hyphenated UUID, the plain baseline's message id.
+const MESSAGE_ID_BYTES: usize = 36;
 
 /// The plain baseline's encoded properties: the flags (2), the content type
 /// (1 + 16), the delivery mode (1) and the message id (1 + 36).
-pub(crate) const PLAIN_PROPERTY_BYTES: usize = 2 + 1 + "application/json".len() + 1 + 1 + 36;
+pub(crate) const PLAIN_PROPERTY_BYTES: usize = 2 + 1 + CONTENT_TYPE.len() + 1 + 1 + MESSAGE_ID_BYTES;
 /// What a timestamp property adds.
 pub(crate) const TIMESTAMP_BYTES: usize = 8;
 
@@ -95,17 +98,17 @@ async fn publish_all(
     let started = Instant::now();
     let mut sent = 0u64;
     let mut confirms = Vec::with_capacity(window);
+    let plain = || {
+        BasicProperties::default()
+            .with_message_id(uuid::Uuid::now_v7().to_string().into())
+            .with_content_type(CONTENT_TYPE.into())
+            .with_delivery_mode(PERSISTENT)
+    };
     while sent < events {
         let n = (events - sent).min(window as u64);
         for seq in sent..sent + n {
             let key = workload::key(seq, keys);
             let body = workload::payload_bytes(seq, &key);
-            let plain = || {
-                BasicProperties::default()
-                    .with_message_id(uuid::Uuid::now_v7().to_string().into())
-                    .with_content_type("application/json".into())
-                    .with_delivery_mode(PERSISTENT)
-            };
             let properties = match format {
                 Format::Plain => plain(),
                 Format::Stamped => plain().with_timestamp(Utc::now().timestamp().unsigned_abs()),

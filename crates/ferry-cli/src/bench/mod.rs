@@ -60,8 +60,9 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..))]
     pub keys: u64,
     /// Rounds of the broker baselines (plain, plain with a timestamp, and
-    /// with Ferry's message properties) and the drain, one after the other: the report gives the
-    /// middle round of each and the spread of the shares.
+    /// with Ferry's message properties) and the drain, one after the other:
+    /// the report gives the middle round of each and the spread of the
+    /// shares.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub drain_rounds: u32,
     /// The relay's batch size, and the broker baseline's publish window.

@@ -99,6 +99,14 @@ pub(crate) struct Report {
     pub wall: Option<Duration>,
 }
 
+/// Ends a baseline's parenthesis, naming the rounds it is the middle of.
+fn close_rounds(figure: &mut String, rounds: usize) {
+    if rounds > 1 {
+        let _ = write!(figure, "; middle of {rounds} rounds");
+    }
+    figure.push(')');
+}
+
 struct Row {
     scenario: String,
     figure: String,
@@ -178,10 +186,7 @@ impl Report {
                 thousands(b.events),
                 thousands(b.window as u64)
             );
-            if self.drain_shares.len() > 1 {
-                let _ = write!(figure, "; middle of {} rounds", self.drain_shares.len());
-            }
-            figure.push(')');
+            close_rounds(&mut figure, self.drain_shares.len());
             row("broker", figure, "baseline", None);
         }
         if let (Some(s), Some(b)) = (&self.broker_stamped, broker) {
@@ -193,10 +198,7 @@ impl Report {
                 broker::PLAIN_PROPERTY_BYTES + broker::TIMESTAMP_BYTES,
                 broker::PLAIN_PROPERTY_BYTES,
             );
-            if self.drain_shares.len() > 1 {
-                let _ = write!(figure, "; middle of {} rounds", self.drain_shares.len());
-            }
-            figure.push(')');
+            close_rounds(&mut figure, self.drain_shares.len());
             row("broker: one property more", figure, "–", None);
         }
         let formatted = self.broker_ferry_format.as_ref().map(BrokerResult::rate);
@@ -206,10 +208,7 @@ impl Report {
                 let _ = write!(figure, " = {} of broker", pct(f / b));
             }
             figure.push_str(" (the same publishes with the properties and CloudEvents headers the RabbitMQ sink sends");
-            if self.format_shares.len() > 1 {
-                let _ = write!(figure, "; middle of {} rounds", self.format_shares.len());
-            }
-            figure.push(')');
+            close_rounds(&mut figure, self.format_shares.len());
             row("broker: Ferry's messages", figure, "–", None);
         }
         if let Some(d) = &self.drain {
