@@ -3,10 +3,9 @@
 
 mod support;
 
-use std::time::Duration;
-
 use ferry_core::{Glob, Route, Sink};
 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
+use ferry_testkit::metrics::Counts;
 use ferry_testkit::rabbit::{amqp_url, unique_name};
 use ferry_testkit::sink_suite::event;
 use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions, QueueDeleteOptions};
@@ -21,6 +20,10 @@ mod example;
 
 #[tokio::test]
 async fn the_consumer_example_credits_each_payment_once() {
+    // The consumer runs in its own task: count its metrics process-wide (the
+    // only test of this binary) to see the duplicate skipped.
+    let counts = Counts::by_label("consumer");
+    metrics::set_global_recorder(counts.clone()).expect("no other recorder in this test binary");
     let db = Db::new().await;
     let amqp = Connection::connect(&amqp_url(), ConnectionProperties::default())
         .await
@@ -85,8 +88,10 @@ async fn the_consumer_example_credits_each_payment_once() {
             .unwrap_or_default()
     };
     wait("both payments credited", || async { credits().await.len() >= 2 }).await;
-    // Time for the duplicate to arrive and be skipped.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait("the second delivery of the first payment skipped", || async {
+        counts.get(ferry_inbox::metrics::DUPLICATES, &queue) >= 1
+    })
+    .await;
     let _ = stop.send(());
     let report = consumer.await.unwrap().unwrap();
     assert_eq!(credits().await, [("acme".to_owned(), 4200), ("globex".to_owned(), 100)]);

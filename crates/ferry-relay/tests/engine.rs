@@ -16,7 +16,7 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 
 mod support;
-use support::{Running, eventually, settings};
+use support::{Running, eventually, eventually_async, settings};
 
 struct Env {
     pool: PgPool,
@@ -148,7 +148,13 @@ async fn an_idle_relay_wakes_on_commit_not_on_its_poll() {
     let e = env().await;
     let relay = start(&e, "a", vec![route("orders", "order.**")]);
     // Let it go idle (it tells producers to notify it), then produce.
-    eventually("relay asleep", Duration::from_secs(10), || true).await;
+    eventually_async("relay asleep", Duration::from_secs(30), async || {
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM ferry.relays WHERE sleeping)")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+    })
+    .await;
     for i in 0..5 {
         let ids = produce(&e.pool, orders(1, 1)).await;
         // The fallback poll is 60 s: only a notification delivers this in time.

@@ -18,7 +18,7 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 
 mod support;
-use support::{Running, eventually, settings};
+use support::{Running, eventually, eventually_async, settings};
 
 struct Env {
     pool: PgPool,
@@ -337,13 +337,21 @@ async fn a_destination_down_does_not_hold_up_the_others_and_loses_nothing() {
     .await;
     assert_complete_and_ordered(&ids, &e.sink.delivered("up"));
     assert!(e.other.delivered("down").is_empty());
-    // The slot moves on: the failing route's events wait in the table.
-    let parked: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE route = 'down' AND state = 'pending'")
-            .fetch_one(&e.pool)
-            .await
-            .unwrap();
-    assert_eq!(parked as usize, ids.len());
+    // The slot moves on: the failing route's events wait in the table (the
+    // last batch's are written once the healthy route has them).
+    eventually_async(
+        "the failing route's events parked",
+        Duration::from_secs(10),
+        async || {
+            let parked: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE route = 'down' AND state = 'pending'")
+                    .fetch_one(&e.pool)
+                    .await
+                    .unwrap();
+            parked as usize == ids.len()
+        },
+    )
+    .await;
     e.other.set_down(false);
     eventually(
         "the failed route's events after the outage",
@@ -407,22 +415,18 @@ async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they
         tx.commit().await.unwrap();
         failed.push((id, "k".to_owned()));
     }
-    let pool = e.pool.clone();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-        if rows == failed.len() as i64 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "failed tableless events not in the outbox: {rows}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually_async(
+        "the failed tableless events in the outbox",
+        Duration::from_secs(20),
+        async || {
+            let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+                .fetch_one(&e.pool)
+                .await
+                .unwrap();
+            rows == failed.len() as i64
+        },
+    )
+    .await;
     e.sink.set_down(false);
     eventually("tableless events after the outage", Duration::from_secs(30), || {
         unique(&e.sink.delivered("all")).len() >= ids.len() + failed.len()

@@ -63,9 +63,13 @@ async fn one_event_fans_out_to_three_sinks_and_a_down_webhook_delays_none_of_the
     }
     let entries = redis_entries(&stream);
     assert_per_key_order("Redis", &entries, EVENTS);
-    let st = s.status(&cfg).await;
-    assert_eq!(route(&st, "to-rabbit"), (EVENTS as u64, 0, 0, 0));
-    assert_eq!(route(&st, "to-redis"), (EVENTS as u64, 0, 0, 0));
+    let all = (EVENTS as u64, 0, 0, 0);
+    let st = s
+        .status_until(&cfg, &relay, PATIENCE, |st| {
+            let (_, pending, retrying, _) = route(st, "to-hook");
+            route(st, "to-rabbit") == all && route(st, "to-redis") == all && pending + retrying == EVENTS as u64
+        })
+        .await;
     let (published, pending, retrying, dead) = route(&st, "to-hook");
     assert_eq!((published, dead), (0, 0), "the webhook was never reachable: {st}");
     assert_eq!(
@@ -83,19 +87,8 @@ async fn one_event_fans_out_to_three_sinks_and_a_down_webhook_delays_none_of_the
     let app = Router::new().route("/hook", post(hook)).with_state(received.clone());
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
     let server = tokio::spawn(async move { axum::serve(listener, app).await });
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let st = s.status(&cfg).await;
-        if route(&st, "to-hook").0 == EVENTS as u64 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the webhook route never caught up: {st}\nlog:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    s.status_until(&cfg, &relay, PATIENCE, |st| route(st, "to-hook").0 == EVENTS as u64)
+        .await;
     let hooked = received.lock().unwrap().clone();
     assert_per_key_order("the webhook", &hooked, EVENTS);
 

@@ -168,8 +168,10 @@ async fn a_poison_event_is_dead_and_holds_back_only_its_own_key() {
     tally.collect(&s.topo, 456, Duration::from_secs(2)).await;
     assert_eq!(tally.unique(), 455, "log:\n{}", relay.log());
     tally.assert_per_key_order();
-    let st = s.status(&cfg).await;
-    assert_eq!(published(&st, "orders"), (455, 44, 1));
+    // The batch is settled a moment after its events arrive.
+    let st = s
+        .status_until(&cfg, &relay, PATIENCE, |st| published(st, "orders") == (455, 44, 1))
+        .await;
     assert!(
         st["dead_reasons"].to_string().contains("too large"),
         "{}",

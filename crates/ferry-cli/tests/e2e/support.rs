@@ -130,6 +130,31 @@ routing_key = "{routing_key}"
         );
         serde_json::from_slice(&out.stdout).unwrap()
     }
+
+    /// Polls `ferry status` until `done` holds for it (a batch is settled a
+    /// moment after its events reach the destination); panics with the last
+    /// status and the relay's log after `within`.
+    pub async fn status_until(
+        &self,
+        config: &Path,
+        relay: &Relay,
+        within: Duration,
+        done: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let st = self.status(config).await;
+            if done(&st) {
+                return st;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "status never got there: {st}\nlog:\n{}",
+                relay.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 }
 
 #[derive(Default)]

@@ -40,8 +40,13 @@ impl Running {
 
 /// Polls `cond` until it holds or `within` passes.
 pub async fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
+    eventually_async(what, within, async || cond()).await
+}
+
+/// [`eventually`] for a condition that must ask something (the database).
+pub async fn eventually_async(what: &str, within: Duration, mut cond: impl AsyncFnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + within;
-    while !cond() {
+    while !cond().await {
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -86,7 +86,8 @@ async fn reconnects_after_the_connection_is_cut_mid_batch() {
     let wanted = ids(&ok);
     let mut seen = HashSet::new();
     while !wanted.is_subset(&seen) {
-        let more = topology.receive(batch.len(), Duration::from_secs(2)).await;
+        let missing = wanted.difference(&seen).count();
+        let more = topology.receive(missing, ARRIVAL_TIMEOUT).await;
         assert!(
             !more.is_empty(),
             "{} confirmed events never arrived",
