@@ -36,6 +36,16 @@ impl AnyStore {
     /// Connects lazily: nothing is opened until the first query. An SQLite
     /// file is created if missing; `ferry migrate` creates its schema.
     pub fn open(cfg: &Config) -> Result<Self, StoreError> {
+        Self::open_as(cfg, false)
+    }
+
+    /// [`AnyStore::open`] for `ferry run`: PostgreSQL connections prepare
+    /// the relay's heartbeat as they open ([`PgStore::relay_pool_options`]).
+    pub fn open_for_relay(cfg: &Config) -> Result<Self, StoreError> {
+        Self::open_as(cfg, true)
+    }
+
+    fn open_as(cfg: &Config, relay: bool) -> Result<Self, StoreError> {
         let url = &cfg.database.url;
         if is_sqlite(url) {
             #[cfg(feature = "sqlite")]
@@ -52,7 +62,13 @@ impl AnyStore {
                 "database.url names SQLite, but this ferry was built without it; rebuild with `--features sqlite`",
             ));
         }
-        PgStore::connect_lazy(url, cfg.database.max_connections).map(AnyStore::Postgres)
+        let max = cfg.database.max_connections;
+        let store = if relay {
+            PgStore::connect_lazy_relay(url, max)
+        } else {
+            PgStore::connect_lazy(url, max)
+        };
+        store.map(AnyStore::Postgres)
     }
 
     /// Creates or upgrades the schema; returns the versions applied.

@@ -123,3 +123,44 @@ async fn rust_validation_names_the_field_before_touching_the_database() {
         other => panic!("expected a validation error, got {other}"),
     }
 }
+
+/// A relay's connections open with the heartbeat prepared, so a tick on a
+/// connection that has not ticked yet runs it without a round trip of its
+/// own to prepare it (which PostgreSQL would count as a transaction).
+#[tokio::test]
+async fn a_relays_connections_open_with_the_heartbeat_prepared() {
+    use ferry_core::{RelayId, Store};
+    use ferry_store::postgres::PgStore;
+    use std::time::Duration;
+
+    let h = harness().await;
+    let relay = PgStore::connect_lazy_relay(h.db.url(), 3).unwrap();
+    let plain = PgStore::connect_lazy(h.db.url(), 3).unwrap();
+    assert_eq!(plain.pool().acquire().await.unwrap().cached_statements_size(), 0);
+    // Three at once: three connections opened.
+    let cached = async |store: &PgStore| {
+        let held = [
+            store.pool().acquire().await.unwrap(),
+            store.pool().acquire().await.unwrap(),
+            store.pool().acquire().await.unwrap(),
+        ];
+        held.iter().map(|c| c.cached_statements_size()).collect::<Vec<_>>()
+    };
+    assert_eq!(cached(&relay).await, [1, 1, 1]);
+    // The pool lends its idle connections in turn: each ticks once, and
+    // runs the statement it prepared, not a second one.
+    for _ in 0..3 {
+        let owned = relay
+            .tick(&RelayId("a".into()), Duration::from_secs(30), &[])
+            .await
+            .unwrap();
+        assert!(!owned.leases.is_empty());
+    }
+    assert_eq!(cached(&relay).await, [1, 1, 1]);
+
+    // Before `ferry migrate` there is nothing to prepare; the connection
+    // still opens, so the relay can say what is missing.
+    let empty = TestDb::create().await;
+    let relay = PgStore::connect_lazy_relay(empty.url(), 2).unwrap();
+    assert_eq!(relay.pool().acquire().await.unwrap().cached_statements_size(), 0);
+}

@@ -12,7 +12,6 @@ use ferry_relay::{Relay, RelaySettings, RunReport};
 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
 use ferry_store::postgres::PgStore;
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -97,7 +96,7 @@ fn build(
     targets: Vec<(String, Arc<dyn Sink>, String)>,
     wal: impl FnOnce(&PgPool) -> anyhow::Result<Option<ferry_relay::Wal>>,
 ) -> anyhow::Result<RunningRelay> {
-    let pool = PgPoolOptions::new()
+    let pool = PgStore::relay_pool_options()
         .max_connections(POOL_CONNECTIONS)
         .acquire_timeout(Duration::from_secs(5))
         .connect_lazy_with(db.options().clone().application_name("ferry-bench-relay"));

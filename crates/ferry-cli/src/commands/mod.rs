@@ -60,6 +60,11 @@ pub(crate) fn store(cfg: &Config) -> anyhow::Result<AnyStore> {
     AnyStore::open(cfg).map_err(|e| UsageError(e.message).into())
 }
 
+/// [`store`] for the relay (`ferry run`).
+pub(crate) fn relay_store(cfg: &Config) -> anyhow::Result<AnyStore> {
+    AnyStore::open_for_relay(cfg).map_err(|e| UsageError(e.message).into())
+}
+
 pub(crate) async fn connect(cfg: &Config) -> anyhow::Result<sqlx::PgConnection> {
     use sqlx::Connection;
     sqlx::PgConnection::connect(&cfg.database.url)

@@ -23,7 +23,7 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
         Some(addr) => Some((addr, telemetry::install_metrics(addr)?)),
         None => None,
     };
-    let store = super::store(&cfg)?;
+    let store = super::relay_store(&cfg)?;
     if cfg.retention.enabled
         && let Some(dir) = &cfg.retention.archive_dir
     {

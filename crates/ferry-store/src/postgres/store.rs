@@ -23,6 +23,8 @@ pub struct PgStore {
 }
 
 impl PgStore {
+    /// A store over `pool`. A relay's pool is best built from
+    /// [`PgStore::relay_pool_options`].
     pub fn new(pool: PgPool) -> Self {
         Self { pool }
     }
@@ -30,20 +32,52 @@ impl PgStore {
     /// Connects lazily: a database that is down at start is retried by the
     /// relay rather than failing the process.
     pub fn connect_lazy(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        Self::connect_lazy_with(PgPoolOptions::new(), url, max_connections)
+    }
+
+    /// [`PgStore::connect_lazy`] for a relay: its connections come from
+    /// [`PgStore::relay_pool_options`].
+    pub fn connect_lazy_relay(url: &str, max_connections: u32) -> Result<Self, StoreError> {
+        Self::connect_lazy_with(Self::relay_pool_options(), url, max_connections)
+    }
+
+    fn connect_lazy_with(pool: PgPoolOptions, url: &str, max_connections: u32) -> Result<Self, StoreError> {
         let options: PgConnectOptions = url.parse().map_err(|e| {
             StoreError::config(format!("database.url: {e}; write it like postgres://user@host:5432/db"))
         })?;
-        let pool = PgPoolOptions::new()
+        let pool = pool
             .max_connections(max_connections.max(2))
             .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(options.application_name("ferry"));
         Ok(Self { pool })
     }
 
+    /// Pool options for a relay: every connection prepares the heartbeat
+    /// statement as it opens. A statement's first run on a connection costs
+    /// a round trip of its own (sqlx prepares it first), which PostgreSQL
+    /// counts as a transaction; the pool lends its idle connections in turn,
+    /// so without this an idle relay's heartbeat cost two transactions on
+    /// each connection's first turn, for a minute or more after a burst.
+    pub fn relay_pool_options() -> PgPoolOptions {
+        PgPoolOptions::new().after_connect(|conn, _| {
+            Box::pin(async move {
+                use sqlx::{Executor, SqlSafeStr};
+                if let Err(e) = conn.prepare(TICK.into_sql_str()).await {
+                    // Not migrated yet, say: the first tick reports it.
+                    tracing::debug!(error = %e, "the heartbeat statement was not prepared");
+                }
+                Ok(())
+            })
+        })
+    }
+
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
 }
+
+/// The heartbeat: renews this relay's leases and reports the others.
+const TICK: &str = "SELECT partition, token, live_relays, total_partitions FROM ferry.relay_tick($1, $2, $3)";
 
 fn interval(d: Duration) -> sqlx::postgres::types::PgInterval {
     sqlx::postgres::types::PgInterval {
@@ -56,14 +90,13 @@ fn interval(d: Duration) -> sqlx::postgres::types::PgInterval {
 #[async_trait]
 impl Store for PgStore {
     async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
-        let rows =
-            sqlx::query("SELECT partition, token, live_relays, total_partitions FROM ferry.relay_tick($1, $2, $3)")
-                .bind(&relay.0)
-                .bind(interval(lease))
-                .bind(release)
-                .fetch_all(&self.pool)
-                .await
-                .map_err(store_error)?;
+        let rows = sqlx::query(TICK)
+            .bind(&relay.0)
+            .bind(interval(lease))
+            .bind(release)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
         let mut own = Ownership::default();
         for row in rows {
             own.leases.push((row.get(0), row.get(1)));
