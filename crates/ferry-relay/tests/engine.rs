@@ -126,7 +126,13 @@ fn assert_complete_and_ordered(ids: &[EventId], got: &[ferry_core::StoredEvent])
 async fn delivers_every_event_once_in_per_key_order() {
     let e = env().await;
     let ids = produce(&e.pool, orders(2000, 20)).await;
-    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    // A lease long enough that a stall of a loaded machine cannot lose it
+    // (and republish what was in flight): no duplicates is asserted below.
+    let long_lease = RelaySettings {
+        lease: Duration::from_secs(30),
+        ..settings("a", 4)
+    };
+    let relay = start_with(&e, long_lease, vec![route("orders", "order.**")]);
     eventually("2000 delivered", Duration::from_secs(60), || {
         e.sink.delivered("orders").len() >= 2000
     })
