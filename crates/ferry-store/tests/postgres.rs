@@ -124,12 +124,13 @@ async fn rust_validation_names_the_field_before_touching_the_database() {
     }
 }
 
-/// A relay's connections open with the heartbeat prepared, so a tick on a
-/// connection that has not ticked yet runs it without a round trip of its
-/// own to prepare it (which PostgreSQL would count as a transaction).
+/// A relay's connections open with the statements an idle relay runs
+/// prepared, so a heartbeat or a poll on a connection that has not run it
+/// yet needs no round trip of its own to prepare it (which PostgreSQL
+/// would count as a transaction).
 #[tokio::test]
-async fn a_relays_connections_open_with_the_heartbeat_prepared() {
-    use ferry_core::{RelayId, Store};
+async fn a_relays_connections_open_with_the_idle_statements_prepared() {
+    use ferry_core::{Ownership, RelayId, Store};
     use ferry_store::postgres::PgStore;
     use std::time::Duration;
 
@@ -146,17 +147,20 @@ async fn a_relays_connections_open_with_the_heartbeat_prepared() {
         ];
         held.iter().map(|c| c.cached_statements_size()).collect::<Vec<_>>()
     };
-    assert_eq!(cached(&relay).await, [1, 1, 1]);
-    // The pool lends its idle connections in turn: each ticks once, and
-    // runs the statement it prepared, not a second one.
+    assert_eq!(cached(&relay).await, [2, 2, 2]);
+    // The pool lends its idle connections in turn: each ticks and polls
+    // once, and runs the statements it prepared, not new ones.
+    let routes = ["orders".to_owned()];
     for _ in 0..3 {
-        let owned = relay
+        let owned: Ownership = relay
             .tick(&RelayId("a".into()), Duration::from_secs(30), &[])
             .await
             .unwrap();
         assert!(!owned.leases.is_empty());
+        let polled = relay.fetch_direct(&owned, 500, &routes, &[], &[]).await.unwrap();
+        assert!(polled.is_some_and(|b| b.events.is_empty()));
     }
-    assert_eq!(cached(&relay).await, [1, 1, 1]);
+    assert_eq!(cached(&relay).await, [2, 2, 2]);
 
     // Before `ferry migrate` there is nothing to prepare; the connection
     // still opens, so the relay can say what is missing.

@@ -52,19 +52,23 @@ impl PgStore {
         Ok(Self { pool })
     }
 
-    /// Pool options for a relay: every connection prepares the heartbeat
-    /// statement as it opens. A statement's first run on a connection costs
-    /// a round trip of its own (sqlx prepares it first), which PostgreSQL
-    /// counts as a transaction; the pool lends its idle connections in turn,
-    /// so without this an idle relay's heartbeat cost two transactions on
-    /// each connection's first turn, for a minute or more after a burst.
+    /// Pool options for a relay: every connection prepares the statements
+    /// an idle relay runs (the heartbeat and the fallback poll) as it opens.
+    /// A statement's first run on a connection costs a round trip of its own
+    /// (sqlx prepares it first), which PostgreSQL counts as a transaction;
+    /// the pool lends its idle connections in turn, so without this an idle
+    /// relay's heartbeat cost two transactions on each connection's first
+    /// turn, for a minute or more after a burst.
     pub fn relay_pool_options() -> PgPoolOptions {
         PgPoolOptions::new().after_connect(|conn, _| {
             Box::pin(async move {
                 use sqlx::{Executor, SqlSafeStr};
-                if let Err(e) = conn.prepare(TICK.into_sql_str()).await {
-                    // Not migrated yet, say: the first tick reports it.
-                    tracing::debug!(error = %e, "the heartbeat statement was not prepared");
+                for sql in [TICK, FETCH_DIRECT] {
+                    if let Err(e) = conn.prepare(sql.into_sql_str()).await {
+                        // Not migrated yet, say: the relay's first tick reports it.
+                        tracing::debug!(error = %e, "a relay statement was not prepared");
+                        break;
+                    }
                 }
                 Ok(())
             })
@@ -78,6 +82,8 @@ impl PgStore {
 
 /// The heartbeat: renews this relay's leases and reports the others.
 const TICK: &str = "SELECT partition, token, live_relays, total_partitions FROM ferry.relay_tick($1, $2, $3)";
+/// The router's fetch of new events, also its fallback poll.
+const FETCH_DIRECT: &str = include_str!("sql/fetch_direct.sql");
 
 fn interval(d: Duration) -> sqlx::postgres::types::PgInterval {
     sqlx::postgres::types::PgInterval {
@@ -283,7 +289,7 @@ impl Store for PgStore {
         if owned.is_empty() {
             return Ok(Some(DirectBatch::default()));
         }
-        let rows = sqlx::query(include_str!("sql/fetch_direct.sql"))
+        let rows = sqlx::query(FETCH_DIRECT)
             .bind(owned.partitions())
             .bind(limit as i64)
             .bind(routes)
