@@ -40,7 +40,7 @@ impl AnyStore {
     }
 
     /// [`AnyStore::open`] for `ferry run`: PostgreSQL connections prepare
-    /// the relay's heartbeat as they open ([`PgStore::relay_pool_options`]).
+    /// what an idle relay runs as they open ([`PgStore::relay_pool_options`]).
     pub fn open_for_relay(cfg: &Config) -> Result<Self, StoreError> {
         Self::open_as(cfg, true)
     }

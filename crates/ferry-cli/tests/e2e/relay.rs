@@ -124,25 +124,17 @@ async fn an_exchange_with_no_bound_queue_is_refused_and_marks_nothing_published(
         ..Overrides::default()
     });
     let relay = s.spawn(&cfg, "relay-a");
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        let st = s.status(&cfg).await;
-        let (published_n, _, dead) = published(&st, "orders");
-        assert_eq!(published_n, 0, "an unroutable event is never published");
-        // Each key's first event is dead; the rest of the key waits behind it.
-        if dead >= 5 {
-            let reasons = st["dead_reasons"].to_string();
-            assert!(reasons.contains("unroutable"), "{reasons}");
-            assert_eq!(st["routes"][0]["blocked"]["keys"], 5);
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "failures never showed in status:\n{}",
-            relay.log()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    // Each key's first event is dead; the rest of the key waits behind it.
+    let st = s
+        .status_until(&cfg, &relay, PATIENCE, |st| {
+            let (published_n, _, dead) = published(st, "orders");
+            assert_eq!(published_n, 0, "an unroutable event is never published");
+            dead >= 5
+        })
+        .await;
+    let reasons = st["dead_reasons"].to_string();
+    assert!(reasons.contains("unroutable"), "{reasons}");
+    assert_eq!(st["routes"][0]["blocked"]["keys"], 5);
     assert!(relay.terminate().success());
 }
 
