@@ -187,6 +187,8 @@ pub enum SinkSpec {
         /// The management API that `check` asks for bindings; default
         /// derived from `url`.
         management_url: Option<String>,
+        /// Confirm-mode channels a batch is spread over, by key.
+        channels: usize,
     },
     /// Kafka, through an idempotent producer.
     Kafka(KafkaSpec),
@@ -232,12 +234,14 @@ impl fmt::Debug for SinkSpec {
                 publish_timeout,
                 max_message_bytes,
                 management_url,
+                channels,
             } => f
                 .debug_struct("RabbitMq")
                 .field("url", &redact_url(url))
                 .field("publish_timeout", publish_timeout)
                 .field("max_message_bytes", max_message_bytes)
                 .field("management_url", &management_url.as_deref().map(redact_url))
+                .field("channels", channels)
                 .finish(),
             SinkSpec::Kafka(k) => f.debug_tuple("Kafka").field(k).finish(),
             SinkSpec::Nats(n) => f.debug_tuple("Nats").field(n).finish(),

@@ -17,6 +17,7 @@ pub fn build(cfg: &Config) -> Result<HashMap<String, Arc<dyn Sink>>, UsageError>
                 publish_timeout,
                 max_message_bytes,
                 management_url,
+                channels,
             } => {
                 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
                 Arc::new(RabbitMqSink::new(RabbitMqOptions {
@@ -24,6 +25,7 @@ pub fn build(cfg: &Config) -> Result<HashMap<String, Arc<dyn Sink>>, UsageError>
                     publish_timeout: *publish_timeout,
                     max_message_bytes: *max_message_bytes,
                     management_url: management_url.clone(),
+                    channels: *channels,
                     ..RabbitMqOptions::default()
                 }))
             }

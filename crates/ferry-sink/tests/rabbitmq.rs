@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ferry_core::{ErrorKind, Route, Sink, StoredEvent};
+use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
 use ferry_testkit::rabbit::{TestTopology, amqp_url, unique_name};
 use ferry_testkit::sink_suite::{self, ARRIVAL_TIMEOUT, QUIET_PERIOD, ReceivedMessage, SinkHarness, event};
 use serde_json::json;
@@ -55,6 +56,28 @@ async fn passes_the_sink_conformance_suite() {
     sink_suite::run(&sink, &harness).await;
     sink.close().await;
     harness.topology.delete().await;
+}
+
+#[tokio::test]
+async fn a_batch_spread_over_many_channels_keeps_each_keys_order() {
+    let topology = TestTopology::create("lanes").await;
+    let sink = RabbitMqSink::new(RabbitMqOptions {
+        url: amqp_url(),
+        channels: 8,
+        ..RabbitMqOptions::default()
+    });
+    let events = keyed(2_000, |seq| format!("k{}", seq % 50));
+    let outcomes = sink.publish(&route(topology.exchange(), None), &events).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    let received = topology.receive(events.len(), ARRIVAL_TIMEOUT).await;
+    let stored: Vec<String> = received
+        .iter()
+        .map(|r| r.message_id.clone().expect("a message id"))
+        .collect();
+    let duplicates = sink_suite::assert_all_arrived_in_key_order(&events, &stored, &ids(&events));
+    assert_eq!(duplicates, 0);
+    sink.close().await;
+    topology.delete().await;
 }
 
 #[tokio::test]

@@ -124,6 +124,7 @@ pub(super) struct RawSink {
     pub(super) secrets: Option<Vec<String>>,
     pub(super) timeout: Option<DurationText>,
     pub(super) concurrency: Option<i64>,
+    pub(super) channels: Option<i64>,
     pub(super) max_body_bytes: Option<i64>,
     pub(super) headers: Option<BTreeMap<String, String>>,
     pub(super) max_file_bytes: Option<i64>,

@@ -17,6 +17,10 @@ const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 /// RabbitMQ refuses messages above 512 MiB whatever its configuration.
 const RABBITMQ_MAX_MESSAGE_BYTES: i64 = 512 * 1024 * 1024;
+/// RabbitMQ's default `channel_max` allows 2047 per connection; past a few
+/// per core, more channels only cost the broker memory.
+const RABBITMQ_MAX_CHANNELS: i64 = 64;
+const DEFAULT_RABBITMQ_CHANNELS: usize = 2;
 const DEFAULT_RECONNECT_MAX_DELAY: Duration = Duration::from_secs(30);
 const DEFAULT_SOURCE: &str = "ferry";
 const KAFKA_DEFAULT_BOOTSTRAP: &str = "127.0.0.1:9092";
@@ -197,9 +201,10 @@ fn redact_token_url(url: &str) -> String {
 }
 
 /// Each kind-specific field and the kinds that take it.
-const KIND_FIELDS: [(&str, &[&str]); 16] = [
+const KIND_FIELDS: [(&str, &[&str]); 17] = [
     ("url", &["rabbitmq", "nats", "redis"]),
     ("management_url", &["rabbitmq"]),
+    ("channels", &["rabbitmq"]),
     ("publish_timeout", &["rabbitmq", "kafka", "nats", "redis"]),
     ("max_message_bytes", &["rabbitmq", "kafka", "nats", "redis"]),
     ("reconnect_max_delay", &["nats", "redis"]),
@@ -220,6 +225,7 @@ fn is_set(raw: &RawSink, field: &str) -> bool {
     match field {
         "url" => raw.url.is_some(),
         "management_url" => raw.management_url.is_some(),
+        "channels" => raw.channels.is_some(),
         "publish_timeout" => raw.publish_timeout.is_some(),
         "max_message_bytes" => raw.max_message_bytes.is_some(),
         "reconnect_max_delay" => raw.reconnect_max_delay.is_some(),
@@ -331,11 +337,19 @@ pub(super) fn sink_spec(check: &mut Checker, name: &str, raw: RawSink) -> Option
                 }
                 None => None,
             };
+            let channels = check.integer(
+                &field("channels"),
+                raw.channels,
+                DEFAULT_RABBITMQ_CHANNELS,
+                1,
+                Some(RABBITMQ_MAX_CHANNELS),
+            );
             SinkSpec::RabbitMq {
                 url,
                 publish_timeout,
                 max_message_bytes,
                 management_url,
+                channels,
             }
         }
         "kafka" => {

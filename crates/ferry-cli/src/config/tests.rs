@@ -55,6 +55,7 @@ fn the_example_file_parses_to_its_documented_values() {
             publish_timeout: Duration::from_secs(10),
             max_message_bytes: 16_777_216,
             management_url: Some("http://guest:guest@127.0.0.1:15672".into()),
+            channels: 2,
         }
     );
     assert_eq!(c.sinks["out"], SinkSpec::Stdout);

@@ -1,4 +1,4 @@
-//! The one connection and confirm-mode channel a sink reuses, and the
+//! The one connection and the confirm-mode channels a sink reuses, and the
 //! reconnect loop around them.
 //!
 //! lapin's own recovery (`enable_auto_recover`) replays topology and resumes
@@ -20,8 +20,9 @@ use crate::backoff::Backoff;
 
 struct Link {
     connection: Connection,
-    /// The publishing channel, in confirm mode; `None` after the broker closed it.
-    channel: Option<Channel>,
+    /// The publishing channels, in confirm mode, one per lane; `None` where
+    /// the broker closed it.
+    channels: Vec<Option<Channel>>,
 }
 
 pub(crate) struct Connector {
@@ -31,44 +32,53 @@ pub(crate) struct Connector {
     /// Bounds each connect, channel open and declare.
     timeout: Duration,
     link: Option<Link>,
+    /// How many publishing channels a link holds.
+    lanes: usize,
     backoff: Backoff,
 }
 
 impl Connector {
-    pub(crate) fn new(url: String, timeout: Duration, reconnect_max_delay: Duration) -> Self {
+    /// A connector whose links publish over `lanes` channels (at least one).
+    pub(crate) fn new(url: String, timeout: Duration, reconnect_max_delay: Duration, lanes: usize) -> Self {
         Self {
             display_url: redact(&url),
             url,
             timeout,
             link: None,
+            lanes: lanes.max(1),
             backoff: Backoff::new(reconnect_max_delay),
         }
     }
 
-    /// The publishing channel, connecting or reopening it if needed. Never
-    /// waits out a backoff: while one is pending this fails at once, so a
-    /// publish against a down broker returns promptly.
-    pub(crate) async fn confirm_channel(&mut self) -> Result<Channel, SinkError> {
+    /// The publishing channels, one per lane, connecting or reopening them
+    /// if needed. Never waits out a backoff: while one is pending this fails
+    /// at once, so a publish against a down broker returns promptly.
+    pub(crate) async fn confirm_channels(&mut self) -> Result<Vec<Channel>, SinkError> {
         self.connection().await?;
         let link = self.link.as_mut().expect("connection() leaves a link");
-        if let Some(channel) = &link.channel {
-            return Ok(channel.clone());
-        }
-        let opened = timeout(self.timeout, async {
-            let channel = link.connection.create_channel().await?;
-            channel.confirm_select(ConfirmSelectOptions::default()).await?;
-            Ok::<_, lapin::Error>(channel)
-        })
-        .await;
-        match opened {
-            Ok(Ok(channel)) => {
-                debug!(channel = channel.id(), "opened confirm channel");
-                link.channel = Some(channel.clone());
-                Ok(channel)
+        let mut channels = Vec::with_capacity(link.channels.len());
+        for lane in 0..link.channels.len() {
+            if let Some(channel) = &link.channels[lane] {
+                channels.push(channel.clone());
+                continue;
             }
-            Ok(Err(e)) => Err(self.lost(reply::from_lapin("opening a confirm channel", &e))),
-            Err(_) => Err(self.lost(self.timed_out("opening a confirm channel"))),
+            let opened = timeout(self.timeout, async {
+                let channel = link.connection.create_channel().await?;
+                channel.confirm_select(ConfirmSelectOptions::default()).await?;
+                Ok::<_, lapin::Error>(channel)
+            })
+            .await;
+            match opened {
+                Ok(Ok(channel)) => {
+                    debug!(channel = channel.id(), lane, "opened confirm channel");
+                    link.channels[lane] = Some(channel.clone());
+                    channels.push(channel);
+                }
+                Ok(Err(e)) => return Err(self.lost(reply::from_lapin("opening a confirm channel", &e))),
+                Err(_) => return Err(self.lost(self.timed_out("opening a confirm channel"))),
+            }
         }
+        Ok(channels)
     }
 
     /// Whether `exchange` exists, asked with a passive declare on a throwaway
@@ -116,9 +126,13 @@ impl Connector {
         if !link.connection.status().connected() {
             warn!(url = %self.display_url, "RabbitMQ connection lost; reconnecting on next use");
             self.link = None;
-        } else if link.channel.as_ref().is_some_and(|c| !c.status().connected()) {
-            debug!("publishing channel closed; reopening on next use");
-            link.channel = None;
+        } else {
+            for (lane, slot) in link.channels.iter_mut().enumerate() {
+                if slot.as_ref().is_some_and(|c| !c.status().connected()) {
+                    debug!(lane, "publishing channel closed; reopening on next use");
+                    *slot = None;
+                }
+            }
         }
     }
 
@@ -139,14 +153,14 @@ impl Connector {
         ))
     }
 
-    /// Closes the channel and the connection, waiting for the broker's
+    /// Closes the channels and the connection, waiting for the broker's
     /// close-ok at most `timeout` each.
     pub(crate) async fn close(&mut self) {
         let Some(link) = self.link.take() else { return };
-        if let Some(channel) = link.channel
-            && let Ok(Err(e)) = timeout(self.timeout, channel.close(200, "OK".into())).await
-        {
-            debug!(error = %e, "closing the confirm channel");
+        for channel in link.channels.into_iter().flatten() {
+            if let Ok(Err(e)) = timeout(self.timeout, channel.close(200, "OK".into())).await {
+                debug!(error = %e, "closing a confirm channel");
+            }
         }
         match timeout(self.timeout, link.connection.close(200, "OK".into())).await {
             Ok(Ok(())) => info!(url = %self.display_url, "closed RabbitMQ connection"),
@@ -161,7 +175,7 @@ impl Connector {
             let connection = self.connect().await?;
             self.link = Some(Link {
                 connection,
-                channel: None,
+                channels: vec![None; self.lanes],
             });
         }
         Ok(&self.link.as_ref().expect("just set").connection)

@@ -1,7 +1,9 @@
-//! One pipelined batch: write every message, await every confirm, then turn
-//! what the broker said into one outcome per event.
+//! One pipelined batch: spread over the link's channels by key, write every
+//! message, await every confirm, then turn what the broker said into one
+//! outcome per event.
 
 use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 
 use ferry_core::{ErrorKind, PublishOutcome, SinkError, StoredEvent};
@@ -34,16 +36,39 @@ pub(super) async fn publish_batch(
     prepared: Vec<Result<Message, SinkError>>,
     publish_timeout: Duration,
 ) -> Vec<PublishOutcome> {
-    let channel = match connector.confirm_channel().await {
-        Ok(channel) => channel,
+    let channels = match connector.confirm_channels().await {
+        Ok(channels) => channels,
         Err(e) => return prepared.into_iter().map(|p| p.and(Err(e.clone()))).collect(),
     };
     let exchanges: Vec<Option<String>> = prepared
         .iter()
         .map(|p| p.as_ref().ok().map(|m| m.exchange.to_string()))
         .collect();
-    let (fates, returned) = send(&channel, prepared, publish_timeout).await;
-    drop(channel);
+    let lanes = lanes(events, channels.len());
+    let mut parts: Vec<Vec<Result<Message, SinkError>>> = channels.iter().map(|_| Vec::new()).collect();
+    for (message, &lane) in prepared.into_iter().zip(&lanes) {
+        parts[lane].push(message);
+    }
+    // The channels publish at once: RabbitMQ works each one in a process of
+    // its own, so a batch spread over several uses more of its cores.
+    let sent = futures::future::join_all(
+        parts
+            .into_iter()
+            .zip(&channels)
+            .map(|(part, channel)| send(channel, part, publish_timeout)),
+    )
+    .await;
+    drop(channels);
+    let mut returned = HashMap::new();
+    let mut lane_fates = Vec::with_capacity(sent.len());
+    for (fates, back) in sent {
+        returned.extend(back);
+        lane_fates.push(fates.into_iter());
+    }
+    let fates: Vec<Fate> = lanes
+        .iter()
+        .map(|&lane| lane_fates[lane].next().expect("send() gives one fate per message"))
+        .collect();
     if fates.iter().any(|f| matches!(f, Fate::Failed(_))) {
         // lapin writes method frames (the channel.close-ok) ahead of queued
         // publishes, so after the broker closes the channel it may still
@@ -90,7 +115,27 @@ pub(super) async fn publish_batch(
     outcomes
 }
 
-/// Writes the batch in slice order, then awaits the confirms. Returns each
+/// The lane (channel) of each event: all events of a key share one, so the
+/// broker keeps their order as one channel's publishes reach a queue in the
+/// order sent; events without a key have no order to keep and are dealt out
+/// in turn.
+fn lanes(events: &[StoredEvent], n: usize) -> Vec<usize> {
+    let n = n.max(1);
+    events
+        .iter()
+        .enumerate()
+        .map(|(i, event)| match &event.key {
+            Some(key) => {
+                let mut hasher = DefaultHasher::new();
+                key.hash(&mut hasher);
+                (hasher.finish() % n as u64) as usize
+            }
+            None => i % n,
+        })
+        .collect()
+}
+
+/// Writes one lane's messages in slice order, then awaits their confirms. Returns each
 /// event's fate and the errors for messages the broker returned, by message
 /// id.
 ///
@@ -286,4 +331,34 @@ fn missing_error(exchange: Option<&str>, missing: &HashMap<String, bool>) -> Opt
             "exchange {exchange:?} does not exist; declare it or fix routes[].destination"
         )))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lanes;
+    use crate::limits::fixtures::event;
+
+    #[test]
+    fn a_keys_events_share_a_lane_and_keys_spread_over_all_lanes() {
+        let events: Vec<_> = (0..400).map(|i| event(Some(&format!("k{}", i % 40)))).collect();
+        let assigned = lanes(&events, 4);
+        let mut lane_of = std::collections::HashMap::new();
+        for (e, &lane) in events.iter().zip(&assigned) {
+            assert!(lane < 4);
+            let first = *lane_of.entry(e.key.clone()).or_insert(lane);
+            assert_eq!(first, lane, "key {:?} changed lanes", e.key);
+        }
+        let used: std::collections::HashSet<_> = assigned.iter().collect();
+        assert_eq!(used.len(), 4, "40 keys left a lane unused: {used:?}");
+        // The same keys land the same way in the next batch.
+        assert_eq!(lanes(&events, 4), assigned);
+    }
+
+    #[test]
+    fn events_without_a_key_are_dealt_out_in_turn() {
+        let events: Vec<_> = (0..5).map(|_| event(None)).collect();
+        assert_eq!(lanes(&events, 2), [0, 1, 0, 1, 0]);
+        assert_eq!(lanes(&events, 1), [0; 5]);
+        assert_eq!(lanes(&events, 0), [0; 5], "no lanes means one");
+    }
 }

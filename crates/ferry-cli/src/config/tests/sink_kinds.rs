@@ -211,8 +211,39 @@ destination = "s:audit"
 }
 
 #[test]
+#[cfg(feature = "rabbitmq")]
+fn rabbitmq_config_defaults_are_the_sink_options_defaults() {
+    let c = from_toml_str(&format!(
+        "{MINIMAL}[sinks.rabbit]\nkind = \"rabbitmq\"\nurl = \"amqp://h\"\n"
+    ))
+    .unwrap();
+    let SinkSpec::RabbitMq {
+        publish_timeout,
+        max_message_bytes,
+        channels,
+        ..
+    } = &c.sinks["rabbit"]
+    else {
+        panic!()
+    };
+    let defaults = ferry_sink::rabbitmq::RabbitMqOptions::default();
+    assert_eq!(
+        (*publish_timeout, *max_message_bytes, *channels),
+        (defaults.publish_timeout, defaults.max_message_bytes, defaults.channels)
+    );
+}
+
+#[test]
 fn invalid_fields_of_the_new_kinds_are_named() {
-    let cases: [(&str, &str); 14] = [
+    let cases: [(&str, &str); 16] = [
+        (
+            "kind = \"rabbitmq\"\nurl = \"amqp://h\"\nchannels = 0",
+            "sinks.s.channels: must be between 1 and 64, got 0",
+        ),
+        (
+            "kind = \"rabbitmq\"\nurl = \"amqp://h\"\nchannels = 65",
+            "sinks.s.channels: must be between 1 and 64, got 65",
+        ),
         (
             "kind = \"kafka\"\npublish_timeout = \"0s\"",
             "sinks.s.publish_timeout: 0s is too short",
@@ -306,7 +337,11 @@ fn the_sinks_own_checks_are_named_by_field() {
 
 #[test]
 fn fields_of_another_kind_name_their_kind() {
-    let cases: [(&str, &str); 6] = [
+    let cases: [(&str, &str); 7] = [
+        (
+            "kind = \"kafka\"\nchannels = 2",
+            "sinks.s.channels: kafka sinks take no channels (it belongs to rabbitmq sinks); remove it",
+        ),
         (
             "kind = \"webhook\"\npublish_timeout = \"1s\"",
             "sinks.s.publish_timeout: webhook sinks take no publish_timeout (it belongs to rabbitmq, kafka, nats, \
