@@ -1,13 +1,15 @@
 //! The broker's own ceiling: confirmed, persistent, mandatory publishes over
-//! one connection, in windows of `batch-size` (publish the window, await all
-//! its confirms), which is how the relay publishes a claimed batch. The drain
-//! figure is read against this one, measured in the same run.
+//! one connection and one channel, in windows of `batch-size` (publish the
+//! window, await all its confirms), which is how the relay publishes a
+//! claimed batch. The drain figure is read against this one, measured in the
+//! same run.
 //!
 //! The plain baseline sends what a bare client would (message id, content
 //! type, persistent). [`Format::Ferry`] sends the same bodies with the
 //! properties and CloudEvents headers the RabbitMQ sink gives every event,
-//! so that the broker's cost of Ferry's message format can be told apart
-//! from the relay's own. [`Format::Stamped`] adds one 8-byte property to the
+//! over as many channels as the sink spreads a batch over, so that what the
+//! broker can do with Ferry's messages can be told apart from the relay's
+//! own cost. [`Format::Stamped`] adds one 8-byte property to the
 //! plain publish: RabbitMQ slows by a step once a message's encoded
 //! properties pass 64 bytes, whatever they hold, and the plain ones take 57.
 
@@ -45,8 +47,20 @@ pub(crate) enum Format {
     Plain,
     /// The plain properties and a timestamp: 65 bytes.
     Stamped,
-    /// What the RabbitMQ sink sends: [`ferry_sink::rabbitmq::properties`].
+    /// What the RabbitMQ sink sends, the way it sends it: the properties of
+    /// [`ferry_sink::rabbitmq::properties`], each window spread by key over
+    /// the sink's default number of channels.
     Ferry,
+}
+
+impl Format {
+    /// The confirm-mode channels the window is spread over.
+    pub(crate) fn channels(self) -> usize {
+        match self {
+            Format::Plain | Format::Stamped => 1,
+            Format::Ferry => RabbitMqOptions::default().channels,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -88,8 +102,13 @@ async fn publish_all(
     format: Format,
 ) -> anyhow::Result<BrokerResult> {
     let connection = topology::connect(amqp_url, "ferry-bench-broker").await?;
-    let channel = connection.create_channel().await?;
-    channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    let lanes = format.channels();
+    let mut channels = Vec::with_capacity(lanes);
+    for _ in 0..lanes {
+        let channel = connection.create_channel().await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        channels.push(channel);
+    }
     let options = BasicPublishOptions {
         mandatory: true,
         immediate: false,
@@ -97,7 +116,6 @@ async fn publish_all(
     let bar = progress::bar(events, "broker");
     let started = Instant::now();
     let mut sent = 0u64;
-    let mut confirms = Vec::with_capacity(window);
     let plain = || {
         BasicProperties::default()
             .with_message_id(uuid::Uuid::now_v7().to_string().into())
@@ -106,6 +124,7 @@ async fn publish_all(
     };
     while sent < events {
         let n = (events - sent).min(window as u64);
+        let mut parts: Vec<Vec<(Vec<u8>, BasicProperties)>> = vec![Vec::new(); lanes];
         for seq in sent..sent + n {
             let key = workload::key(seq, keys);
             let body = workload::payload_bytes(seq, &key);
@@ -114,26 +133,36 @@ async fn publish_all(
                 Format::Stamped => plain().with_timestamp(Utc::now().timestamp().unsigned_abs()),
                 Format::Ferry => ferry_properties(seq, key)?,
             };
-            let confirm = channel
-                .basic_publish(
-                    topology.exchange().into(),
-                    workload::EVENT_TYPE.into(),
-                    options,
-                    &body,
-                    properties,
-                )
-                .await
-                .context("basic.publish")?;
-            confirms.push(confirm);
+            // A key's messages share a channel, as the sink sends them.
+            let lane = (seq % keys.max(1)) as usize % lanes;
+            parts[lane].push((body, properties));
         }
-        for confirm in confirms.drain(..) {
-            match confirm.await.context("awaiting a publisher confirm")? {
-                Confirmation::Ack(None) => {}
-                Confirmation::Ack(Some(_)) => bail!("RabbitMQ returned a message as unroutable"),
-                Confirmation::Nack(_) => bail!("RabbitMQ nacked a message"),
-                Confirmation::NotRequested => bail!("the channel is not in confirm mode"),
+        let windows = parts.into_iter().zip(&channels).map(|(part, channel)| async move {
+            let mut confirms = Vec::with_capacity(part.len());
+            for (body, properties) in part {
+                let confirm = channel
+                    .basic_publish(
+                        topology.exchange().into(),
+                        workload::EVENT_TYPE.into(),
+                        options,
+                        &body,
+                        properties,
+                    )
+                    .await
+                    .context("basic.publish")?;
+                confirms.push(confirm);
             }
-        }
+            for confirm in confirms {
+                match confirm.await.context("awaiting a publisher confirm")? {
+                    Confirmation::Ack(None) => {}
+                    Confirmation::Ack(Some(_)) => bail!("RabbitMQ returned a message as unroutable"),
+                    Confirmation::Nack(_) => bail!("RabbitMQ nacked a message"),
+                    Confirmation::NotRequested => bail!("the channel is not in confirm mode"),
+                }
+            }
+            anyhow::Ok(())
+        });
+        futures::future::try_join_all(windows).await?;
         sent += n;
         bar.set_position(sent);
     }

@@ -207,7 +207,12 @@ impl Report {
             if let Some(b) = broker {
                 let _ = write!(figure, " = {} of broker", pct(f / b));
             }
-            figure.push_str(" (the same publishes with the properties and CloudEvents headers the RabbitMQ sink sends");
+            let _ = write!(
+                figure,
+                " (the same publishes with the properties and CloudEvents headers the RabbitMQ sink sends, \
+                 spread by key over its {} channels",
+                broker::Format::Ferry.channels()
+            );
             close_rounds(&mut figure, self.format_shares.len());
             row("broker: Ferry's messages", figure, "–", None);
         }
