@@ -76,7 +76,7 @@ pub struct RabbitMqOptions {
 }
 
 /// The default [`RabbitMqOptions::channels`]: on a 2-core host, two channels
-/// carried 10–20% more confirmed publishes per second than one, and four no
+/// carried 9–24% more confirmed publishes per second than one, and four no
 /// more than two.
 pub const DEFAULT_CHANNELS: usize = 2;
 
