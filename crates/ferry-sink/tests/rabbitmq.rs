@@ -81,6 +81,44 @@ async fn a_batch_spread_over_many_channels_keeps_each_keys_order() {
 }
 
 #[tokio::test]
+async fn a_broker_allowing_fewer_channels_gets_a_batch_over_those_it_allows() {
+    let topology = TestTopology::create("few-lanes").await;
+    // The client asks for at most 3 channels; the sink is configured for 8.
+    let sink = RabbitMqSink::new(RabbitMqOptions {
+        url: format!("{}?channel_max=3", amqp_url()),
+        channels: 8,
+        ..RabbitMqOptions::default()
+    });
+    let good = route(topology.exchange(), None);
+    sink.check(&good).await.expect("the sink connects within the limit");
+    for round in 0..2 {
+        let events = keyed(400, |seq| format!("k{}", seq % 20));
+        let outcomes = sink.publish(&good, &events).await;
+        assert!(outcomes.iter().all(Result::is_ok), "round {round}: {outcomes:?}");
+        let received = topology.receive(events.len(), ARRIVAL_TIMEOUT).await;
+        let stored: Vec<String> = received
+            .iter()
+            .map(|r| r.message_id.clone().expect("a message id"))
+            .collect();
+        let duplicates = sink_suite::assert_all_arrived_in_key_order(&events, &stored, &ids(&events));
+        assert_eq!(duplicates, 0);
+    }
+    // With the publishing channels open, one stays free for the passive
+    // declare that checks an exchange.
+    sink.check(&good)
+        .await
+        .expect("a channel is left for checking exchanges");
+    // And a missing exchange is still told apart from a transient failure.
+    let missing = route(&unique_name("few-lanes-missing"), None);
+    let outcomes = sink.publish(&missing, &keyed(3, |seq| format!("m{seq}"))).await;
+    for outcome in &outcomes {
+        expect_err(outcome, ErrorKind::Permanent, "does not exist");
+    }
+    sink.close().await;
+    topology.delete().await;
+}
+
+#[tokio::test]
 async fn wire_format_carries_ids_cloudevents_headers_and_persistence() {
     let topology = TestTopology::create("wire").await;
     let sink = sink_at(amqp_url());

@@ -74,6 +74,22 @@ impl Connector {
                     link.channels[lane] = Some(channel.clone());
                     channels.push(channel);
                 }
+                Ok(Err(e)) if lane > 0 && matches!(e.kind(), lapin::ErrorKind::ChannelsLimitReached) => {
+                    // The broker (or the URL's channel_max) allows fewer
+                    // channels than configured: publish over those open,
+                    // leaving one free for the passive declares that check
+                    // exchanges.
+                    let keep = (lane - 1).max(1);
+                    warn!(
+                        url = %self.display_url,
+                        configured = link.channels.len(),
+                        publishing_over = keep,
+                        "RabbitMQ allows no more channels on this connection; lower the sink's channels"
+                    );
+                    link.channels.truncate(keep);
+                    channels.truncate(keep);
+                    break;
+                }
                 Ok(Err(e)) => return Err(self.lost(reply::from_lapin("opening a confirm channel", &e))),
                 Err(_) => return Err(self.lost(self.timed_out("opening a confirm channel"))),
             }

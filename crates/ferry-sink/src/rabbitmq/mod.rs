@@ -71,7 +71,9 @@ pub struct RabbitMqOptions {
     /// by key: a key's events always share one channel, which keeps their
     /// order. RabbitMQ works each channel in a process of its own, so more
     /// than one lets a busy broker use more than one core. At least 1;
-    /// default [`DEFAULT_CHANNELS`].
+    /// default [`DEFAULT_CHANNELS`]. Where the broker allows fewer per
+    /// connection, the sink publishes over those it gets, keeping one free
+    /// for the passive declares that check exchanges, and logs a warning.
     pub channels: usize,
 }
 
