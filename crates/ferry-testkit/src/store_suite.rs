@@ -44,6 +44,11 @@ fn order(n: usize, key: &str) -> Event {
 }
 
 async fn route_all<H: StoreHarness>(h: &H, o: &Ownership, routes: &[&str]) -> u64 {
+    route_all_at(h, o, routes, Utc::now()).await
+}
+
+/// [`route_all`] by a relay whose clock reads `now`.
+async fn route_all_at<H: StoreHarness>(h: &H, o: &Ownership, routes: &[&str], now: chrono::DateTime<Utc>) -> u64 {
     let events = h.store().fetch_unrouted(o, 10_000).await.expect("fetch_unrouted");
     let plans = events
         .into_iter()
@@ -56,7 +61,7 @@ async fn route_all<H: StoreHarness>(h: &H, o: &Ownership, routes: &[&str]) -> u6
             ferry_core::RoutePlan { event, routes }
         })
         .collect::<Vec<_>>();
-    h.store().route(o, &plans, Utc::now()).await.expect("route")
+    h.store().route(o, &plans, now).await.expect("route")
 }
 
 async fn claim<H: StoreHarness>(h: &H, o: &Ownership, route: &str) -> Vec<Claimed> {
@@ -230,6 +235,28 @@ pub async fn dead_blocks_its_key<H: StoreHarness>(h: &H) {
         vec![ids[2]],
         "only the other key flows"
     );
+}
+
+/// A delivery never attempted (new, parked behind its key, requeued) is due
+/// at once, whatever clock wrote its next attempt time: only failed and dead
+/// deliveries hold a key back, so were it not due, a later delivery of its
+/// key written by a slower clock would go first. Here a relay whose clock
+/// runs ten minutes ahead routes a key's first event and one on time its
+/// second; a requeue, which writes the database's time, is the same case.
+pub async fn a_never_attempted_delivery_is_due_whatever_clock_wrote_it<H: StoreHarness>(h: &H) {
+    let first = h.enqueue(vec![order(0, "a")]).await;
+    let o = own(h, "a").await;
+    route_all_at(h, &o, &["r1"], Utc::now() + chrono::Duration::minutes(10)).await;
+    let second = h.enqueue(vec![order(1, "a")]).await;
+    route_all(h, &o, &["r1"]).await;
+    let claimed = claim(h, &o, "r1").await;
+    assert_eq!(
+        claimed.iter().map(|c| c.event.id).collect::<Vec<_>>(),
+        vec![first[0], second[0]],
+        "the key's events in order, the first one due"
+    );
+    // Nothing waits for a time: no failed delivery is pending.
+    assert_eq!(h.store().next_due(&o, "r1", Utc::now()).await.unwrap(), None);
 }
 
 /// Outcomes are refused under a lost lease and for a delivery that moved on.
@@ -424,6 +451,7 @@ macro_rules! store_conformance {
             routing_and_claiming_in_order,
             a_failure_blocks_only_its_key_and_route,
             dead_blocks_its_key,
+            a_never_attempted_delivery_is_due_whatever_clock_wrote_it,
             stale_outcomes_are_refused,
             no_lease_no_work,
             retries_count_attempts,

@@ -39,12 +39,13 @@ const FILTER: &str = "
    AND ($7::timestamptz IS NULL OR e.created_at < $7)
    AND ($8::text IS NULL OR strpos(lower(coalesce(d.last_error, '')), lower($8)) > 0)";
 
-/// A pending delivery of `d` that a relay may hold right now: due (with a
-/// margin for the relay's clock running ahead), not held back by an earlier
-/// failed delivery of its key, and in a partition under a live lease.
+/// A pending delivery of `d` that a relay may hold right now: due (never
+/// attempted, or with a margin for the relay's clock running ahead), not
+/// held back by an earlier failed delivery of its key, and in a partition
+/// under a live lease.
 const MAYBE_IN_FLIGHT: &str = "
        d.state = 'pending'
-   AND d.next_attempt_at <= now() + interval '5 seconds'
+   AND (d.attempts = 0 OR d.next_attempt_at <= now() + interval '5 seconds')
    AND EXISTS (SELECT 1 FROM ferry.partitions p
                 WHERE p.partition = d.partition AND p.owner IS NOT NULL AND p.expires_at > now())
    AND (d.key IS NULL OR NOT EXISTS (

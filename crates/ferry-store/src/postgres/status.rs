@@ -34,7 +34,7 @@ async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
                 count(*) FILTER (WHERE d.state = 'published'),
                 extract(epoch FROM now() - min(e.created_at) FILTER (WHERE d.state = 'pending'))::float8,
                 count(*) FILTER (WHERE d.state = 'published' AND d.published_at > now() - interval '1 hour'),
-                count(*) FILTER (WHERE d.state = 'pending' AND d.next_attempt_at <= now()
+                count(*) FILTER (WHERE d.state = 'pending' AND (d.attempts = 0 OR d.next_attempt_at <= now())
                                    AND p.owner IS NOT NULL AND p.expires_at > now()
                                    AND NOT EXISTS (
                                        SELECT 1 FROM ferry.deliveries b

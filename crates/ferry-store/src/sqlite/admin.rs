@@ -41,14 +41,15 @@ const FILTER: &str = "
    AND (?7 IS NULL OR e.created_at < ?7)
    AND (?8 IS NULL OR instr(lower(coalesce(d.last_error, '')), lower(?8)) > 0)";
 
-/// A pending delivery of `d` that a relay may hold right now: due (with a
-/// margin for the relay's clock running ahead), not held back by an earlier
-/// failed delivery of its key, and in a partition under a live lease.
+/// A pending delivery of `d` that a relay may hold right now: due (never
+/// attempted, or with a margin for the relay's clock running ahead), not
+/// held back by an earlier failed delivery of its key, and in a partition
+/// under a live lease.
 fn maybe_in_flight() -> String {
     let now = now_us!();
     format!(
         "d.state = 'pending'
-     AND d.next_attempt_at <= {now} + 5000000
+     AND (d.attempts = 0 OR d.next_attempt_at <= {now} + 5000000)
      AND EXISTS (SELECT 1 FROM ferry_partitions p
                   WHERE p.partition = d.partition AND p.owner IS NOT NULL AND p.expires_at > {now})
      AND (d.key IS NULL OR NOT EXISTS (

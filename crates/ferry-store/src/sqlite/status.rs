@@ -42,9 +42,9 @@ async fn status(pool: &SqlitePool) -> Result<StatusReport, StoreError> {
                 count(*) FILTER (WHERE d.state = 'published' AND d.published_at > ",
         now_us!(),
         " - 3600000000),
-                count(*) FILTER (WHERE d.state = 'pending' AND d.next_attempt_at <= ",
+                count(*) FILTER (WHERE d.state = 'pending' AND (d.attempts = 0 OR d.next_attempt_at <= ",
         now_us!(),
-        " AND p.owner IS NOT NULL AND p.expires_at > ",
+        ") AND p.owner IS NOT NULL AND p.expires_at > ",
         now_us!(),
         " AND NOT EXISTS (
                                        SELECT 1 FROM ferry_deliveries b

@@ -5,4 +5,5 @@ SELECT min(d.next_attempt_at)
  WHERE d.route = $1
    AND d.state = 'pending'
    AND d.partition = ANY($2::int[])
+   AND d.attempts > 0
    AND d.next_attempt_at > $3

@@ -1,6 +1,10 @@
 -- Due deliveries of one route in outbox order. A delivery is held back while
 -- an earlier delivery of the same key and route failed and awaits its retry,
--- or is dead: a failing event holds back only its own key.
+-- or is dead: a failing event holds back only its own key. A delivery never
+-- attempted (new, parked behind its key, requeued) is due at once whatever
+-- clock wrote its next attempt time (another relay's, or the database's on
+-- requeue): since it holds nothing back, a later delivery of its key would
+-- otherwise go first.
 -- ?1 route, ?2 owned partitions (JSON array), ?3 now (µs), ?4 limit,
 -- ?5 seqs to skip (JSON array)
 SELECT d.seq, d.partition, d.attempts,
@@ -10,7 +14,7 @@ SELECT d.seq, d.partition, d.attempts,
  WHERE d.route = ?1
    AND d.state = 'pending'
    AND d.partition IN (SELECT value FROM json_each(?2))
-   AND d.next_attempt_at <= ?3
+   AND (d.attempts = 0 OR d.next_attempt_at <= ?3)
    AND d.seq NOT IN (SELECT value FROM json_each(?5))
    AND (d.key IS NULL OR NOT EXISTS (
         SELECT 1 FROM ferry_deliveries b

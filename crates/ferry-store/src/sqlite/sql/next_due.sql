@@ -5,4 +5,5 @@ SELECT min(d.next_attempt_at)
  WHERE d.route = ?1
    AND d.state = 'pending'
    AND d.partition IN (SELECT value FROM json_each(?2))
+   AND d.attempts > 0
    AND d.next_attempt_at > ?3
