@@ -208,10 +208,23 @@ impl Dest {
                     .get_multiplexed_async_connection()
                     .await
                     .with_context(|| format!("cannot connect to Redis at {}", at.redis))?;
+                // The stream and its reader's group exist before the relay
+                // starts, as the Redis sink's destination check requires.
+                let key = unique(kind, phase);
+                let mut setup = conn.clone();
+                let _: () = redis::cmd("XGROUP")
+                    .arg("CREATE")
+                    .arg(&key)
+                    .arg("bench-reader")
+                    .arg("$")
+                    .arg("MKSTREAM")
+                    .query_async(&mut setup)
+                    .await
+                    .with_context(|| format!("creating Redis stream {key} and its group"))?;
                 Ok(Dest::Redis {
                     url: at.redis.clone(),
                     conn,
-                    key: unique(kind, phase),
+                    key,
                 })
             }
             Kind::Webhook => {

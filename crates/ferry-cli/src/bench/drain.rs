@@ -94,7 +94,8 @@ async fn drain(
             "bench-wal-setup",
             batch_size,
             true,
-        )?;
+        )
+        .await?;
         relay
             .wait_until_streaming(ctx.db.pool(), ctx.db.name(), Duration::from_secs(30))
             .await?;
@@ -117,7 +118,8 @@ async fn drain(
         &format!("bench-{scenario}"),
         batch_size,
         wal,
-    )?;
+    )
+    .await?;
     let waited = wait_for_depth(topology, &relay, events, &bar).await;
     let drained = started.elapsed();
     let (_, peak) = machine::rss_kib();

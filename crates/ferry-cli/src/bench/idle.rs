@@ -46,7 +46,8 @@ async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<IdleResul
         "bench-idle",
         ctx.args.batch_size,
         false,
-    )?;
+    )
+    .await?;
     let bar = progress::spinner("idle");
     let measured = async {
         relay

@@ -73,7 +73,8 @@ async fn measure(ctx: &Ctx<'_>, topology: &Topology, wal: bool) -> anyhow::Resul
         "bench-latency",
         ctx.args.batch_size,
         wal,
-    )?;
+    )
+    .await?;
     let result = produce(ctx, &relay, &arrivals, wal).await;
     let stopped = relay.stop().await;
     consumer.abort();

@@ -33,7 +33,7 @@ pub(crate) struct RunningRelay {
 
 /// Starts a relay named `id` that routes `bench.**` to `exchange`; with
 /// `wal`, in WAL streaming mode.
-pub(crate) fn start(
+pub(crate) async fn start(
     db: &BenchDb,
     amqp_url: &str,
     exchange: &str,
@@ -47,14 +47,14 @@ pub(crate) fn start(
     }));
     let targets = vec![(SINK.to_owned(), sink, exchange.to_owned())];
     if wal {
-        start_wal(db, id, batch_size, targets)
+        start_wal(db, id, batch_size, targets).await
     } else {
-        start_routes(db, id, batch_size, targets)
+        start_routes(db, id, batch_size, targets).await
     }
 }
 
 /// Like [`start_routes`], streaming from a slot named after the database.
-fn start_wal(
+async fn start_wal(
     db: &BenchDb,
     id: &str,
     batch_size: usize,
@@ -76,20 +76,24 @@ fn start_wal(
             options: ferry_relay::WalOptions::default(),
         }))
     })
+    .await
 }
 
 /// Starts a relay named `id` with one route per `(sink name, sink,
 /// destination)`, each matching `bench.**`: several targets fan one event out.
-pub(crate) fn start_routes(
+pub(crate) async fn start_routes(
     db: &BenchDb,
     id: &str,
     batch_size: usize,
     targets: Vec<(String, Arc<dyn Sink>, String)>,
 ) -> anyhow::Result<RunningRelay> {
-    build(db, id, batch_size, targets, |_| Ok(None))
+    build(db, id, batch_size, targets, |_| Ok(None)).await
 }
 
-fn build(
+/// Checks every route's destination, as `ferry run` does before it starts
+/// the relay (a check also readies the sink: Kafka's producer gets its
+/// producer id), then starts the relay.
+async fn build(
     db: &BenchDb,
     id: &str,
     batch_size: usize,
@@ -111,6 +115,12 @@ fn build(
             routing_key: None,
         });
         sinks.insert(name, sink);
+    }
+    for route in &routes {
+        sinks[&route.sink]
+            .check(route)
+            .await
+            .map_err(|e| anyhow!("checking the destination of route {}: {e}", route.name))?;
     }
     let settings = RelaySettings {
         batch_size,

@@ -118,7 +118,8 @@ async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<Retention
         "bench-retention",
         ctx.args.batch_size,
         false,
-    )?;
+    )
+    .await?;
     let result = drive(ctx, &relay).await;
     let stopped = relay.stop().await;
     counting.abort();

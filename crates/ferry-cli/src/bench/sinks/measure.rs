@@ -156,7 +156,7 @@ async fn drain_into(
             (name, sink, destination)
         })
         .collect();
-    let relay = relay::start_routes(ctx.db, &id, ctx.args.batch_size, targets)?;
+    let relay = relay::start_routes(ctx.db, &id, ctx.args.batch_size, targets).await?;
     let staged = async {
         relay.wait_until_sleeping(ctx.db.pool(), IDLE_WITHIN).await?;
         let mut conn = PgConnection::connect_with(ctx.db.options()).await?;
