@@ -13,6 +13,11 @@ pub struct SinkError {
     /// `Retry-After`, a broker's throttle time): the next attempt waits at
     /// least this long, up to the retry policy's longest delay.
     pub retry_after: Option<std::time::Duration>,
+    /// The event was not sent because an earlier event of its key in the
+    /// same batch failed or was refused: sending it would have broken the
+    /// key's order. Always transient. The relay leaves such an event pending,
+    /// without counting an attempt, behind the failure that stopped its key.
+    pub held_back: bool,
 }
 
 impl SinkError {
@@ -21,6 +26,7 @@ impl SinkError {
             kind,
             message: message.into(),
             retry_after: None,
+            held_back: false,
         }
     }
     pub fn transient(message: impl Into<String>) -> Self {
@@ -31,6 +37,13 @@ impl SinkError {
     }
     pub fn config(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Config, message)
+    }
+    /// An event not sent to keep its key's order (the `held_back` field).
+    pub fn held_back(message: impl Into<String>) -> Self {
+        Self {
+            held_back: true,
+            ..Self::new(ErrorKind::Transient, message)
+        }
     }
     /// The same error, asking the relay to wait at least `delay` before the
     /// next attempt.
@@ -86,6 +99,16 @@ pub trait Sink: Send + Sync + 'static {
     /// later events of its key in the same batch, so order holds.
     fn admit(&self, _route: &Route, _event: &StoredEvent) -> Result<(), SinkError> {
         Ok(())
+    }
+
+    /// Whether `publish` applies `admit` itself, before it sends anything:
+    /// it refuses what `admit` refuses, reports the later events of that key
+    /// in the batch as [`SinkError::held_back()`], and sends neither. The relay
+    /// then skips its own `admit` pass over the batch, so each event is
+    /// prepared once per attempt instead of twice. Default `false`: the
+    /// relay calls `admit` first.
+    fn admits_in_publish(&self) -> bool {
+        false
     }
 
     /// Publishes `events` to `route`'s destination; one outcome per event.

@@ -14,27 +14,19 @@ pub(crate) struct Published {
 
 /// Publishes a claimed batch in order, pipelined. An event the sink refuses
 /// before sending holds back the rest of its key: they are not sent and stay
-/// pending behind it. A failure the destination reports after later events
-/// of the key were already in flight cannot be undone; those are counted.
+/// pending behind it (`None`). A failure the destination reports after later
+/// events of the key were already in flight cannot be undone; those are
+/// counted.
+///
+/// A sink that admits in its own `publish` gets the whole batch and reports
+/// the events it held back; for any other, the relay asks `admit` first.
 pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[Claimed]) -> Published {
     let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; claimed.len()];
-    let mut stopped: HashSet<&str> = HashSet::new();
-    let mut send: Vec<usize> = Vec::with_capacity(claimed.len());
-    for (i, c) in claimed.iter().enumerate() {
-        let key = c.event.key.as_deref();
-        if key.is_some_and(|k| stopped.contains(k)) {
-            continue;
-        }
-        match sink.admit(route, &c.event) {
-            Ok(()) => send.push(i),
-            Err(e) => {
-                if let Some(k) = key {
-                    stopped.insert(k);
-                }
-                outcomes[i] = Some(Err(e));
-            }
-        }
-    }
+    let send: Vec<usize> = if sink.admits_in_publish() {
+        (0..claimed.len()).collect()
+    } else {
+        admit_in_order(sink, route, claimed, &mut outcomes)
+    };
     if !send.is_empty() {
         let events: Vec<StoredEvent> = send.iter().map(|&i| claimed[i].event.clone()).collect();
         let mut results = sink.publish(route, &events).await;
@@ -42,7 +34,11 @@ pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[
             Err(SinkError::transient("the sink returned no outcome"))
         });
         for (i, r) in send.iter().zip(results) {
-            outcomes[*i] = Some(r);
+            // Not sent, to keep its key's order: it stays pending.
+            outcomes[*i] = match r {
+                Err(e) if e.held_back => None,
+                r => Some(r),
+            };
         }
     }
     let mut failed: HashSet<&str> = HashSet::new();
@@ -62,6 +58,34 @@ pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[
     Published { outcomes, order_breaks }
 }
 
+/// Asks `admit` about each event in order; a refused event's outcome is
+/// set, and later events of its key are left out. Returns the indices to send.
+fn admit_in_order(
+    sink: &dyn Sink,
+    route: &Route,
+    claimed: &[Claimed],
+    outcomes: &mut [Option<PublishOutcome>],
+) -> Vec<usize> {
+    let mut stopped: HashSet<&str> = HashSet::new();
+    let mut send = Vec::with_capacity(claimed.len());
+    for (i, c) in claimed.iter().enumerate() {
+        let key = c.event.key.as_deref();
+        if key.is_some_and(|k| stopped.contains(k)) {
+            continue;
+        }
+        match sink.admit(route, &c.event) {
+            Ok(()) => send.push(i),
+            Err(e) => {
+                if let Some(k) = key {
+                    stopped.insert(k);
+                }
+                outcomes[i] = Some(Err(e));
+            }
+        }
+    }
+    send
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -69,9 +93,13 @@ mod tests {
     use ferry_core::{EventId, Glob};
     use std::sync::Mutex;
 
+    #[derive(Default)]
     struct Scripted {
         too_big: &'static str,
         rejects: &'static str,
+        /// Admits in publish, as the shipped sinks do.
+        admits_in_publish: bool,
+        admitted: Mutex<Vec<i64>>,
         sent: Mutex<Vec<String>>,
     }
 
@@ -81,17 +109,32 @@ mod tests {
             "scripted"
         }
         fn admit(&self, _: &Route, e: &StoredEvent) -> Result<(), SinkError> {
+            self.admitted.lock().unwrap().push(e.seq);
             if e.event_type == self.too_big {
                 Err(SinkError::permanent("too large"))
             } else {
                 Ok(())
             }
         }
-        async fn publish(&self, _: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+        fn admits_in_publish(&self) -> bool {
+            self.admits_in_publish
+        }
+        async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+            let mut stopped = HashSet::new();
             let mut sent = self.sent.lock().unwrap();
             events
                 .iter()
                 .map(|e| {
+                    if self.admits_in_publish {
+                        let key = e.key.clone().unwrap_or_default();
+                        if stopped.contains(&key) {
+                            return Err(SinkError::held_back("held back"));
+                        }
+                        if let Err(refused) = self.admit(route, e) {
+                            stopped.insert(key);
+                            return Err(refused);
+                        }
+                    }
                     sent.push(e.event_type.clone());
                     if e.event_type == self.rejects {
                         Err(SinkError::permanent("unroutable"))
@@ -135,32 +178,49 @@ mod tests {
 
     #[tokio::test]
     async fn a_refused_event_holds_back_the_rest_of_its_key_only() {
+        for admits_in_publish in [false, true] {
+            let sink = Scripted {
+                too_big: "a.big",
+                admits_in_publish,
+                ..Scripted::default()
+            };
+            let batch = [
+                claimed(1, "k", "a.ok"),
+                claimed(2, "k", "a.big"),
+                claimed(3, "j", "a.ok"),
+                claimed(4, "k", "a.ok"),
+            ];
+            let p = publish_in_order(&sink, &route(), &batch).await;
+            assert!(matches!(p.outcomes[0], Some(Ok(()))));
+            assert!(matches!(p.outcomes[1], Some(Err(_))));
+            assert!(matches!(p.outcomes[2], Some(Ok(()))));
+            assert!(p.outcomes[3].is_none(), "k's later event is not sent");
+            assert_eq!(sink.sent.lock().unwrap().len(), 2);
+            assert_eq!(p.order_breaks, 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_sink_that_admits_in_publish_prepares_each_event_once() {
         let sink = Scripted {
-            too_big: "a.big",
-            rejects: "",
-            sent: Mutex::new(vec![]),
+            admits_in_publish: true,
+            ..Scripted::default()
         };
         let batch = [
             claimed(1, "k", "a.ok"),
-            claimed(2, "k", "a.big"),
-            claimed(3, "j", "a.ok"),
-            claimed(4, "k", "a.ok"),
+            claimed(2, "j", "a.ok"),
+            claimed(3, "k", "a.ok"),
         ];
         let p = publish_in_order(&sink, &route(), &batch).await;
-        assert!(matches!(p.outcomes[0], Some(Ok(()))));
-        assert!(matches!(p.outcomes[1], Some(Err(_))));
-        assert!(matches!(p.outcomes[2], Some(Ok(()))));
-        assert!(p.outcomes[3].is_none(), "k's later event is not sent");
-        assert_eq!(sink.sent.lock().unwrap().len(), 2);
-        assert_eq!(p.order_breaks, 0);
+        assert!(p.outcomes.iter().all(|o| matches!(o, Some(Ok(())))));
+        assert_eq!(*sink.admitted.lock().unwrap(), [1, 2, 3], "each event admitted once");
     }
 
     #[tokio::test]
     async fn a_failure_after_later_events_were_in_flight_is_counted() {
         let sink = Scripted {
-            too_big: "",
             rejects: "a.bad",
-            sent: Mutex::new(vec![]),
+            ..Scripted::default()
         };
         let batch = [
             claimed(1, "k", "a.bad"),

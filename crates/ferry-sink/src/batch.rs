@@ -6,7 +6,7 @@ use ferry_core::{PublishOutcome, Route, SinkError, StoredEvent};
 
 /// Prepares every event in slice order. Once an event of some key fails to
 /// prepare (too large, an invalid name), later events of that key in the same
-/// batch are not prepared but held back with a transient error: sending them
+/// batch are not prepared but held back ([`SinkError::held_back()`]): sending them
 /// would deliver a key's events out of order, since the failed one will only
 /// reach the destination after an operator fixes and requeues it.
 ///
@@ -22,7 +22,7 @@ pub(crate) fn prepare_in_key_order<T>(
             if let Some(key) = event.key.as_deref()
                 && let Some(first) = failed.get(key)
             {
-                return Err(SinkError::transient(format!(
+                return Err(SinkError::held_back(format!(
                     "held back: event {} of key {key:?} earlier in this batch failed",
                     first.id
                 )));
@@ -99,6 +99,8 @@ mod tests {
         assert_eq!(out[2], Ok(3));
         let held = out[3].as_ref().unwrap_err();
         assert_eq!(held.kind, ErrorKind::Transient);
+        assert!(held.held_back, "marked as not sent: {held:?}");
+        assert!(!out[1].as_ref().unwrap_err().held_back, "the refused event itself is not held back");
         assert!(held.message.contains(&events[1].id.to_string()), "{}", held.message);
         assert_eq!(out[4].as_ref().unwrap_err().kind, ErrorKind::Permanent);
         assert_eq!(out[5], Ok(6));

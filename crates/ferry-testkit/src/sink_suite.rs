@@ -187,12 +187,15 @@ async fn oversized_payload_is_permanent(sink: &dyn Sink, harness: &dyn SinkHarne
         event(1, "suite.item.created", Some("at-limit"), sized(limit)),
         event(2, "suite.item.created", Some("too-big"), sized(limit + 1)),
         event(3, "suite.item.created", Some("small-b"), json!({ "seq": 3 })),
+        event(4, "suite.item.created", Some("too-big"), json!({ "seq": 4 })),
     ];
     assert_eq!(events[1].payload.len(), limit);
     let route = harness.route();
-    // The relay asks admit() before sending; publish() must refuse the same
-    // event when called directly, and each refusal is permanent.
-    for (i, e) in events.iter().enumerate() {
+    // admit() and publish() refuse the same event, permanently; publish()
+    // holds back the later event of its key, which would otherwise arrive
+    // ahead of it. (The relay skips its own admit() pass for a sink that
+    // admits in publish.)
+    for (i, e) in events.iter().enumerate().take(4) {
         let size = e.payload.len();
         match (i, sink.admit(&route, e)) {
             (2, Ok(())) => panic!("admit(): a payload of {size} bytes passed a limit of {limit}"),
@@ -217,6 +220,13 @@ async fn oversized_payload_is_permanent(sink: &dyn Sink, harness: &dyn SinkHarne
             "publish(): a payload of {} bytes passed a limit of {limit}",
             events[2].payload.len()
         ),
+    }
+    match &outcomes[4] {
+        Err(e) => assert!(
+            e.held_back && e.is_transient(),
+            "the event after a refused one of its key must be held back (SinkError::held_back): {e:?}"
+        ),
+        Ok(()) => panic!("publish() sent an event after a refused event of its key: out of order"),
     }
     let expected = [events[0].clone(), events[1].clone(), events[3].clone()];
     let received = harness.received(expected.len(), ARRIVAL_TIMEOUT).await;

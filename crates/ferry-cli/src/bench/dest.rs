@@ -600,6 +600,10 @@ impl Sink for Confirming {
         self.inner.admit(route, event)
     }
 
+    fn admits_in_publish(&self) -> bool {
+        self.inner.admits_in_publish()
+    }
+
     async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
         let outcomes = self.inner.publish(route, events).await;
         let ok = outcomes.iter().filter(|o| o.is_ok()).count() as u64;

@@ -91,7 +91,7 @@ async fn enqueue(
                 continue;
             }
             (Ok(_), None) if key.is_some_and(|k| refused.contains(k)) => {
-                fates.push(Fate::Decided(Err(SinkError::transient(format!(
+                fates.push(Fate::Decided(Err(SinkError::held_back(format!(
                     "held back: an earlier event of key {:?} in this batch was refused by the producer",
                     key.unwrap_or_default()
                 )))));

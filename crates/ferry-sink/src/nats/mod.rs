@@ -174,6 +174,11 @@ impl Sink for NatsSink {
         self.prepare(route, event).map(drop)
     }
 
+    /// `publish` prepares the batch in key order before it sends any of it.
+    fn admits_in_publish(&self) -> bool {
+        true
+    }
+
     async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
         if events.is_empty() {
             return Vec::new();

@@ -151,6 +151,11 @@ impl Sink for RabbitMqSink {
         Message::prepare(route, event, &opts.source, opts.max_message_bytes).map(drop)
     }
 
+    /// `publish` prepares the batch in key order before it sends any of it.
+    fn admits_in_publish(&self) -> bool {
+        true
+    }
+
     async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
         if events.is_empty() {
             return Vec::new();

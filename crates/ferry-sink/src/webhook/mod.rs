@@ -94,7 +94,7 @@ impl Default for WebhookOptions {
 ///
 /// Within a batch, the events of one key are sent one after another, each
 /// once the previous one was answered with a 2xx; once one fails, the later
-/// ones of its key are held back (transient) and not sent. Events of
+/// ones of its key are held back (`SinkError::held_back`) and not sent. Events of
 /// different keys, and events without a key, go out concurrently, at most
 /// `concurrency` at a time per destination URL.
 pub struct WebhookSink {
@@ -239,7 +239,7 @@ impl WebhookSink {
         for &i in chain {
             let outcome = match (&prepared[i], failed) {
                 (Err(e), _) => Err(e.clone()),
-                (Ok(_), Some(first)) => Err(SinkError::transient(format!(
+                (Ok(_), Some(first)) => Err(SinkError::held_back(format!(
                     "held back: event {} of key {:?} earlier in this batch failed",
                     events[first].id,
                     events[i].key.as_deref().unwrap_or_default()
@@ -308,6 +308,11 @@ impl Sink for WebhookSink {
 
     fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
         self.prepare(route, event).map(drop)
+    }
+
+    /// `publish` prepares the batch in key order before it sends any of it.
+    fn admits_in_publish(&self) -> bool {
+        true
     }
 
     async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {

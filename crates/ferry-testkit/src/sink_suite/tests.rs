@@ -15,6 +15,7 @@ enum Flaw {
     OkOnMissing,
     NoLimit,
     WrongId,
+    NoHoldBack,
 }
 
 struct MemorySink {
@@ -45,8 +46,14 @@ impl Sink for MemorySink {
         }
         let mut out = Vec::new();
         let mut batch = Vec::new();
+        let mut refused_keys = HashSet::new();
         for (i, e) in events.iter().enumerate() {
+            if self.flaw != Flaw::NoHoldBack && e.key.as_ref().is_some_and(|k| refused_keys.contains(k)) {
+                out.push(Err(SinkError::held_back("an earlier event of its key was refused")));
+                continue;
+            }
             if let Err(refused) = self.admit(route, e) {
+                refused_keys.extend(e.key.clone());
                 out.push(Err(refused));
                 continue;
             }
@@ -166,6 +173,12 @@ async fn catches_success_reported_for_a_missing_destination() {
 #[should_panic(expected = "passed a limit")]
 async fn catches_an_unenforced_limit() {
     run_with(Flaw::NoLimit).await;
+}
+
+#[tokio::test]
+#[should_panic(expected = "after a refused event of its key")]
+async fn catches_an_event_sent_after_a_refused_one_of_its_key() {
+    run_with(Flaw::NoHoldBack).await;
 }
 
 #[tokio::test]
