@@ -100,7 +100,10 @@ mod tests {
         let held = out[3].as_ref().unwrap_err();
         assert_eq!(held.kind, ErrorKind::Transient);
         assert!(held.held_back, "marked as not sent: {held:?}");
-        assert!(!out[1].as_ref().unwrap_err().held_back, "the refused event itself is not held back");
+        assert!(
+            !out[1].as_ref().unwrap_err().held_back,
+            "the refused event itself is not held back"
+        );
         assert!(held.message.contains(&events[1].id.to_string()), "{}", held.message);
         assert_eq!(out[4].as_ref().unwrap_err().kind, ErrorKind::Permanent);
         assert_eq!(out[5], Ok(6));

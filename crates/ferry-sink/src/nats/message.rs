@@ -14,6 +14,15 @@ pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 /// CloudEvents specification version written in `ce-specversion`.
 pub const SPEC_VERSION: &str = "1.0";
 
+const MSG_ID: HeaderName = HeaderName::from_static(MSG_ID_HEADER);
+const CE_SPECVERSION: HeaderName = HeaderName::from_static("ce-specversion");
+const CE_ID: HeaderName = HeaderName::from_static("ce-id");
+const CE_TYPE: HeaderName = HeaderName::from_static("ce-type");
+const CE_SOURCE: HeaderName = HeaderName::from_static("ce-source");
+const CE_TIME: HeaderName = HeaderName::from_static("ce-time");
+const CE_SUBJECT: HeaderName = HeaderName::from_static("ce-subject");
+const CONTENT_TYPE: HeaderName = HeaderName::from_static("content-type");
+
 /// One event, ready for `HPUB`.
 #[derive(Debug, Clone)]
 pub(crate) struct Message {
@@ -50,26 +59,20 @@ impl Message {
         for (name, value) in &event.headers {
             headers.insert(header_name(name)?, header_value(name, value)?);
         }
-        // Inserted after the producer's headers so a producer cannot spoof them.
+        // Inserted after the producer's headers so a producer cannot spoof
+        // them. The names are constants (no parsing, no allocation); the id
+        // and time are formatted here and cannot hold a line break.
         let id = event.id.to_string();
         let time = event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
-        let own: [(&str, &str); 6] = [
-            (MSG_ID_HEADER, &id),
-            ("ce-specversion", SPEC_VERSION),
-            ("ce-id", &id),
-            ("ce-type", &event.event_type),
-            ("ce-source", source),
-            ("ce-time", &time),
-        ];
-        for (name, value) in own {
-            headers.insert(header_name(name)?, header_value(name, value)?);
-        }
-        headers.insert(
-            header_name("content-type")?,
-            header_value("content-type", &event.content_type)?,
-        );
+        headers.insert(MSG_ID, HeaderValue::from(id.clone()));
+        headers.insert(CE_SPECVERSION, HeaderValue::from(SPEC_VERSION));
+        headers.insert(CE_ID, HeaderValue::from(id));
+        headers.insert(CE_TYPE, header_value("ce-type", &event.event_type)?);
+        headers.insert(CE_SOURCE, header_value("ce-source", source)?);
+        headers.insert(CE_TIME, HeaderValue::from(time));
+        headers.insert(CONTENT_TYPE, header_value("content-type", &event.content_type)?);
         if let Some(key) = &event.key {
-            headers.insert(header_name("ce-subject")?, header_value("ce-subject", key)?);
+            headers.insert(CE_SUBJECT, header_value("ce-subject", key)?);
         }
 
         let size = wire_len(&headers) + event.payload.len();
