@@ -237,11 +237,25 @@ async fn a_poison_event_goes_dead_and_holds_back_only_its_key() {
 
 #[tokio::test]
 async fn an_event_the_sink_refuses_before_sending_holds_its_key_strictly() {
+    refused_event_holds_its_key(false).await;
+}
+
+#[tokio::test]
+async fn an_event_a_sink_refuses_in_publish_holds_its_key_without_attempts() {
+    refused_event_holds_its_key(true).await;
+}
+
+/// k3's 14th event is refused before sending, permanently: it is dead, the
+/// rest of k3 is never sent and waits pending behind it, not attempted.
+async fn refused_event_holds_its_key(admit_in_publish: bool) {
     let e = env().await;
     let ids = produce(&e.pool, orders(300, 10)).await;
     let poison = ids[13]; // key k3
     e.sink
         .refuse_when(move |ev| (ev.id == poison).then(|| SinkError::permanent("payload too large")));
+    if admit_in_publish {
+        e.sink.admit_in_publish();
+    }
     let relay = start(&e, "a", vec![route("orders", "order.**")]);
     eventually("other keys flow", Duration::from_secs(60), || {
         e.sink.delivered("orders").len() >= 271
@@ -252,6 +266,26 @@ async fn an_event_the_sink_refuses_before_sending_holds_its_key_strictly() {
     assert_eq!(got.len(), 271, "no k3 event after the refused one is sent");
     assert_eq!(report.order_breaks, 0);
     assert_eq!(report.dead, 1);
+    let behind: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT d.state, d.attempts FROM ferry.deliveries d JOIN ferry.events e USING (seq)
+          WHERE e.key = 'k3' AND e.seq > (SELECT seq FROM ferry.events WHERE id = $1)",
+    )
+    .bind(poison.0)
+    .fetch_all(&e.pool)
+    .await
+    .unwrap();
+    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.unrouted")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        behind.len() as i64 + unrouted,
+        28,
+        "k3's later events are all kept: {behind:?}"
+    );
+    for (state, attempts) in &behind {
+        assert_eq!((state.as_str(), *attempts), ("pending", 0), "held back, not attempted");
+    }
 }
 
 #[tokio::test]

@@ -1,7 +1,7 @@
 //! A scripted in-memory sink for engine tests: it records what it was given,
 //! in order, and fails on command.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -16,6 +16,7 @@ pub struct MockSink {
     delivered: Mutex<HashMap<String, Vec<StoredEvent>>>,
     script: Mutex<Option<Script>>,
     admission: Mutex<Option<Script>>,
+    admits_in_publish: AtomicBool,
     down: AtomicBool,
     attempts: AtomicU64,
 }
@@ -34,6 +35,12 @@ impl MockSink {
     /// as a sink does for a payload over the destination's limit.
     pub fn refuse_when(&self, f: impl Fn(&StoredEvent) -> Option<SinkError> + Send + Sync + 'static) {
         *self.admission.lock().unwrap() = Some(Box::new(f));
+    }
+
+    /// Applies the admission in `publish`, as the shipped sinks do: a refused
+    /// event's later events of its key come back held back, unsent.
+    pub fn admit_in_publish(&self) {
+        self.admits_in_publish.store(true, Ordering::SeqCst);
     }
 
     /// While down, every publish fails transiently, as a broker outage would.
@@ -69,15 +76,30 @@ impl Sink for MockSink {
         }
     }
 
+    fn admits_in_publish(&self) -> bool {
+        self.admits_in_publish.load(Ordering::SeqCst)
+    }
+
     async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
         self.attempts.fetch_add(events.len() as u64, Ordering::SeqCst);
         let down = self.down.load(Ordering::SeqCst);
+        let admits = self.admits_in_publish();
+        let mut refused_keys = HashSet::new();
         let script = self.script.lock().unwrap();
         let mut delivered = self.delivered.lock().unwrap();
         let log = delivered.entry(route.name.clone()).or_default();
         events
             .iter()
             .map(|e| {
+                if admits {
+                    if e.key.as_ref().is_some_and(|k| refused_keys.contains(k)) {
+                        return Err(SinkError::held_back("an earlier event of its key was refused"));
+                    }
+                    if let Err(refused) = self.admit(route, e) {
+                        refused_keys.extend(e.key.clone());
+                        return Err(refused);
+                    }
+                }
                 if down {
                     return Err(SinkError::transient("mock destination is down"));
                 }
