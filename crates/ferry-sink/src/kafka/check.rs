@@ -13,6 +13,9 @@ use tracing::debug;
 
 use super::codes;
 
+/// The longest the second metadata request (see `topic_exists`) may take.
+const READY_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Fetches metadata for `topic` (or, with `None`, for the cluster: a
 /// connectivity check) and fails if the topic does not exist.
 pub(super) async fn topic_exists(
@@ -24,10 +27,24 @@ pub(super) async fn topic_exists(
 ) -> Result<(), SinkError> {
     let client = producer.clone();
     let wanted = topic.map(str::to_owned);
-    // fetch_metadata blocks its thread until the broker answers.
-    let fetched = tokio::task::spawn_blocking(move || client.client().fetch_metadata(wanted.as_deref(), timeout))
-        .await
-        .map_err(|e| SinkError::transient(format!("fetching Kafka metadata: {e}")))?;
+    // fetch_metadata blocks its thread until the broker answers. Asked
+    // twice: the first answer comes over the bootstrap connection, which
+    // librdkafka closes once it knows the brokers; the second comes from a
+    // broker the producer keeps, and a metadata answer from a connected
+    // broker is what makes the idempotent producer ask for its producer id
+    // at once. With one fetch it asked on its next half-second retry, and
+    // a relay's first batch after start-up could wait for that.
+    let fetched = tokio::task::spawn_blocking(move || {
+        let first = client.client().fetch_metadata(wanted.as_deref(), timeout)?;
+        // Best effort: the first answer already settled the check.
+        let readying = timeout.min(READY_TIMEOUT);
+        Ok(client
+            .client()
+            .fetch_metadata(wanted.as_deref(), readying)
+            .unwrap_or(first))
+    })
+    .await
+    .map_err(|e| SinkError::transient(format!("fetching Kafka metadata: {e}")))?;
     let metadata = fetched.map_err(|e| {
         let err = codes::from_kafka(&format!("fetching metadata from Kafka at {bootstrap}"), &e);
         if err.kind == ErrorKind::Transient {
