@@ -1,3 +1,4 @@
+use std::collections::HashMap;
 use std::fmt;
 
 use async_trait::async_trait;
@@ -105,8 +106,8 @@ pub trait Sink: Send + Sync + 'static {
     /// it refuses what `admit` refuses, reports the later events of that key
     /// in the batch as [`SinkError::held_back()`], and sends neither. The relay
     /// then skips its own `admit` pass over the batch, so each event is
-    /// prepared once per attempt instead of twice. Default `false`: the
-    /// relay calls `admit` first.
+    /// prepared once per attempt instead of twice ([`prepare_in_key_order`]
+    /// does the hold-back). Default `false`: the relay calls `admit` first.
     fn admits_in_publish(&self) -> bool {
         false
     }
@@ -119,4 +120,88 @@ pub trait Sink: Send + Sync + 'static {
 
     /// Closes connections after the last confirm has been awaited.
     async fn close(&self) {}
+}
+
+/// Prepares every event in order, as `Sink::publish` must before it sends
+/// any of a batch, and as the relay admits a batch for a sink that does not. Once an event of some key fails to
+/// prepare (too large, an invalid name), later events of that key in the same
+/// batch are not prepared but held back ([`SinkError::held_back()`]): sending them
+/// would deliver a key's events out of order, since the failed one will only
+/// reach the destination after an operator fixes and requeues it.
+///
+/// Events without a key have no order to keep and are never held back.
+pub fn prepare_in_key_order<'a, T>(
+    events: impl IntoIterator<Item = &'a StoredEvent>,
+    mut prepare: impl FnMut(&'a StoredEvent) -> Result<T, SinkError>,
+) -> Vec<Result<T, SinkError>> {
+    let mut failed: HashMap<&str, &StoredEvent> = HashMap::new();
+    events
+        .into_iter()
+        .map(|event| {
+            if let Some(key) = event.key.as_deref()
+                && let Some(first) = failed.get(key)
+            {
+                return Err(SinkError::held_back(format!(
+                    "held back: event {} of key {key:?} earlier in this batch failed",
+                    first.id
+                )));
+            }
+            let prepared = prepare(event);
+            if let (Err(_), Some(key)) = (&prepared, event.key.as_deref()) {
+                failed.insert(key, event);
+            }
+            prepared
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::EventId;
+
+    fn ev(seq: i64, key: Option<&str>) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq,
+            event_type: "test.item.created".into(),
+            key: key.map(str::to_owned),
+            payload: Default::default(),
+            content_type: "application/json".into(),
+            headers: Default::default(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn a_failure_holds_back_only_its_own_key() {
+        let events = [
+            ev(1, Some("a")),
+            ev(2, Some("a")),
+            ev(3, Some("b")),
+            ev(4, Some("a")),
+            ev(5, None),
+            ev(6, None),
+        ];
+        let out = prepare_in_key_order(&events, |e| {
+            if e.seq == 2 || e.seq == 5 {
+                Err(SinkError::permanent("bad"))
+            } else {
+                Ok(e.seq)
+            }
+        });
+        assert_eq!(out[0], Ok(1));
+        assert_eq!(out[1].as_ref().unwrap_err().kind, ErrorKind::Permanent);
+        assert_eq!(out[2], Ok(3));
+        let held = out[3].as_ref().unwrap_err();
+        assert_eq!(held.kind, ErrorKind::Transient);
+        assert!(held.held_back, "marked as not sent: {held:?}");
+        assert!(
+            !out[1].as_ref().unwrap_err().held_back,
+            "the refused event itself is not held back"
+        );
+        assert!(held.message.contains(&events[1].id.to_string()), "{}", held.message);
+        assert_eq!(out[4].as_ref().unwrap_err().kind, ErrorKind::Permanent);
+        assert_eq!(out[5], Ok(6));
+    }
 }

@@ -1,6 +1,6 @@
 use std::collections::HashSet;
 
-use ferry_core::{Claimed, PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use ferry_core::{Claimed, PublishOutcome, Route, Sink, SinkError, StoredEvent, prepare_in_key_order};
 
 /// The outcome of publishing one claimed batch.
 #[derive(Debug)]
@@ -25,7 +25,17 @@ pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[
     let send: Vec<usize> = if sink.admits_in_publish() {
         (0..claimed.len()).collect()
     } else {
-        admit_in_order(sink, route, claimed, &mut outcomes)
+        let admitted = prepare_in_key_order(claimed.iter().map(|c| &c.event), |e| sink.admit(route, e));
+        let mut send = Vec::with_capacity(claimed.len());
+        for (i, admission) in admitted.into_iter().enumerate() {
+            match admission {
+                Ok(()) => send.push(i),
+                // Held back: not sent, no outcome.
+                Err(e) if e.held_back => {}
+                Err(e) => outcomes[i] = Some(Err(e)),
+            }
+        }
+        send
     };
     if !send.is_empty() {
         let events: Vec<StoredEvent> = send.iter().map(|&i| claimed[i].event.clone()).collect();
@@ -56,34 +66,6 @@ pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[
         }
     }
     Published { outcomes, order_breaks }
-}
-
-/// Asks `admit` about each event in order; a refused event's outcome is
-/// set, and later events of its key are left out. Returns the indices to send.
-fn admit_in_order(
-    sink: &dyn Sink,
-    route: &Route,
-    claimed: &[Claimed],
-    outcomes: &mut [Option<PublishOutcome>],
-) -> Vec<usize> {
-    let mut stopped: HashSet<&str> = HashSet::new();
-    let mut send = Vec::with_capacity(claimed.len());
-    for (i, c) in claimed.iter().enumerate() {
-        let key = c.event.key.as_deref();
-        if key.is_some_and(|k| stopped.contains(k)) {
-            continue;
-        }
-        match sink.admit(route, &c.event) {
-            Ok(()) => send.push(i),
-            Err(e) => {
-                if let Some(k) = key {
-                    stopped.insert(k);
-                }
-                outcomes[i] = Some(Err(e));
-            }
-        }
-    }
-    send
 }
 
 #[cfg(test)]
@@ -120,21 +102,17 @@ mod tests {
             self.admits_in_publish
         }
         async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
-            let mut stopped = HashSet::new();
+            let admitted = if self.admits_in_publish {
+                prepare_in_key_order(events, |e| self.admit(route, e))
+            } else {
+                vec![Ok(()); events.len()]
+            };
             let mut sent = self.sent.lock().unwrap();
             events
                 .iter()
-                .map(|e| {
-                    if self.admits_in_publish {
-                        let key = e.key.clone().unwrap_or_default();
-                        if stopped.contains(&key) {
-                            return Err(SinkError::held_back("held back"));
-                        }
-                        if let Err(refused) = self.admit(route, e) {
-                            stopped.insert(key);
-                            return Err(refused);
-                        }
-                    }
+                .zip(admitted)
+                .map(|(e, admission)| {
+                    admission?;
                     sent.push(e.event_type.clone());
                     if e.event_type == self.rejects {
                         Err(SinkError::permanent("unroutable"))

@@ -1,12 +1,12 @@
 //! A scripted in-memory sink for engine tests: it records what it was given,
 //! in order, and fails on command.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use ferry_core::{EventId, PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use ferry_core::{EventId, PublishOutcome, Route, Sink, SinkError, StoredEvent, prepare_in_key_order};
 
 type Script = Box<dyn Fn(&StoredEvent) -> Option<SinkError> + Send + Sync>;
 
@@ -83,23 +83,19 @@ impl Sink for MockSink {
     async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
         self.attempts.fetch_add(events.len() as u64, Ordering::SeqCst);
         let down = self.down.load(Ordering::SeqCst);
-        let admits = self.admits_in_publish();
-        let mut refused_keys = HashSet::new();
+        let admitted = if self.admits_in_publish() {
+            prepare_in_key_order(events, |e| self.admit(route, e))
+        } else {
+            vec![Ok(()); events.len()]
+        };
         let script = self.script.lock().unwrap();
         let mut delivered = self.delivered.lock().unwrap();
         let log = delivered.entry(route.name.clone()).or_default();
         events
             .iter()
-            .map(|e| {
-                if admits {
-                    if e.key.as_ref().is_some_and(|k| refused_keys.contains(k)) {
-                        return Err(SinkError::held_back("an earlier event of its key was refused"));
-                    }
-                    if let Err(refused) = self.admit(route, e) {
-                        refused_keys.extend(e.key.clone());
-                        return Err(refused);
-                    }
-                }
+            .zip(admitted)
+            .map(|(e, admission)| {
+                admission?;
                 if down {
                     return Err(SinkError::transient("mock destination is down"));
                 }

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
 
-use crate::batch::prepare_in_key_order;
+use ferry_core::prepare_in_key_order;
 
 /// How a [`FileSink`] writes.
 #[derive(Debug, Clone, PartialEq, Eq)]

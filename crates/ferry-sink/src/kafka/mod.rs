@@ -46,7 +46,8 @@ pub use codes::error_code_kind;
 pub use message::{CONTENT_TYPE_HEADER, SPEC_VERSION};
 
 use crate::backoff::Backoff;
-use crate::batch::{log_published, prepare_in_key_order};
+use crate::batch::log_published;
+use ferry_core::prepare_in_key_order;
 use message::{Limits, Record};
 
 /// How a [`KafkaSink`] connects and publishes.

@@ -51,8 +51,9 @@ pub use codes::{
 };
 pub use message::{MSG_ID_HEADER, SPEC_VERSION};
 
-use crate::batch::{log_published, prepare_in_key_order};
+use crate::batch::log_published;
 use connector::Connector;
+use ferry_core::prepare_in_key_order;
 use message::{Message, validate_subject};
 
 /// How a [`NatsSink`] connects and publishes.

@@ -35,9 +35,10 @@ pub use reply::{
     reply_code_kind,
 };
 
-use crate::batch::{log_published, prepare_in_key_order};
+use crate::batch::log_published;
 use bindings::{Management, Reach};
 use connector::Connector;
+use ferry_core::prepare_in_key_order;
 use message::Message;
 
 /// Messages RabbitMQ returned as unroutable (no queue bound for their

@@ -40,7 +40,8 @@ use std::time::Instant;
 pub use codes::server_code_kind;
 pub use message::{FIELDS, SPEC_VERSION};
 
-use crate::batch::{log_published, prepare_in_key_order};
+use crate::batch::log_published;
+use ferry_core::prepare_in_key_order;
 use message::Entry;
 
 /// How a [`RedisSink`] connects and publishes.

@@ -46,7 +46,7 @@ pub use signature::{MIN_SECRET_BYTES, SECRET_PREFIX};
 pub use status::{parse_retry_after, status_kind};
 
 use crate::backoff::Backoff;
-use crate::batch::prepare_in_key_order;
+use ferry_core::prepare_in_key_order;
 use message::Request;
 use signature::{SigningKey, signature_header};
 

@@ -1,7 +1,7 @@
 //! The suite itself under test: it must fail for sinks that break the contract.
 
 use super::*;
-use ferry_core::{Glob, SinkError};
+use ferry_core::{Glob, SinkError, prepare_in_key_order};
 use std::sync::{Arc, Mutex};
 
 const LIMIT: usize = 1024;
@@ -44,16 +44,15 @@ impl Sink for MemorySink {
             };
             return events.iter().map(|_| outcome.clone()).collect();
         }
+        let admitted: Vec<Result<(), SinkError>> = if self.flaw == Flaw::NoHoldBack {
+            events.iter().map(|e| self.admit(route, e)).collect()
+        } else {
+            prepare_in_key_order(events, |e| self.admit(route, e))
+        };
         let mut out = Vec::new();
         let mut batch = Vec::new();
-        let mut refused_keys = HashSet::new();
-        for (i, e) in events.iter().enumerate() {
-            if self.flaw != Flaw::NoHoldBack && e.key.as_ref().is_some_and(|k| refused_keys.contains(k)) {
-                out.push(Err(SinkError::held_back("an earlier event of its key was refused")));
-                continue;
-            }
-            if let Err(refused) = self.admit(route, e) {
-                refused_keys.extend(e.key.clone());
+        for (i, (e, admission)) in events.iter().zip(admitted).enumerate() {
+            if let Err(refused) = admission {
                 out.push(Err(refused));
                 continue;
             }
