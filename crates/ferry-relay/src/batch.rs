@@ -1,10 +1,13 @@
 use std::collections::HashSet;
+use std::time::Duration;
 
-use ferry_core::{Claimed, PublishOutcome, Route, Sink, SinkError, StoredEvent, prepare_in_key_order};
+use ferry_core::{Claimed, Partition, PublishOutcome, Route, Sink, SinkError, StoredEvent, prepare_in_key_order};
 
 /// The outcome of publishing one claimed batch.
 #[derive(Debug)]
 pub(crate) struct Published {
+    /// The batch, handed back in its order.
+    pub claimed: Vec<Claimed>,
     /// Per claimed delivery: `None` when it was held back and not sent.
     pub outcomes: Vec<Option<PublishOutcome>>,
     /// Events confirmed after an earlier event of their key failed in the same
@@ -20,13 +23,25 @@ pub(crate) struct Published {
 ///
 /// A sink that admits in its own `publish` gets the whole batch and reports
 /// the events it held back; for any other, the relay asks `admit` first.
-pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[Claimed]) -> Published {
-    let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; claimed.len()];
+/// The events are handed to the sink as they are, not copied, unless some
+/// of them must be left out. A publish slower than `timeout` counts as a
+/// transient failure of every event sent.
+pub(crate) async fn publish_in_order(
+    sink: &dyn Sink,
+    route: &Route,
+    claimed: Vec<Claimed>,
+    timeout: Option<Duration>,
+) -> Published {
+    let (places, events): (Vec<(Partition, u32)>, Vec<StoredEvent>) = claimed
+        .into_iter()
+        .map(|c| ((c.partition, c.attempts), c.event))
+        .unzip();
+    let mut outcomes: Vec<Option<PublishOutcome>> = vec![None; events.len()];
     let send: Vec<usize> = if sink.admits_in_publish() {
-        (0..claimed.len()).collect()
+        (0..events.len()).collect()
     } else {
-        let admitted = prepare_in_key_order(claimed.iter().map(|c| &c.event), |e| sink.admit(route, e));
-        let mut send = Vec::with_capacity(claimed.len());
+        let admitted = prepare_in_key_order(&events, |e| sink.admit(route, e));
+        let mut send = Vec::with_capacity(events.len());
         for (i, admission) in admitted.into_iter().enumerate() {
             match admission {
                 Ok(()) => send.push(i),
@@ -38,11 +53,24 @@ pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[
         send
     };
     if !send.is_empty() {
-        let events: Vec<StoredEvent> = send.iter().map(|&i| claimed[i].event.clone()).collect();
-        let mut results = sink.publish(route, &events).await;
-        results.resize_with(events.len(), || {
-            Err(SinkError::transient("the sink returned no outcome"))
-        });
+        let subset: Vec<StoredEvent>;
+        let sent = if send.len() == events.len() {
+            &events
+        } else {
+            subset = send.iter().map(|&i| events[i].clone()).collect();
+            &subset
+        };
+        let publishing = sink.publish(route, sent);
+        let mut results = match timeout {
+            None => publishing.await,
+            Some(t) => tokio::time::timeout(t, publishing).await.unwrap_or_else(|_| {
+                let error = SinkError::transient(format!(
+                    "publish took longer than {t:?}; it is retried, and the destination may see it twice"
+                ));
+                vec![Err(error); send.len()]
+            }),
+        };
+        results.resize_with(send.len(), || Err(SinkError::transient("the sink returned no outcome")));
         for (i, r) in send.iter().zip(results) {
             // Not sent, to keep its key's order: it stays pending.
             outcomes[*i] = match r {
@@ -53,8 +81,8 @@ pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[
     }
     let mut failed: HashSet<&str> = HashSet::new();
     let mut order_breaks = 0;
-    for (c, o) in claimed.iter().zip(&outcomes) {
-        let (Some(key), Some(o)) = (c.event.key.as_deref(), o) else {
+    for (e, o) in events.iter().zip(&outcomes) {
+        let (Some(key), Some(o)) = (e.key.as_deref(), o) else {
             continue;
         };
         match o {
@@ -65,7 +93,20 @@ pub(crate) async fn publish_in_order(sink: &dyn Sink, route: &Route, claimed: &[
             Ok(()) => {}
         }
     }
-    Published { outcomes, order_breaks }
+    let claimed = places
+        .into_iter()
+        .zip(events)
+        .map(|((partition, attempts), event)| Claimed {
+            partition,
+            attempts,
+            event,
+        })
+        .collect();
+    Published {
+        claimed,
+        outcomes,
+        order_breaks,
+    }
 }
 
 #[cfg(test)]
@@ -81,6 +122,8 @@ mod tests {
         rejects: &'static str,
         /// Admits in publish, as the shipped sinks do.
         admits_in_publish: bool,
+        /// Never answers a publish.
+        stalls: bool,
         admitted: Mutex<Vec<i64>>,
         sent: Mutex<Vec<String>>,
     }
@@ -102,6 +145,9 @@ mod tests {
             self.admits_in_publish
         }
         async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
+            if self.stalls {
+                std::future::pending::<()>().await;
+            }
             let admitted = if self.admits_in_publish {
                 prepare_in_key_order(events, |e| self.admit(route, e))
             } else {
@@ -162,13 +208,15 @@ mod tests {
                 admits_in_publish,
                 ..Scripted::default()
             };
-            let batch = [
+            let batch = vec![
                 claimed(1, "k", "a.ok"),
                 claimed(2, "k", "a.big"),
                 claimed(3, "j", "a.ok"),
                 claimed(4, "k", "a.ok"),
             ];
-            let p = publish_in_order(&sink, &route(), &batch).await;
+            let p = publish_in_order(&sink, &route(), batch, None).await;
+            let seqs: Vec<i64> = p.claimed.iter().map(|c| c.event.seq).collect();
+            assert_eq!(seqs, [1, 2, 3, 4], "the batch comes back in its order");
             assert!(matches!(p.outcomes[0], Some(Ok(()))));
             assert!(matches!(p.outcomes[1], Some(Err(_))));
             assert!(matches!(p.outcomes[2], Some(Ok(()))));
@@ -184,12 +232,12 @@ mod tests {
             admits_in_publish: true,
             ..Scripted::default()
         };
-        let batch = [
+        let batch = vec![
             claimed(1, "k", "a.ok"),
             claimed(2, "j", "a.ok"),
             claimed(3, "k", "a.ok"),
         ];
-        let p = publish_in_order(&sink, &route(), &batch).await;
+        let p = publish_in_order(&sink, &route(), batch, None).await;
         assert!(p.outcomes.iter().all(|o| matches!(o, Some(Ok(())))));
         assert_eq!(*sink.admitted.lock().unwrap(), [1, 2, 3], "each event admitted once");
     }
@@ -200,14 +248,48 @@ mod tests {
             rejects: "a.bad",
             ..Scripted::default()
         };
-        let batch = [
+        let batch = vec![
             claimed(1, "k", "a.bad"),
             claimed(2, "k", "a.ok"),
             claimed(3, "j", "a.ok"),
             claimed(4, "k", "a.ok"),
         ];
-        let p = publish_in_order(&sink, &route(), &batch).await;
+        let p = publish_in_order(&sink, &route(), batch, None).await;
         assert!(matches!(p.outcomes[0], Some(Err(_))));
         assert_eq!(p.order_breaks, 2);
+    }
+
+    #[tokio::test]
+    async fn a_publish_past_its_timeout_fails_what_was_sent_transiently() {
+        for admits_in_publish in [false, true] {
+            let sink = Scripted {
+                too_big: "a.big",
+                admits_in_publish,
+                stalls: true,
+                ..Scripted::default()
+            };
+            let mut batch = vec![
+                claimed(1, "k", "a.ok"),
+                claimed(2, "j", "a.big"),
+                claimed(3, "j", "a.ok"),
+            ];
+            batch[0].attempts = 2;
+            batch[0].partition = 7;
+            let p = publish_in_order(&sink, &route(), batch, Some(Duration::from_millis(20))).await;
+            let err = |i: usize| p.outcomes[i].clone().expect("an outcome").expect_err("a failure");
+            assert_eq!(err(0).kind, ferry_core::ErrorKind::Transient);
+            assert!(err(0).message.contains("took longer than"), "{}", err(0));
+            if admits_in_publish {
+                // The sink never answered, so it refused nothing either.
+                assert_eq!(err(1).kind, ferry_core::ErrorKind::Transient);
+                assert_eq!(err(2).kind, ferry_core::ErrorKind::Transient);
+            } else {
+                // Refused before sending: its own reason, and its key held back.
+                assert_eq!(err(1).kind, ferry_core::ErrorKind::Permanent);
+                assert!(p.outcomes[2].is_none());
+            }
+            let c = &p.claimed[0];
+            assert_eq!((c.event.seq, c.attempts, c.partition), (1, 2, 7));
+        }
     }
 }

@@ -6,13 +6,11 @@
 
 use std::sync::atomic::Ordering;
 
-use ferry_core::{
-    Claimed, Clock, DirectOutcome, ErrorKind, PublishOutcome, Recorded, Route, SinkError, Store, Transition, decide,
-};
+use ferry_core::{Claimed, Clock, DirectOutcome, ErrorKind, Recorded, Route, Store, Transition, decide};
 use rand::Rng;
 use tokio::time::{Duration, Instant};
 
-use crate::batch::publish_in_order;
+use crate::batch::{Published, publish_in_order};
 use crate::engine::Shared;
 use crate::metrics;
 
@@ -43,32 +41,19 @@ pub(crate) async fn publish<S: Store, C: Clock>(
     let span = tracing::info_span!("ferry.publish", route = %route.name, events = claimed.len(), mode);
     #[cfg(feature = "otel")]
     crate::worker::link_producers(&span, &claimed);
-    let publishing = tracing::Instrument::instrument(publish_in_order(sink.as_ref(), route, &claimed), span);
-    let published = match timeout {
-        Some(t) => tokio::time::timeout(t, publishing).await.map_err(|_| t),
-        None => Ok(publishing.await),
-    };
+    let published =
+        tracing::Instrument::instrument(publish_in_order(sink.as_ref(), route, claimed, timeout), span).await;
     ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
         .record(started.elapsed().as_secs_f64());
     let now = shared.clock.now();
-    let outcomes: Vec<Option<PublishOutcome>> = match published {
-        Ok(p) => {
-            if p.order_breaks > 0 {
-                shared
-                    .counters
-                    .order_breaks
-                    .fetch_add(p.order_breaks, Ordering::Relaxed);
-                ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(p.order_breaks);
-            }
-            p.outcomes
-        }
-        Err(t) => {
-            let error = SinkError::transient(format!(
-                "publish took longer than {t:?}; the table path retries, the destination may see it twice"
-            ));
-            vec![Some(Err(error)); claimed.len()]
-        }
-    };
+    if published.order_breaks > 0 {
+        shared
+            .counters
+            .order_breaks
+            .fetch_add(published.order_breaks, Ordering::Relaxed);
+        ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(published.order_breaks);
+    }
+    let Published { claimed, outcomes, .. } = published;
     let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(()))));
     let transient = outcomes
         .iter()

@@ -7,7 +7,7 @@ use rand::Rng;
 use tokio::time::{Duration, Instant};
 use tracing::{Instrument, debug, warn};
 
-use crate::batch::publish_in_order;
+use crate::batch::{Published, publish_in_order};
 use crate::engine::Shared;
 use crate::metrics;
 
@@ -145,36 +145,38 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
         let span = tracing::info_span!("ferry.publish", route = %route.name, events = claimed.len());
         #[cfg(feature = "otel")]
         link_producers(&span, &claimed);
-        let published = publish_in_order(sink.as_ref(), &route, &claimed).instrument(span).await;
+        let Published {
+            claimed,
+            outcomes,
+            order_breaks,
+        } = publish_in_order(sink.as_ref(), &route, claimed, None)
+            .instrument(span)
+            .await;
         let publish_took = started.elapsed();
         shared.progress.advanced();
-        let confirmed = published.outcomes.iter().any(|o| matches!(o, Some(Ok(()))));
+        let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(()))));
         if confirmed && destination_down {
             ::metrics::counter!(metrics::RECONNECTS, "component" => "destination", "route" => route.name.clone())
                 .increment(1);
         }
         destination_down = !confirmed
-            && published
-                .outcomes
+            && outcomes
                 .iter()
                 .any(|o| matches!(o, Some(Err(e)) if e.kind == ferry_core::ErrorKind::Transient));
         ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
             .record(publish_took.as_secs_f64());
-        if published.order_breaks > 0 {
+        if order_breaks > 0 {
             warn!(
                 route = %route.name,
-                events = published.order_breaks,
+                events = order_breaks,
                 "the destination rejected an event after later events of its key were in flight; those arrived out of order"
             );
-            shared
-                .counters
-                .order_breaks
-                .fetch_add(published.order_breaks, Ordering::Relaxed);
-            ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(published.order_breaks);
+            shared.counters.order_breaks.fetch_add(order_breaks, Ordering::Relaxed);
+            ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(order_breaks);
         }
         let now = shared.clock.now();
         let mut failed_keys = HashSet::new();
-        for (c, outcome) in claimed.iter().zip(&published.outcomes) {
+        for (c, outcome) in claimed.iter().zip(&outcomes) {
             if let (Some(key), None | Some(Err(_))) = (&c.event.key, outcome) {
                 failed_keys.insert(key.clone());
             }
@@ -185,7 +187,7 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             let mut rng = rand::rng();
             claimed
                 .into_iter()
-                .zip(published.outcomes)
+                .zip(outcomes)
                 .filter_map(|(c, outcome)| outcome.map(|o| (c, o)))
                 .map(|(c, outcome)| {
                     let transition = decide(c.attempts, &outcome, now, &shared.settings.retry, rng.random::<f64>());
