@@ -48,13 +48,14 @@ pub(crate) struct Request {
 
 impl Request {
     pub(crate) fn prepare(
-        route: &Route,
+        destination: &Destination<'_>,
         event: &StoredEvent,
         source: &str,
         extra_headers: &HeaderMap,
         max_body_bytes: usize,
     ) -> Result<Self, SinkError> {
-        let url = destination_url(route, event)?;
+        let route = destination.route;
+        let url = destination.url(event)?;
         let body = body(event, source);
         if body.len() > max_body_bytes {
             return Err(SinkError::permanent(format!(
@@ -94,17 +95,41 @@ impl Request {
     }
 }
 
-/// Renders the route's destination and checks it is an absolute http(s) URL.
-/// A fixed destination that is wrong is the route's fault (config); a
-/// template that renders wrong for one event fails that event (permanent).
-pub(crate) fn destination_url(route: &Route, event: &StoredEvent) -> Result<Url, SinkError> {
-    let rendered = render_template(&route.destination, event);
-    parse_url(&rendered).map_err(|problem| {
+/// Where a route's requests go. A fixed destination is parsed once, for a
+/// whole batch; a template is rendered and parsed for each event.
+pub(crate) struct Destination<'r> {
+    route: &'r Route,
+    fixed: Option<Result<Url, SinkError>>,
+}
+
+impl<'r> Destination<'r> {
+    pub(crate) fn new(route: &'r Route) -> Self {
+        let fixed = (!route.destination.contains('{')).then(|| checked_url(route, &route.destination));
+        Self { route, fixed }
+    }
+
+    pub(crate) fn route(&self) -> &'r Route {
+        self.route
+    }
+
+    /// The event's URL, checked to be an absolute http(s) URL. A fixed
+    /// destination that is wrong is the route's fault (config); a template
+    /// that renders wrong for one event fails that event (permanent).
+    pub(crate) fn url(&self, event: &StoredEvent) -> Result<Url, SinkError> {
+        match &self.fixed {
+            Some(url) => url.clone(),
+            None => checked_url(self.route, &render_template(&self.route.destination, event)),
+        }
+    }
+}
+
+fn checked_url(route: &Route, rendered: &str) -> Result<Url, SinkError> {
+    parse_url(rendered).map_err(|problem| {
         let message = format!(
             "route {:?}: destination {:?} {problem}; routes[].destination must be an http:// or \
              https:// URL",
             route.name,
-            redact(&rendered)
+            redact(rendered)
         );
         if route.destination.contains('{') {
             SinkError::permanent(message)
@@ -237,7 +262,13 @@ mod tests {
     }
 
     fn prepare(destination: &str, e: &StoredEvent) -> Result<Request, SinkError> {
-        Request::prepare(&route(destination), e, "shop", &HeaderMap::new(), 1 << 20)
+        Request::prepare(
+            &Destination::new(&route(destination)),
+            e,
+            "shop",
+            &HeaderMap::new(),
+            1 << 20,
+        )
     }
 
     #[test]
@@ -307,8 +338,24 @@ mod tests {
             "application/json",
         );
         let size = prepare("http://h/", &e).unwrap().body.len();
-        assert!(Request::prepare(&route("http://h/"), &e, "shop", &HeaderMap::new(), size).is_ok());
-        let err = Request::prepare(&route("http://h/"), &e, "shop", &HeaderMap::new(), size - 1).unwrap_err();
+        assert!(
+            Request::prepare(
+                &Destination::new(&route("http://h/")),
+                &e,
+                "shop",
+                &HeaderMap::new(),
+                size
+            )
+            .is_ok()
+        );
+        let err = Request::prepare(
+            &Destination::new(&route("http://h/")),
+            &e,
+            "shop",
+            &HeaderMap::new(),
+            size - 1,
+        )
+        .unwrap_err();
         assert_eq!(err.kind, ErrorKind::Permanent);
         assert!(err.message.contains("sinks.web.max_body_bytes"), "{}", err.message);
     }
@@ -320,13 +367,13 @@ mod tests {
         e.headers.insert("Content-Type".into(), "text/evil".into());
         e.headers.insert("webhook-id".into(), "forged".into());
         let configured = configured_headers(&[("Authorization".to_owned(), "Bearer t".to_owned())].into()).unwrap();
-        let r = Request::prepare(&route("http://h/"), &e, "s", &configured, 1 << 20).unwrap();
+        let r = Request::prepare(&Destination::new(&route("http://h/")), &e, "s", &configured, 1 << 20).unwrap();
         assert_eq!(r.headers["authorization"], "Bearer t");
         assert_eq!(r.headers["content-type"], CONTENT_TYPE);
         assert!(r.headers.get("webhook-id").is_none());
 
         e.headers.insert("bad name".into(), "x".into());
-        let err = Request::prepare(&route("http://h/"), &e, "s", &configured, 1 << 20).unwrap_err();
+        let err = Request::prepare(&Destination::new(&route("http://h/")), &e, "s", &configured, 1 << 20).unwrap_err();
         assert_eq!(err.kind, ErrorKind::Permanent);
         assert!(err.message.contains("\"bad name\""), "{}", err.message);
 

@@ -47,7 +47,7 @@ pub use status::{parse_retry_after, status_kind};
 
 use crate::backoff::Backoff;
 use ferry_core::prepare_in_key_order;
-use message::Request;
+use message::{Destination, Request};
 use signature::{SigningKey, signature_header};
 
 /// Limiters of idle destinations are forgotten once there are this many.
@@ -149,13 +149,13 @@ impl WebhookSink {
         &self.options
     }
 
-    fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Request, SinkError> {
+    fn prepare(&self, destination: &Destination<'_>, event: &StoredEvent) -> Result<Request, SinkError> {
         let opts = &self.options;
-        let request = Request::prepare(route, event, &opts.source, &self.headers, opts.max_body_bytes)?;
+        let request = Request::prepare(destination, event, &opts.source, &self.headers, opts.max_body_bytes)?;
         if request.url.scheme() == "https" && self.roots == 0 {
             return Err(SinkError::config(format!(
                 "route {:?}: no CA certificates were found for https; set SSL_CERT_FILE to a PEM bundle",
-                route.name
+                destination.route().name
             )));
         }
         Ok(request)
@@ -307,7 +307,7 @@ impl Sink for WebhookSink {
     }
 
     fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
-        self.prepare(route, event).map(drop)
+        self.prepare(&Destination::new(route), event).map(drop)
     }
 
     /// `publish` prepares the batch in key order before it sends any of it.
@@ -319,7 +319,8 @@ impl Sink for WebhookSink {
         if events.is_empty() {
             return Vec::new();
         }
-        let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
+        let destination = Destination::new(route);
+        let prepared = prepare_in_key_order(events, |event| self.prepare(&destination, event));
         let chains = longest_first(chains(events));
         // `concurrency` senders, each taking the longest chain left and
         // sending it in order: a key with many events starts early instead
