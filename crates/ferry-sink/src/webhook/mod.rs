@@ -184,8 +184,10 @@ impl WebhookSink {
         let _permit = endpoint.slots.acquire().await.expect("limiters are never closed");
         let backing_off = {
             let backoff = lock(&endpoint.backoff);
-            let last = backoff.last_error().unwrap_or("unreachable").to_owned();
-            backoff.ready(Instant::now()).err().map(|wait| (wait, last))
+            backoff
+                .ready(Instant::now())
+                .err()
+                .map(|wait| (wait, backoff.last_error().unwrap_or("unreachable").to_owned()))
         };
         if let Some((wait, last)) = backing_off {
             return Err(SinkError::transient(format!(

@@ -92,6 +92,9 @@ async fn a_receiver_that_never_answers_times_out_transiently() {
     let outcomes = sink.publish(&to, &keyed(3, |seq| format!("n{seq}"))).await;
     for outcome in &outcomes {
         expect_err(outcome, ErrorKind::Transient, "not sent, next attempt in");
+        // And says why, with the failure that started the backoff.
+        expect_err(outcome, ErrorKind::Transient, "the last one failed: ");
+        expect_err(outcome, ErrorKind::Transient, "timed out");
     }
 
     receiver.set_gate(true);
