@@ -46,6 +46,15 @@ impl SinkError {
             ..Self::new(ErrorKind::Transient, message)
         }
     }
+    /// An event held back because `first`, an earlier event of its key in
+    /// the same batch, failed.
+    pub fn held_back_behind(first: &StoredEvent) -> Self {
+        Self::held_back(format!(
+            "held back: event {} of key {:?} earlier in this batch failed",
+            first.id,
+            first.key.as_deref().unwrap_or_default()
+        ))
+    }
     /// The same error, asking the relay to wait at least `delay` before the
     /// next attempt.
     pub fn with_retry_after(mut self, delay: std::time::Duration) -> Self {
@@ -141,10 +150,7 @@ pub fn prepare_in_key_order<'a, T>(
             if let Some(key) = event.key.as_deref()
                 && let Some(first) = failed.get(key)
             {
-                return Err(SinkError::held_back(format!(
-                    "held back: event {} of key {key:?} earlier in this batch failed",
-                    first.id
-                )));
+                return Err(SinkError::held_back_behind(first));
             }
             let prepared = prepare(event);
             if let (Err(_), Some(key)) = (&prepared, event.key.as_deref()) {

@@ -128,30 +128,12 @@ fn hold_back_after_failures(events: &[StoredEvent], outcomes: &mut [PublishOutco
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_core::{ErrorKind, EventId};
-
-    fn ev(seq: i64, key: Option<&str>) -> StoredEvent {
-        StoredEvent {
-            id: EventId::new(),
-            seq,
-            event_type: "test.item.created".into(),
-            key: key.map(str::to_owned),
-            payload: Default::default(),
-            content_type: "application/json".into(),
-            headers: Default::default(),
-            created_at: chrono::Utc::now(),
-        }
-    }
+    use crate::limits::fixtures::event as ev;
+    use ferry_core::ErrorKind;
 
     #[test]
     fn later_events_of_a_failed_key_are_held_back() {
-        let events = [
-            ev(1, Some("a")),
-            ev(2, Some("b")),
-            ev(3, Some("a")),
-            ev(4, None),
-            ev(5, Some("b")),
-        ];
+        let events = [ev(Some("a")), ev(Some("b")), ev(Some("a")), ev(None), ev(Some("b"))];
         let mut outcomes = vec![
             Err(SinkError::transient("OOM")),
             Ok(()),

@@ -241,11 +241,7 @@ impl WebhookSink {
         for &i in chain {
             let outcome = match (&prepared[i], failed) {
                 (Err(e), _) => Err(e.clone()),
-                (Ok(_), Some(first)) => Err(SinkError::held_back(format!(
-                    "held back: event {} of key {:?} earlier in this batch failed",
-                    events[first].id,
-                    events[i].key.as_deref().unwrap_or_default()
-                ))),
+                (Ok(_), Some(first)) => Err(SinkError::held_back_behind(&events[first])),
                 (Ok(request), None) => self.send(route, request).await,
             };
             if outcome.is_err() && failed.is_none() {
@@ -405,20 +401,8 @@ impl Sink for WebhookSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferry_core::{ErrorKind, EventId};
-
-    fn ev(key: Option<&str>) -> StoredEvent {
-        StoredEvent {
-            id: EventId::new(),
-            seq: 0,
-            event_type: "a.b".into(),
-            key: key.map(str::to_owned),
-            payload: Default::default(),
-            content_type: "application/json".into(),
-            headers: Default::default(),
-            created_at: chrono::Utc::now(),
-        }
-    }
+    use crate::limits::fixtures::event as ev;
+    use ferry_core::ErrorKind;
 
     #[test]
     fn chains_keep_key_order_and_split_keyless_events() {
