@@ -441,6 +441,34 @@ pub async fn direct_settle_is_fenced<H: StoreHarness>(h: &H) {
     assert_eq!(h.store().settle(&b, &[seq], &records, Utc::now()).await.unwrap(), 1);
 }
 
+/// A settlement that names one delivery twice writes it once, the first
+/// outcome, and still takes its events: the store must not fail the batch
+/// (its events would be published again and again).
+pub async fn a_delivery_repeated_in_a_settlement_is_written_once<H: StoreHarness>(h: &H) {
+    let ids = h.enqueue(vec![order(0, "a"), order(1, "b")]).await;
+    let o = own(h, "a").await;
+    let batch = fetch_direct(h, &o, &[], &[]).await;
+    let seqs: Vec<i64> = batch.events.iter().map(|c| c.event.seq).collect();
+    let now = Utc::now();
+    let records = vec![
+        direct(seqs[0], "a", "r1", DirectOutcome::Published { at: now }),
+        direct(seqs[1], "b", "r1", DirectOutcome::Published { at: now }),
+        direct(
+            seqs[0],
+            "a",
+            "r1",
+            DirectOutcome::Dead {
+                attempts: 1,
+                reason: "repeated".into(),
+            },
+        ),
+    ];
+    assert_eq!(h.store().settle(&o, &seqs, &records, now).await.unwrap(), 2);
+    assert_eq!(h.delivery_state("r1", ids[0]).await, Some(("published".into(), 1)));
+    assert_eq!(h.delivery_state("r1", ids[1]).await, Some(("published".into(), 1)));
+    assert!(fetch_direct(h, &o, &[], &[]).await.events.is_empty());
+}
+
 /// Expands to one `#[tokio::test]` per scenario; `$make` is an async
 /// expression giving a fresh harness.
 #[macro_export]
@@ -457,7 +485,8 @@ macro_rules! store_conformance {
             retries_count_attempts,
             a_sleeping_relay_is_notified,
             direct_delivery_settles_once_and_holds_keys,
-            direct_settle_is_fenced
+            direct_settle_is_fenced,
+            a_delivery_repeated_in_a_settlement_is_written_once
         );
     };
     (@tests $make:expr; $($name:ident),*) => {

@@ -4,11 +4,27 @@
 //!
 //! [`PgStore`]: super::PgStore
 
+use std::sync::LazyLock;
+
 use chrono::{DateTime, Utc};
-use ferry_core::{DirectOutcome, NO_ROUTE, Ownership, StoreError};
+use ferry_core::{DirectOutcome, NO_ROUTE, Ownership};
 use sqlx::{PgExecutor, Row};
 
-use super::error::store_error;
+const SETTLE: &str = include_str!("sql/settle.sql");
+/// The clause of [`SETTLE`] that [`Conflicts::Fail`] leaves out.
+const SKIP_CONFLICTS: &str = "    ON CONFLICT (seq, route) DO NOTHING\n";
+static SETTLE_UNGUARDED: LazyLock<String> = LazyLock::new(|| SETTLE.replacen(SKIP_CONFLICTS, "", 1));
+
+/// What a settlement does with a delivery row that already exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Conflicts {
+    /// Fails the statement with a unique violation; nothing is written.
+    /// Spares every row PostgreSQL's speculative insertion, for callers
+    /// that can settle again with [`Conflicts::Skip`] (see settle.sql).
+    Fail,
+    /// Keeps the existing row (`ON CONFLICT DO NOTHING`).
+    Skip,
+}
 
 /// How a settlement is written.
 pub(crate) struct SettleMode<'a> {
@@ -20,6 +36,8 @@ pub(crate) struct SettleMode<'a> {
     pub notify: bool,
     /// Commit durably (WAL streaming confirms the slot position right after).
     pub durable: bool,
+    /// What to do with a delivery row that exists.
+    pub conflicts: Conflicts,
 }
 
 /// What one settlement wrote.
@@ -31,58 +49,84 @@ pub(crate) struct Written {
     pub made: u64,
 }
 
-/// Takes `seqs` out of `unrouted` and writes a delivery row per
-/// (seq, route, key, outcome) whose event it took, in one statement.
-pub(crate) async fn settle<'e, 'r>(
+/// The delivery rows of a settlement, as the statement's arrays.
+#[derive(Default)]
+pub(crate) struct Deliveries<'r> {
+    seq: Vec<i64>,
+    route: Vec<&'r str>,
+    key: Vec<Option<&'r str>>,
+    state: Vec<&'static str>,
+    attempts: Vec<i32>,
+    next: Vec<DateTime<Utc>>,
+    error: Vec<Option<&'r str>>,
+    published: Vec<Option<DateTime<Utc>>>,
+}
+
+impl<'r> Deliveries<'r> {
+    /// One row per (seq, route, key, outcome).
+    pub(crate) fn new(
+        rows: impl Iterator<Item = (i64, &'r str, Option<&'r str>, &'r DirectOutcome)>,
+        now: DateTime<Utc>,
+    ) -> Self {
+        let mut d = Self::default();
+        for (seq, route, key, outcome) in rows {
+            let (state, attempts, next, error, published) = match outcome {
+                DirectOutcome::Published { at } => ("published", 1, now, None, Some(*at)),
+                DirectOutcome::Parked => ("pending", 0, now, None, None),
+                DirectOutcome::Retry { next_at, error } => ("pending", 1, *next_at, Some(error.as_str()), None),
+                DirectOutcome::Dead { attempts, reason } => {
+                    ("dead", *attempts as i32, now, Some(reason.as_str()), None)
+                }
+            };
+            debug_assert!(route != NO_ROUTE || state == "dead");
+            d.seq.push(seq);
+            d.route.push(route);
+            d.key.push(key);
+            d.state.push(state);
+            d.attempts.push(attempts);
+            d.next.push(next);
+            d.error.push(error);
+            d.published.push(published);
+        }
+        d
+    }
+}
+
+/// Whether `err` is a unique violation: a settlement under
+/// [`Conflicts::Fail`] met a delivery row that exists.
+pub(crate) fn is_unique_violation(err: &sqlx::Error) -> bool {
+    matches!(err, sqlx::Error::Database(db) if db.is_unique_violation())
+}
+
+/// Takes `seqs` out of `unrouted` and writes the delivery rows whose event
+/// it took, in one statement.
+pub(crate) async fn settle<'e>(
     exec: impl PgExecutor<'e>,
     seqs: &[i64],
-    rows: impl Iterator<Item = (i64, &'r str, Option<&'r str>, &'r DirectOutcome)>,
+    rows: &Deliveries<'_>,
     now: DateTime<Utc>,
     mode: SettleMode<'_>,
-) -> Result<Written, StoreError> {
-    let (mut d_seq, mut d_route, mut d_key, mut d_state, mut d_attempts, mut d_next, mut d_err, mut d_pub) = (
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-    );
-    for (seq, route, key, outcome) in rows {
-        let (state, attempts, next, err, published) = match outcome {
-            DirectOutcome::Published { at } => ("published", 1, now, None, Some(*at)),
-            DirectOutcome::Parked => ("pending", 0, now, None, None),
-            DirectOutcome::Retry { next_at, error } => ("pending", 1, *next_at, Some(error.as_str()), None),
-            DirectOutcome::Dead { attempts, reason } => ("dead", *attempts as i32, now, Some(reason.as_str()), None),
-        };
-        debug_assert!(route != NO_ROUTE || state == "dead");
-        d_seq.push(seq);
-        d_route.push(route);
-        d_key.push(key);
-        d_state.push(state);
-        d_attempts.push(attempts);
-        d_next.push(next);
-        d_err.push(err);
-        d_pub.push(published);
-    }
+) -> Result<Written, sqlx::Error> {
     let (relay, partitions, tokens) = match mode.fence {
         Some(owned) => (Some(owned.relay.0.as_str()), owned.partitions(), owned.tokens()),
         None => (None, Vec::new(), Vec::new()),
     };
-    let row = sqlx::query(include_str!("sql/settle.sql"))
+    let sql = match mode.conflicts {
+        Conflicts::Fail => SETTLE_UNGUARDED.as_str(),
+        Conflicts::Skip => SETTLE,
+    };
+    let row = sqlx::query(sql)
         // Unprepared: planned for the actual arrays on every run (see claim).
         .persistent(false)
         .bind(seqs)
-        .bind(&d_seq)
-        .bind(&d_route)
-        .bind(&d_key)
-        .bind(&d_state)
-        .bind(&d_attempts)
-        .bind(&d_next)
-        .bind(&d_err)
-        .bind(&d_pub)
+        .bind(&rows.seq)
+        .bind(&rows.route)
+        .bind(&rows.key)
+        .bind(&rows.state)
+        .bind(&rows.attempts)
+        .bind(&rows.next)
+        .bind(&rows.error)
+        .bind(&rows.published)
         .bind(now)
         .bind(relay)
         .bind(&partitions)
@@ -90,10 +134,21 @@ pub(crate) async fn settle<'e, 'r>(
         .bind(mode.notify)
         .bind(mode.durable)
         .fetch_one(exec)
-        .await
-        .map_err(store_error)?;
+        .await?;
     Ok(Written {
         gone: row.get::<i64, _>(0) as u64,
         made: row.get::<i64, _>(1) as u64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_unguarded_settle_differs_only_by_its_conflict_clause() {
+        assert_eq!(SETTLE.matches(SKIP_CONFLICTS).count(), 1);
+        assert!(!SETTLE_UNGUARDED.contains("ON CONFLICT (seq, route)"));
+        assert_eq!(SETTLE_UNGUARDED.len(), SETTLE.len() - SKIP_CONFLICTS.len());
+    }
 }

@@ -12,7 +12,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-use super::direct::{self, SettleMode};
+use super::direct::{self, Conflicts, SettleMode};
 use super::error::store_error;
 use super::listen::PgWakeSource;
 
@@ -326,12 +326,22 @@ impl Store for PgStore {
         // events unrouted and the relay publishes them again; a duplicate,
         // never a loss (ARCHITECTURE.md, "Durability of the relay's own
         // writes"). The relay wakes its own route workers for what it parked.
-        let mode = SettleMode {
+        let rows = direct::Deliveries::new(rows, now);
+        let mode = |conflicts| SettleMode {
             fence: Some(owned),
             notify: false,
             durable: false,
+            conflicts,
         };
-        Ok(direct::settle(&self.pool, seqs, rows, now, mode).await?.gone)
+        let written = match direct::settle(&self.pool, seqs, &rows, now, mode(Conflicts::Fail)).await {
+            // Nothing was written; write each delivery once.
+            Err(e) if direct::is_unique_violation(&e) => {
+                tracing::warn!(error = %e, "a direct batch repeated a delivery; settling it again, keeping the first");
+                direct::settle(&self.pool, seqs, &rows, now, mode(Conflicts::Skip)).await
+            }
+            written => written,
+        };
+        Ok(written.map_err(store_error)?.gone)
     }
 
     async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError> {

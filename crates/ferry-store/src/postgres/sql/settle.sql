@@ -2,6 +2,14 @@
 -- WAL streaming): takes its events out of `unrouted` (only those still
 -- there: a row routed before is left alone) and writes their deliveries,
 -- with a failures row for each failed first attempt.
+--
+-- An event in `unrouted` has no delivery rows (routing writes them and
+-- takes it out in one transaction; a requeue to the router deletes its only
+-- row, `(no route)`), so a delivery written here can only collide with
+-- another of the same call. The direct path runs this statement without
+-- its `ON CONFLICT` line, which spares every row PostgreSQL's speculative
+-- insertion, and runs it again with the line if a pair repeats
+-- (`direct::settle`).
 -- $1 seqs to take; $2..$9 one row per delivery: seq, route, key, state,
 -- attempts, next attempt, error, published at; $10 now;
 -- $11 relay, $12 partitions, $13 tokens: the fence, or a NULL relay for none

@@ -9,7 +9,7 @@ use ferry_core::StoreError;
 use sqlx::Row;
 
 use super::{WalEvent, WalSource};
-use crate::postgres::direct::{self, SettleMode};
+use crate::postgres::direct::{self, Conflicts, SettleMode};
 use crate::postgres::store_error;
 
 /// What the delivery table says about a streamed batch.
@@ -197,8 +197,13 @@ impl WalSource {
                 fence: None,
                 notify: true,
                 durable: true,
+                // In a transaction, which a failed statement would abort.
+                conflicts: Conflicts::Skip,
             };
-            let written = direct::settle(&mut *tx, &claim, rows.into_iter(), now, mode).await?;
+            let rows = direct::Deliveries::new(rows.into_iter(), now);
+            let written = direct::settle(&mut *tx, &claim, &rows, now, mode)
+                .await
+                .map_err(store_error)?;
             settled.routed = written.gone.saturating_sub(settled.written);
             settled.deliveries = written.made;
         }
