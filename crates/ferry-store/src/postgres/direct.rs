@@ -16,7 +16,7 @@ const SKIP_CONFLICTS: &str = "    ON CONFLICT (seq, route) DO NOTHING\n";
 static SETTLE_UNGUARDED: LazyLock<String> = LazyLock::new(|| SETTLE.replacen(SKIP_CONFLICTS, "", 1));
 
 /// What a settlement does with a delivery row that already exists.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug)]
 pub(crate) enum Conflicts {
     /// Fails the statement with a unique violation; nothing is written.
     /// Spares every row PostgreSQL's speculative insertion, for callers
@@ -49,9 +49,11 @@ pub(crate) struct Written {
     pub made: u64,
 }
 
-/// The delivery rows of a settlement, as the statement's arrays.
+/// The delivery rows of a settlement, as the statement's arrays, and the
+/// time they are written at.
 #[derive(Default)]
 pub(crate) struct Deliveries<'r> {
+    now: DateTime<Utc>,
     seq: Vec<i64>,
     route: Vec<&'r str>,
     key: Vec<Option<&'r str>>,
@@ -63,12 +65,12 @@ pub(crate) struct Deliveries<'r> {
 }
 
 impl<'r> Deliveries<'r> {
-    /// One row per (seq, route, key, outcome).
+    /// One row per (seq, route, key, outcome), written at `now`.
     pub(crate) fn new(
         rows: impl Iterator<Item = (i64, &'r str, Option<&'r str>, &'r DirectOutcome)>,
         now: DateTime<Utc>,
     ) -> Self {
-        let mut d = Self::default();
+        let mut d = Self { now, ..Self::default() };
         for (seq, route, key, outcome) in rows {
             let (state, attempts, next, error, published) = match outcome {
                 DirectOutcome::Published { at } => ("published", 1, now, None, Some(*at)),
@@ -104,7 +106,6 @@ pub(crate) async fn settle<'e>(
     exec: impl PgExecutor<'e>,
     seqs: &[i64],
     rows: &Deliveries<'_>,
-    now: DateTime<Utc>,
     mode: SettleMode<'_>,
 ) -> Result<Written, sqlx::Error> {
     let (relay, partitions, tokens) = match mode.fence {
@@ -127,7 +128,7 @@ pub(crate) async fn settle<'e>(
         .bind(&rows.next)
         .bind(&rows.error)
         .bind(&rows.published)
-        .bind(now)
+        .bind(rows.now)
         .bind(relay)
         .bind(&partitions)
         .bind(&tokens)

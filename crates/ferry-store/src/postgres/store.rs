@@ -333,11 +333,11 @@ impl Store for PgStore {
             durable: false,
             conflicts,
         };
-        let written = match direct::settle(&self.pool, seqs, &rows, now, mode(Conflicts::Fail)).await {
+        let written = match direct::settle(&self.pool, seqs, &rows, mode(Conflicts::Fail)).await {
             // Nothing was written; write each delivery once.
             Err(e) if direct::is_unique_violation(&e) => {
                 tracing::warn!(error = %e, "a direct batch repeated a delivery; settling it again, keeping the first");
-                direct::settle(&self.pool, seqs, &rows, now, mode(Conflicts::Skip)).await
+                direct::settle(&self.pool, seqs, &rows, mode(Conflicts::Skip)).await
             }
             written => written,
         };

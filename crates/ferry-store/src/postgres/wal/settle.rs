@@ -201,7 +201,7 @@ impl WalSource {
                 conflicts: Conflicts::Skip,
             };
             let rows = direct::Deliveries::new(rows.into_iter(), now);
-            let written = direct::settle(&mut *tx, &claim, &rows, now, mode)
+            let written = direct::settle(&mut *tx, &claim, &rows, mode)
                 .await
                 .map_err(store_error)?;
             settled.routed = written.gone.saturating_sub(settled.written);
