@@ -99,7 +99,9 @@ pub(crate) enum Dest {
 
 /// An idempotent Kafka producer that has delivered one message to `topic`:
 /// connected, with the topic's metadata and a producer id, as the relay's
-/// producer is after its start-up check.
+/// producer is after its start-up check. It lingers as the sink's producer
+/// does: with librdkafka's default of 5 ms, each window of the baseline
+/// waited out the linger.
 async fn warm_producer(bootstrap: &str, topic: &str) -> anyhow::Result<FutureProducer> {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
@@ -107,6 +109,7 @@ async fn warm_producer(bootstrap: &str, topic: &str) -> anyhow::Result<FuturePro
         .set("acks", "all")
         .set("max.in.flight.requests.per.connection", "5")
         .set("message.timeout.ms", "30000")
+        .set("linger.ms", ferry_sink::kafka::DEFAULT_LINGER_MS)
         .create()
         .context("creating a Kafka producer")?;
     producer

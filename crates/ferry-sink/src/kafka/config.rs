@@ -10,6 +10,13 @@ use super::KafkaOptions;
 /// the key (at most 512 bytes), the headers and the record framing, so a
 /// payload at `max_message_bytes` is never refused by the client.
 pub(crate) const RECORD_HEADROOM: usize = 64 * 1024;
+/// The producer's `linger.ms` unless `extra` sets one. The sink hands
+/// librdkafka a whole batch at once and then waits for every delivery
+/// report, so the batch is already gathered: librdkafka's default of 5 ms
+/// only delays each batch's last requests. One millisecond still lets a
+/// batch's records share requests (with no linger at all, librdkafka sends
+/// more, smaller requests and the drain was slower).
+pub const DEFAULT_LINGER_MS: &str = "1";
 /// librdkafka's upper bound for `message.max.bytes`.
 const LIBRDKAFKA_MAX_MESSAGE_BYTES: usize = 1_000_000_000;
 
@@ -89,7 +96,7 @@ impl KafkaOptions {
     }
 
     /// The producer's properties: idempotent, `acks=all`, Java-compatible
-    /// key partitioning, no topic auto-creation.
+    /// key partitioning, no topic auto-creation, a 1 ms linger.
     pub(crate) fn producer_config(&self) -> ClientConfig {
         let mut config = ClientConfig::new();
         config.set("bootstrap.servers", &self.bootstrap_servers);
@@ -97,6 +104,7 @@ impl KafkaOptions {
         // Same partition per key as the Java client's default partitioner,
         // so Ferry and other producers of a topic agree on where a key lives.
         config.set("partitioner", "murmur2_random");
+        config.set("linger.ms", DEFAULT_LINGER_MS);
         for (name, value) in &self.extra {
             config.set(name, value);
         }
@@ -134,6 +142,7 @@ mod tests {
         assert_eq!(c.get("message.timeout.ms"), Some("10000"));
         assert_eq!(c.get("message.max.bytes"), Some("1065536"));
         assert_eq!(c.get("partitioner"), Some("murmur2_random"));
+        assert_eq!(c.get("linger.ms"), Some("1"));
         assert_eq!(c.get("bootstrap.servers"), Some("127.0.0.1:9092"));
     }
 

@@ -43,6 +43,7 @@ use rdkafka::producer::{FutureProducer, Producer};
 use tracing::{info, warn};
 
 pub use codes::error_code_kind;
+pub use config::DEFAULT_LINGER_MS;
 pub use message::{CONTENT_TYPE_HEADER, SPEC_VERSION};
 
 use crate::backoff::Backoff;
@@ -66,7 +67,8 @@ pub struct KafkaOptions {
     /// The CloudEvents `source` attribute. Default `"ferry"`.
     pub source: String,
     /// More librdkafka properties (`security.protocol`, `sasl.*`,
-    /// `linger.ms`, `compression.type`, ...). Properties the guarantees rest
+    /// `linger.ms` (Ferry's default is 1 ms, see [`DEFAULT_LINGER_MS`]),
+    /// `compression.type`, ...). Properties the guarantees rest
     /// on (`acks`, `enable.idempotence`, ...) are refused by
     /// [`KafkaOptions::validate`].
     pub extra: BTreeMap<String, String>,
