@@ -28,6 +28,7 @@ use serde_json::{Value, json};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use super::latency::Arrivals;
 use super::progress;
 use super::workload;
 
@@ -587,10 +588,13 @@ impl Sink for Discard {
 }
 
 /// Wraps a sink to count the events its destination confirmed, as the relay
-/// sees them: a drain is timed to the last confirmation, like the baseline.
+/// sees them: a drain is timed to the last confirmation, like the baseline;
+/// with `arrivals`, also notes when each event was confirmed (the sinks'
+/// latency).
 pub(crate) struct Confirming {
     pub inner: Arc<dyn Sink>,
     pub confirmed: Arc<AtomicU64>,
+    pub arrivals: Option<Arc<Arrivals>>,
 }
 
 #[async_trait]
@@ -611,6 +615,14 @@ impl Sink for Confirming {
         let outcomes = self.inner.publish(route, events).await;
         let ok = outcomes.iter().filter(|o| o.is_ok()).count() as u64;
         self.confirmed.fetch_add(ok, Ordering::Relaxed);
+        if let Some(arrivals) = &self.arrivals {
+            let at = Instant::now();
+            for (event, outcome) in events.iter().zip(&outcomes) {
+                if outcome.is_ok() {
+                    arrivals.record(event.id.0, at);
+                }
+            }
+        }
         outcomes
     }
 

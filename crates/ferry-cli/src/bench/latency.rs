@@ -1,7 +1,10 @@
 //! Latency: with the relay running and idle, one producer commits one event
 //! per transaction at a fixed rate; a consumer on the queue notes when each
 //! message arrives. Latency is arrival minus the instant the producer's
-//! COMMIT returned, matched by event id (the AMQP message id).
+//! COMMIT returned, matched by event id (the AMQP message id). The sinks
+//! scenario runs the same producer against its other destinations, where
+//! an event arrives when its destination confirms it to the relay
+//! ([`Arrivals`] filled by the sink's wrapper).
 //!
 //! The producer's clock is a tokio interval with `MissedTickBehavior::Burst`:
 //! a late commit is caught up at once, so the offered load stays at the rate
@@ -48,9 +51,17 @@ impl LatencyResult {
 
 /// Arrival instants by event id, filled by the consumer task.
 #[derive(Default)]
-struct Arrivals {
+pub(crate) struct Arrivals {
     at: Mutex<HashMap<Uuid, Instant>>,
     count: AtomicU64,
+}
+
+impl Arrivals {
+    /// Notes that event `id` arrived at `at`.
+    pub(crate) fn record(&self, id: Uuid, at: Instant) {
+        self.at.lock().expect("not poisoned").insert(id, at);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<LatencyResult> {
@@ -75,7 +86,8 @@ async fn measure(ctx: &Ctx<'_>, topology: &Topology, wal: bool) -> anyhow::Resul
         wal,
     )
     .await?;
-    let result = produce(ctx, &relay, &arrivals, wal).await;
+    let label = if wal { "wal-latency" } else { "latency" };
+    let result = produce(ctx, &relay, &arrivals, wal, label, ctx.args.latency_seconds).await;
     let stopped = relay.stop().await;
     consumer.abort();
     let result = result?;
@@ -94,11 +106,24 @@ async fn consume(topology: &Topology, arrivals: Arc<Arrivals>) -> anyhow::Result
                 .as_ref()
                 .and_then(|id| Uuid::parse_str(id.as_str()).ok());
             if let Some(id) = id {
-                arrivals.at.lock().expect("not poisoned").insert(id, at);
-                arrivals.count.fetch_add(1, Ordering::Relaxed);
+                arrivals.record(id, at);
             }
         }
     }))
+}
+
+/// Commits `--latency-rate` events per second for `seconds` through an idle
+/// `relay` (table mode, whose sink fills `arrivals`) and reads their
+/// latency.
+#[cfg(feature = "bench-sinks")]
+pub(crate) async fn through(
+    ctx: &Ctx<'_>,
+    relay: &relay::RunningRelay,
+    arrivals: &Arrivals,
+    label: &str,
+    seconds: u64,
+) -> anyhow::Result<LatencyResult> {
+    produce(ctx, relay, arrivals, false, label, seconds).await
 }
 
 async fn produce(
@@ -106,6 +131,8 @@ async fn produce(
     relay: &relay::RunningRelay,
     arrivals: &Arrivals,
     wal: bool,
+    label: &str,
+    seconds: u64,
 ) -> anyhow::Result<LatencyResult> {
     let args = ctx.args;
     let mut conn = PgConnection::connect_with(ctx.db.options()).await?;
@@ -119,7 +146,7 @@ async fn produce(
         }
     };
     idle().await?;
-    // Warm-up: the sink connects to RabbitMQ on its first publish.
+    // Warm-up: the sink connects to its destination on its first publish.
     commit_one(&mut conn, 0, args.keys).await?;
     wait_for(arrivals, 1, Duration::from_secs(10)).await;
     anyhow::ensure!(
@@ -128,8 +155,7 @@ async fn produce(
     );
     idle().await?;
 
-    let total = u64::from(args.latency_rate) * args.latency_seconds;
-    let label = if wal { "wal-latency" } else { "latency" };
+    let total = u64::from(args.latency_rate) * seconds;
     let bar = progress::bar(total, label);
     let mut tick = interval(Duration::from_secs_f64(1.0 / f64::from(args.latency_rate)));
     tick.set_missed_tick_behavior(MissedTickBehavior::Burst);

@@ -114,6 +114,10 @@ pub struct SinkArgs {
     /// once; the report gives medians and the spread of the rounds.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub sink_rounds: u32,
+    /// Seconds of each sink's latency run (at `--latency-rate`), after the
+    /// rounds.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    pub sink_latency_seconds: u64,
     /// The Kafka brokers of the sinks scenario.
     #[arg(long, value_name = "HOST:PORT", default_value = "127.0.0.1:19092")]
     pub kafka_brokers: String,
@@ -162,7 +166,7 @@ impl BenchArgs {
     fn describe(&self) -> String {
         format!(
             "{} events over {} keys, batch {}; latency {}/s for {} s; idle {} s; producers {} × {} s; \
-             drain × {} rounds; sinks {} events × {} rounds",
+             drain × {} rounds; sinks {} events × {} rounds, latency {} s each",
             report::thousands(self.events),
             report::thousands(self.keys),
             self.batch_size,
@@ -173,7 +177,8 @@ impl BenchArgs {
             self.producer_seconds,
             self.drain_rounds,
             report::thousands(self.sinks.sink_events),
-            self.sinks.sink_rounds
+            self.sinks.sink_rounds,
+            self.sinks.sink_latency_seconds
         )
     }
 }

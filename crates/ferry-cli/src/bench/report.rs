@@ -406,6 +406,32 @@ fn sink_rows(s: &SinksResult, row: &mut impl FnMut(&str, String, &'static str, O
             ratio.map(|r| r <= FANOUT_TARGET),
         );
     }
+    for (kind, l) in &s.latencies {
+        let mut figure = match &l.latency {
+            Some(p) => format!(
+                "p50 {}, p90 {}, p99 {}, max {}",
+                ms(p.p50),
+                ms(p.p90),
+                ms(p.p99),
+                ms(p.max)
+            ),
+            None => "no event confirmed".to_owned(),
+        };
+        let _ = write!(
+            figure,
+            " (commit to the destination's confirmation; {} of {} at {}/s, {} missing)",
+            thousands(l.sent - l.missing),
+            thousands(l.sent),
+            rate(l.achieved_rate()),
+            l.missing
+        );
+        row(
+            &format!("sinks: {kind} latency"),
+            figure,
+            "all delivered",
+            Some(l.missing == 0),
+        );
+    }
 }
 
 /// The lowest and highest of per-round figures; `None` for fewer than two.

@@ -18,6 +18,7 @@
 use std::time::Duration;
 
 use super::broker::per_second;
+use super::latency::LatencyResult;
 use super::median;
 
 #[cfg(feature = "bench-sinks")]
@@ -53,6 +54,9 @@ pub(crate) struct SinksResult {
     /// Per round: the fan-out's time over that round's drain of the sink
     /// that is slowest by median (see [`SinksResult::slowest_fanout_single`]).
     pub fanout_ratios: Vec<f64>,
+    /// Commit-to-confirmation latency per sink kind (one run each, after
+    /// the rounds).
+    pub latencies: Vec<(&'static str, LatencyResult)>,
 }
 
 /// The destinations of the fan-out run.
@@ -120,6 +124,7 @@ pub(crate) fn summarise(events: u64, window: usize, rounds: Vec<Round>) -> Sinks
         sinks,
         fanout: median(rounds.iter().map(|r| r.fanout).collect()),
         fanout_ratios: Vec::new(),
+        latencies: Vec::new(),
     };
     if let Some(slowest) = result.slowest_fanout_single().map(|k| k.kind) {
         let i = result.sinks.iter().position(|k| k.kind == slowest).unwrap_or_default();

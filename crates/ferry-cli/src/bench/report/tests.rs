@@ -144,6 +144,10 @@ fn the_sinks_section_reads_against_baselines_and_the_slowest_drain() {
             // 20 s against redis' 20 s: 1.00×, met.
             fanout: Some(Duration::from_secs(20)),
             fanout_ratios: Vec::new(),
+            latencies: vec![
+                ("kafka", latency(5_000, 0, Some((2_100, 4_000, 9_500, 31_000)))),
+                ("webhook", latency(5_000, 3, None)),
+            ],
         }),
         ..Report::default()
     };
@@ -156,8 +160,27 @@ fn the_sinks_section_reads_against_baselines_and_the_slowest_drain() {
         "| sinks: nats drain | 4,000 events/s = 40.0% of baseline, 100.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | yes |",
         "| sinks: webhook baseline | 2,000 confirmed publishes/s (20,000 in 8 requests in flight) | baseline | – |",
         "| sinks: fan-out (3 destinations) | 1,000 events/s to each; 1.00× the time of the slowest single drain (redis, 1,000 events/s) | ≤ 1× the slowest single drain | yes |",
+        "| sinks: kafka latency | p50 2.10 ms, p90 4.00 ms, p99 9.50 ms, max 31.00 ms (commit to the destination's confirmation; 5,000 of 5,000 at 500/s, 0 missing) | all delivered | yes |",
+        "| sinks: webhook latency | no event confirmed (commit to the destination's confirmation; 4,997 of 5,000 at 500/s, 3 missing) | all delivered | **no** |",
     ] {
         assert!(table.contains(line), "missing {line:?} in\n{table}");
+    }
+}
+
+/// A latency run of `sent` events over 10 s; percentiles in microseconds.
+fn latency(sent: u64, missing: u64, p: Option<(u64, u64, u64, u64)>) -> crate::bench::latency::LatencyResult {
+    crate::bench::latency::LatencyResult {
+        rate: 500,
+        sent,
+        sending: Duration::from_secs(10),
+        missing,
+        latency: p.map(|(p50, p90, p99, max)| Percentiles {
+            count: sent - missing,
+            p50,
+            p90,
+            p99,
+            max,
+        }),
     }
 }
 

@@ -12,6 +12,7 @@ use tokio::time::{Instant, MissedTickBehavior, interval};
 use super::{Round, SinksResult, summarise};
 use crate::bench::broker::{self, per_second};
 use crate::bench::dest::{Confirming, Dest, Discard, Endpoints, Kind, WEBHOOK_CONCURRENCY, with_dest};
+use crate::bench::latency::{self, Arrivals, LatencyResult};
 use crate::bench::topology::{self, Topology};
 use crate::bench::{Ctx, drain, progress, relay};
 
@@ -51,7 +52,44 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
         }
         measured.push(one_round(ctx).await?);
     }
-    Ok(summarise(ctx.args.sinks.sink_events, ctx.args.batch_size, measured))
+    let mut result = summarise(ctx.args.sinks.sink_events, ctx.args.batch_size, measured);
+    for kind in Kind::ALL {
+        result.latencies.push((kind.label(), latency_of(ctx, kind).await?));
+    }
+    Ok(result)
+}
+
+/// Commit-to-confirmation latency at `--latency-rate` for
+/// `--sink-latency-seconds` through a relay with one route to `kind`: an
+/// event arrives when its destination confirms it to the relay (Kafka's
+/// delivery report, JetStream's PubAck, Redis's reply to XADD, the
+/// webhook's 2xx), which is when a consumer can have it.
+async fn latency_of(ctx: &Ctx<'_>, kind: Kind) -> anyhow::Result<LatencyResult> {
+    let args = ctx.args;
+    let at = Endpoints {
+        kafka: args.sinks.kafka_brokers.clone(),
+        nats: args.sinks.nats_url.clone(),
+        redis: args.sinks.redis_url.clone(),
+    };
+    with_dest(kind, "latency", &at, async |d| {
+        ctx.db.reset_outbox().await?;
+        let arrivals = Arc::new(Arrivals::default());
+        let sink: Arc<dyn Sink> = Arc::new(Confirming {
+            inner: d.sink()?,
+            confirmed: Arc::new(AtomicU64::new(0)),
+            arrivals: Some(Arc::clone(&arrivals)),
+        });
+        let target = (kind.label().to_owned(), sink, d.destination().to_owned());
+        let id = format!("bench-sinks-latency-{}", kind.label());
+        let relay = relay::start_routes(ctx.db, &id, args.batch_size, vec![target]).await?;
+        let label = format!("{} latency", kind.label());
+        let result = latency::through(ctx, &relay, &arrivals, &label, args.sinks.sink_latency_seconds).await;
+        let stopped = relay.stop().await;
+        let result = result?;
+        stopped?;
+        Ok(result)
+    })
+    .await
 }
 
 async fn one_round(ctx: &Ctx<'_>) -> anyhow::Result<Round> {
@@ -152,6 +190,7 @@ async fn drain_into(
             let sink: Arc<dyn Sink> = Arc::new(Confirming {
                 inner,
                 confirmed: count,
+                arrivals: None,
             });
             (name, sink, destination)
         })
