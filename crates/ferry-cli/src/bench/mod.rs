@@ -6,9 +6,9 @@
 //! `latency` (commit to consumer), `idle` (what a relay with nothing to do
 //! costs the database), `producer` (what the outbox costs a committing
 //! application) and `sinks` (Kafka, NATS JetStream, Redis Streams and a
-//! webhook, each beside its own confirmed-publish rate, plus one event type
-//! fanned out to RabbitMQ, Redis and NATS at once). The relay runs in this
-//! process.
+//! webhook, each beside its own confirmed-publish rate and with its latency,
+//! plus one event type fanned out to RabbitMQ, Redis and NATS at once). The
+//! relay runs in this process.
 //!
 //! The bench works in a database of its own, `ferry_bench_<hex>`, and in
 //! uniquely named RabbitMQ topology per scenario (and, for `sinks`, Kafka

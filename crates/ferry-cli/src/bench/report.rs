@@ -407,16 +407,10 @@ fn sink_rows(s: &SinksResult, row: &mut impl FnMut(&str, String, &'static str, O
         );
     }
     for (kind, l) in &s.latencies {
-        let mut figure = match &l.latency {
-            Some(p) => format!(
-                "p50 {}, p90 {}, p99 {}, max {}",
-                ms(p.p50),
-                ms(p.p90),
-                ms(p.p99),
-                ms(p.max)
-            ),
-            None => "no event confirmed".to_owned(),
-        };
+        let mut figure = l
+            .latency
+            .as_ref()
+            .map_or_else(|| "no event confirmed".to_owned(), Percentiles::describe);
         let _ = write!(
             figure,
             " (commit to the destination's confirmation; {} of {} at {}/s, {} missing)",

@@ -8,7 +8,9 @@
 //! database and the relay hand over when the destination costs nothing, and
 //! RabbitMQ is measured the same way so that the fan-out run (one event type
 //! routed to RabbitMQ, Redis and NATS at once) can be read against the
-//! slowest of its three single-sink drains.
+//! slowest of its three single-sink drains. After the rounds, each sink's
+//! commit-to-confirmation latency is read at `--latency-rate` for
+//! `--sink-latency-seconds`.
 //!
 //! A run of 20,000 events lasts about a second, so one round swings by ten
 //! points or more on a shared machine: `--sink-rounds` rounds run one after

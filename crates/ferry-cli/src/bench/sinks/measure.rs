@@ -44,17 +44,23 @@ impl Counter<'_> {
 type Target = (String, Arc<dyn Sink>, String);
 
 pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
-    let rounds = ctx.args.sinks.sink_rounds as usize;
+    let args = &ctx.args.sinks;
+    let at = Endpoints {
+        kafka: args.kafka_brokers.clone(),
+        nats: args.nats_url.clone(),
+        redis: args.redis_url.clone(),
+    };
+    let rounds = args.sink_rounds as usize;
     let mut measured = Vec::with_capacity(rounds);
     for round in 1..=rounds {
         if rounds > 1 {
             eprintln!("sinks: round {round} of {rounds}");
         }
-        measured.push(one_round(ctx).await?);
+        measured.push(one_round(ctx, &at).await?);
     }
-    let mut result = summarise(ctx.args.sinks.sink_events, ctx.args.batch_size, measured);
+    let mut result = summarise(args.sink_events, ctx.args.batch_size, measured);
     for kind in Kind::ALL {
-        result.latencies.push((kind.label(), latency_of(ctx, kind).await?));
+        result.latencies.push((kind.label(), latency_of(ctx, &at, kind).await?));
     }
     Ok(result)
 }
@@ -64,14 +70,9 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
 /// event arrives when its destination confirms it to the relay (Kafka's
 /// delivery report, JetStream's PubAck, Redis's reply to XADD, the
 /// webhook's 2xx), which is when a consumer can have it.
-async fn latency_of(ctx: &Ctx<'_>, kind: Kind) -> anyhow::Result<LatencyResult> {
+async fn latency_of(ctx: &Ctx<'_>, at: &Endpoints, kind: Kind) -> anyhow::Result<LatencyResult> {
     let args = ctx.args;
-    let at = Endpoints {
-        kafka: args.sinks.kafka_brokers.clone(),
-        nats: args.sinks.nats_url.clone(),
-        redis: args.sinks.redis_url.clone(),
-    };
-    with_dest(kind, "latency", &at, async |d| {
+    with_dest(kind, "latency", at, async |d| {
         ctx.db.reset_outbox().await?;
         let arrivals = Arc::new(Arrivals::default());
         let sink: Arc<dyn Sink> = Arc::new(Confirming {
@@ -92,14 +93,9 @@ async fn latency_of(ctx: &Ctx<'_>, kind: Kind) -> anyhow::Result<LatencyResult> 
     .await
 }
 
-async fn one_round(ctx: &Ctx<'_>) -> anyhow::Result<Round> {
+async fn one_round(ctx: &Ctx<'_>, at: &Endpoints) -> anyhow::Result<Round> {
     let args = ctx.args;
     let (events, window, keys) = (args.sinks.sink_events, args.batch_size, args.keys);
-    let at = Endpoints {
-        kafka: args.sinks.kafka_brokers.clone(),
-        nats: args.sinks.nats_url.clone(),
-        redis: args.sinks.redis_url.clone(),
-    };
 
     // Nothing to check at a discard sink beyond its confirmations.
     let target = (
@@ -124,8 +120,8 @@ async fn one_round(ctx: &Ctx<'_>) -> anyhow::Result<Round> {
     sinks.push(("rabbitmq", None, rabbit.elapsed, drained));
 
     for kind in Kind::ALL {
-        let baseline = with_dest(kind, "baseline", &at, async |d| d.baseline(events, window, keys).await).await?;
-        let drained = with_dest(kind, "drain", &at, async |d| {
+        let baseline = with_dest(kind, "baseline", at, async |d| d.baseline(events, window, keys).await).await?;
+        let drained = with_dest(kind, "drain", at, async |d| {
             let target = (kind.label().to_owned(), d.sink()?, d.destination().to_owned());
             drain_into(ctx, kind.label(), vec![target], &[Counter::Dest(d)]).await
         })
@@ -135,8 +131,8 @@ async fn one_round(ctx: &Ctx<'_>) -> anyhow::Result<Round> {
     }
 
     let fanout = topology::with_topology(&args.amqp_url, "fanout", async |t| {
-        with_dest(Kind::Redis, "fanout", &at, async |redis| {
-            with_dest(Kind::Nats, "fanout", &at, async |nats| {
+        with_dest(Kind::Redis, "fanout", at, async |redis| {
+            with_dest(Kind::Nats, "fanout", at, async |nats| {
                 let targets = vec![
                     rabbit_target(&args.amqp_url, t),
                     ("redis".to_owned(), redis.sink()?, redis.destination().to_owned()),
