@@ -110,8 +110,8 @@ pub struct SinkArgs {
     /// Events per run in the sinks scenario.
     #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub sink_events: u64,
-    /// Rounds of the sinks scenario: each measures every baseline and drain
-    /// once; the report gives medians and the spread of the rounds.
+    /// Rounds of the sinks scenario: each measures every baseline, sink alone
+    /// and drain once; the report gives medians and the spread of the rounds.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub sink_rounds: u32,
     /// Seconds of each sink's latency run (at `--latency-rate`), after the

@@ -90,6 +90,17 @@ pub(crate) async fn start_routes(
     build(db, id, batch_size, targets, |_| Ok(None)).await
 }
 
+/// The bench's route of every bench event to the sink named `sink`.
+pub(crate) fn route(sink: &str, destination: String) -> anyhow::Result<Route> {
+    Ok(Route {
+        name: format!("bench-{sink}"),
+        matcher: Glob::new(ROUTE_GLOB).map_err(|e| anyhow!("route glob: {e}"))?,
+        sink: sink.to_owned(),
+        destination,
+        routing_key: None,
+    })
+}
+
 /// Checks every route's destination, as `ferry run` does before it starts
 /// the relay (a check also readies the sink: Kafka's producer gets its
 /// producer id), then starts the relay.
@@ -107,13 +118,7 @@ async fn build(
     let mut routes = Vec::with_capacity(targets.len());
     let mut sinks = HashMap::new();
     for (name, sink, destination) in targets {
-        routes.push(Route {
-            name: format!("bench-{name}"),
-            matcher: Glob::new(ROUTE_GLOB).map_err(|e| anyhow!("route glob: {e}"))?,
-            sink: name.clone(),
-            destination,
-            routing_key: None,
-        });
+        routes.push(route(&name, destination)?);
         sinks.insert(name, sink);
     }
     for route in &routes {

@@ -368,6 +368,16 @@ fn sink_rows(s: &SinksResult, row: &mut impl FnMut(&str, String, &'static str, O
         );
         row(&format!("sinks: {} baseline", k.kind), figure, "baseline", None);
         let drained = k.drain_rate(n);
+        let alone = k.alone_rate(n);
+        let figure = format!(
+            "{} events/s = {} of baseline; the drain reaches {} of it (the sink publishing batches of {} \
+             one after another, without the database)",
+            rate(alone),
+            pct(alone / base),
+            pct(drained / alone),
+            thousands(s.window as u64)
+        );
+        row(&format!("sinks: {} alone", k.kind), figure, "–", None);
         let share = drained / base;
         let mut figure = format!("{} events/s = {} of baseline", rate(drained), pct(share));
         if let Some((low, high)) = spread(&k.shares) {

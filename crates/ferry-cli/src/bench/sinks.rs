@@ -1,10 +1,13 @@
-//! Sinks: every destination beside RabbitMQ, each measured twice per round
-//! with `--sink-events` events: its own confirmed-publish rate from one plain
-//! client (the baseline, in windows of `--batch-size`), then a pre-filled
-//! backlog drained through the relay with a single route to that sink, timed
-//! until the destination has confirmed every event to the relay (as the
-//! baseline is timed to its last confirmation) and then checked to hold
-//! every event. A discard sink gives what the
+//! Sinks: every destination beside RabbitMQ, each measured three times per
+//! round with `--sink-events` events: its own confirmed-publish rate from one
+//! plain client (the baseline, in windows of `--batch-size`); the production
+//! sink alone, publishing the same events built in memory in batches of
+//! `--batch-size` one after the other as the relay does, with no database
+//! (which tells the sink's own cost apart from the database's share of the
+//! cores); then a pre-filled backlog drained through the relay with a single
+//! route to that sink, timed until the destination has confirmed every event
+//! to the relay (as the baseline is timed to its last confirmation) and then
+//! checked to hold every event. A discard sink gives what the
 //! database and the relay hand over when the destination costs nothing, and
 //! RabbitMQ is measured the same way so that the fan-out run (one event type
 //! routed to RabbitMQ, Redis and NATS at once) can be read against the
@@ -36,6 +39,8 @@ pub(crate) struct SinkFigures {
     pub in_flight: Option<usize>,
     /// Median over the rounds.
     pub baseline: Duration,
+    /// The sink publishing without the database (median over the rounds).
+    pub alone: Duration,
     /// Median over the rounds.
     pub drain: Duration,
     /// Per round: the drain's rate as a share of that round's baseline.
@@ -69,6 +74,10 @@ impl SinkFigures {
         per_second(events, self.baseline)
     }
 
+    pub(crate) fn alone_rate(&self, events: u64) -> f64 {
+        per_second(events, self.alone)
+    }
+
     pub(crate) fn drain_rate(&self, events: u64) -> f64 {
         per_second(events, self.drain)
     }
@@ -84,13 +93,23 @@ impl SinksResult {
     }
 }
 
-/// One round's times: every sink's baseline and drain, the hand-over and
-/// the fan-out.
+/// One round's times: every sink's baseline, publish alone and drain, the
+/// hand-over and the fan-out.
 pub(crate) struct Round {
     pub handover: Duration,
-    /// (kind, requests in flight, baseline, drain), RabbitMQ first.
-    pub sinks: Vec<(&'static str, Option<usize>, Duration, Duration)>,
+    /// RabbitMQ first.
+    pub sinks: Vec<SinkRound>,
     pub fanout: Duration,
+}
+
+/// One sink's times in one round.
+pub(crate) struct SinkRound {
+    pub kind: &'static str,
+    /// See [`SinkFigures::in_flight`].
+    pub in_flight: Option<usize>,
+    pub baseline: Duration,
+    pub alone: Duration,
+    pub drain: Duration,
 }
 
 /// Medians over the rounds, and the per-round shares.
@@ -101,18 +120,20 @@ pub(crate) fn summarise(events: u64, window: usize, rounds: Vec<Round>) -> Sinks
         .into_iter()
         .flatten()
         .enumerate()
-        .map(|(i, &(kind, in_flight, _, _))| {
-            let baselines = rounds.iter().map(|r| r.sinks[i].2).collect::<Vec<_>>();
-            let drains = rounds.iter().map(|r| r.sinks[i].3).collect::<Vec<_>>();
+        .map(|(i, first)| {
+            let times = |of: fn(&SinkRound) -> Duration| rounds.iter().map(|r| of(&r.sinks[i])).collect::<Vec<_>>();
+            let baselines = times(|s| s.baseline);
+            let drains = times(|s| s.drain);
             let shares = baselines
                 .iter()
                 .zip(&drains)
                 .map(|(b, d)| b.as_secs_f64() / d.as_secs_f64().max(f64::EPSILON))
                 .collect();
             SinkFigures {
-                kind,
-                in_flight,
+                kind: first.kind,
+                in_flight: first.in_flight,
                 baseline: median(baselines).unwrap_or_default(),
+                alone: median(times(|s| s.alone)).unwrap_or_default(),
                 drain: median(drains).unwrap_or_default(),
                 shares,
             }
@@ -132,7 +153,7 @@ pub(crate) fn summarise(events: u64, window: usize, rounds: Vec<Round>) -> Sinks
         let i = result.sinks.iter().position(|k| k.kind == slowest).unwrap_or_default();
         result.fanout_ratios = rounds
             .iter()
-            .map(|r| r.fanout.as_secs_f64() / r.sinks[i].3.as_secs_f64().max(f64::EPSILON))
+            .map(|r| r.fanout.as_secs_f64() / r.sinks[i].drain.as_secs_f64().max(f64::EPSILON))
             .collect();
     }
     result

@@ -2,6 +2,9 @@
 //! JSON body of about 500 bytes, the same in every scenario so that their
 //! figures compare.
 
+use bytes::Bytes;
+use chrono::Utc;
+use ferry_core::{EventId, Headers, StoredEvent};
 use serde_json::{Value, json};
 
 /// The type of every bench event; the relay's route matches `bench.**`.
@@ -43,6 +46,22 @@ pub(crate) fn payload(seq: u64, key: &str) -> Value {
 /// The serialised body, as the broker baseline sends it.
 pub(crate) fn payload_bytes(seq: u64, key: &str) -> Vec<u8> {
     serde_json::to_vec(&payload(seq, key)).expect("a JSON value serialises")
+}
+
+/// The `seq`-th bench event as the relay holds it once fetched: a fresh id,
+/// the `seq`-th of `keys` keys, the ~500-byte JSON body and no headers.
+pub(crate) fn stored_event(seq: u64, keys: u64) -> StoredEvent {
+    let key = key(seq, keys);
+    StoredEvent {
+        id: EventId::new(),
+        seq: i64::try_from(seq).unwrap_or(i64::MAX),
+        event_type: EVENT_TYPE.to_owned(),
+        payload: Bytes::from(payload_bytes(seq, &key)),
+        key: Some(key),
+        content_type: "application/json".to_owned(),
+        headers: Headers::default(),
+        created_at: Utc::now(),
+    }
 }
 
 #[cfg(test)]

@@ -119,6 +119,7 @@ fn the_sinks_section_reads_against_baselines_and_the_slowest_drain() {
         kind,
         in_flight: None,
         baseline: Duration::from_secs(baseline),
+        alone: Duration::from_secs(baseline * 2),
         drain: Duration::from_secs(drain),
         shares: Vec::new(),
     };
@@ -155,6 +156,7 @@ fn the_sinks_section_reads_against_baselines_and_the_slowest_drain() {
     for line in [
         "| sinks: hand-over | 4,000 events/s (relay into a sink that only counts) | – | – |",
         "| sinks: rabbitmq baseline | 4,000 confirmed publishes/s (20,000 in windows of 500) | baseline | – |",
+        "| sinks: rabbitmq alone | 2,000 events/s = 50.0% of baseline; the drain reaches 100.0% of it (the sink publishing batches of 500 one after another, without the database) | – | – |",
         "| sinks: rabbitmq drain | 2,000 events/s = 50.0% of baseline, 50.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | **no** |",
         "| sinks: redis drain | 1,000 events/s = 80.0% of baseline, 25.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | yes |",
         "| sinks: nats drain | 4,000 events/s = 40.0% of baseline, 100.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | yes |",
@@ -186,23 +188,37 @@ fn latency(sent: u64, missing: u64, p: Option<(u64, u64, u64, u64)>) -> crate::b
 
 #[test]
 fn sink_rounds_are_read_by_their_medians_with_their_spread() {
-    use crate::bench::sinks::{Round, summarise};
+    use crate::bench::sinks::{Round, SinkRound, summarise};
     let s = Duration::from_secs;
     // 20,000 events: rabbitmq's baseline takes 5 s (4,000/s) in every round;
     // its drain 10, 5 and 8 s: shares 50%, 100%, 62.5%, median drain 8 s.
     // redis drains in 4, 3 and 2 s; the fan-out takes 12, 6 and 8 s.
-    let round = |rabbit_drain, redis_drain, fanout| Round {
+    // The sinks alone take 4, 4 and 6 s (rabbitmq), 1 s (redis).
+    let sink = |kind, baseline, alone, drain| SinkRound {
+        kind,
+        in_flight: None,
+        baseline: s(baseline),
+        alone: s(alone),
+        drain: s(drain),
+    };
+    let round = |rabbit_alone, rabbit_drain, redis_drain, fanout| Round {
         handover: s(4),
         sinks: vec![
-            ("rabbitmq", None, s(5), s(rabbit_drain)),
-            ("redis", None, s(1), s(redis_drain)),
+            sink("rabbitmq", 5, rabbit_alone, rabbit_drain),
+            sink("redis", 1, 1, redis_drain),
         ],
         fanout: s(fanout),
     };
-    let result = summarise(20_000, 500, vec![round(10, 4, 12), round(5, 3, 6), round(8, 2, 8)]);
+    let result = summarise(
+        20_000,
+        500,
+        vec![round(4, 10, 4, 12), round(6, 5, 3, 6), round(4, 8, 2, 8)],
+    );
     assert_eq!(result.rounds, 3);
     assert_eq!(result.handover, Some(s(4)));
     assert_eq!(result.sinks[0].drain, s(8));
+    assert_eq!(result.sinks[0].alone, s(4));
+    assert_eq!(result.sinks[1].alone, s(1));
     assert_eq!(result.sinks[0].shares, vec![0.5, 1.0, 0.625]);
     assert_eq!(result.sinks[1].drain, s(3));
     assert_eq!(result.fanout, Some(s(8)));
@@ -216,6 +232,7 @@ fn sink_rounds_are_read_by_their_medians_with_their_spread() {
     for line in [
         "| sinks: hand-over | 5,000 events/s (relay into a sink that only counts, median of 3 rounds) | – | – |",
         "| sinks: rabbitmq baseline | 4,000 confirmed publishes/s (20,000 in windows of 500, median of 3 rounds) | baseline | – |",
+        "| sinks: rabbitmq alone | 5,000 events/s = 125.0% of baseline; the drain reaches 50.0% of it (the sink publishing batches of 500 one after another, without the database) | – | – |",
         "| sinks: rabbitmq drain | 2,500 events/s = 62.5% of baseline (rounds 50.0%–100.0%), 50.0% of hand-over | ≥ 75% of baseline or the database's hand-over rate | **no** |",
         "| sinks: fan-out (3 destinations) | 2,500 events/s to each; 1.00× the time of the slowest single drain (rabbitmq, 2,500 events/s) (rounds 1.00–1.20×) | ≤ 1× the slowest single drain | yes |",
     ] {

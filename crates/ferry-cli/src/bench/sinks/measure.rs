@@ -4,17 +4,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use ferry_core::Sink;
+use anyhow::{anyhow, bail};
+use ferry_core::{Sink, StoredEvent};
 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
 use sqlx::{Connection, PgConnection};
 use tokio::time::{Instant, MissedTickBehavior, interval};
 
-use super::{Round, SinksResult, summarise};
+use super::{Round, SinkRound, SinksResult, summarise};
 use crate::bench::broker::{self, per_second};
 use crate::bench::dest::{Confirming, Dest, Discard, Endpoints, Kind, WEBHOOK_CONCURRENCY, with_dest};
 use crate::bench::latency::{self, Arrivals, LatencyResult};
 use crate::bench::topology::{self, Topology};
-use crate::bench::{Ctx, drain, progress, relay};
+use crate::bench::{Ctx, drain, progress, relay, workload};
 
 /// How often the destinations are counted: a 20,000-event drain lasts about a
 /// second, so a coarser poll would add its own error to the time.
@@ -107,6 +108,10 @@ async fn one_round(ctx: &Ctx<'_>, at: &Endpoints) -> anyhow::Result<Round> {
 
     let mut sinks = Vec::new();
     let rabbit = broker::run(&args.amqp_url, events, window, keys, broker::Format::Plain).await?;
+    let alone = topology::with_topology(&args.amqp_url, "alone", async |t| {
+        publish_alone(ctx, rabbit_target(&args.amqp_url, t), &Counter::Queue(t)).await
+    })
+    .await?;
     let drained = topology::with_topology(&args.amqp_url, "sinks", async |t| {
         drain_into(
             ctx,
@@ -117,17 +122,33 @@ async fn one_round(ctx: &Ctx<'_>, at: &Endpoints) -> anyhow::Result<Round> {
         .await
     })
     .await?;
-    sinks.push(("rabbitmq", None, rabbit.elapsed, drained));
+    sinks.push(SinkRound {
+        kind: "rabbitmq",
+        in_flight: None,
+        baseline: rabbit.elapsed,
+        alone,
+        drain: drained,
+    });
 
     for kind in Kind::ALL {
         let baseline = with_dest(kind, "baseline", at, async |d| d.baseline(events, window, keys).await).await?;
+        let alone = with_dest(kind, "alone", at, async |d| {
+            let target = (kind.label().to_owned(), d.sink()?, d.destination().to_owned());
+            publish_alone(ctx, target, &Counter::Dest(d)).await
+        })
+        .await?;
         let drained = with_dest(kind, "drain", at, async |d| {
             let target = (kind.label().to_owned(), d.sink()?, d.destination().to_owned());
             drain_into(ctx, kind.label(), vec![target], &[Counter::Dest(d)]).await
         })
         .await?;
-        let in_flight = (kind == Kind::Webhook).then_some(WEBHOOK_CONCURRENCY);
-        sinks.push((kind.label(), in_flight, baseline, drained));
+        sinks.push(SinkRound {
+            kind: kind.label(),
+            in_flight: (kind == Kind::Webhook).then_some(WEBHOOK_CONCURRENCY),
+            baseline,
+            alone,
+            drain: drained,
+        });
     }
 
     let fanout = topology::with_topology(&args.amqp_url, "fanout", async |t| {
@@ -159,6 +180,51 @@ fn rabbit_target(amqp_url: &str, topology: &Topology) -> Target {
         ..RabbitMqOptions::default()
     }));
     ("rabbitmq".to_owned(), sink, topology.exchange().to_owned())
+}
+
+/// The production sink without the database: the drain's events, built in
+/// memory before the clock starts, published in batches of `--batch-size`
+/// one after the other, as the relay publishes a route's batches, timed to
+/// the last batch's confirmations; then checked, untimed, at the
+/// destination. Its destination is checked first, as the relay's is.
+async fn publish_alone(
+    ctx: &Ctx<'_>,
+    (name, sink, destination): Target,
+    counter: &Counter<'_>,
+) -> anyhow::Result<Duration> {
+    let (events, keys) = (ctx.args.sinks.sink_events, ctx.args.keys);
+    let label = format!("{name} alone");
+    let route = relay::route(&name, destination)?;
+    sink.check(&route)
+        .await
+        .map_err(|e| anyhow!("sinks: {label}: checking the destination: {e}"))?;
+    let backlog: Vec<StoredEvent> = (0..events).map(|seq| workload::stored_event(seq, keys)).collect();
+    let bar = progress::bar(events, &label);
+    let started = Instant::now();
+    for batch in backlog.chunks(ctx.args.batch_size.max(1)) {
+        let outcomes = sink.publish(&route, batch).await;
+        anyhow::ensure!(
+            outcomes.len() == batch.len(),
+            "sinks: {label}: {} outcomes for a batch of {}",
+            outcomes.len(),
+            batch.len()
+        );
+        if let Some((event, Err(e))) = batch.iter().zip(&outcomes).find(|(_, o)| o.is_err()) {
+            bail!("sinks: {label}: event {} was not published: {e}", event.seq);
+        }
+        bar.inc(batch.len() as u64);
+    }
+    let took = started.elapsed();
+    wait_for_all(std::slice::from_ref(counter), None, events, &bar).await?;
+    progress::done(
+        &bar,
+        format!(
+            "sinks: {label}: {events} events in {:.1} s: {:.0}/s",
+            took.as_secs_f64(),
+            per_second(events, took)
+        ),
+    );
+    Ok(took)
 }
 
 /// Starts a relay routing to every target on an empty outbox and lets it go
@@ -211,10 +277,10 @@ async fn drain_into(
         }
     };
     let bar = progress::bar(events, label);
-    let mut waited = wait_for_all(&confirmed, &relay, events, &bar).await;
+    let mut waited = wait_for_all(&confirmed, Some(&relay), events, &bar).await;
     let drained = started.elapsed();
     if waited.is_ok() {
-        waited = wait_for_all(counters, &relay, events, &bar).await;
+        waited = wait_for_all(counters, Some(&relay), events, &bar).await;
     }
     let report = relay.stop().await;
     waited?;
@@ -236,9 +302,11 @@ async fn drain_into(
     Ok(drained)
 }
 
+/// Waits until every counter reaches `events`, failing if `relay` stops or
+/// the counts stall.
 async fn wait_for_all(
     counters: &[Counter<'_>],
-    relay: &relay::RunningRelay,
+    relay: Option<&relay::RunningRelay>,
     events: u64,
     bar: &indicatif::ProgressBar,
 ) -> anyhow::Result<()> {
@@ -247,7 +315,9 @@ async fn wait_for_all(
     let (mut last, mut moved) = (0, Instant::now());
     loop {
         tick.tick().await;
-        relay.ensure_running()?;
+        if let Some(relay) = relay {
+            relay.ensure_running()?;
+        }
         let mut least = u64::MAX;
         let mut total = 0;
         for counter in counters {
