@@ -115,12 +115,7 @@ async fn publish_all(
     };
     // The bodies are built before the clock starts, as the relay's come
     // ready-made from the database: the clock times the client alone.
-    let bodies: Vec<(Vec<u8>, String)> = (0..events)
-        .map(|seq| {
-            let key = workload::key(seq, keys);
-            (workload::payload_bytes(seq, &key), key)
-        })
-        .collect();
+    let messages = workload::Messages::build(events, keys);
     let bar = progress::bar(events, "broker");
     let started = Instant::now();
     let mut sent = 0u64;
@@ -132,13 +127,13 @@ async fn publish_all(
     };
     while sent < events {
         let n = (events - sent).min(window as u64);
-        let mut parts: Vec<Vec<(&[u8], BasicProperties)>> = vec![Vec::new(); lanes];
+        let mut parts: Vec<Vec<(Bytes, BasicProperties)>> = vec![Vec::new(); lanes];
         for seq in sent..sent + n {
-            let (body, key) = &bodies[seq as usize];
+            let (body, key) = (messages.body(seq), messages.key(seq));
             let properties = match format {
                 Format::Plain => plain(),
                 Format::Stamped => plain().with_timestamp(Utc::now().timestamp().unsigned_abs()),
-                Format::Ferry => ferry_properties(seq, key.clone())?,
+                Format::Ferry => ferry_properties(seq, key.to_owned())?,
             };
             // A key's messages share a channel, as the sink sends them.
             let lane = (seq % keys.max(1)) as usize % lanes;
@@ -152,7 +147,7 @@ async fn publish_all(
                         topology.exchange().into(),
                         workload::EVENT_TYPE.into(),
                         options,
-                        body,
+                        &body,
                         properties,
                     )
                     .await

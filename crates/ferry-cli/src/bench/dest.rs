@@ -353,13 +353,7 @@ impl Dest {
         let window = window.max(1) as u64;
         // The bodies are built before the clock starts, as the relay's come
         // ready-made from the database: the clock times the client alone.
-        let bodies: Vec<(Bytes, String)> = (0..events)
-            .map(|seq| {
-                let key = workload::key(seq, keys);
-                (Bytes::from(workload::payload_bytes(seq, &key)), key)
-            })
-            .collect();
-        let body = |seq: u64| &bodies[seq as usize];
+        let messages = workload::Messages::build(events, keys);
         let mut started = Instant::now();
         match self {
             Dest::Kafka { bootstrap, topic, .. } => {
@@ -371,8 +365,8 @@ impl Dest {
                     let n = (events - sent).min(window);
                     let mut deliveries = Vec::with_capacity(n as usize);
                     for seq in sent..sent + n {
-                        let (payload, key) = body(seq);
-                        let record = FutureRecord::to(topic).key(key).payload(payload.as_ref());
+                        let payload = messages.body(seq);
+                        let record = FutureRecord::to(topic).key(messages.key(seq)).payload(payload.as_ref());
                         let delivery = producer
                             .send_result(record)
                             .map_err(|(e, _)| anyhow!("enqueueing a Kafka message: {e}"))?;
@@ -394,10 +388,10 @@ impl Dest {
                     let n = (events - sent).min(window);
                     let mut acks = Vec::with_capacity(n as usize);
                     for seq in sent..sent + n {
-                        let (payload, _) = body(seq);
+                        let payload = messages.body(seq);
                         let mut headers = async_nats::HeaderMap::new();
                         headers.insert("Nats-Msg-Id", uuid::Uuid::now_v7().to_string().as_str());
-                        acks.push(client.request_with_headers(subject.clone(), headers, payload.clone()));
+                        acks.push(client.request_with_headers(subject.clone(), headers, payload));
                     }
                     for ack in join_all(acks).await {
                         let ack = ack.context("awaiting a JetStream PubAck")?;
@@ -417,7 +411,7 @@ impl Dest {
                     let n = (events - sent).min(window);
                     let mut pipe = redis::pipe();
                     for seq in sent..sent + n {
-                        let (payload, k) = body(seq);
+                        let payload = messages.body(seq);
                         let id = uuid::Uuid::now_v7().to_string();
                         pipe.xadd(
                             key,
@@ -425,7 +419,7 @@ impl Dest {
                             &[
                                 ("id", id.as_bytes()),
                                 ("type", workload::EVENT_TYPE.as_bytes()),
-                                ("key", k.as_bytes()),
+                                ("key", messages.key(seq).as_bytes()),
                                 ("payload", payload.as_ref()),
                             ],
                         );
@@ -442,7 +436,7 @@ impl Dest {
                 let posted = futures::stream::iter(0..events)
                     .map(|seq| {
                         let client = client.clone();
-                        let payload = body(seq).0.clone();
+                        let payload = messages.body(seq);
                         async move {
                             let response = client
                                 .post(url.as_str())
