@@ -16,6 +16,12 @@ pub const FIELDS: [&str; 9] = [
     "specversion",
     "headers",
 ];
+/// Arguments of one XADD: the command, its key, `MAXLEN ~ n`, `*` and the
+/// fields with their values.
+const ENTRY_ARGS: usize = 6 + 2 * FIELDS.len();
+/// Room for an entry's arguments beyond its key, type and payload: the field
+/// names, id, time, source, content type and headers of a typical event.
+const ENTRY_OVERHEAD_BYTES: usize = 320;
 /// CloudEvents specification version written in the `specversion` field.
 pub const SPEC_VERSION: &str = "1.0";
 
@@ -46,8 +52,13 @@ impl Entry {
                 SinkError::config(message)
             });
         }
-        let mut command = ::redis::cmd("XADD");
-        command.arg(&stream_key);
+        // Sized once for every argument instead of growing (and copying) as
+        // each one is appended.
+        let mut command = ::redis::Cmd::with_capacity(
+            ENTRY_ARGS,
+            stream_key.len() + event.payload.len() + event.event_type.len() + ENTRY_OVERHEAD_BYTES,
+        );
+        command.arg("XADD").arg(&stream_key);
         if let Some(maxlen) = maxlen {
             if maxlen > i64::MAX as u64 {
                 return Err(SinkError::config(format!(

@@ -38,11 +38,17 @@ pub(super) async fn publish_batch(
 ) -> Published {
     let mut pipe = ::redis::pipe();
     pipe.ignore_errors();
-    let mut keys = Vec::new();
-    for entry in prepared.iter().flatten() {
-        pipe.add_command(entry.command.clone());
-        keys.push(entry.stream_key.clone());
-    }
+    let mut keys = Vec::with_capacity(prepared.len());
+    // Each command moves into the pipeline; what stays is whether it was sent.
+    let prepared: Vec<Result<(), SinkError>> = prepared
+        .into_iter()
+        .map(|entry| {
+            entry.map(|Entry { stream_key, command }| {
+                pipe.add_command(command);
+                keys.push(stream_key);
+            })
+        })
+        .collect();
     let mut in_doubt = false;
     let replies: Result<Vec<Value>, SinkError> = if keys.is_empty() {
         Ok(Vec::new())
