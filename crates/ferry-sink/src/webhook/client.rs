@@ -25,8 +25,18 @@ pub(crate) fn build(timeout: Duration) -> Result<(reqwest::Client, usize), SinkE
 /// the message and the rest (up to a bound) so the connection is reused.
 pub(crate) async fn outcome(method: &str, url: &Url, mut response: Response) -> Result<(), SinkError> {
     let status = response.status();
-    let kind = status_kind(status.as_u16());
+    let Some(kind) = status_kind(status.as_u16()) else {
+        drain(&mut response).await;
+        return Ok(());
+    };
+    // Only a failure reads its headers (Location, Retry-After) again.
     let headers = response.headers().clone();
+    let snippet = drain(&mut response).await;
+    Err(status_error(method, url, status, &headers, &snippet, kind))
+}
+
+/// Reads the body up to [`DRAIN_BYTES`]; returns its first [`SNIPPET_BYTES`].
+async fn drain(response: &mut Response) -> Vec<u8> {
     let mut snippet = Vec::new();
     let mut read = 0;
     while read < DRAIN_BYTES {
@@ -40,10 +50,7 @@ pub(crate) async fn outcome(method: &str, url: &Url, mut response: Response) -> 
             Ok(None) | Err(_) => break,
         }
     }
-    let Some(kind) = kind else {
-        return Ok(());
-    };
-    Err(status_error(method, url, status, &headers, &snippet, kind))
+    snippet
 }
 
 fn status_error(
