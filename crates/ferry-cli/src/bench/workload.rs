@@ -43,11 +43,6 @@ pub(crate) fn payload(seq: u64, key: &str) -> Value {
     body
 }
 
-/// The serialised body, as the broker baseline sends it.
-pub(crate) fn payload_bytes(seq: u64, key: &str) -> Vec<u8> {
-    serde_json::to_vec(&payload(seq, key)).expect("a JSON value serialises")
-}
-
 /// The bodies and keys of the bench's messages `0..events`, built before a
 /// baseline's clock starts, as the relay's come ready-made from the
 /// database. Each is one buffer rather than one allocation per message, so
@@ -91,6 +86,21 @@ impl Messages {
         let (start, end) = span(&self.key_ends, seq);
         &self.keys[start..end]
     }
+
+    /// The `seq`-th message as the relay holds it once fetched: a fresh id,
+    /// its key and body (sharing the buffer), no headers.
+    pub(crate) fn event(&self, seq: u64) -> StoredEvent {
+        StoredEvent {
+            id: EventId::new(),
+            seq: i64::try_from(seq).unwrap_or(i64::MAX),
+            event_type: EVENT_TYPE.to_owned(),
+            key: Some(self.key(seq).to_owned()),
+            payload: self.body(seq),
+            content_type: "application/json".to_owned(),
+            headers: Headers::default(),
+            created_at: Utc::now(),
+        }
+    }
 }
 
 fn span(ends: &[usize], seq: u64) -> (usize, usize) {
@@ -98,25 +108,14 @@ fn span(ends: &[usize], seq: u64) -> (usize, usize) {
     (i.checked_sub(1).map_or(0, |p| ends[p]), ends[i])
 }
 
-/// The `seq`-th bench event as the relay holds it once fetched: a fresh id,
-/// the `seq`-th of `keys` keys, the ~500-byte JSON body and no headers.
-pub(crate) fn stored_event(seq: u64, keys: u64) -> StoredEvent {
-    let key = key(seq, keys);
-    StoredEvent {
-        id: EventId::new(),
-        seq: i64::try_from(seq).unwrap_or(i64::MAX),
-        event_type: EVENT_TYPE.to_owned(),
-        payload: Bytes::from(payload_bytes(seq, &key)),
-        key: Some(key),
-        content_type: "application/json".to_owned(),
-        headers: Headers::default(),
-        created_at: Utc::now(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One body serialised on its own.
+    fn payload_bytes(seq: u64, key: &str) -> Vec<u8> {
+        serde_json::to_vec(&payload(seq, key)).expect("a JSON value serialises")
+    }
 
     #[test]
     fn bodies_are_about_500_bytes() {

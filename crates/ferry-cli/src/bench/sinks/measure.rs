@@ -198,7 +198,8 @@ async fn publish_alone(
     sink.check(&route)
         .await
         .map_err(|e| anyhow!("sinks: {label}: checking the destination: {e}"))?;
-    let backlog: Vec<StoredEvent> = (0..events).map(|seq| workload::stored_event(seq, keys)).collect();
+    let messages = workload::Messages::build(events, keys);
+    let backlog: Vec<StoredEvent> = (0..events).map(|seq| messages.event(seq)).collect();
     let bar = progress::bar(events, &label);
     let started = Instant::now();
     for batch in backlog.chunks(ctx.args.batch_size.max(1)) {
