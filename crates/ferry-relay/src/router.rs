@@ -68,8 +68,8 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
             drop(gate);
             step
         };
-        let full = match step {
-            Step::Done { full } => full,
+        let (fetched, full) = match step {
+            Step::Done { fetched, full } => (fetched, full),
             Step::Unsupported => {
                 direct_path = false;
                 continue;
@@ -88,7 +88,7 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
                 direct.finish(shared).await;
             }
         };
-        let (_, go_on) = tokio::join!(settling, idle.after(shared, full));
+        let (_, go_on) = tokio::join!(settling, idle.after(shared, fetched, full));
         if !go_on {
             direct.finish(shared).await;
             return;
@@ -102,31 +102,108 @@ const DIRECT_REFUSED: &str = "(direct)";
 
 /// How one round of the router went.
 enum Step {
-    /// `full`: the batch was full, more is likely waiting.
-    Done { full: bool },
+    /// `fetched` new events; `full`: the batch was full, more is likely
+    /// waiting.
+    Done { fetched: usize, full: bool },
     /// The store has no direct path.
     Unsupported,
     /// A database error, logged; back off.
     Failed,
 }
 
-/// Whether the router sleeps (and wants producers to notify it).
-#[derive(Default)]
+/// Above this arrival rate (events per second) the router polls every
+/// [`HOT_POLL`] instead of sleeping between commits. Asleep, it has every
+/// producer call `pg_notify`, and NOTIFY serialises the committing
+/// transactions on one lock: a relay that kept up with a steady stream of
+/// several thousand commits a second used to sleep between them and cut the
+/// producers' commit rate to a third. At this rate a poll finds an event on
+/// average, so polling costs the database no more fetches than the
+/// notifications would wake; below it, notifications are cheap for
+/// producers and save idle polls.
+const HOT_RATE: f64 = 1_000.0;
+/// The poll interval while events arrive faster than [`HOT_RATE`].
+const HOT_POLL: Duration = Duration::from_millis(1);
+/// How long the arrival rate is measured over before the router decides
+/// again whether to poll or to sleep.
+const RATE_WINDOW: Duration = Duration::from_millis(100);
+
+/// Whether the router sleeps (and wants producers to notify it), polls
+/// while events stream in, or goes on at once while batches come full.
 struct Idle {
     sleeping: bool,
     rechecks: Vec<Duration>,
+    rate: Arrivals,
+}
+
+impl Default for Idle {
+    fn default() -> Self {
+        Self {
+            sleeping: false,
+            rechecks: Vec::new(),
+            rate: Arrivals::new(Instant::now()),
+        }
+    }
+}
+
+/// The arrival rate of new events, judged once per [`RATE_WINDOW`].
+#[derive(Debug)]
+struct Arrivals {
+    since: Instant,
+    events: usize,
+    hot: bool,
+}
+
+impl Arrivals {
+    fn new(now: Instant) -> Self {
+        Self {
+            since: now,
+            events: 0,
+            hot: false,
+        }
+    }
+
+    /// Counts `fetched` events found at `now`; whether events arrive faster
+    /// than [`HOT_RATE`], as of the last full window.
+    fn observe(&mut self, fetched: usize, now: Instant) -> bool {
+        self.events += fetched;
+        let elapsed = now.saturating_duration_since(self.since);
+        if elapsed >= RATE_WINDOW {
+            let hot = self.events as f64 / elapsed.as_secs_f64() >= HOT_RATE;
+            if hot != self.hot {
+                debug!(
+                    events_per_second = (self.events as f64 / elapsed.as_secs_f64()).round(),
+                    polling = hot,
+                    "the arrival rate changed how the router waits"
+                );
+            }
+            *self = Self {
+                since: now,
+                events: 0,
+                hot,
+            };
+        }
+        self.hot
+    }
 }
 
 impl Idle {
-    /// After a round: go on at once while busy, else wait for a commit
-    /// notification or a poll. `false` when the relay shuts down.
-    async fn after<S: Store, C: Clock>(&mut self, shared: &Shared<S, C>, full: bool) -> bool {
-        if full {
-            // Busy: keep going without waiting, and spare producers the NOTIFY.
+    /// After a round that found `fetched` events: go on at once while
+    /// batches come full, poll while events stream in, else wait for a
+    /// commit notification or a poll. `false` when the relay shuts down.
+    async fn after<S: Store, C: Clock>(&mut self, shared: &Shared<S, C>, fetched: usize, full: bool) -> bool {
+        let hot = self.rate.observe(fetched, Instant::now());
+        if full || hot {
+            // Busy: spare producers the NOTIFY.
             if self.sleeping && shared.store.set_sleeping(&shared.settings.id, false).await.is_ok() {
                 self.sleeping = false;
             }
-            return true;
+            if full {
+                return true;
+            }
+            return tokio::select! {
+                _ = tokio::time::sleep(HOT_POLL) => true,
+                _ = shared.cancel.cancelled() => false,
+            };
         }
         if !self.sleeping {
             match shared.store.set_sleeping(&shared.settings.id, true).await {
@@ -159,9 +236,10 @@ async fn route_step<S: Store, C: Clock>(shared: &Shared<S, C>, owned: &Ownership
             return Step::Failed;
         }
     };
-    let full = events.len() >= shared.settings.batch_size;
+    let fetched = events.len();
+    let full = fetched >= shared.settings.batch_size;
     if events.is_empty() {
-        return Step::Done { full };
+        return Step::Done { fetched, full };
     }
     let plans = plan_routes(&shared.routes, events);
     let touched: HashSet<&str> = plans.iter().flat_map(|p| p.routes.iter().map(String::as_str)).collect();
@@ -191,7 +269,7 @@ async fn route_step<S: Store, C: Clock>(shared: &Shared<S, C>, owned: &Ownership
             for name in touched {
                 shared.wake_route(name);
             }
-            Step::Done { full }
+            Step::Done { fetched, full }
         }
         Err(err) => {
             warn!(error = %err, "routing events failed; retrying");
@@ -375,9 +453,13 @@ impl<'a> Direct<'a> {
                 settle(shared, u).await;
             }
             drop(gate);
-            return Step::Done { full: false };
+            return Step::Done {
+                fetched: 0,
+                full: false,
+            };
         }
-        let full = batch.events.len() >= shared.settings.batch_size;
+        let fetched = batch.events.len();
+        let full = fetched >= shared.settings.batch_size;
         let previous_carry = previous.as_ref().map(Carry::of).unwrap_or_default();
         // A down route is back once the table holds nothing pending for it
         // (what the unsettled batch parked on it is held back per key by
@@ -477,7 +559,7 @@ impl<'a> Direct<'a> {
             settle(shared, published).await;
             drop(gate);
         }
-        Step::Done { full }
+        Step::Done { fetched, full }
     }
 
     /// Publishes a planned batch; also returns the routes whose destination
@@ -687,5 +769,24 @@ mod tests {
         assert_eq!(plans[2].routes, vec!["audit"]);
         let plans = plan_routes(&routes[..1], vec![ev(4, "user.created")]);
         assert!(plans[0].routes.is_empty());
+    }
+
+    #[test]
+    fn the_router_polls_only_while_events_arrive_faster_than_the_hot_rate() {
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut rate = Arrivals::new(start);
+        // Judged once per window: a burst inside one does not switch at once.
+        assert!(!rate.observe(500, at(10)));
+        // 500 in 100 ms: 5,000 events/s.
+        assert!(rate.observe(0, at(100)));
+        // Within the next window it stays as judged, found events or not.
+        assert!(rate.observe(0, at(150)));
+        // 50 in 100 ms: 500 events/s, back to sleeping between commits.
+        assert!(!rate.observe(50, at(200)));
+        // Exactly the hot rate polls.
+        assert!(rate.observe(100, at(300)));
+        // A long quiet spell ends with a verdict over all of it.
+        assert!(!rate.observe(1_000, at(10_300)));
     }
 }

@@ -172,6 +172,89 @@ async fn an_idle_relay_wakes_on_commit_not_on_its_poll() {
     relay.stop().await;
 }
 
+/// A steady stream of commits that the relay keeps up with: it stops asking
+/// producers to notify it (NOTIFY serialises their commits) and polls
+/// instead, delivers every event in per-key order, and asks for
+/// notifications again once the stream stops.
+#[tokio::test]
+async fn a_stream_of_commits_spares_producers_the_notify_and_loses_nothing() {
+    const PRODUCERS: usize = 4;
+    const COMMITS: usize = 60;
+    const PER_COMMIT: usize = 50;
+    let e = env().await;
+    // Batches never fill, so only the arrival rate can keep the relay awake.
+    let never_full = RelaySettings {
+        batch_size: 100_000,
+        lease: Duration::from_secs(30),
+        ..settings("a", 4)
+    };
+    let relay = start_with(&e, never_full, vec![route("orders", "order.**")]);
+    let asleep = async || -> bool {
+        sqlx::query_scalar("SELECT coalesce(bool_and(sleeping), false) FROM ferry.relays")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+    };
+    eventually_async("relay asleep", Duration::from_secs(30), asleep).await;
+
+    let producing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (pool, producing) = (e.pool.clone(), Arc::clone(&producing));
+        tokio::spawn(async move {
+            let mut awake = 0;
+            while producing.load(std::sync::atomic::Ordering::SeqCst) {
+                let sleeping: bool = sqlx::query_scalar("SELECT bool_and(sleeping) FROM ferry.relays")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                awake += usize::from(!sleeping);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            awake
+        })
+    };
+    let producers: Vec<_> = (0..PRODUCERS)
+        .map(|p| {
+            let pool = e.pool.clone();
+            tokio::spawn(async move {
+                let mut ids = Vec::new();
+                for c in 0..COMMITS {
+                    let events = (0..PER_COMMIT)
+                        .map(|i| {
+                            Event::new("order.item.created", json!({ "p": p, "c": c, "i": i }))
+                                .key(format!("p{p}-k{}", i % 10))
+                        })
+                        .collect();
+                    ids.extend(produce(&pool, events).await);
+                }
+                ids
+            })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for p in producers {
+        ids.extend(p.await.unwrap());
+    }
+    producing.store(false, std::sync::atomic::Ordering::SeqCst);
+    let awake = sampler.await.unwrap();
+    let total = PRODUCERS * COMMITS * PER_COMMIT;
+    eventually("every event delivered", Duration::from_secs(60), || {
+        e.sink.delivered("orders").len() >= total
+    })
+    .await;
+    assert!(
+        awake > 0,
+        "the relay slept through a stream of {total} events: every commit paid for NOTIFY"
+    );
+    // The stream is over: notifications again, not polls.
+    eventually_async("relay asleep again", Duration::from_secs(30), asleep).await;
+    let report = relay.stop().await;
+    let got = e.sink.delivered("orders");
+    assert_eq!(got.len(), total, "no duplicates without a fault");
+    assert_complete_and_ordered(&ids, &got);
+    assert_eq!(report.published, total as u64);
+}
+
 #[tokio::test]
 async fn a_poison_event_goes_dead_and_holds_back_only_its_key() {
     let e = env().await;
