@@ -567,25 +567,6 @@ fn http_client() -> anyhow::Result<reqwest::Client> {
         .context("building the HTTP client")
 }
 
-/// A sink that accepts everything: what the relay and the database hand
-/// over when the destination costs nothing. [`Confirming`] counts for it.
-pub(crate) struct Discard;
-
-#[async_trait]
-impl Sink for Discard {
-    fn kind(&self) -> &'static str {
-        "discard"
-    }
-
-    async fn publish(&self, _route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
-        events.iter().map(|_| Ok(())).collect()
-    }
-
-    async fn check(&self, _route: &Route) -> Result<(), SinkError> {
-        Ok(())
-    }
-}
-
 /// Wraps a sink to count the events its destination confirmed, as the relay
 /// sees them: a drain is timed to the last confirmation, like the baseline;
 /// with `arrivals`, also notes when each event was confirmed (the sinks'

@@ -1,19 +1,22 @@
 //! Producer cost: how many one-event transactions `producer-clients`
 //! connections commit per second, for a plain INSERT and for each way into
-//! the outbox. No relay runs; a row in `ferry.relays` stands in for one, busy
-//! (producers skip NOTIFY) or sleeping (every commit notifies).
+//! the outbox. In (b) to (d) no relay runs; a row in `ferry.relays` stands in
+//! for one, busy (producers skip NOTIFY) or sleeping (every commit
+//! notifies). In (e) a relay delivers the events as they commit, to a sink
+//! that discards them: what producers get while Ferry runs beside them.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use ferry_core::Event;
+use ferry_core::{Event, Sink};
 use ferry_store::postgres::enqueue;
 use sqlx::types::Json;
 use sqlx::{Connection, PgConnection};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use super::{Ctx, progress, workload};
+use super::{Ctx, progress, relay, workload};
 
 /// The four producers compared, in the order they run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,10 +29,18 @@ pub(crate) enum Variant {
     RustApi,
     /// (d) `SELECT ferry.enqueue(...)` while the relay sleeps: NOTIFY on commit.
     SqlSleeping,
+    /// (e) `SELECT ferry.enqueue(...)` while a relay delivers the events.
+    SqlLive,
 }
 
 impl Variant {
-    pub(crate) const ALL: [Variant; 4] = [Self::PlainInsert, Self::SqlBusy, Self::RustApi, Self::SqlSleeping];
+    pub(crate) const ALL: [Variant; 5] = [
+        Self::PlainInsert,
+        Self::SqlBusy,
+        Self::RustApi,
+        Self::SqlSleeping,
+        Self::SqlLive,
+    ];
 
     pub(crate) fn label(self) -> &'static str {
         match self {
@@ -37,6 +48,7 @@ impl Variant {
             Self::SqlBusy => "(b) SELECT ferry.enqueue(...), autocommit, relay busy",
             Self::RustApi => "(c) Rust enqueue: BEGIN; enqueue; COMMIT, relay busy",
             Self::SqlSleeping => "(d) SELECT ferry.enqueue(...), autocommit, relay sleeping (NOTIFY)",
+            Self::SqlLive => "(e) SELECT ferry.enqueue(...), autocommit, a relay delivering them",
         }
     }
 
@@ -46,6 +58,7 @@ impl Variant {
             Self::SqlBusy => "sql",
             Self::RustApi => "rust",
             Self::SqlSleeping => "notify",
+            Self::SqlLive => "live",
         }
     }
 }
@@ -83,7 +96,7 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<Vec<ProducerResult>> {
         // Each variant starts from empty tables, so none pays for another's rows.
         ctx.db.reset_outbox().await?;
         let relay_row = match variant {
-            Variant::PlainInsert => None,
+            Variant::PlainInsert | Variant::SqlLive => None,
             Variant::SqlBusy | Variant::RustApi => Some(false),
             Variant::SqlSleeping => Some(true),
         };
@@ -93,7 +106,12 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<Vec<ProducerResult>> {
             Some(true) => "TRUNCATE bench_plain; INSERT INTO ferry.relays (id, sleeping) VALUES ('bench', true)",
         };
         sqlx::raw_sql(setup).execute(pool).await?;
-        results.push(measure(ctx, variant).await?);
+        let result = if variant == Variant::SqlLive {
+            measure_live(ctx).await?
+        } else {
+            measure(ctx, variant).await?
+        };
+        results.push(result);
     }
     sqlx::raw_sql("DROP TABLE bench_plain; DELETE FROM ferry.relays")
         .execute(pool)
@@ -131,6 +149,51 @@ async fn measure(ctx: &Ctx<'_>, variant: Variant) -> anyhow::Result<ProducerResu
     Ok(result)
 }
 
+/// How long (e)'s relay may take to go idle before, and to deliver the
+/// rest after, the producers' run.
+const SETTLE_WITHIN: Duration = Duration::from_secs(60);
+
+/// (e): a relay runs from before the first commit until every event is
+/// delivered; the rate counts the commits alone.
+async fn measure_live(ctx: &Ctx<'_>) -> anyhow::Result<ProducerResult> {
+    let sink: Arc<dyn Sink> = Arc::new(relay::Discard);
+    let targets = vec![("discard".to_owned(), sink, "nowhere".to_owned())];
+    let relay = relay::start_routes(ctx.db, "bench-producer", ctx.args.batch_size, targets).await?;
+    let measured = async {
+        relay.wait_until_sleeping(ctx.db.pool(), SETTLE_WITHIN).await?;
+        let result = measure(ctx, Variant::SqlLive).await?;
+        // Delivered, all of them: the relay kept up, or catches up now.
+        let deadline = Instant::now() + SETTLE_WITHIN;
+        loop {
+            relay.ensure_running()?;
+            let left: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM ferry.unrouted)")
+                .fetch_one(ctx.db.pool())
+                .await?;
+            if !left {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "producer (e): the relay left events undelivered for {SETTLE_WITHIN:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        anyhow::Ok(result)
+    }
+    .await;
+    let report = relay.stop().await;
+    let result = measured?;
+    let report = report?;
+    anyhow::ensure!(
+        report.published == result.commits && report.dead == 0,
+        "producer (e): {} events committed, the relay published {} and killed {}",
+        result.commits,
+        report.published,
+        report.dead
+    );
+    Ok(result)
+}
+
 /// Commits one-event transactions until `deadline`; returns how many.
 async fn client_loop(
     mut conn: PgConnection,
@@ -154,7 +217,7 @@ async fn client_loop(
                     .execute(&mut conn)
                     .await?;
             }
-            Variant::SqlBusy | Variant::SqlSleeping => {
+            Variant::SqlBusy | Variant::SqlSleeping | Variant::SqlLive => {
                 sqlx::query("SELECT ferry.enqueue($1, $2, $3)")
                     .bind(workload::EVENT_TYPE)
                     .bind(key)

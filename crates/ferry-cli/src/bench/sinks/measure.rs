@@ -12,8 +12,9 @@ use tokio::time::{Instant, MissedTickBehavior, interval};
 
 use super::{Round, SinkRound, SinksResult, summarise};
 use crate::bench::broker::{self, per_second};
-use crate::bench::dest::{Confirming, Dest, Discard, Endpoints, Kind, WEBHOOK_CONCURRENCY, with_dest};
+use crate::bench::dest::{Confirming, Dest, Endpoints, Kind, WEBHOOK_CONCURRENCY, with_dest};
 use crate::bench::latency::{self, Arrivals, LatencyResult};
+use crate::bench::relay::Discard;
 use crate::bench::topology::{self, Topology};
 use crate::bench::{Ctx, drain, progress, relay, workload};
 
