@@ -341,6 +341,7 @@ pub fn load_with_env(
 /// Parses a config from TOML text alone, without the environment: for
 /// configs Ferry writes itself (`ferry demo`) and for tests, which no
 /// process environment can disturb.
+#[cfg(any(test, feature = "demo"))]
 pub fn from_toml_str(toml: &str) -> Result<Config, ConfigError> {
     let raw = extract(&Figment::from(Toml::string(toml)), "config")?;
     validate(raw, true)

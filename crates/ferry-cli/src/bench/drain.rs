@@ -194,6 +194,7 @@ pub(crate) async fn prefill(ctx: &Ctx<'_>, scenario: &str, events: u64, keys: u6
 /// backlog appears at once when the caller commits, to a relay that is
 /// already running, with the statistics a backlog that built up over time
 /// would have.
+#[cfg(feature = "bench-sinks")]
 pub(crate) async fn stage(tx: &mut PgConnection, events: u64, keys: u64) -> anyhow::Result<()> {
     for chunk in chunks(events) {
         enqueue_batch(&mut *tx, backlog(chunk, keys))

@@ -301,6 +301,7 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
 
 /// The middle of per-round times (the mean of the two middle ones for an
 /// even count), where no other figure of the rounds is kept.
+#[cfg(any(test, feature = "bench-sinks"))]
 pub(crate) fn median(mut times: Vec<std::time::Duration>) -> Option<std::time::Duration> {
     times.sort();
     let n = times.len();

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use super::broker::per_second;
 use super::latency::LatencyResult;
+#[cfg(any(test, feature = "bench-sinks"))]
 use super::median;
 
 #[cfg(feature = "bench-sinks")]
@@ -95,6 +96,7 @@ impl SinksResult {
 
 /// One round's times: every sink's baseline, publish alone and drain, the
 /// hand-over and the fan-out.
+#[cfg(any(test, feature = "bench-sinks"))]
 pub(crate) struct Round {
     pub handover: Duration,
     /// RabbitMQ first.
@@ -103,6 +105,7 @@ pub(crate) struct Round {
 }
 
 /// One sink's times in one round.
+#[cfg(any(test, feature = "bench-sinks"))]
 pub(crate) struct SinkRound {
     pub kind: &'static str,
     /// See [`SinkFigures::in_flight`].
@@ -113,6 +116,7 @@ pub(crate) struct SinkRound {
 }
 
 /// Medians over the rounds, and the per-round shares.
+#[cfg(any(test, feature = "bench-sinks"))]
 pub(crate) fn summarise(events: u64, window: usize, rounds: Vec<Round>) -> SinksResult {
     let first = rounds.first();
     let sinks: Vec<SinkFigures> = first

@@ -3,7 +3,9 @@
 //! figures compare.
 
 use bytes::Bytes;
+#[cfg(feature = "bench-sinks")]
 use chrono::Utc;
+#[cfg(feature = "bench-sinks")]
 use ferry_core::{EventId, Headers, StoredEvent};
 use serde_json::{Value, json};
 
@@ -89,6 +91,7 @@ impl Messages {
 
     /// The `seq`-th message as the relay holds it once fetched: a fresh id,
     /// its key and body (sharing the buffer), no headers.
+    #[cfg(feature = "bench-sinks")]
     pub(crate) fn event(&self, seq: u64) -> StoredEvent {
         StoredEvent {
             id: EventId::new(),

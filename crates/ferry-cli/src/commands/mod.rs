@@ -15,6 +15,7 @@ use std::process::ExitCode;
 use crate::store::AnyStore;
 use anyhow::Context;
 
+#[cfg(feature = "demo")]
 pub(crate) use run::relay_settings;
 
 use crate::cli::{Cli, Command};

@@ -143,6 +143,8 @@ fn init_telemetry(cfg: &Config) -> anyhow::Result<()> {
 /// start with the fix, not retried forever.
 async fn wal(cfg: &Config, store: &crate::store::AnyStore) -> anyhow::Result<ferry_relay::Wal> {
     use ferry_store::postgres::wal::{WalConfig, WalSource};
+    // Refutable once another store is compiled in.
+    #[cfg_attr(not(feature = "sqlite"), allow(irrefutable_let_patterns))]
     let crate::store::AnyStore::Postgres(pg) = store else {
         return Err(UsageError("relay.mode: \"wal\" needs a postgres:// database.url".into()).into());
     };
