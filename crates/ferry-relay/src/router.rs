@@ -168,10 +168,11 @@ impl Arrivals {
         self.events += fetched;
         let elapsed = now.saturating_duration_since(self.since);
         if elapsed >= RATE_WINDOW {
-            let hot = self.events as f64 / elapsed.as_secs_f64() >= HOT_RATE;
+            let rate = self.events as f64 / elapsed.as_secs_f64();
+            let hot = rate >= HOT_RATE;
             if hot != self.hot {
                 debug!(
-                    events_per_second = (self.events as f64 / elapsed.as_secs_f64()).round(),
+                    events_per_second = rate.round(),
                     polling = hot,
                     "the arrival rate changed how the router waits"
                 );
