@@ -53,6 +53,7 @@ pub enum Command {
     /// Measure drain rate, latency, idle cost, producer cost and a hot key on
     /// this machine, beside the broker's own rate; optionally write the
     /// report to docs/BENCHMARKS.md. Needs no config file.
+    #[cfg(all(feature = "postgres", feature = "rabbitmq"))]
     Bench(crate::bench::BenchArgs),
     /// Run retention now, with the same rules as the background job:
     /// delete settled events past their window, archiving them first when

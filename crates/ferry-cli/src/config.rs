@@ -629,7 +629,15 @@ fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
         shutdown_timeout: check.duration("relay.shutdown_timeout", raw.shutdown_timeout, DEFAULT_SHUTDOWN_TIMEOUT),
         mode: match raw.mode.as_deref() {
             None | Some("poll") => RelayMode::Poll,
-            Some("wal") => RelayMode::Wal,
+            Some("wal") => {
+                if cfg!(not(feature = "postgres")) {
+                    check.problem(
+                        "relay.mode",
+                        "this ferry was built without WAL streaming; rebuild it with `--features postgres`, or use \"poll\"",
+                    );
+                }
+                RelayMode::Wal
+            }
             Some(other) => {
                 check.problem(
                     "relay.mode",
@@ -662,9 +670,13 @@ fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
 /// A slot or publication name PostgreSQL takes unquoted.
 fn wal_name(check: &mut Checker, field: &str, raw: Option<String>) -> String {
     let name = raw.unwrap_or_else(|| DEFAULT_WAL_NAME.to_owned());
+    #[cfg(feature = "postgres")]
     if !ferry_store::postgres::wal::valid_name(&name) {
         check.problem(field, format!("{name:?}: use 1 to 63 characters of a-z, 0-9 and _"));
     }
+    // Without WAL streaming, relay.mode = "wal" is refused instead.
+    #[cfg(not(feature = "postgres"))]
+    let _ = (check, field);
     name
 }
 

@@ -1,6 +1,7 @@
 //! The `ferry` binary: parses flags, sets up logging and calls one library
 //! function per subcommand. Errors map to exit codes here and only here.
 
+#[cfg(all(feature = "postgres", feature = "rabbitmq"))]
 mod bench;
 mod cli;
 mod commands;

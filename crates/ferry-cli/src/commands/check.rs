@@ -19,6 +19,7 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     // Table capture exists on PostgreSQL only.
     if !crate::store::is_sqlite(&cfg.database.url) {
         findings.extend(check_captures(cfg).await);
+        #[cfg(feature = "postgres")]
         if cfg.relay.mode == crate::config::RelayMode::Wal {
             findings.extend(check_wal(cfg).await);
         }
@@ -93,6 +94,7 @@ async fn check_database(cfg: &Config) -> Finding {
     Finding { what, ok, detail }
 }
 
+#[cfg(feature = "postgres")]
 /// WAL streaming: wal_level, the role's REPLICATION grant, the publication
 /// and the slot with its lag, each problem with its fix.
 async fn check_wal(cfg: &Config) -> Vec<Finding> {

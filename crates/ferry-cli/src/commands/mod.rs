@@ -28,6 +28,7 @@ pub struct UsageError(pub String);
 
 pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
+        #[cfg(all(feature = "postgres", feature = "rabbitmq"))]
         Command::Bench(args) => return crate::bench::run(args).await,
         #[cfg(feature = "demo")]
         Command::Demo(args) => return crate::demo::run(args).await,
@@ -35,6 +36,7 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     }
     let cfg = config::load(cli.config.as_deref()).map_err(|e| UsageError(e.to_string()))?;
     match cli.command {
+        #[cfg(all(feature = "postgres", feature = "rabbitmq"))]
         Command::Bench(_) => unreachable!("handled above"),
         #[cfg(feature = "demo")]
         Command::Demo(_) => unreachable!("handled above"),

@@ -54,7 +54,11 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
     .map_err(|e| UsageError(e.to_string()))?;
     let relay = match cfg.relay.mode {
         RelayMode::Poll => relay,
+        #[cfg(feature = "postgres")]
         RelayMode::Wal => relay.with_wal(wal(&cfg, &store).await?),
+        // Refused with the fix when the config is read.
+        #[cfg(not(feature = "postgres"))]
+        RelayMode::Wal => unreachable!("relay.mode = \"wal\" is refused by a ferry built without it"),
     };
     // Beside the relay: retention, which stops on the signal (a batch in
     // flight finishes), and the health and metrics endpoint, which serves
@@ -138,6 +142,7 @@ fn init_telemetry(cfg: &Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+#[cfg(feature = "postgres")]
 /// WAL streaming mode's source, prepared: a server that cannot stream (no
 /// wal_level=logical, no REPLICATION grant, no slot left) is refused at
 /// start with the fix, not retried forever.
