@@ -61,6 +61,9 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
             shared.wait_for_lease().await;
             continue;
         };
+        // Producers notify while any relay sleeps, so each judges the rate
+        // of the whole outbox from its share of the partitions.
+        let share = owned.leases.len() as f64 / f64::from(owned.total_partitions.max(1));
         let step = if direct_path {
             direct.step(shared, owned, gate).await
         } else {
@@ -88,7 +91,7 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
                 direct.finish(shared).await;
             }
         };
-        let (_, go_on) = tokio::join!(settling, idle.after(shared, fetched, full));
+        let (_, go_on) = tokio::join!(settling, idle.after(shared, fetched, share, full));
         if !go_on {
             direct.finish(shared).await;
             return;
@@ -145,11 +148,14 @@ impl Default for Idle {
     }
 }
 
-/// The arrival rate of new events, judged once per [`RATE_WINDOW`].
+/// The arrival rate of new events in the whole outbox, judged once per
+/// [`RATE_WINDOW`].
 #[derive(Debug)]
 struct Arrivals {
     since: Instant,
-    events: usize,
+    /// Events in the outbox since `since`, as estimated from this relay's
+    /// share of them.
+    events: f64,
     hot: bool,
 }
 
@@ -157,18 +163,20 @@ impl Arrivals {
     fn new(now: Instant) -> Self {
         Self {
             since: now,
-            events: 0,
+            events: 0.0,
             hot: false,
         }
     }
 
-    /// Counts `fetched` events found at `now`; whether events arrive faster
-    /// than [`HOT_RATE`], as of the last full window.
-    fn observe(&mut self, fetched: usize, now: Instant) -> bool {
-        self.events += fetched;
+    /// Counts `fetched` events found at `now` in a `share` (0 to 1) of the
+    /// outbox's partitions; whether events arrive in the outbox faster than
+    /// [`HOT_RATE`], as of the last full window. The estimate assumes keys
+    /// spread evenly over the partitions, as they hash.
+    fn observe(&mut self, fetched: usize, share: f64, now: Instant) -> bool {
+        self.events += fetched as f64 / share.clamp(f64::MIN_POSITIVE, 1.0);
         let elapsed = now.saturating_duration_since(self.since);
         if elapsed >= RATE_WINDOW {
-            let rate = self.events as f64 / elapsed.as_secs_f64();
+            let rate = self.events / elapsed.as_secs_f64();
             let hot = rate >= HOT_RATE;
             if hot != self.hot {
                 debug!(
@@ -179,7 +187,7 @@ impl Arrivals {
             }
             *self = Self {
                 since: now,
-                events: 0,
+                events: 0.0,
                 hot,
             };
         }
@@ -188,11 +196,18 @@ impl Arrivals {
 }
 
 impl Idle {
-    /// After a round that found `fetched` events: go on at once while
+    /// After a round that found `fetched` events in a `share` of the
+    /// partitions: go on at once while
     /// batches come full, poll while events stream in, else wait for a
     /// commit notification or a poll. `false` when the relay shuts down.
-    async fn after<S: Store, C: Clock>(&mut self, shared: &Shared<S, C>, fetched: usize, full: bool) -> bool {
-        let hot = self.rate.observe(fetched, Instant::now());
+    async fn after<S: Store, C: Clock>(
+        &mut self,
+        shared: &Shared<S, C>,
+        fetched: usize,
+        share: f64,
+        full: bool,
+    ) -> bool {
+        let hot = self.rate.observe(fetched, share, Instant::now());
         if full || hot {
             // Busy: spare producers the NOTIFY.
             if self.sleeping && shared.store.set_sleeping(&shared.settings.id, false).await.is_ok() {
@@ -778,16 +793,22 @@ mod tests {
         let at = |ms: u64| start + Duration::from_millis(ms);
         let mut rate = Arrivals::new(start);
         // Judged once per window: a burst inside one does not switch at once.
-        assert!(!rate.observe(500, at(10)));
+        assert!(!rate.observe(500, 1.0, at(10)));
         // 500 in 100 ms: 5,000 events/s.
-        assert!(rate.observe(0, at(100)));
+        assert!(rate.observe(0, 1.0, at(100)));
         // Within the next window it stays as judged, found events or not.
-        assert!(rate.observe(0, at(150)));
+        assert!(rate.observe(0, 1.0, at(150)));
         // 50 in 100 ms: 500 events/s, back to sleeping between commits.
-        assert!(!rate.observe(50, at(200)));
+        assert!(!rate.observe(50, 1.0, at(200)));
         // Exactly the hot rate polls.
-        assert!(rate.observe(100, at(300)));
+        assert!(rate.observe(100, 1.0, at(300)));
         // A long quiet spell ends with a verdict over all of it.
-        assert!(!rate.observe(1_000, at(10_300)));
+        assert!(!rate.observe(1_000, 1.0, at(10_300)));
+        // Half the partitions (another relay has the rest): 60 events in
+        // 100 ms here are about 1,200 events/s in the outbox.
+        let mut rate = Arrivals::new(start);
+        assert!(rate.observe(60, 0.5, at(100)));
+        // A quarter: 20 in 100 ms are about 800/s.
+        assert!(!rate.observe(20, 0.25, at(200)));
     }
 }
