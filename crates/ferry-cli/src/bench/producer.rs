@@ -163,21 +163,10 @@ async fn measure_live(ctx: &Ctx<'_>) -> anyhow::Result<ProducerResult> {
         relay.wait_until_sleeping(ctx.db.pool(), SETTLE_WITHIN).await?;
         let result = measure(ctx, Variant::SqlLive).await?;
         // Delivered, all of them: the relay kept up, or catches up now.
-        let deadline = Instant::now() + SETTLE_WITHIN;
-        loop {
-            relay.ensure_running()?;
-            let left: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM ferry.unrouted)")
-                .fetch_one(ctx.db.pool())
-                .await?;
-            if !left {
-                break;
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "producer (e): the relay left events undelivered for {SETTLE_WITHIN:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        relay
+            .wait_until_delivered(ctx.db.pool(), SETTLE_WITHIN)
+            .await
+            .context("producer (e)")?;
         anyhow::Ok(result)
     }
     .await;

@@ -161,37 +161,54 @@ impl RunningRelay {
     /// Waits until the relay has caught up and told producers it sleeps:
     /// from then on a commit wakes it through NOTIFY.
     pub(crate) async fn wait_until_sleeping(&self, pool: &PgPool, within: Duration) -> anyhow::Result<()> {
-        let deadline = Instant::now() + within;
-        loop {
-            self.ensure_running()?;
+        self.wait_until(within, "go idle", async || {
             let sleeping: Option<bool> = sqlx::query_scalar("SELECT sleeping FROM ferry.relays WHERE id = $1")
                 .bind(&self.id)
                 .fetch_optional(pool)
                 .await?;
-            if sleeping == Some(true) {
-                return Ok(());
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "relay {} did not go idle within {within:?}",
-                self.id
-            );
-            sleep(Duration::from_millis(20)).await;
-        }
+            Ok(sleeping == Some(true))
+        })
+        .await
     }
 
     /// Waits until the relay streams from its WAL slot, past the start-up
     /// sweep.
     pub(crate) async fn wait_until_streaming(&self, pool: &PgPool, slot: &str, within: Duration) -> anyhow::Result<()> {
+        self.wait_until(within, &format!("stream from slot {slot}"), async || {
+            Ok(ferry_store::postgres::wal::streaming(pool, slot).await?)
+        })
+        .await
+    }
+
+    /// Waits until no committed event is left unrouted: every one was
+    /// published (or parked) and settled.
+    pub(crate) async fn wait_until_delivered(&self, pool: &PgPool, within: Duration) -> anyhow::Result<()> {
+        self.wait_until(within, "deliver every event", async || {
+            let left: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM ferry.unrouted)")
+                .fetch_one(pool)
+                .await?;
+            Ok(!left)
+        })
+        .await
+    }
+
+    /// Polls `done` every 20 ms until it holds, failing if the relay stops
+    /// or `within` passes first.
+    async fn wait_until(
+        &self,
+        within: Duration,
+        what: &str,
+        mut done: impl AsyncFnMut() -> anyhow::Result<bool>,
+    ) -> anyhow::Result<()> {
         let deadline = Instant::now() + within;
         loop {
             self.ensure_running()?;
-            if ferry_store::postgres::wal::streaming(pool, slot).await? {
+            if done().await? {
                 return Ok(());
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "relay {} did not stream from slot {slot} within {within:?}",
+                "relay {} did not {what} within {within:?}",
                 self.id
             );
             sleep(Duration::from_millis(20)).await;
