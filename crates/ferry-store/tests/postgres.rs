@@ -168,3 +168,65 @@ async fn a_relays_connections_open_with_the_idle_statements_prepared() {
     let relay = PgStore::connect_lazy_relay(empty.url(), 2).unwrap();
     assert_eq!(relay.pool().acquire().await.unwrap().cached_statements_size(), 0);
 }
+
+/// The direct fetch stays a walk of `unrouted` in seq order with one
+/// primary-key probe per event, under the custom plans PostgreSQL makes at
+/// first and the generic plan it may switch to: no scan of `events` (which
+/// grows with the outbox) and no sort (which would copy every fetched
+/// payload again).
+#[tokio::test]
+async fn the_direct_fetch_probes_each_event_and_sorts_nothing() {
+    use serde_json::Value;
+
+    let h = harness().await;
+    sqlx::raw_sql(
+        "SELECT count(ferry.enqueue('order.item.created', 'k-' || (i % 100), jsonb_build_object('n', i)))
+           FROM generate_series(1, 3000) i;
+         ANALYZE ferry.events, ferry.unrouted, ferry.deliveries",
+    )
+    .execute(&h.pool)
+    .await
+    .unwrap();
+    let mut conn = h.pool.acquire().await.unwrap();
+    let fetch = include_str!("../src/postgres/sql/fetch_direct.sql");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "PREPARE fetch_direct(int[], int, text[], text[], bigint[]) AS {fetch}"
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    for mode in ["force_custom_plan", "force_generic_plan"] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let plan: Value = sqlx::query_scalar(
+            "EXPLAIN (FORMAT JSON) EXECUTE fetch_direct(
+                 '{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31}',
+                 500, '{orders}', '{}', '{}')",
+        )
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        let mut nodes = Vec::new();
+        collect_nodes(&plan[0]["Plan"], &mut nodes);
+        let sorts: Vec<_> = nodes.iter().filter(|n| n["Node Type"] == "Sort").collect();
+        assert!(sorts.is_empty(), "{mode}: the fetch sorts: {plan:#}");
+        let scans: Vec<_> = nodes
+            .iter()
+            .filter(|n| n["Relation Name"] == "events" && n["Node Type"] != "Index Scan")
+            .collect();
+        assert!(scans.is_empty(), "{mode}: events is not probed by seq: {plan:#}");
+        assert!(
+            nodes.iter().any(|n| n["Index Name"] == "events_pkey"),
+            "{mode}: {plan:#}"
+        );
+    }
+}
+
+fn collect_nodes<'a>(node: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Value>) {
+    out.push(node);
+    for child in node["Plans"].as_array().into_iter().flatten() {
+        collect_nodes(child, out);
+    }
+}

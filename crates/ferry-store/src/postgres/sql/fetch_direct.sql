@@ -13,15 +13,10 @@
 -- skip are a hashed subquery: `seq <> ALL($5)` is hashed only when the
 -- array is a constant, and under the generic plan it compared every row
 -- scanned with every seq skipped (3.7 ms instead of 0.7 ms for 500 rows
--- behind 1,000 skipped).
-WITH batch AS MATERIALIZED (
-    SELECT u.seq, u.partition
-      FROM ferry.unrouted u
-     WHERE u.partition = ANY($1::int[])
-       AND u.seq NOT IN (SELECT unnest($5::bigint[]))
-     ORDER BY u.seq
-     LIMIT $2
-)
+-- behind 1,000 skipped). The batch is a subquery, not a CTE: the planner
+-- then knows its rows come in seq order, which the per-event lookups keep,
+-- and sorts nothing; behind a CTE it sorted the fetched rows, payloads and
+-- all, again (1.0 ms instead of 1.3 to 1.8 ms for 500 events).
 SELECT b.seq, b.partition, 0 AS attempts,
        e.id, e.type, e.key, e.payload, e.content_type, e.headers, e.created_at,
        CASE WHEN e.key IS NULL THEN '{}'::text[] ELSE ARRAY(
@@ -34,6 +29,11 @@ SELECT b.seq, b.partition, 0 AS attempts,
               WHERE EXISTS (SELECT 1 FROM ferry.deliveries d
                              WHERE d.route = r.route AND d.state = 'pending'
                                AND d.partition = ANY($1::int[]))) AS busy
-  FROM batch b
+  FROM (SELECT u.seq, u.partition
+          FROM ferry.unrouted u
+         WHERE u.partition = ANY($1::int[])
+           AND u.seq NOT IN (SELECT unnest($5::bigint[]))
+         ORDER BY u.seq
+         LIMIT $2) b
  CROSS JOIN LATERAL (SELECT * FROM ferry.events e WHERE e.seq = b.seq LIMIT 1) e
  ORDER BY b.seq
