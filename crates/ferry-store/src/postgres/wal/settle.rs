@@ -96,11 +96,15 @@ impl WalSource {
     }
 
     /// Up to `limit` events still unrouted, oldest first: at start, the ones
-    /// committed before the slot existed or streamed but never settled.
+    /// committed before the slot existed or streamed but never settled. Each
+    /// event is looked up by its seq, so that no plan merge-joins the few
+    /// unrouted rows with the outbox's whole history (see claim.sql).
     pub async fn unrouted(&self, limit: i64) -> Result<Vec<WalEvent>, StoreError> {
         let rows = sqlx::query(
             "SELECT e.seq, e.id, e.type, e.key, e.partition, e.payload, e.content_type, e.headers, e.created_at \
-               FROM ferry.unrouted u JOIN ferry.events e ON e.seq = u.seq ORDER BY u.seq LIMIT $1",
+               FROM (SELECT u.seq FROM ferry.unrouted u ORDER BY u.seq LIMIT $1) u \
+              CROSS JOIN LATERAL (SELECT * FROM ferry.events e WHERE e.seq = u.seq LIMIT 1) e \
+              ORDER BY u.seq",
         )
         .bind(limit)
         .fetch_all(&self.pool)
