@@ -424,6 +424,16 @@ pub async fn status_counts_states_and_blocked_keys<H: AdminHarness>(h: &H) {
     assert_eq!(orders.published_last_hour, 1);
     // a's second event is held back behind its dead head: not in flight.
     assert_eq!(orders.in_flight, 1);
+    assert!(orders.oldest_pending_seconds.is_some_and(|a| a >= 0.0), "{orders:?}");
+    assert_eq!(
+        s.routes
+            .iter()
+            .find(|r| r.route == NO_ROUTE)
+            .unwrap()
+            .oldest_pending_seconds,
+        None,
+        "a route with nothing pending has no oldest pending event"
+    );
     assert!(
         s.leases[0].oldest_lease_seconds.is_some_and(|a| a >= 0.0),
         "{:?}",

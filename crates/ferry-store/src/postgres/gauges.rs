@@ -6,19 +6,18 @@ use super::PgStore;
 use super::error::store_error;
 use crate::{GaugeReport, Gauges, RouteGauges};
 
+/// How many events are unrouted, and the age of the earliest: one probe of
+/// `events`, by the least unrouted seq.
+pub(super) const UNROUTED: &str = "SELECT u.n, extract(epoch FROM now() - e.created_at)::float8
+       FROM (SELECT count(*) AS n, min(seq) AS first FROM ferry.unrouted) u
+       LEFT JOIN ferry.events e ON e.seq = u.first";
+
 #[async_trait]
 impl Gauges for PgStore {
     async fn gauges(&self) -> Result<GaugeReport, StoreError> {
         let pool = self.pool();
         let mut report = GaugeReport::default();
-        let row = sqlx::query(
-            "SELECT u.n, extract(epoch FROM now() - e.created_at)::float8
-               FROM (SELECT count(*) AS n, min(seq) AS first FROM ferry.unrouted) u
-               LEFT JOIN ferry.events e ON e.seq = u.first",
-        )
-        .fetch_one(pool)
-        .await
-        .map_err(store_error)?;
+        let row = sqlx::query(UNROUTED).fetch_one(pool).await.map_err(store_error)?;
         report.unrouted = row.get::<i64, _>(0) as u64;
         report.oldest_unrouted_seconds = row.get(1);
 

@@ -6,8 +6,8 @@ use ferry_core::StoreError;
 
 impl super::PgStore {
     /// Counts per route and state, the oldest waiting work, blocked keys,
-    /// dead reasons and who holds which leases. Reads whole tables: fine for
-    /// an operator's command, not for a hot loop.
+    /// dead reasons and who holds which leases. Reads `deliveries` whole
+    /// (not `events`): fine for an operator's command, not for a hot loop.
     pub async fn status(&self) -> Result<StatusReport, StoreError> {
         status(self.pool()).await
     }
@@ -15,34 +15,46 @@ impl super::PgStore {
 
 async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
     let mut report = StatusReport::default();
-    let row = sqlx::query(
-        "SELECT count(*), extract(epoch FROM now() - min(e.created_at))::float8
-           FROM ferry.unrouted u JOIN ferry.events e ON e.seq = u.seq",
-    )
-    .fetch_one(pool)
-    .await
-    .map_err(store_error)?;
+    let row = sqlx::query(super::gauges::UNROUTED)
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?;
     report.unrouted = row.get::<i64, _>(0) as u64;
     report.oldest_unrouted_seconds = row.get(1);
 
+    // The counts read `deliveries` whole, its narrow rows only; `events`,
+    // which holds the payloads, is probed once per route for the age of
+    // its earliest pending event (as the gauges do), so a status costs no
+    // read of the outbox's history.
     let rows = sqlx::query(
-        "SELECT d.route,
-                count(*) FILTER (WHERE d.state = 'pending' AND d.attempts = 0),
-                count(*) FILTER (WHERE d.state = 'pending' AND d.attempts > 0),
-                count(*) FILTER (WHERE d.state = 'dead'),
-                count(*) FILTER (WHERE d.state = 'cancelled'),
-                count(*) FILTER (WHERE d.state = 'published'),
-                extract(epoch FROM now() - min(e.created_at) FILTER (WHERE d.state = 'pending'))::float8,
-                count(*) FILTER (WHERE d.state = 'published' AND d.published_at > now() - interval '1 hour'),
-                count(*) FILTER (WHERE d.state = 'pending' AND (d.attempts = 0 OR d.next_attempt_at <= now())
-                                   AND p.owner IS NOT NULL AND p.expires_at > now()
-                                   AND NOT EXISTS (
-                                       SELECT 1 FROM ferry.deliveries b
-                                        WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
-                                          AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))
-           FROM ferry.deliveries d JOIN ferry.events e ON e.seq = d.seq
-           JOIN ferry.partitions p ON p.partition = d.partition
-          GROUP BY d.route ORDER BY d.route",
+        "WITH totals AS (
+             SELECT route,
+                    count(*) FILTER (WHERE state = 'pending' AND attempts = 0) AS pending,
+                    count(*) FILTER (WHERE state = 'pending' AND attempts > 0) AS retrying,
+                    count(*) FILTER (WHERE state = 'dead') AS dead,
+                    count(*) FILTER (WHERE state = 'cancelled') AS cancelled,
+                    count(*) FILTER (WHERE state = 'published') AS published,
+                    count(*) FILTER (WHERE state = 'published' AND published_at > now() - interval '1 hour')
+                        AS last_hour
+               FROM ferry.deliveries GROUP BY route),
+         waiting AS (
+             SELECT d.route, min(d.seq) AS first,
+                    count(*) FILTER (WHERE (d.attempts = 0 OR d.next_attempt_at <= now())
+                                       AND p.owner IS NOT NULL AND p.expires_at > now()
+                                       AND NOT EXISTS (
+                                           SELECT 1 FROM ferry.deliveries b
+                                            WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
+                                              AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))
+                        AS in_flight
+               FROM ferry.deliveries d JOIN ferry.partitions p ON p.partition = d.partition
+              WHERE d.state = 'pending'
+              GROUP BY d.route)
+         SELECT t.route, t.pending, t.retrying, t.dead, t.cancelled, t.published,
+                extract(epoch FROM now() - e.created_at)::float8, t.last_hour, coalesce(w.in_flight, 0)
+           FROM totals t
+           LEFT JOIN waiting w ON w.route = t.route
+           LEFT JOIN ferry.events e ON e.seq = w.first
+          ORDER BY t.route",
     )
     .fetch_all(pool)
     .await
