@@ -121,6 +121,73 @@ impl FromStr for AdminState {
     }
 }
 
+/// What a filter's states say about the stored state of deliveries `d`, to
+/// add beside the filter's own test of each delivery's [`AdminState`]: that
+/// test names no stored state a planner can see, so a page of dead
+/// deliveries scanned every delivery of the outbox's history.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum StoredStates {
+    /// No states named: any.
+    Any,
+    /// Dead or cancelled only: the `deliveries_dead` partial index.
+    Failed,
+    /// Pending or retrying only: the `deliveries_pending` partial index.
+    Pending,
+    /// Several kinds, as stored state names.
+    Listed(Vec<&'static str>),
+}
+
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+impl StoredStates {
+    pub(crate) fn of(states: &[AdminState]) -> Self {
+        use AdminState::*;
+        if states.is_empty() {
+            StoredStates::Any
+        } else if states.iter().all(|s| matches!(s, Dead | Cancelled)) {
+            StoredStates::Failed
+        } else if states.iter().all(|s| matches!(s, Pending | Retrying)) {
+            StoredStates::Pending
+        } else {
+            let mut stored: Vec<&str> = states
+                .iter()
+                .map(|state| match state {
+                    Retrying => Pending.as_str(),
+                    other => other.as_str(),
+                })
+                .collect();
+            stored.sort_unstable();
+            stored.dedup();
+            StoredStates::Listed(stored)
+        }
+    }
+
+    /// The condition on `d.state`, or nothing. For a partial index it is
+    /// the index's own predicate, which SQLite needs word for word.
+    pub(crate) fn condition(&self) -> String {
+        match self {
+            StoredStates::Any => String::new(),
+            StoredStates::Failed => "\n   AND d.state IN ('dead', 'cancelled')".to_string(),
+            StoredStates::Pending => "\n   AND d.state = 'pending'".to_string(),
+            StoredStates::Listed(states) => {
+                let list: Vec<String> = states.iter().map(|s| format!("'{s}'")).collect();
+                format!("\n   AND d.state IN ({})", list.join(", "))
+            }
+        }
+    }
+
+    /// The partial index holding exactly these deliveries, without the
+    /// store's table prefix. SQLite names it (PostgreSQL picks it by cost).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn partial_index(&self) -> Option<&'static str> {
+        match self {
+            StoredStates::Failed => Some("deliveries_dead"),
+            StoredStates::Pending => Some("deliveries_pending"),
+            StoredStates::Any | StoredStates::Listed(_) => None,
+        }
+    }
+}
+
 /// Which deliveries to list, requeue or cancel. Every field narrows; the
 /// default matches every delivery.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -362,6 +429,29 @@ mod tests {
         };
         assert_eq!(c.to_string().parse::<Cursor>().unwrap(), c);
         assert!("orders".parse::<Cursor>().unwrap_err().contains("SEQ:ROUTE"));
+    }
+
+    #[test]
+    fn a_filters_stored_states_are_its_partial_indexes_predicates() {
+        use AdminState::*;
+        let of = |states: &[AdminState]| {
+            let stored = StoredStates::of(states);
+            (stored.condition(), stored.partial_index())
+        };
+        assert_eq!(of(&[]), (String::new(), None));
+        let failed = (
+            "\n   AND d.state IN ('dead', 'cancelled')".to_string(),
+            Some("deliveries_dead"),
+        );
+        assert_eq!(of(&[Cancelled]), failed);
+        assert_eq!(of(&[Dead, Cancelled]), failed);
+        let pending = ("\n   AND d.state = 'pending'".to_string(), Some("deliveries_pending"));
+        assert_eq!(of(&[Retrying]), pending);
+        assert_eq!(of(&[Pending, Retrying]), pending);
+        assert_eq!(
+            of(&[Published, Dead, Retrying, Pending]),
+            ("\n   AND d.state IN ('dead', 'pending', 'published')".to_string(), None)
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
 use super::SqliteStore;
 use super::error::store_error;
 use super::store::{from_micros, micros};
+use crate::admin::StoredStates;
 use crate::{
     Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
     EventView, Filter, ListPage, Page, Plan, Refusal, StatusReport, Target,
@@ -176,6 +177,71 @@ fn target(row: &SqliteRow) -> Result<Target, StoreError> {
     })
 }
 
+/// The deliveries table as `d`, and the condition on their stored state,
+/// for a filter's states. Where those are one partial index's deliveries
+/// the index is named: on an ordered page SQLite preferred to read every
+/// delivery of the history in (seq, route) order rather than the few in
+/// the index and sort them.
+fn deliveries_of(states: &[AdminState]) -> (String, String) {
+    let stored = StoredStates::of(states);
+    let table = match stored.partial_index() {
+        Some(index) => format!("ferry_deliveries d INDEXED BY ferry_{index}"),
+        None => "ferry_deliveries d".to_string(),
+    };
+    (table, stored.condition())
+}
+
+/// A page of the deliveries `filter` selects, in (seq, route) order.
+fn list_sql(filter: &Filter) -> String {
+    let (deliveries, stored) = deliveries_of(&filter.states);
+    format!(
+        "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, e.created_at, d.updated_at,
+                d.next_attempt_at, d.last_error, d.published_at
+           FROM {deliveries} JOIN ferry_events e ON e.seq = d.seq
+          WHERE {FILTER}{stored}
+            AND (?9 IS NULL OR d.seq > ?9 OR (d.seq = ?9 AND d.route > ?10))
+          ORDER BY d.seq, d.route
+          LIMIT ?11"
+    )
+}
+
+/// [`list_sql`] (or a statement with its parameters) with its parameters
+/// bound; one row more than the page, to tell whether another follows.
+fn list_query<'q>(sql: String, args: &FilterArgs, page: &Page) -> Query<'q> {
+    args.bind(sqlx::query(AssertSqlSafe(sql)))
+        .bind(page.after.as_ref().map(|c| c.seq))
+        .bind(page.after.as_ref().map(|c| c.route.clone()))
+        .bind(page.limit.max(1) as i64 + 1)
+}
+
+/// Every delivery `selection` selects, with why `action` may not touch it.
+fn plan_sql(action: &Action, selection: &Filter) -> String {
+    // Cancel takes later deliveries of a key first: while the earlier
+    // failure still holds them back, no relay can be publishing them.
+    let order = match action {
+        Action::Requeue { .. } => "ASC",
+        Action::Cancel { .. } => "DESC",
+    };
+    let (deliveries, stored) = deliveries_of(&selection.states);
+    format!(
+        "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, {} AS refusal
+           FROM {deliveries} JOIN ferry_events e ON e.seq = d.seq
+          WHERE {FILTER}{stored}
+          ORDER BY d.seq {order}, d.route",
+        refusal(action)
+    )
+}
+
+/// [`plan_sql`] (or a statement with its parameters) with its parameters
+/// bound.
+fn plan_query<'q>(sql: String, args: &FilterArgs, action: &Action) -> Query<'q> {
+    let query = args.bind(sqlx::query(AssertSqlSafe(sql)));
+    match action {
+        Action::Requeue { include_published } => query.bind(*include_published),
+        Action::Cancel { .. } => query,
+    }
+}
+
 #[async_trait]
 impl Admin for SqliteStore {
     async fn status(&self) -> Result<StatusReport, StoreError> {
@@ -183,22 +249,9 @@ impl Admin for SqliteStore {
     }
 
     async fn list(&self, filter: &Filter, page: &Page) -> Result<ListPage, StoreError> {
-        let sql = format!(
-            "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, e.created_at, d.updated_at,
-                    d.next_attempt_at, d.last_error, d.published_at
-               FROM ferry_deliveries d JOIN ferry_events e ON e.seq = d.seq
-              WHERE {FILTER}
-                AND (?9 IS NULL OR d.seq > ?9 OR (d.seq = ?9 AND d.route > ?10))
-              ORDER BY d.seq, d.route
-              LIMIT ?11"
-        );
         let limit = page.limit.max(1);
         let args = FilterArgs::new(self.pool(), filter).await?;
-        let rows = args
-            .bind(sqlx::query(AssertSqlSafe(sql)))
-            .bind(page.after.as_ref().map(|c| c.seq))
-            .bind(page.after.as_ref().map(|c| c.route.clone()))
-            .bind(limit as i64 + 1)
+        let rows = list_query(list_sql(filter), &args, page)
             .fetch_all(self.pool())
             .await
             .map_err(store_error)?;
@@ -236,25 +289,11 @@ impl Admin for SqliteStore {
     }
 
     async fn plan(&self, action: &Action, selection: &Filter) -> Result<Plan, StoreError> {
-        // Cancel takes later deliveries of a key first: while the earlier
-        // failure still holds them back, no relay can be publishing them.
-        let order = match action {
-            Action::Requeue { .. } => "ASC",
-            Action::Cancel { .. } => "DESC",
-        };
-        let sql = format!(
-            "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, {} AS refusal
-               FROM ferry_deliveries d JOIN ferry_events e ON e.seq = d.seq
-              WHERE {FILTER}
-              ORDER BY d.seq {order}, d.route",
-            refusal(action)
-        );
         let args = FilterArgs::new(self.pool(), selection).await?;
-        let mut query = args.bind(sqlx::query(AssertSqlSafe(sql)));
-        if let Action::Requeue { include_published } = action {
-            query = query.bind(*include_published);
-        }
-        let rows = query.fetch_all(self.pool()).await.map_err(store_error)?;
+        let rows = plan_query(plan_sql(action, selection), &args, action)
+            .fetch_all(self.pool())
+            .await
+            .map_err(store_error)?;
         let mut plan = Plan::default();
         for row in &rows {
             let target = target(row)?;
@@ -503,4 +542,89 @@ async fn show(pool: &SqlitePool, id: EventId) -> Result<Option<EventView>, Store
         });
     }
     Ok(Some(view))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// As on PostgreSQL: listing, requeueing or cancelling failed
+    /// deliveries reads them through their partial index, not every
+    /// delivery of the outbox's history. SQLite takes a partial index only
+    /// when the query states its predicate word for word.
+    #[tokio::test]
+    async fn a_state_filter_reads_its_partial_index_not_the_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path().join("plans.db").to_str().unwrap())
+            .await
+            .unwrap();
+        super::super::migrate(&mut store.pool().acquire().await.unwrap())
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 20000)
+             INSERT INTO ferry_events (id, type, key, partition, payload, created_at)
+             SELECT 'id-' || i, 'order.item.created', 'k-' || (i % 100), i % 32, x'7b7d', i FROM n;
+             INSERT INTO ferry_deliveries (seq, route, partition, key, state, attempts, next_attempt_at, updated_at)
+             SELECT seq, 'orders', partition, key,
+                    CASE WHEN seq % 1000 = 7 THEN 'dead' WHEN seq % 1000 = 9 THEN 'cancelled'
+                         WHEN seq % 1000 IN (3, 5) THEN 'pending' ELSE 'published' END,
+                    CASE WHEN seq % 1000 = 5 THEN 0 ELSE 2 END, 0, seq
+               FROM ferry_events;
+             ANALYZE;",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        use AdminState::*;
+        let cases: [(&[AdminState], &str); 5] = [
+            (&[Dead], "ferry_deliveries_dead"),
+            (&[Dead, Cancelled], "ferry_deliveries_dead"),
+            (&[Cancelled], "ferry_deliveries_dead"),
+            (&[Retrying], "ferry_deliveries_pending"),
+            (&[Pending, Retrying], "ferry_deliveries_pending"),
+        ];
+        let actions = [
+            Action::Requeue {
+                include_published: false,
+            },
+            Action::Cancel { reason: "test".into() },
+        ];
+        for (states, index) in cases {
+            for route in [None, Some("orders".to_string())] {
+                let filter = Filter {
+                    states: states.to_vec(),
+                    route,
+                    ..Filter::default()
+                };
+                let args = FilterArgs::new(store.pool(), &filter).await.unwrap();
+                let page = Page { after: None, limit: 50 };
+                let mut statements = vec![(
+                    "list",
+                    list_query(format!("EXPLAIN QUERY PLAN {}", list_sql(&filter)), &args, &page),
+                )];
+                for action in &actions {
+                    let sql = format!("EXPLAIN QUERY PLAN {}", plan_sql(action, &filter));
+                    statements.push((action.verb(), plan_query(sql, &args, action)));
+                }
+                for (name, query) in statements {
+                    let steps: Vec<String> = query
+                        .fetch_all(store.pool())
+                        .await
+                        .unwrap()
+                        .iter()
+                        .map(|row| row.get::<String, _>("detail"))
+                        .collect();
+                    let reads: Vec<&String> = steps
+                        .iter()
+                        .filter(|s| s.starts_with("SCAN d") || s.starts_with("SEARCH d"))
+                        .collect();
+                    assert!(
+                        !reads.is_empty() && reads.iter().all(|s| s.contains(&format!("USING INDEX {index}"))),
+                        "{name} {filter:?}: {steps:#?}"
+                    );
+                }
+            }
+        }
+    }
 }
