@@ -117,7 +117,11 @@ pub(crate) async fn settle<'e>(
         Conflicts::Skip => SETTLE,
     };
     let row = sqlx::query(sql)
-        // Unprepared: planned for the actual arrays on every run (see claim).
+        // Unprepared: planned on every run for the actual arrays and the
+        // table sizes of the moment. A cached generic plan saves about
+        // 0.3 ms of planning per 500 events, but one made while `unrouted`
+        // was small deletes by a sequential scan of it, and keeps doing so
+        // through a backlog until the next ANALYZE.
         .persistent(false)
         .bind(seqs)
         .bind(&rows.seq)
