@@ -6,21 +6,22 @@ use super::SqliteStore;
 use super::error::store_error;
 use crate::{GaugeReport, Gauges, RouteGauges};
 
+/// How many events are unrouted, and the age of the earliest: one probe of
+/// `ferry_events`, by the least unrouted seq.
+pub(super) const UNROUTED: &str = concat!(
+    "SELECT u.n, (",
+    now_us!(),
+    " - e.created_at) / 1e6
+       FROM (SELECT count(*) AS n, min(seq) AS first FROM ferry_unrouted) u
+       LEFT JOIN ferry_events e ON e.seq = u.first"
+);
+
 #[async_trait]
 impl Gauges for SqliteStore {
     async fn gauges(&self) -> Result<GaugeReport, StoreError> {
         let pool = self.pool();
         let mut report = GaugeReport::default();
-        let row = sqlx::query(concat!(
-            "SELECT u.n, (",
-            now_us!(),
-            " - e.created_at) / 1e6
-               FROM (SELECT count(*) AS n, min(seq) AS first FROM ferry_unrouted) u
-               LEFT JOIN ferry_events e ON e.seq = u.first"
-        ))
-        .fetch_one(pool)
-        .await
-        .map_err(store_error)?;
+        let row = sqlx::query(UNROUTED).fetch_one(pool).await.map_err(store_error)?;
         report.unrouted = row.get::<i64, _>(0) as u64;
         report.oldest_unrouted_seconds = row.get(1);
 

@@ -8,8 +8,8 @@ use crate::{BlockedKeys, DeadReason, LeaseInfo, RouteStatus, StatusReport};
 impl super::SqliteStore {
     /// Counts per route and state, the oldest waiting work, blocked keys,
     /// dead reasons and who holds which leases: the same report as
-    /// PostgreSQL's. Reads whole tables: fine for an operator's command, not
-    /// for a hot loop.
+    /// PostgreSQL's. Counts every delivery row: fine for an operator's
+    /// command, not for a hot loop.
     pub async fn status(&self) -> Result<StatusReport, StoreError> {
         status(self.pool()).await
     }
@@ -17,32 +17,31 @@ impl super::SqliteStore {
 
 async fn status(pool: &SqlitePool) -> Result<StatusReport, StoreError> {
     let mut report = StatusReport::default();
-    let row = sqlx::query(concat!(
-        "SELECT count(*), (",
-        now_us!(),
-        " - min(e.created_at)) / 1e6
-           FROM ferry_unrouted u JOIN ferry_events e ON e.seq = u.seq"
-    ))
-    .fetch_one(pool)
-    .await
-    .map_err(store_error)?;
+    let row = sqlx::query(super::gauges::UNROUTED)
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?;
     report.unrouted = row.get::<i64, _>(0) as u64;
     report.oldest_unrouted_seconds = row.get(1);
 
+    // The counts read `ferry_deliveries` alone; the oldest pending age
+    // probes one event per route, by its least pending seq (as the gauges
+    // do), instead of joining every delivery with its event.
     let rows = sqlx::query(concat!(
-        "SELECT d.route,
-                count(*) FILTER (WHERE d.state = 'pending' AND d.attempts = 0),
-                count(*) FILTER (WHERE d.state = 'pending' AND d.attempts > 0),
-                count(*) FILTER (WHERE d.state = 'dead'),
-                count(*) FILTER (WHERE d.state = 'cancelled'),
-                count(*) FILTER (WHERE d.state = 'published'),
-                (",
+        "SELECT c.route, c.pending, c.retrying, c.dead, c.cancelled, c.published, (",
         now_us!(),
-        " - min(e.created_at) FILTER (WHERE d.state = 'pending')) / 1e6,
-                count(*) FILTER (WHERE d.state = 'published' AND d.published_at > ",
+        " - e.created_at) / 1e6, c.published_last_hour, c.in_flight
+           FROM (SELECT d.route,
+                        count(*) FILTER (WHERE d.state = 'pending' AND d.attempts = 0) AS pending,
+                        count(*) FILTER (WHERE d.state = 'pending' AND d.attempts > 0) AS retrying,
+                        count(*) FILTER (WHERE d.state = 'dead') AS dead,
+                        count(*) FILTER (WHERE d.state = 'cancelled') AS cancelled,
+                        count(*) FILTER (WHERE d.state = 'published') AS published,
+                        min(d.seq) FILTER (WHERE d.state = 'pending') AS first,
+                        count(*) FILTER (WHERE d.state = 'published' AND d.published_at > ",
         now_us!(),
-        " - 3600000000),
-                count(*) FILTER (WHERE d.state = 'pending' AND (d.attempts = 0 OR d.next_attempt_at <= ",
+        " - 3600000000) AS published_last_hour,
+                        count(*) FILTER (WHERE d.state = 'pending' AND (d.attempts = 0 OR d.next_attempt_at <= ",
         now_us!(),
         ") AND p.owner IS NOT NULL AND p.expires_at > ",
         now_us!(),
@@ -50,9 +49,12 @@ async fn status(pool: &SqlitePool) -> Result<StatusReport, StoreError> {
                                        SELECT 1 FROM ferry_deliveries b
                                         WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
                                           AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))
-           FROM ferry_deliveries d JOIN ferry_events e ON e.seq = d.seq
-           JOIN ferry_partitions p ON p.partition = d.partition
-          GROUP BY d.route ORDER BY d.route"
+                                   AS in_flight
+                   FROM ferry_deliveries d
+                   JOIN ferry_partitions p ON p.partition = d.partition
+                  GROUP BY d.route) c
+           LEFT JOIN ferry_events e ON e.seq = c.first
+          ORDER BY c.route"
     ))
     .fetch_all(pool)
     .await
