@@ -417,6 +417,42 @@ impl Change {
     }
 }
 
+/// The selections a partial index holds, for each store's test of its
+/// plans: every filter of failed or of pending states, with and without a
+/// route, each with the partial index (without the store's prefix) that
+/// should answer it, and the actions whose selections are planned.
+#[cfg(all(test, any(feature = "postgres", feature = "sqlite")))]
+pub(crate) fn partial_index_cases(route: &str) -> (Vec<(Filter, &'static str)>, [Action; 2]) {
+    use AdminState::*;
+    let states: [(&[AdminState], &str); 5] = [
+        (&[Dead], "deliveries_dead"),
+        (&[Dead, Cancelled], "deliveries_dead"),
+        (&[Cancelled], "deliveries_dead"),
+        (&[Retrying], "deliveries_pending"),
+        (&[Pending, Retrying], "deliveries_pending"),
+    ];
+    let filters = states
+        .iter()
+        .flat_map(|&(states, index)| {
+            [None, Some(route.to_string())].into_iter().map(move |route| {
+                let filter = Filter {
+                    states: states.to_vec(),
+                    route,
+                    ..Filter::default()
+                };
+                (filter, index)
+            })
+        })
+        .collect();
+    let actions = [
+        Action::Requeue {
+            include_published: false,
+        },
+        Action::Cancel { reason: "test".into() },
+    ];
+    (filters, actions)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

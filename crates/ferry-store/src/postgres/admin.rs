@@ -602,55 +602,35 @@ mod tests {
         .execute(&pool)
         .await
         .unwrap();
-        use AdminState::*;
-        let cases: [(&[AdminState], &str); 5] = [
-            (&[Dead], "deliveries_dead"),
-            (&[Dead, Cancelled], "deliveries_dead"),
-            (&[Cancelled], "deliveries_dead"),
-            (&[Retrying], "deliveries_pending"),
-            (&[Pending, Retrying], "deliveries_pending"),
-        ];
-        let actions = [
-            Action::Requeue {
-                include_published: false,
-            },
-            Action::Cancel { reason: "test".into() },
-        ];
-        for (states, index) in cases {
-            for route in [None, Some("orders".to_string())] {
-                let filter = Filter {
-                    states: states.to_vec(),
-                    route,
-                    ..Filter::default()
-                };
-                let page = Page { after: None, limit: 50 };
-                let mut statements = vec![(
-                    "list",
-                    list_query(format!("EXPLAIN (FORMAT JSON) {}", list_sql(&filter)), &filter, &page),
-                )];
-                for action in &actions {
-                    let sql = format!("EXPLAIN (FORMAT JSON) {}", plan_sql(action, &filter));
-                    statements.push((action.verb(), plan_query(sql, action, &filter)));
-                }
-                for (name, query) in statements {
-                    let plan: serde_json::Value = query.fetch_one(&pool).await.unwrap().get(0);
-                    let mut nodes = Vec::new();
-                    main_nodes(&plan[0]["Plan"], &mut nodes);
-                    let wrong: Vec<_> = nodes
-                        .iter()
-                        .filter(|n| {
-                            (n["Relation Name"] == "deliveries" && n["Node Type"] == "Seq Scan")
-                                || n["Index Name"]
-                                    .as_str()
-                                    .is_some_and(|i| i.starts_with("deliveries") && i != index)
-                        })
-                        .collect();
-                    assert!(wrong.is_empty(), "{name} {filter:?}: {wrong:#?} in {plan:#}");
-                    assert!(
-                        nodes.iter().any(|n| n["Index Name"] == index),
-                        "{name} {filter:?}: {index} unused in {plan:#}"
-                    );
-                }
+        let (filters, actions) = crate::admin::partial_index_cases("orders");
+        for (filter, index) in filters {
+            let page = Page { after: None, limit: 50 };
+            let mut statements = vec![(
+                "list",
+                list_query(format!("EXPLAIN (FORMAT JSON) {}", list_sql(&filter)), &filter, &page),
+            )];
+            for action in &actions {
+                let sql = format!("EXPLAIN (FORMAT JSON) {}", plan_sql(action, &filter));
+                statements.push((action.verb(), plan_query(sql, action, &filter)));
+            }
+            for (name, query) in statements {
+                let plan: serde_json::Value = query.fetch_one(&pool).await.unwrap().get(0);
+                let mut nodes = Vec::new();
+                main_nodes(&plan[0]["Plan"], &mut nodes);
+                let wrong: Vec<_> = nodes
+                    .iter()
+                    .filter(|n| {
+                        (n["Relation Name"] == "deliveries" && n["Node Type"] == "Seq Scan")
+                            || n["Index Name"]
+                                .as_str()
+                                .is_some_and(|i| i.starts_with("deliveries") && i != index)
+                    })
+                    .collect();
+                assert!(wrong.is_empty(), "{name} {filter:?}: {wrong:#?} in {plan:#}");
+                assert!(
+                    nodes.iter().any(|n| n["Index Name"] == index),
+                    "{name} {filter:?}: {index} unused in {plan:#}"
+                );
             }
         }
         pool.close().await;

@@ -576,54 +576,35 @@ mod tests {
         .execute(store.pool())
         .await
         .unwrap();
-        use AdminState::*;
-        let cases: [(&[AdminState], &str); 5] = [
-            (&[Dead], "ferry_deliveries_dead"),
-            (&[Dead, Cancelled], "ferry_deliveries_dead"),
-            (&[Cancelled], "ferry_deliveries_dead"),
-            (&[Retrying], "ferry_deliveries_pending"),
-            (&[Pending, Retrying], "ferry_deliveries_pending"),
-        ];
-        let actions = [
-            Action::Requeue {
-                include_published: false,
-            },
-            Action::Cancel { reason: "test".into() },
-        ];
-        for (states, index) in cases {
-            for route in [None, Some("orders".to_string())] {
-                let filter = Filter {
-                    states: states.to_vec(),
-                    route,
-                    ..Filter::default()
-                };
-                let args = FilterArgs::new(store.pool(), &filter).await.unwrap();
-                let page = Page { after: None, limit: 50 };
-                let mut statements = vec![(
-                    "list",
-                    list_query(format!("EXPLAIN QUERY PLAN {}", list_sql(&filter)), &args, &page),
-                )];
-                for action in &actions {
-                    let sql = format!("EXPLAIN QUERY PLAN {}", plan_sql(action, &filter));
-                    statements.push((action.verb(), plan_query(sql, &args, action)));
-                }
-                for (name, query) in statements {
-                    let steps: Vec<String> = query
-                        .fetch_all(store.pool())
-                        .await
-                        .unwrap()
-                        .iter()
-                        .map(|row| row.get::<String, _>("detail"))
-                        .collect();
-                    let reads: Vec<&String> = steps
-                        .iter()
-                        .filter(|s| s.starts_with("SCAN d") || s.starts_with("SEARCH d"))
-                        .collect();
-                    assert!(
-                        !reads.is_empty() && reads.iter().all(|s| s.contains(&format!("USING INDEX {index}"))),
-                        "{name} {filter:?}: {steps:#?}"
-                    );
-                }
+        let (filters, actions) = crate::admin::partial_index_cases("orders");
+        for (filter, index) in filters {
+            let index = format!("ferry_{index}");
+            let args = FilterArgs::new(store.pool(), &filter).await.unwrap();
+            let page = Page { after: None, limit: 50 };
+            let mut statements = vec![(
+                "list",
+                list_query(format!("EXPLAIN QUERY PLAN {}", list_sql(&filter)), &args, &page),
+            )];
+            for action in &actions {
+                let sql = format!("EXPLAIN QUERY PLAN {}", plan_sql(action, &filter));
+                statements.push((action.verb(), plan_query(sql, &args, action)));
+            }
+            for (name, query) in statements {
+                let steps: Vec<String> = query
+                    .fetch_all(store.pool())
+                    .await
+                    .unwrap()
+                    .iter()
+                    .map(|row| row.get::<String, _>("detail"))
+                    .collect();
+                let reads: Vec<&String> = steps
+                    .iter()
+                    .filter(|s| s.starts_with("SCAN d") || s.starts_with("SEARCH d"))
+                    .collect();
+                assert!(
+                    !reads.is_empty() && reads.iter().all(|s| s.contains(&format!("USING INDEX {index}"))),
+                    "{name} {filter:?}: {steps:#?}"
+                );
             }
         }
     }
