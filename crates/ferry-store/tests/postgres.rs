@@ -169,6 +169,135 @@ async fn a_relays_connections_open_with_the_idle_statements_prepared() {
     assert_eq!(relay.pool().acquire().await.unwrap().cached_statements_size(), 0);
 }
 
+/// The direct fetch is planned for the backlog it meets. PostgreSQL may give
+/// a prepared statement that ran five times a generic plan and keep it until
+/// the next `ANALYZE`: made while the relay kept up with a trickle, over an
+/// `unrouted` of a row or two, that plan read and sorted the whole table,
+/// and probed `events` by scanning it, on every fetch of the next burst.
+/// Once a fetch comes back full, the fetches of that backlog run a statement
+/// of their own, planned for the backlog they meet (a plan that probes and
+/// sorts nothing); a trickle keeps its prepared statement.
+#[tokio::test]
+async fn a_relays_fetch_is_planned_for_the_backlog_it_meets() {
+    use ferry_core::{RelayId, Store};
+    use ferry_store::postgres::PgStore;
+    use std::time::Duration;
+
+    let h = harness().await;
+    // One connection, so the prepared statement's runs can be read back.
+    let pool = PgStore::relay_pool_options()
+        .max_connections(1)
+        .connect_lazy(h.db.url())
+        .unwrap();
+    let relay = PgStore::new(pool);
+    sqlx::raw_sql("ANALYZE ferry.events, ferry.unrouted, ferry.deliveries")
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    let owned = relay
+        .tick(&RelayId("a".into()), Duration::from_secs(30), &[])
+        .await
+        .unwrap();
+    let routes = ["orders".to_owned()];
+    let runs = async || -> i64 {
+        sqlx::query_scalar(
+            "SELECT generic_plans + custom_plans FROM pg_prepared_statements
+              WHERE statement LIKE '-- Direct delivery:%' AND statement NOT LIKE '%-- backlog%'",
+        )
+        .fetch_one(relay.pool())
+        .await
+        .unwrap()
+    };
+    // The trickle: the outbox holds nothing each time the relay looks.
+    for _ in 0..10 {
+        let batch = relay
+            .fetch_direct(&owned, 500, &routes, &[], &[])
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(batch.events.is_empty());
+    }
+    let trickled = runs().await;
+    assert!(trickled >= 10, "the trickle ran the prepared fetch: {trickled}");
+
+    // The burst, committed before any ANALYZE sees it.
+    sqlx::query(
+        "SELECT count(ferry.enqueue('order.item.created', 'k-' || (i % 100), jsonb_build_object('n', i)))
+           FROM generate_series(1, 20000) i",
+    )
+    .execute(&h.pool)
+    .await
+    .unwrap();
+    let mut fetched = Vec::new();
+    for expected_runs in [trickled + 1, trickled + 1, trickled + 1] {
+        let batch = relay
+            .fetch_direct(&owned, 500, &routes, &[], &fetched)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(batch.events.len(), 500);
+        fetched.extend(batch.events.iter().map(|c| c.event.seq));
+        assert_eq!(
+            runs().await,
+            expected_runs,
+            "after a full batch the backlog's own statement runs"
+        );
+    }
+    assert!(fetched.windows(2).all(|w| w[0] < w[1]), "in seq order");
+    let backlog_statements: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE '-- Direct delivery:%-- backlog 1%'",
+    )
+    .fetch_one(relay.pool())
+    .await
+    .unwrap();
+    assert_eq!(backlog_statements, 1);
+    // A batch that is not full ends the backlog: the prepared fetch again.
+    let rest = relay
+        .fetch_direct(&owned, 50_000, &routes, &[], &fetched)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rest.events.len(), 20_000 - fetched.len());
+    relay.fetch_direct(&owned, 500, &routes, &[], &[]).await.unwrap();
+    assert_eq!(runs().await, trickled + 2);
+
+    // What a statement new to the backlog is planned into, on the
+    // statistics of the empty outbox: each event probed by its key, nothing
+    // sorted.
+    sqlx::raw_sql("DELETE FROM ferry.unrouted WHERE seq > 0; ANALYZE ferry.unrouted")
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT count(ferry.enqueue('order.item.created', 'k-' || (i % 100), jsonb_build_object('n', i)))
+           FROM generate_series(1, 20000) i",
+    )
+    .execute(&h.pool)
+    .await
+    .unwrap();
+    let fetch = include_str!("../src/postgres/sql/fetch_direct.sql");
+    let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (FORMAT JSON) {fetch}")))
+        .persistent(false)
+        .bind(owned.partitions())
+        .bind(500_i64)
+        .bind(&routes[..])
+        .bind(Vec::<String>::new())
+        .bind(Vec::<i64>::new())
+        .fetch_one(relay.pool())
+        .await
+        .unwrap();
+    let mut nodes = Vec::new();
+    collect_nodes(&plan[0]["Plan"], false, &mut nodes);
+    let wrong: Vec<_> = nodes
+        .iter()
+        .filter(|(n, in_subplan)| {
+            (!in_subplan && n["Node Type"] == "Sort")
+                || (matches!(n["Relation Name"].as_str(), Some("events" | "unrouted")) && n["Node Type"] == "Seq Scan")
+        })
+        .collect();
+    assert!(wrong.is_empty(), "{wrong:#?} in {plan:#}");
+}
+
 /// The relay's two reads of events with their payloads, the direct fetch
 /// and the claim of due deliveries, look each event up by its primary key,
 /// under the custom plans PostgreSQL makes at first and the generic plan it
