@@ -221,13 +221,16 @@ async fn a_relays_fetch_is_planned_for_the_backlog_it_meets() {
     assert!(trickled >= 10, "the trickle ran the prepared fetch: {trickled}");
 
     // The burst, committed before any ANALYZE sees it.
-    sqlx::query(
-        "SELECT count(ferry.enqueue('order.item.created', 'k-' || (i % 100), jsonb_build_object('n', i)))
-           FROM generate_series(1, 20000) i",
-    )
-    .execute(&h.pool)
-    .await
-    .unwrap();
+    let burst = async || {
+        sqlx::query(
+            "SELECT count(ferry.enqueue('order.item.created', 'k-' || (i % 100), jsonb_build_object('n', i)))
+               FROM generate_series(1, 20000) i",
+        )
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    };
+    burst().await;
     let mut fetched = Vec::new();
     for expected_runs in [trickled + 1, trickled + 1, trickled + 1] {
         let batch = relay
@@ -268,13 +271,7 @@ async fn a_relays_fetch_is_planned_for_the_backlog_it_meets() {
         .execute(&h.pool)
         .await
         .unwrap();
-    sqlx::query(
-        "SELECT count(ferry.enqueue('order.item.created', 'k-' || (i % 100), jsonb_build_object('n', i)))
-           FROM generate_series(1, 20000) i",
-    )
-    .execute(&h.pool)
-    .await
-    .unwrap();
+    burst().await;
     let fetch = include_str!("../src/postgres/sql/fetch_direct.sql");
     let plan: serde_json::Value = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (FORMAT JSON) {fetch}")))
         .persistent(false)
