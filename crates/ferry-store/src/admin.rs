@@ -126,7 +126,7 @@ impl FromStr for AdminState {
 /// test names no stored state a planner can see, so a page of dead
 /// deliveries scanned every delivery of the outbox's history.
 #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub(crate) enum StoredStates {
     /// No states named: any.
     Any,

@@ -283,8 +283,7 @@ async fn a_relays_fetch_is_planned_for_the_backlog_it_meets() {
         .fetch_one(relay.pool())
         .await
         .unwrap();
-    let mut nodes = Vec::new();
-    collect_nodes(&plan[0]["Plan"], false, &mut nodes);
+    let nodes = plan_nodes(&plan);
     let wrong: Vec<_> = nodes
         .iter()
         .filter(|(n, in_subplan)| {
@@ -350,8 +349,7 @@ async fn the_relays_reads_probe_each_event_and_sort_nothing() {
                     .fetch_one(&mut *conn)
                     .await
                     .unwrap();
-            let mut nodes = Vec::new();
-            collect_nodes(&plan[0]["Plan"], false, &mut nodes);
+            let nodes = plan_nodes(&plan);
             // A sort inside a per-event subplan (the routes holding a key
             // back) sorts a few route names, not the fetched rows.
             let wrong: Vec<_> = nodes
@@ -368,6 +366,14 @@ async fn the_relays_reads_probe_each_event_and_sort_nothing() {
             );
         }
     }
+}
+
+/// Every node of an `EXPLAIN (FORMAT JSON)` result, with whether it runs
+/// inside a subplan.
+fn plan_nodes(plan: &serde_json::Value) -> Vec<(&serde_json::Value, bool)> {
+    let mut nodes = Vec::new();
+    collect_nodes(&plan[0]["Plan"], false, &mut nodes);
+    nodes
 }
 
 /// Every node of a JSON plan, with whether it runs inside a subplan.

@@ -1,6 +1,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,10 +22,16 @@ use super::listen::PgWakeSource;
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
-    /// Whether the last direct fetch came back full, a backlog draining
-    /// (the lowest bit), and how many backlogs began (the rest): see
-    /// `fetch_direct`.
-    backlog: Arc<AtomicU64>,
+    /// The backlogs the direct fetch has met (see `fetch_direct`).
+    backlog: Arc<Backlog>,
+}
+
+#[derive(Debug, Default)]
+struct Backlog {
+    /// The last direct fetch came back full.
+    draining: AtomicBool,
+    /// How many backlogs began: the number of the current one.
+    begun: AtomicU64,
 }
 
 impl PgStore {
@@ -308,10 +314,11 @@ impl Store for PgStore {
         // the fetches of that backlog run a text of their own (the same
         // statement, numbered), planned for the backlog they meet; a trickle
         // keeps its cached plan, whose planning it would pay per event.
-        let state = self.backlog.load(Ordering::Relaxed);
+        let draining = self.backlog.draining.load(Ordering::Relaxed);
         let numbered;
-        let sql = if state & 1 == 1 {
-            numbered = format!("{FETCH_DIRECT}\n-- backlog {}\n", state >> 1);
+        let sql = if draining {
+            let number = self.backlog.begun.load(Ordering::Relaxed);
+            numbered = format!("{FETCH_DIRECT}\n-- backlog {number}\n");
             numbered.as_str()
         } else {
             FETCH_DIRECT
@@ -326,15 +333,10 @@ impl Store for PgStore {
             .await
             .map_err(store_error)?;
         let full = rows.len() >= limit;
-        if full != (state & 1 == 1) {
-            // A backlog begins (a new number) or ends.
-            let next = if full {
-                (((state >> 1) + 1) << 1) | 1
-            } else {
-                state & !1
-            };
-            self.backlog.store(next, Ordering::Relaxed);
+        if full && !draining {
+            self.backlog.begun.fetch_add(1, Ordering::Relaxed);
         }
+        self.backlog.draining.store(full, Ordering::Relaxed);
         let mut batch = DirectBatch::default();
         for (i, r) in rows.iter().enumerate() {
             batch.events.push(claimed_of(r)?);
