@@ -1,7 +1,8 @@
 //! Test support for Ferry.
 //!
 //! - [`pg`]: a fresh PostgreSQL database per test, dropped afterwards;
-//!   [`pg_store`]: the PostgreSQL store on one, for the suites below.
+//!   [`pg_store`]: the PostgreSQL store on one, for the suites below;
+//!   [`pg_server`]: a server of a test's own, to crash and restart.
 //! - [`proxy`]: a TCP proxy that can delay, cut and refuse connections, for
 //!   fault tests against real services.
 //! - [`rabbit`]: uniquely named RabbitMQ exchanges and queues, and a counting
@@ -19,6 +20,7 @@ pub mod hooked;
 pub mod metrics;
 pub mod mock_sink;
 pub mod pg;
+pub mod pg_server;
 pub mod pg_store;
 pub mod producer_suite;
 pub mod proxy;

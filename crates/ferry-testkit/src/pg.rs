@@ -58,7 +58,17 @@ impl TestDb {
     /// When the server is unreachable or refuses; a test cannot proceed
     /// without its database, and the message says how to fix it.
     pub async fn create() -> TestDb {
-        let admin_url = admin_url();
+        Self::create_on(&admin_url()).await
+    }
+
+    /// Creates an empty database on the server of `admin_url`, such as a
+    /// [`PgServer`](crate::pg_server::PgServer) of the test's own.
+    ///
+    /// # Panics
+    ///
+    /// As [`create`](Self::create).
+    pub async fn create_on(admin_url: &str) -> TestDb {
+        let admin_url = admin_url.to_owned();
         let mut admin = PgConnection::connect(&admin_url).await.unwrap_or_else(|e| {
             panic!(
                 "cannot connect to PostgreSQL at {} ({e}); start it with scripts/test --services-only, \

@@ -17,9 +17,8 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use ferry_testkit::rabbit::{TestTopology, amqp_url};
 
-use crate::support::{Stack, Tally, produce};
+use crate::support::{PATIENCE, Stack, Tally, produce};
 
-const PATIENCE: Duration = Duration::from_secs(120);
 const EVENTS: usize = 2_000;
 const KEYS: usize = 50;
 const REDIS: &str = "127.0.0.1:6379";

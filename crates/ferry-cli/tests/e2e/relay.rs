@@ -4,9 +4,7 @@ use ferry_testkit::proxy::Proxy;
 use ferry_testkit::rabbit::{TestTopology, amqp_url};
 use serde_json::json;
 
-use crate::support::{Overrides, Stack, Tally, order, produce, produce_events, produce_from};
-
-const PATIENCE: Duration = Duration::from_secs(120);
+use crate::support::{Overrides, PATIENCE, Stack, Tally, order, produce, produce_events, produce_from, streaming};
 
 fn published(status: &serde_json::Value, route: &str) -> (u64, u64, u64) {
     let r = status["routes"]
@@ -244,22 +242,6 @@ async fn a_database_connection_cut_mid_drain_loses_nothing() {
         (5_000, 0),
         "{published} published, {pending} pending, {unrouted} unrouted; log:\n{log}"
     );
-}
-
-/// Waits until a relay streams from the test database's slot, past its
-/// start-up sweep.
-async fn streaming(s: &Stack) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    loop {
-        if ferry_store::postgres::wal::streaming(&s.pool, s.db.name())
-            .await
-            .unwrap()
-        {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no relay streams from the slot");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test]

@@ -11,6 +11,8 @@ use serde_json::json;
 use sqlx::PgPool;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_ferry");
+/// How long a test waits for what must happen.
+pub const PATIENCE: Duration = Duration::from_secs(120);
 
 /// A database with the ferry schema, a RabbitMQ topology and a config dir.
 pub struct Stack {
@@ -22,7 +24,11 @@ pub struct Stack {
 
 impl Stack {
     pub async fn new(topo: TestTopology) -> Stack {
-        let db = TestDb::create().await;
+        Self::on(TestDb::create().await, topo).await
+    }
+
+    /// A stack whose database is `db`, on whatever server that is.
+    pub async fn on(db: TestDb, topo: TestTopology) -> Stack {
         let pool = db.pool().await;
         let stack = Stack {
             db,
@@ -200,6 +206,27 @@ impl Relay {
 
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Whether the process is still running (it has not exited on its own).
+    pub fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+/// Waits until a relay streams from the test database's slot, past its
+/// start-up sweep.
+pub async fn streaming(s: &Stack) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        if ferry_store::postgres::wal::streaming(&s.pool, s.db.name())
+            .await
+            .unwrap()
+        {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no relay streams from the slot");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -1,0 +1,205 @@
+//! The database itself killed mid-drain: a PostgreSQL server of the test's
+//! own gets SIGKILL (postmaster and backends at once) while producers commit
+//! and the relay delivers, and starts again through crash recovery. The
+//! relay keeps running throughout and must deliver every committed event.
+//!
+//! What such a crash takes away: every transaction in progress (a settle,
+//! a lease renewal, a producer's commit whose answer never came), and any
+//! asynchronous commit whose WAL had not been written (the table path
+//! settles with `synchronous_commit = off`). Each of those must come back
+//! as an event delivered again, never as an event lost.
+
+use std::time::Duration;
+
+use ferry_core::Event;
+use ferry_store::postgres::enqueue_batch;
+use ferry_testkit::pg::TestDb;
+use ferry_testkit::pg_server::PgServer;
+use ferry_testkit::rabbit::TestTopology;
+use sqlx::postgres::PgPoolOptions;
+use tokio::sync::oneshot;
+
+use crate::support::{Overrides, PATIENCE, Relay, Stack, Tally, order, produce, streaming};
+
+const KEYS: usize = 50;
+/// Committed in large transactions once the relay runs, so that it is
+/// mid-drain at the crash.
+const BACKLOG: usize = 4_000;
+/// Then committed one event per key per transaction, through the crash.
+const TRANSACTIONS: usize = 60;
+/// Of which this many before it.
+const TRANSACTIONS_BEFORE: usize = 20;
+const EVENTS: usize = BACKLOG + TRANSACTIONS * KEYS;
+/// Settled before the crash.
+const SETTLED_BEFORE: usize = 1_000;
+
+#[tokio::test]
+async fn a_database_killed_mid_drain_and_restarted_loses_nothing() {
+    survives_a_database_crash("e2e-pg-crash", false).await;
+}
+
+#[tokio::test]
+async fn in_wal_mode_a_database_killed_mid_stream_and_restarted_loses_nothing() {
+    survives_a_database_crash("e2e-pg-crash-wal", true).await;
+}
+
+async fn survives_a_database_crash(prefix: &str, wal: bool) {
+    let mut server = PgServer::start().await;
+    let s = Stack::on(
+        TestDb::create_on(&server.admin_url()).await,
+        TestTopology::create(prefix).await,
+    )
+    .await;
+    let cfg = s.config(&Overrides {
+        wal,
+        ..Overrides::default()
+    });
+    let mut relay = s.spawn(&cfg, "relay-a");
+    if wal {
+        streaming(&s).await;
+    }
+    produce(&s.pool, BACKLOG, KEYS).await;
+    let (paused, crashed) = (oneshot::channel(), oneshot::channel());
+    let producer = tokio::spawn(produce_through_crashes(s.db.url().to_owned(), paused.0, crashed.1));
+    // Crash once the relay has settled part of the backlog.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while backlog_left(&s).await > (BACKLOG - SETTLED_BEFORE) as i64 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no progress before the crash; relay log:\n{}",
+            relay.log()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    paused.1.await.expect("the producer reaches its pause");
+    // Read a moment before the crash: the relay cannot drain a batch in it.
+    let backlog_left = backlog_left(&s).await;
+    server.crash();
+    assert!(
+        backlog_left >= 500,
+        "the relay had all but drained the backlog before the crash ({backlog_left} left): \
+         the crash interrupted nothing"
+    );
+    // The producer's next transaction meets the dead server.
+    crashed.0.send(()).unwrap();
+    // Long enough for the relay to meet the dead server on every
+    // connection it holds.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.restart().await;
+    let retried = producer.await.unwrap();
+    assert!(retried > 0, "no transaction of the producer met the crash");
+
+    let mut tally = Tally::default();
+    tally.collect(&s.topo, EVENTS, PATIENCE).await;
+    assert_eq!(
+        tally.unique(),
+        EVENTS,
+        "lost events ({retried} transactions retried); relay log:\n{}\nserver log:\n{}",
+        relay.log(),
+        server.log()
+    );
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&s.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, EVENTS as i64, "each event committed once, by its dispatch key");
+    assert_eq!(tally.assert_per_key_order(), KEYS);
+    // Sent again can only be what was in doubt at the crash: the batch
+    // whose settle the crash interrupted, the batch published while the
+    // server was down (500 each), and settles whose asynchronous commit had
+    // not reached the WAL file (a page of WAL or so: SIGKILL spares what
+    // was written to the kernel).
+    assert!(
+        tally.duplicates() <= 2_000,
+        "{} duplicates; relay log:\n{}",
+        tally.duplicates(),
+        relay.log()
+    );
+    assert!(
+        relay.running(),
+        "the relay exited when the database went away; log:\n{}",
+        relay.log()
+    );
+    s.status_until(&cfg, &relay, PATIENCE, |st| published(st) == (EVENTS as u64, 0, 0))
+        .await;
+    terminate(relay);
+}
+
+/// Commits [`TRANSACTIONS`] transactions of one event per key after the
+/// backlog, numbered per key as `support::produce_from` numbers them, each
+/// event with a dispatch key. After [`TRANSACTIONS_BEFORE`] it says so on
+/// `paused` and waits for `crashed`.
+///
+/// A transaction that fails, the database gone, is committed again until it
+/// succeeds: a commit whose answer was lost may have happened, and its
+/// dispatch keys make the second one a no-op, so every event is committed
+/// exactly once. Returns how many transactions were tried again.
+async fn produce_through_crashes(url: String, paused: oneshot::Sender<()>, crashed: oneshot::Receiver<()>) -> usize {
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        // Short of the second the server stays down, so that a transaction
+        // fails then instead of waiting for the restart.
+        .acquire_timeout(Duration::from_millis(200))
+        .connect(&url)
+        .await
+        .unwrap();
+    let (mut paused, mut crashed) = (Some(paused), Some(crashed));
+    let mut retried = 0;
+    for t in 0..TRANSACTIONS {
+        if t == TRANSACTIONS_BEFORE {
+            paused.take().unwrap().send(()).unwrap();
+            crashed.take().unwrap().await.unwrap();
+        }
+        let events: Vec<Event> = (0..KEYS)
+            .map(|k| {
+                let i = BACKLOG + t * KEYS + k;
+                order(i / KEYS, &format!("k{}", i % KEYS)).dispatch_key(format!("crash-{i}"))
+            })
+            .collect();
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            match commit(&pool, events.clone()).await {
+                Ok(()) => break,
+                Err(e) => {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "transaction {t} never committed: {e}"
+                    );
+                    retried += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    retried
+}
+
+/// Events of the backlog not yet settled.
+async fn backlog_left(s: &Stack) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ferry.unrouted WHERE seq <= $1")
+        .bind(BACKLOG as i64)
+        .fetch_one(&s.pool)
+        .await
+        .unwrap()
+}
+
+async fn commit(pool: &sqlx::PgPool, events: Vec<Event>) -> Result<(), String> {
+    let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+    enqueue_batch(&mut tx, events).await.map_err(|e| e.to_string())?;
+    tx.commit().await.map_err(|e| e.to_string())
+}
+
+fn published(status: &serde_json::Value) -> (u64, u64, u64) {
+    let r = &status["routes"][0];
+    (
+        r["published"].as_u64().unwrap_or(0),
+        r["pending"].as_u64().unwrap_or(0),
+        r["dead"].as_u64().unwrap_or(0),
+    )
+}
+
+fn terminate(relay: Relay) {
+    let log = relay.log();
+    assert!(relay.terminate().success(), "SIGTERM must exit 0; log:\n{log}");
+}
