@@ -255,6 +255,7 @@ async fn settle_and_confirm<S: Store, C: Clock>(
                 .iter()
                 .map(|(i, route, outcome)| (&p.events[*i], route.clone(), outcome.clone()))
                 .collect(),
+            through: p.confirm,
         };
         let now = shared.clock.now();
         let Some(settled) = persist(shared, "settle", || wal.source.settle(&settlement, now)).await else {

@@ -9,6 +9,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (5, "wal", include_str!("migrations/0005_wal.sql")),
     (6, "direct", include_str!("migrations/0006_direct.sql")),
     (7, "enqueue", include_str!("migrations/0007_enqueue.sql")),
+    (8, "wal_settled", include_str!("migrations/0008_wal_settled.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

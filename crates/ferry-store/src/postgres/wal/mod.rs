@@ -139,7 +139,8 @@ impl WalSource {
                 // be written (they could overtake it).
                 sqlx::query(
                     "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
-                     ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false",
+                     ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
+                     settled_lsn = NULL",
                 )
                 .bind(slot)
                 .bind(publication)
@@ -186,10 +187,23 @@ impl WalSource {
         Ok(())
     }
 
-    /// Starts streaming from the slot's confirmed position. Fails while
-    /// another relay streams from the slot (it is then a standby).
+    /// Starts streaming after the last settled transaction: from the
+    /// position the last settle recorded, or the slot's confirmed position
+    /// if that is later (the server takes the later of the two). The slot's
+    /// own position alone is not enough after a crash of the server, which
+    /// can take it back (see migration 0008). Fails while another relay
+    /// streams from the slot (it is then a standby).
     pub async fn open(&self) -> Result<WalStream, StoreError> {
-        let cfg = replication_config(&self.config)?;
+        let mut cfg = replication_config(&self.config)?;
+        let settled: Option<Option<i64>> =
+            sqlx::query_scalar("SELECT settled_lsn FROM ferry.wal_slots WHERE slot = $1")
+                .bind(&self.config.slot)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(store_error)?;
+        if let Some(lsn) = settled.flatten() {
+            cfg = cfg.with_start_lsn(Lsn::from_u64(lsn as u64));
+        }
         let client = ReplicationClient::connect(cfg)
             .await
             .map_err(|e| StoreError::transient(format!("replication connection: {e}")))?;

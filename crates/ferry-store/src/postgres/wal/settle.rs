@@ -40,6 +40,12 @@ pub struct Settlement<'a> {
     /// (event, route, outcome); the route is [`NO_ROUTE`] for an event that
     /// matched none.
     pub outcomes: Vec<(&'a WalEvent, String, Outcome)>,
+    /// The stream position through which this settlement completes the
+    /// slot's transactions (the position the relay confirms after it).
+    /// Recorded with the outcomes when they include tableless events, so
+    /// that the next session starts after them even when a crash of the
+    /// server took the slot's position back.
+    pub through: u64,
 }
 
 /// What a settlement wrote.
@@ -131,7 +137,8 @@ impl WalSource {
     }
 
     /// Writes the outcomes in one transaction, committed durably (the slot
-    /// position is confirmed right after): delivery rows for every outbox
+    /// position is confirmed right after), with the position they settle
+    /// through ([`Settlement::through`]): delivery rows for every outbox
     /// row still unrouted, and for tableless events that need the table (a
     /// delivery that did not publish), the event itself first. Partitions
     /// that received pending deliveries are notified, so the relays leasing
@@ -211,7 +218,28 @@ impl WalSource {
             settled.routed = written.gone.saturating_sub(settled.written);
             settled.deliveries = written.made;
         }
+        // A replay skips the outbox rows settled here (they are no longer
+        // unrouted) but has nothing to tell tableless events by: for those,
+        // the position is recorded. Batches of outbox rows only spare their
+        // settle the statement.
+        if s.through > 0 && s.outcomes.iter().any(|(e, _, _)| e.tableless()) {
+            sqlx::query(
+                "UPDATE ferry.wal_slots SET settled_lsn = $2 \
+                  WHERE slot = $1 AND (settled_lsn IS NULL OR settled_lsn < $2)",
+            )
+            .bind(&self.config.slot)
+            .bind(lsn_i64(s.through))
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        }
         tx.commit().await.map_err(store_error)?;
         Ok(settled)
     }
+}
+
+/// An LSN as PostgreSQL's bigint: the same 64 bits (WAL positions stay far
+/// below 2^63).
+pub(super) fn lsn_i64(lsn: u64) -> i64 {
+    lsn as i64
 }

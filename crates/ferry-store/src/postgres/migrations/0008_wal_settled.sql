@@ -1,0 +1,13 @@
+-- WAL streaming: the stream position up to which a slot's transactions are
+-- settled, written in the same durable transaction as each settle of a
+-- batch with tableless events.
+--
+-- The relay confirms that position to the slot right after the settle, but
+-- PostgreSQL (before 17) writes a logical slot's confirmed position to disk
+-- only now and then: when the slot's restart point moves, or at a clean
+-- shutdown. A crash of the server can take the slot back by seconds of WAL
+-- or more, and a relay streaming from there would publish again tableless
+-- events it had already delivered (outbox rows it skips: they are no longer
+-- unrouted). The relay starts streaming after `settled_lsn` instead, a
+-- 64-bit LSN, or from the slot's own position while it is NULL.
+ALTER TABLE ferry.wal_slots ADD COLUMN settled_lsn bigint;
