@@ -14,7 +14,9 @@
 //! The server binaries are found in `FERRY_TEST_PG_BIN`, else in the newest
 //! `/usr/lib/postgresql/<version>/bin` (Debian's layout), else on `PATH`.
 //! PostgreSQL refuses to run as root; as root, the server runs as the
-//! `postgres` user (`setpriv`), which owns the cluster's directory.
+//! `postgres` user (`setpriv`), which owns the cluster's directory. A
+//! cluster whose test process was killed before it could stop it is
+//! stopped and removed by the next [`PgServer::start`].
 //!
 //! ```no_run
 //! # async fn demo() {
@@ -41,6 +43,10 @@ const READY_WITHIN: Duration = Duration::from_secs(60);
 const READY: &str = "database system is ready to accept connections";
 /// The account the server runs as when the tests run as root.
 const SERVER_USER: &str = "postgres";
+/// A cluster's directory: `<temp dir>/ferry-pg-<random>`.
+const DIR_PREFIX: &str = "ferry-pg-";
+/// In a cluster's directory: the process id of the test that made it.
+const OWNER_FILE: &str = "owner";
 
 /// A running PostgreSQL server in a directory of its own; shut down and
 /// removed on drop.
@@ -63,10 +69,13 @@ impl PgServer {
         let bin = find_bin();
         // SAFETY: geteuid(2) has no preconditions and cannot fail.
         let as_root = unsafe { libc::geteuid() } == 0;
+        reap_leftovers();
         let dir = tempfile::Builder::new()
-            .prefix("ferry-pg-")
+            .prefix(DIR_PREFIX)
             .tempdir()
             .expect("create a directory for the test cluster");
+        std::fs::write(dir.path().join(OWNER_FILE), std::process::id().to_string())
+            .expect("write the test cluster's owner");
         if as_root {
             let chown = Command::new("chown")
                 .arg(format!("{SERVER_USER}:{SERVER_USER}"))
@@ -258,6 +267,43 @@ fn stop(postmaster: &mut Child) {
     // SAFETY: as above.
     unsafe { libc::kill(-pid, libc::SIGKILL) };
     let _ = postmaster.wait();
+}
+
+/// Stops and removes the clusters of test processes that are gone: a test
+/// killed outright (SIGKILL, a harness's timeout) never runs its `Drop`.
+/// Only a postmaster whose command line names the directory is signalled,
+/// so a reused process id is left alone.
+fn reap_leftovers() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let dir = entry.path();
+        if !entry.file_name().to_string_lossy().starts_with(DIR_PREFIX) {
+            continue;
+        }
+        let Some(owner) = read_pid(&dir.join(OWNER_FILE)) else {
+            continue;
+        };
+        if Path::new(&format!("/proc/{owner}")).exists() {
+            continue;
+        }
+        if let Some(postmaster) = read_pid(&dir.join("data").join("postmaster.pid")) {
+            let cmdline = std::fs::read(format!("/proc/{postmaster}/cmdline")).unwrap_or_default();
+            let data = dir.join("data");
+            if String::from_utf8_lossy(&cmdline).contains(&*data.to_string_lossy()) {
+                // SAFETY: kill(2) on the process group of a postmaster a
+                // test of ours started in this directory, as checked above.
+                unsafe { libc::kill(-postmaster, libc::SIGKILL) };
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// The process id on the first line of `file`.
+fn read_pid(file: &Path) -> Option<i32> {
+    std::fs::read_to_string(file).ok()?.lines().next()?.trim().parse().ok()
 }
 
 fn find_bin() -> PathBuf {
