@@ -23,7 +23,7 @@ use ferry_testkit::rabbit::TestTopology;
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::oneshot;
 
-use crate::support::{Overrides, PATIENCE, Relay, Stack, Tally, order, produce, streaming};
+use crate::support::{Overrides, PATIENCE, Relay, Stack, Tally, order, produce, published, streaming};
 
 const KEYS: usize = 50;
 /// Committed in large transactions once the relay runs, so that it is
@@ -32,7 +32,7 @@ const BACKLOG: usize = 4_000;
 /// Then committed one event per key per transaction, through the crash.
 const TRANSACTIONS: usize = 60;
 /// Of which this many before it.
-const TRANSACTIONS_BEFORE: usize = 20;
+const TRANSACTIONS_BEFORE: usize = 5;
 const EVENTS: usize = BACKLOG + TRANSACTIONS * KEYS;
 /// Settled before the crash.
 const SETTLED_BEFORE: usize = 1_000;
@@ -84,19 +84,22 @@ async fn survives_a_database_crash(prefix: &str, wal: bool) {
     produce(&s.pool, BACKLOG, KEYS).await;
     let (paused, crashed) = (oneshot::channel(), oneshot::channel());
     let producer = tokio::spawn(produce_through_crashes(s.db.url().to_owned(), paused.0, crashed.1));
-    // Crash once the relay has settled part of the backlog.
+    paused.1.await.expect("the producer reaches its pause");
+    // Crash once the relay has settled part of the backlog, at once: read a
+    // moment before the crash, the count cannot lose a batch in between.
     let deadline = tokio::time::Instant::now() + PATIENCE;
-    while backlog_left(&s).await > (BACKLOG - SETTLED_BEFORE) as i64 {
+    let backlog_left = loop {
+        let left = backlog_left(&s).await;
+        if left <= (BACKLOG - SETTLED_BEFORE) as i64 {
+            break left;
+        }
         assert!(
             tokio::time::Instant::now() < deadline,
             "no progress before the crash; relay log:\n{}",
             relay.log()
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    paused.1.await.expect("the producer reaches its pause");
-    // Read a moment before the crash: the relay cannot drain a batch in it.
-    let backlog_left = backlog_left(&s).await;
+    };
     server.crash();
     assert!(
         backlog_left >= 500,
@@ -157,8 +160,10 @@ async fn survives_a_database_crash(prefix: &str, wal: bool) {
         "the relay exited when the database went away; log:\n{}",
         relay.log()
     );
-    s.status_until(&cfg, &relay, PATIENCE, |st| published(st) == (EVENTS as u64, 0, 0))
-        .await;
+    s.status_until(&cfg, &relay, PATIENCE, |st| {
+        published(st, "orders") == (EVENTS as u64, 0, 0)
+    })
+    .await;
     terminate(relay);
 }
 
@@ -238,15 +243,6 @@ async fn commit(pool: &sqlx::PgPool, events: Vec<Event>) -> Result<(), String> {
     let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
     enqueue_batch(&mut tx, events).await.map_err(|e| e.to_string())?;
     tx.commit().await.map_err(|e| e.to_string())
-}
-
-fn published(status: &serde_json::Value) -> (u64, u64, u64) {
-    let r = &status["routes"][0];
-    (
-        r["published"].as_u64().unwrap_or(0),
-        r["pending"].as_u64().unwrap_or(0),
-        r["dead"].as_u64().unwrap_or(0),
-    )
 }
 
 fn terminate(relay: Relay) {

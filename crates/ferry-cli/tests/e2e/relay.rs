@@ -4,21 +4,9 @@ use ferry_testkit::proxy::Proxy;
 use ferry_testkit::rabbit::{TestTopology, amqp_url};
 use serde_json::json;
 
-use crate::support::{Overrides, PATIENCE, Stack, Tally, order, produce, produce_events, produce_from, streaming};
-
-fn published(status: &serde_json::Value, route: &str) -> (u64, u64, u64) {
-    let r = status["routes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|r| r["route"] == route)
-        .expect("route in status");
-    (
-        r["published"].as_u64().unwrap(),
-        r["pending"].as_u64().unwrap(),
-        r["dead"].as_u64().unwrap(),
-    )
-}
+use crate::support::{
+    Overrides, PATIENCE, Stack, Tally, order, produce, produce_events, produce_from, published, streaming,
+};
 
 #[tokio::test]
 async fn ten_thousand_events_over_a_hundred_keys_arrive_complete_and_in_order() {

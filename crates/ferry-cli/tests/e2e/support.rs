@@ -214,6 +214,19 @@ impl Relay {
     }
 }
 
+/// A route's (published, pending, dead) counts in `ferry status --json`;
+/// zeros while the route has no deliveries yet.
+pub fn published(status: &serde_json::Value, route: &str) -> (u64, u64, u64) {
+    let Some(r) = status["routes"]
+        .as_array()
+        .and_then(|routes| routes.iter().find(|r| r["route"] == route))
+    else {
+        return (0, 0, 0);
+    };
+    let count = |state: &str| r[state].as_u64().unwrap();
+    (count("published"), count("pending"), count("dead"))
+}
+
 /// Waits until a relay streams from the test database's slot, past its
 /// start-up sweep.
 pub async fn streaming(s: &Stack) {

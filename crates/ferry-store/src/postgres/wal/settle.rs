@@ -228,7 +228,8 @@ impl WalSource {
                   WHERE slot = $1 AND (settled_lsn IS NULL OR settled_lsn < $2)",
             )
             .bind(&self.config.slot)
-            .bind(lsn_i64(s.through))
+            // The same 64 bits: WAL positions stay far below 2^63.
+            .bind(s.through as i64)
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;
@@ -236,10 +237,4 @@ impl WalSource {
         tx.commit().await.map_err(store_error)?;
         Ok(settled)
     }
-}
-
-/// An LSN as PostgreSQL's bigint: the same 64 bits (WAL positions stay far
-/// below 2^63).
-pub(super) fn lsn_i64(lsn: u64) -> i64 {
-    lsn as i64
 }
