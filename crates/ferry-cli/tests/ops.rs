@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use ferry_core::Event;
 use ferry_store::postgres::enqueue_batch;
 use ferry_testkit::pg::TestDb;
+use ferry_testkit::process::dies_with_test;
 use ferry_testkit::proxy::Proxy;
 use serde_json::json;
 use sqlx::PgPool;
@@ -101,14 +102,16 @@ destination = "all"
 
     fn spawn(&self, config: &Path) -> Running {
         let log = self.dir.path().join(format!("relay-{}.log", rand::random::<u32>()));
-        let child = Command::new(BIN)
-            .arg("--config")
-            .arg(config)
-            .arg("run")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("spawn ferry run");
+        let child = dies_with_test(
+            Command::new(BIN)
+                .arg("--config")
+                .arg(config)
+                .arg("run")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap()),
+        )
+        .spawn()
+        .expect("spawn ferry run");
         Running { child, log }
     }
 

@@ -16,6 +16,7 @@ use ferry_core::Event;
 use ferry_core::trace::TRACEPARENT;
 use ferry_store::postgres::enqueue;
 use ferry_testkit::pg::TestDb;
+use ferry_testkit::process::dies_with_test;
 use opentelemetry::trace::{TraceContextExt, TraceId, TracerProvider as _};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::{KeyValue, any_value};
@@ -197,14 +198,16 @@ async fn the_publish_span_links_to_the_producers_trace() {
 
     let log = dir.path().join("relay.log");
     let _relay = Running(
-        Command::new(BIN)
-            .arg("--config")
-            .arg(&config)
-            .arg("run")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap(),
+        dies_with_test(
+            Command::new(BIN)
+                .arg("--config")
+                .arg(&config)
+                .arg("run")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap()),
+        )
+        .spawn()
+        .unwrap(),
     );
 
     // The SDK exports in batches every few seconds; wait for both links.

@@ -13,6 +13,7 @@
 //!   and sink implementation runs against the real thing; [`admin_suite`]
 //!   and [`retention_suite`], the operator's commands, retention and gauges
 //!   every store offers on top; [`producer_suite`], its `enqueue`.
+//! - [`process`]: child processes that end with their test.
 
 pub mod admin_suite;
 pub mod clock;
@@ -22,6 +23,7 @@ pub mod mock_sink;
 pub mod pg;
 pub mod pg_server;
 pub mod pg_store;
+pub mod process;
 pub mod producer_suite;
 pub mod proxy;
 pub mod rabbit;

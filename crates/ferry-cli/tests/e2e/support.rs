@@ -6,6 +6,7 @@ use std::time::Duration;
 use ferry_core::Event;
 use ferry_store::postgres::enqueue_batch;
 use ferry_testkit::pg::TestDb;
+use ferry_testkit::process::dies_with_test;
 use ferry_testkit::rabbit::{Received, TestTopology, amqp_url};
 use serde_json::json;
 use sqlx::PgPool;
@@ -115,15 +116,15 @@ routing_key = "{routing_key}"
 
     pub fn spawn(&self, config: &Path, id: &str) -> Relay {
         let log = self.dir.path().join(format!("{id}.log"));
-        let child = Command::new(BIN)
+        let mut command = Command::new(BIN);
+        command
             .arg("--config")
             .arg(config)
             .arg("run")
             .env("FERRY_RELAY__ID", id)
             .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .expect("spawn ferry run");
+            .stderr(std::fs::File::create(&log).unwrap());
+        let child = dies_with_test(&mut command).spawn().expect("spawn ferry run");
         Relay { child, log }
     }
 
