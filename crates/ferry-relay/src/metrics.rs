@@ -46,6 +46,9 @@ pub const WAL_LAG_SECONDS: &str = "ferry_wal_lag_seconds";
 /// Streamed events queued in the table behind earlier deliveries of their
 /// route or key, instead of published directly.
 pub const WAL_PARKED: &str = "ferry_wal_parked_total";
+/// Slots that had streamed and were found lost or gone, and replaced:
+/// tableless events they had not handed over are lost.
+pub const WAL_SLOT_REPLACED: &str = "ferry_wal_slot_replaced_total";
 
 // Health, as `/readyz` sees it.
 pub const READY: &str = "ferry_ready";
@@ -81,6 +84,11 @@ pub fn describe() {
         WAL_LAG_SECONDS,
         Unit::Seconds,
         "Age of the newest streamed transaction when it was settled."
+    );
+    describe_counter!(
+        WAL_SLOT_REPLACED,
+        "Replication slots that had streamed, found invalidated (reason=lost) or gone (reason=vanished) \
+         and made anew; tableless events they had not handed over are lost."
     );
     describe_counter!(
         WAL_PARKED,

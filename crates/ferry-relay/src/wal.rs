@@ -15,9 +15,9 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use ferry_core::{Claimed, Clock, ErrorKind, NO_ROUTE, Route, Store, StoreError};
-use ferry_store::postgres::wal::{Outcome, Settlement, WalEvent, WalItem, WalSource, WalStream, WalTxn};
+use ferry_store::postgres::wal::{Outcome, Prepared, Settlement, WalEvent, WalItem, WalSource, WalStream, WalTxn};
 use tokio::time::{Duration, Instant};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::engine::Shared;
 use crate::metrics;
@@ -83,6 +83,21 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, wal: Wal)
     }
 }
 
+/// Reports a slot that [`WalSource::prepare`] found lost and replaced: an
+/// error, since tableless events may be gone, and
+/// [`metrics::WAL_SLOT_REPLACED`].
+pub fn report_prepared(prepared: &Prepared, slot: &str) {
+    if let Some(loss) = prepared.replaced {
+        error!(
+            slot,
+            reason = loss.as_str(),
+            "{loss}. A new slot replaces it and every outbox row not yet delivered is swept into the table \
+             path, so none is lost; tableless events (ferry.emit) the old slot had not handed over are lost"
+        );
+        ::metrics::counter!(metrics::WAL_SLOT_REPLACED, "reason" => loss.as_str()).increment(1);
+    }
+}
+
 /// Transactions read from the stream, processed together.
 #[derive(Default)]
 struct Batch {
@@ -108,7 +123,9 @@ impl Batch {
 /// One replication session: prepare, sweep, stream. `Ok` only on shutdown.
 async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result<(), StoreError> {
     let source = &wal.source;
-    let unswept = source.prepare().await?;
+    let prepared = source.prepare().await?;
+    report_prepared(&prepared, &source.config().slot);
+    let unswept = prepared.unswept;
     let mut stream: WalStream = tokio::select! {
         s = source.open() => s?,
         _ = shared.cancel.cancelled() => return Ok(()),

@@ -12,6 +12,7 @@ use ferry_store::postgres::wal::{WalConfig, WalSource, emit};
 use ferry_store::postgres::{PgStore, enqueue, enqueue_batch, migrate};
 use ferry_testkit::mock_sink::MockSink;
 use ferry_testkit::pg::TestDb;
+use ferry_testkit::pg_server::PgServer;
 use rand::Rng;
 use serde_json::json;
 use sqlx::PgPool;
@@ -29,7 +30,11 @@ struct Env {
 }
 
 async fn env() -> Env {
-    let db = TestDb::create().await;
+    env_on(TestDb::create().await).await
+}
+
+/// An environment on `db`, whatever server that is.
+async fn env_on(db: TestDb) -> Env {
     let pool = db.pool().await;
     migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
     Env {
@@ -435,6 +440,91 @@ async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they
     ids.extend(failed);
     assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
     relay.stop().await;
+    e.db.drop_db().await;
+}
+
+/// Commits `n` outbox rows over seven keys, 10 per transaction.
+async fn enqueue_rows(pool: &PgPool, tag: &str, n: usize) -> Vec<(EventId, String)> {
+    let mut ids = Vec::new();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(10) {
+        let mut tx = pool.begin().await.unwrap();
+        let events: Vec<Event> = chunk
+            .iter()
+            .map(|i| Event::new("order.placed", json!({ "tag": tag, "i": i })).key(format!("k{}", i % 7)))
+            .collect();
+        let keys: Vec<String> = events.iter().map(|ev| ev.get_key().unwrap().to_owned()).collect();
+        let sent = enqueue_batch(&mut tx, events).await.unwrap();
+        tx.commit().await.unwrap();
+        ids.extend(sent.into_iter().map(|s| s.id).zip(keys));
+    }
+    ids
+}
+
+/// Commits `n` tableless events over seven keys, one per transaction.
+async fn emit_events(pool: &PgPool, tag: &str, n: usize) -> Result<Vec<(EventId, String)>, String> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let key = format!("k{}", i % 7);
+        let mut tx = pool.begin().await.unwrap();
+        let id = emit(
+            &mut tx,
+            Event::new("order.placed", json!({ "tag": tag, "i": i })).key(key.clone()),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        tx.commit().await.unwrap();
+        ids.push((id, key));
+    }
+    Ok(ids)
+}
+
+/// PostgreSQL invalidates a slot that holds back more WAL than
+/// `max_slot_wal_keep_size` (here: while no relay ran). Such a slot never
+/// streams again; a relay that only retried it would leave every outbox row
+/// undelivered for good. The relay replaces it and sweeps: every outbox row
+/// committed before and after the loss arrives, in order per key, and
+/// streaming works again. (Tableless events of the lost WAL are gone, as
+/// documented; `ferry.emit` refuses new ones until the new slot is swept.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_slot_is_replaced_and_no_outbox_row_is_lost() {
+    let server = PgServer::start().await;
+    let e = env_on(TestDb::create_on(&server.admin_url()).await).await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let mut expected = enqueue_rows(&e.pool, "streamed", 50).await;
+    expected.extend(emit_events(&e.pool, "streamed", 20).await.unwrap());
+    eventually("the first events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= expected.len()
+    })
+    .await;
+    relay.stop().await;
+
+    expected.extend(enqueue_rows(&e.pool, "before the loss", 200).await);
+    // These live only in the WAL the server is about to give up.
+    emit_events(&e.pool, "lost", 10).await.unwrap();
+    server.invalidate_slot(&e.slot).await;
+    let refused = emit_events(&e.pool, "refused", 1).await.unwrap_err();
+    assert!(refused.contains("no WAL slot reads this database"), "{refused}");
+    expected.extend(enqueue_rows(&e.pool, "after the loss", 200).await);
+
+    let relay = start(&e, "wal-b", vec![route("all", "mock")]);
+    streaming(&e).await;
+    expected.extend(emit_events(&e.pool, "new slot", 20).await.unwrap());
+    expected.extend(enqueue_rows(&e.pool, "new slot", 50).await);
+    eventually("every outbox row and every new event", Duration::from_secs(60), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    let status: Option<String> = sqlx::query_scalar("SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(&e.slot)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_ne!(status.as_deref(), Some("lost"), "the lost slot is still there");
+    relay.stop().await;
+    e.pool.close().await;
     e.db.drop_db().await;
 }
 

@@ -1,9 +1,126 @@
 //! The WAL source's queries against a real PostgreSQL.
 
+use ferry_core::Event;
 use ferry_store::postgres::migrate;
-use ferry_store::postgres::wal::{WalConfig, WalSource};
+use ferry_store::postgres::wal::{Finding, Prepared, SlotLoss, WalConfig, WalSource, diagnose, emit};
 use ferry_testkit::pg::TestDb;
-use sqlx::Connection;
+use ferry_testkit::pg_server::PgServer;
+use serde_json::json;
+use sqlx::{Connection, PgPool};
+
+/// A slot named after the test database: slots are server-wide.
+fn config_of(db: &TestDb) -> WalConfig {
+    WalConfig {
+        url: db.url().to_owned(),
+        slot: db.name().to_owned(),
+        publication: "ferry".into(),
+    }
+}
+
+fn source_of(db: &TestDb, pool: &PgPool) -> WalSource {
+    WalSource::new(pool.clone(), config_of(db)).unwrap()
+}
+
+/// One tableless event in a transaction of its own.
+async fn emit_one(pool: &PgPool) -> Result<(), String> {
+    let mut tx = pool.begin().await.unwrap();
+    emit(&mut tx, Event::new("order.placed", json!({ "n": 1 })).key("k"))
+        .await
+        .map_err(|e| e.to_string())?;
+    tx.commit().await.map_err(|e| e.to_string())
+}
+
+/// What `ferry check` says of the slot.
+async fn slot_check(db: &TestDb, pool: &PgPool) -> Finding {
+    diagnose(pool, &config_of(db), u64::MAX)
+        .await
+        .into_iter()
+        .find(|f| f.what.starts_with("replication slot"))
+        .expect("a finding on the slot")
+}
+
+async fn wal_status(pool: &PgPool, slot: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(slot)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .flatten()
+}
+
+/// A slot PostgreSQL invalidated never streams again. Until it is replaced,
+/// a tableless event written for it would be read by nobody, so `ferry.emit`
+/// refuses; `prepare` replaces it (outbox rows then wait for the new slot's
+/// sweep) and says so. A slot gone altogether, as after a failover, is
+/// replaced and reported too.
+#[tokio::test]
+async fn a_lost_slot_refuses_tableless_events_and_is_replaced() {
+    let server = PgServer::start().await;
+    let db = TestDb::create_on(&server.admin_url()).await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let slot = db.name();
+    let fresh = Prepared {
+        unswept: true,
+        replaced: None,
+    };
+    assert_eq!(source.prepare().await.unwrap(), fresh);
+    source.mark_swept().await.unwrap();
+    emit_one(&pool).await.expect("a ready slot reads tableless events");
+
+    server.invalidate_slot(slot).await;
+    let refused = emit_one(&pool).await.expect_err("ferry.emit wrote for a lost slot");
+    assert!(refused.contains("no WAL slot reads this database"), "{refused}");
+    let check = slot_check(&db, &pool).await;
+    assert!(!check.ok && check.detail.starts_with("lost:"), "{check:?}");
+    let replaced = source.prepare().await.unwrap();
+    assert_eq!(
+        replaced,
+        Prepared {
+            unswept: true,
+            replaced: Some(SlotLoss::Lost),
+        }
+    );
+    assert_eq!(wal_status(&pool, slot).await.as_deref(), Some("reserved"));
+    // The new slot is not swept yet: a tableless event could overtake an
+    // outbox row committed before it.
+    assert!(emit_one(&pool).await.is_err(), "ferry.emit wrote before the sweep");
+    source.mark_swept().await.unwrap();
+    emit_one(&pool).await.expect("the new slot reads tableless events");
+    assert_eq!(
+        source.prepare().await.unwrap(),
+        Prepared {
+            unswept: false,
+            replaced: None,
+        },
+        "a healthy slot is kept"
+    );
+
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(slot)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let check = slot_check(&db, &pool).await;
+    assert!(check.ok && check.detail.starts_with("gone though"), "{check:?}");
+    assert_eq!(
+        source.prepare().await.unwrap(),
+        Prepared {
+            unswept: true,
+            replaced: Some(SlotLoss::Vanished),
+        }
+    );
+    // A slot that never streamed is not reported when it goes.
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(slot)
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(source.prepare().await.unwrap(), fresh);
+    pool.close().await;
+    db.drop_db().await;
+}
 
 /// The slot can hand a transaction over before other sessions see it
 /// commit. `look` must tell such a transaction apart from one whose rows
@@ -13,15 +130,7 @@ async fn look_reports_transactions_not_yet_visible() {
     let db = TestDb::create().await;
     let pool = db.pool().await;
     migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
-    let source = WalSource::new(
-        pool.clone(),
-        WalConfig {
-            url: db.url().to_owned(),
-            slot: db.name().to_owned(),
-            publication: "ferry".into(),
-        },
-    )
-    .unwrap();
+    let source = source_of(&db, &pool);
     let mut open = sqlx::PgConnection::connect(db.url()).await.unwrap();
     let mut tx = open.begin().await.unwrap();
     let xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::bigint")

@@ -35,6 +35,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use sqlx::Connection;
+
 /// Environment variable naming the directory of `initdb` and `postgres`.
 pub const BIN_ENV: &str = "FERRY_TEST_PG_BIN";
 /// How long a start (crash recovery included) may take.
@@ -169,6 +171,53 @@ impl PgServer {
             tokio::time::sleep(Duration::from_millis(250)).await;
         }
         panic!("the test cluster did not restart:\n{last}");
+    }
+
+    /// Makes PostgreSQL invalidate the replication slot `slot`, as it does
+    /// to a slot that holds back more WAL than `max_slot_wal_keep_size`:
+    /// sets that limit to 1 MB (kept for the rest of the test), then
+    /// switches to a new WAL segment and checkpoints until the slot's
+    /// `wal_status` reads `lost`. A streaming slot's walsender is ended by
+    /// the server, as in production.
+    ///
+    /// # Panics
+    ///
+    /// When the slot does not exist or is still not lost after ten rounds.
+    pub async fn invalidate_slot(&self, slot: &str) {
+        let mut admin = sqlx::PgConnection::connect(&self.admin_url())
+            .await
+            .expect("connect to the test cluster");
+        for statement in [
+            "ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'",
+            "SELECT pg_reload_conf()",
+            "CREATE TABLE IF NOT EXISTS ferry_test_wal_filler (at timestamptz)",
+        ] {
+            sqlx::query(statement).execute(&mut admin).await.expect(statement);
+        }
+        for _ in 0..10 {
+            // Something to switch away from, a new segment, and a
+            // checkpoint whose redo point lies past the slot's WAL: the
+            // checkpoint is where the server invalidates slots.
+            for statement in [
+                "INSERT INTO ferry_test_wal_filler VALUES (now())",
+                "SELECT pg_switch_wal()",
+                "CHECKPOINT",
+            ] {
+                sqlx::query(statement).execute(&mut admin).await.expect(statement);
+            }
+            let status: Option<Option<String>> =
+                sqlx::query_scalar("SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1")
+                    .bind(slot)
+                    .fetch_optional(&mut admin)
+                    .await
+                    .expect("read the slot's status");
+            match status {
+                None => panic!("invalidate_slot: there is no slot {slot}"),
+                Some(Some(s)) if s == "lost" => return,
+                Some(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        panic!("slot {slot} is still not lost; server log:\n{}", self.log());
     }
 
     /// What the server logged so far.

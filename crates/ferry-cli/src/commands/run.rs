@@ -163,7 +163,7 @@ async fn wal(cfg: &Config, store: &crate::store::AnyStore) -> anyhow::Result<fer
     )
     .map_err(|e| UsageError(e.message))?;
     match source.prepare().await {
-        Ok(_) => {}
+        Ok(prepared) => ferry_relay::wal::report_prepared(&prepared, &cfg.relay.wal_slot),
         Err(e) if e.kind == ErrorKind::Config => {
             return Err(UsageError(format!("relay.mode = \"wal\": {}", e.message)).into());
         }

@@ -122,7 +122,27 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
         .fetch_one(pool)
         .await?;
     out.push(match slot_row {
-        None => finding(what, can, "not created yet; the relay creates it at start"),
+        None => {
+            // Read only for the wording: before `ferry migrate` the table
+            // is missing, and the slot is simply not created yet.
+            let streamed: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
+                .bind(slot)
+                .fetch_optional(pool)
+                .await
+                .ok()
+                .flatten();
+            if streamed == Some(true) {
+                finding(
+                    what,
+                    can,
+                    "gone though a relay streamed from it (a failover to a standby, a restore, or a drop by \
+                     hand): the relay makes a new one at start and sweeps every undelivered outbox row; \
+                     tableless events the old slot had not handed over are lost",
+                )
+            } else {
+                finding(what, can, "not created yet; the relay creates it at start")
+            }
+        }
         Some((db, plugin, active, pid, status, lag)) => {
             if db.as_deref() != Some(here.as_str()) || plugin.as_deref() != Some("pgoutput") {
                 finding(
@@ -138,12 +158,10 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
                 finding(
                     what,
                     false,
-                    format!(
-                        "lost: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size). Outbox rows are \
-                         safe in the table; run SELECT pg_drop_replication_slot('{slot}') and restart the relay, \
-                         which recreates the slot and sweeps every unrouted row. Tableless events of that \
-                         window cannot be recovered"
-                    ),
+                    "lost: PostgreSQL removed WAL it still needed (max_slot_wal_keep_size). Outbox rows are \
+                     safe in the table: a relay in WAL mode replaces the slot at its next attempt to stream \
+                     (start one if none runs) and sweeps every unrouted row. Tableless events of that \
+                     window cannot be recovered",
                 )
             } else {
                 let lag = lag.unwrap_or(0).max(0) as u64;

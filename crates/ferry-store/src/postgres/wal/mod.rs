@@ -49,6 +49,57 @@ pub fn valid_name(name: &str) -> bool {
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
 }
 
+/// What [`WalSource::prepare`] found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prepared {
+    /// The events committed before the slot existed still wait for their
+    /// sweep into the table path.
+    pub unswept: bool,
+    /// A slot that had streamed was lost, and a new one made in its place.
+    pub replaced: Option<SlotLoss>,
+}
+
+/// How the slot a relay had streamed from was lost. Either way the outbox
+/// rows are safe (the new slot's sweep delivers them), but tableless events
+/// the old slot had not yet handed over, and those whose failed delivery the
+/// relay had not yet written to the outbox, are gone: they lived only in
+/// the slot's WAL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotLoss {
+    /// PostgreSQL invalidated it (`wal_status = lost`): it removed WAL the
+    /// slot still needed, past `max_slot_wal_keep_size`.
+    Lost,
+    /// It no longer exists, though `ferry.wal_slots` says it had streamed:
+    /// a failover to a standby (before PostgreSQL 17 slots exist only on
+    /// the primary), a restore from backup, or a drop by hand.
+    Vanished,
+}
+
+impl SlotLoss {
+    /// A label for metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SlotLoss::Lost => "lost",
+            SlotLoss::Vanished => "vanished",
+        }
+    }
+}
+
+impl std::fmt::Display for SlotLoss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SlotLoss::Lost => {
+                "PostgreSQL invalidated the replication slot (wal_status = lost: it removed WAL the slot \
+                 still needed, see max_slot_wal_keep_size)"
+            }
+            SlotLoss::Vanished => {
+                "the replication slot is gone though it had streamed (a failover to a standby, a restore \
+                 from backup, or a drop by hand)"
+            }
+        })
+    }
+}
+
 /// The database side of WAL streaming mode.
 #[derive(Debug, Clone)]
 pub struct WalSource {
@@ -79,10 +130,18 @@ impl WalSource {
 
     /// Creates the publication and the slot when they are missing, after
     /// checking that the server can stream at all. A configuration problem
-    /// comes back as a `Config` error naming the fix. Returns whether the
+    /// comes back as a `Config` error naming the fix. Says whether the
     /// events committed before the slot existed still wait for their sweep
-    /// ([`unrouted`](Self::unrouted), then [`mark_swept`](Self::mark_swept)).
-    pub async fn prepare(&self) -> Result<bool, StoreError> {
+    /// ([`unrouted`](Self::unrouted), then [`mark_swept`](Self::mark_swept)),
+    /// and whether a slot that had streamed was lost and replaced.
+    ///
+    /// A slot PostgreSQL invalidated (`wal_status = lost`: it removed WAL
+    /// the slot still needed) can never stream again, and until it is gone
+    /// every outbox row waits in `unrouted` undelivered. So it is dropped
+    /// and made anew here, which sweeps those rows into the table path.
+    /// Tableless events of the lost WAL are gone either way; the caller
+    /// reports the loss ([`SlotLoss`]).
+    pub async fn prepare(&self) -> Result<Prepared, StoreError> {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let wal_level: String = sqlx::query_scalar("SHOW wal_level")
             .fetch_one(&mut *conn)
@@ -114,48 +173,102 @@ impl WalSource {
                 return Err(explain(e, "create the publication"));
             }
         }
-        let slot_db: Option<(Option<String>, Option<String>)> =
-            sqlx::query_as("SELECT database::text, plugin::text FROM pg_replication_slots WHERE slot_name = $1")
-                .bind(slot)
-                .fetch_optional(&mut *conn)
-                .await
-                .map_err(store_error)?;
+        type SlotRow = (Option<String>, Option<String>, Option<String>);
+        const SLOT_ROW: &str =
+            "SELECT database::text, plugin::text, wal_status FROM pg_replication_slots WHERE slot_name = $1";
+        let mut slot_row: Option<SlotRow> = sqlx::query_as(SLOT_ROW)
+            .bind(slot)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
         let here: String = sqlx::query_scalar("SELECT current_database()::text")
             .fetch_one(&mut *conn)
             .await
             .map_err(store_error)?;
-        match slot_db {
-            Some((db, plugin)) => {
-                if db.as_deref() != Some(here.as_str()) || plugin.as_deref() != Some("pgoutput") {
-                    return Err(StoreError::config(format!(
-                        "replication slot {slot} exists but is not a pgoutput slot of database {here} \
-                         (database {db:?}, plugin {plugin:?}); choose another [relay] wal_slot"
-                    )));
-                }
+        // Whether the slot had streamed: ready means its start-up sweep was
+        // done, so tableless events may have been written for it.
+        let was_ready: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
+            .bind(slot)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(store_error)?;
+        let mut replaced = None;
+        if let Some((db, plugin, status)) = &slot_row {
+            if db.as_deref() != Some(here.as_str()) || plugin.as_deref() != Some("pgoutput") {
+                return Err(StoreError::config(format!(
+                    "replication slot {slot} exists but is not a pgoutput slot of database {here} \
+                     (database {db:?}, plugin {plugin:?}); choose another [relay] wal_slot"
+                )));
             }
-            None => {
-                // A new slot streams only what commits after it: whatever
-                // is unrouted now must be swept before tableless events may
-                // be written (they could overtake it).
+            if status.as_deref() == Some("lost") {
+                // Refuse tableless events at once (ferry.emit also checks
+                // the slot's status), then drop the slot. Both only while it
+                // is still the lost one: another relay may have replaced it
+                // meanwhile, and its new slot must survive.
                 sqlx::query(
-                    "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
-                     ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
-                     settled_lsn = NULL",
+                    "UPDATE ferry.wal_slots SET ready = false, settled_lsn = NULL \
+                      WHERE slot = $1 AND EXISTS (SELECT 1 FROM pg_replication_slots \
+                                                   WHERE slot_name = $1 AND wal_status = 'lost')",
                 )
                 .bind(slot)
-                .bind(publication)
                 .execute(&mut *conn)
                 .await
                 .map_err(store_error)?;
-                let made = sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-                    .bind(slot)
-                    .execute(&mut *conn)
-                    .await;
-                if let Err(e) = made
-                    && !already_exists(&e)
-                {
-                    return Err(explain(e, "create the replication slot"));
+                let dropped = sqlx::query(
+                    "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                      WHERE slot_name = $1 AND wal_status = 'lost'",
+                )
+                .bind(slot)
+                .execute(&mut *conn)
+                .await;
+                match dropped {
+                    Ok(done) if done.rows_affected() == 1 => {
+                        replaced = Some(SlotLoss::Lost);
+                        slot_row = None;
+                    }
+                    // Another relay dropped it first: take the slot as it
+                    // is now, gone or made anew; that relay reports the loss.
+                    Ok(_) => {
+                        slot_row = sqlx::query_as(SLOT_ROW)
+                            .bind(slot)
+                            .fetch_optional(&mut *conn)
+                            .await
+                            .map_err(store_error)?;
+                    }
+                    Err(e) if undefined_object(&e) => slot_row = None,
+                    Err(e) => return Err(explain(e, "drop the lost replication slot")),
                 }
+            }
+        } else if was_ready == Some(true) {
+            replaced = Some(SlotLoss::Vanished);
+        }
+        if slot_row.is_none() {
+            // A new slot streams only what commits after it: whatever is
+            // unrouted now must be swept before tableless events may be
+            // written (they could overtake it).
+            sqlx::query(
+                "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
+                 ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
+                 settled_lsn = NULL",
+            )
+            .bind(slot)
+            .bind(publication)
+            .execute(&mut *conn)
+            .await
+            .map_err(store_error)?;
+            let made = sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+                .bind(slot)
+                .execute(&mut *conn)
+                .await;
+            if let Err(e) = made
+                && !already_exists(&e)
+            {
+                let mut err = explain(e, "create the replication slot");
+                // The next attempt no longer knows what happened before.
+                if let Some(loss) = replaced {
+                    err.message = format!("{}; before that, {loss}", err.message);
+                }
+                return Err(err);
             }
         }
         let ready: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
@@ -172,7 +285,10 @@ impl WalSource {
                 .await
                 .map_err(store_error)?;
         }
-        Ok(ready != Some(true))
+        Ok(Prepared {
+            unswept: ready != Some(true),
+            replaced,
+        })
     }
 
     /// Records that the events committed before the slot existed are swept
@@ -236,6 +352,11 @@ pub async fn slot_lag_bytes(pool: &PgPool, slot: &str) -> Result<Option<i64>, St
 /// Whether a relay starting at the same time created the object first.
 fn already_exists(e: &sqlx::Error) -> bool {
     e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42710")
+}
+
+/// Whether the object was gone already (another relay dropped it first).
+fn undefined_object(e: &sqlx::Error) -> bool {
+    e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42704")
 }
 
 /// Whether a relay streams from `slot` and has swept what was committed

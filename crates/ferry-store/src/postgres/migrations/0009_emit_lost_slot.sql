@@ -1,0 +1,57 @@
+-- WAL streaming: ferry.emit refuses to write while the only slot that
+-- would read the event is lost.
+--
+-- PostgreSQL invalidates a slot that holds back more WAL than
+-- max_slot_wal_keep_size allows (pg_replication_slots.wal_status = 'lost').
+-- Such a slot never streams again, so a logical decoding message written
+-- after that would be read by nobody: the event would be lost without an
+-- error. The relay drops a lost slot and makes a new one (which sweeps the
+-- outbox rows into the table path); until that new slot is swept,
+-- ferry.emit fails as it does when no slot exists.
+
+CREATE OR REPLACE FUNCTION ferry._emit(
+    p_id uuid, p_type text, p_key text, p_payload bytea, p_content_type text, p_headers jsonb
+) RETURNS uuid
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_type IS NULL OR length(p_type) > 255
+       OR p_type !~ '^[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)+$' THEN
+        RAISE EXCEPTION 'ferry: invalid event type %', coalesce(quote_literal(p_type), 'NULL')
+            USING ERRCODE = '22023',
+                  HINT = 'use lowercase segments of [a-z0-9_-] joined by dots, e.g. order.item.created';
+    END IF;
+    IF p_key IS NOT NULL AND (p_key = '' OR octet_length(p_key) > 512) THEN
+        RAISE EXCEPTION 'ferry: invalid event key: % bytes', octet_length(p_key)
+            USING ERRCODE = '22023',
+                  HINT = 'use a non-empty key of at most 512 bytes, or NULL for unordered events';
+    END IF;
+    IF p_payload IS NULL OR octet_length(p_payload) > 1048576 THEN
+        RAISE EXCEPTION 'ferry: invalid event payload: % bytes, the limit is 1048576', octet_length(p_payload)
+            USING ERRCODE = '22023',
+                  HINT = 'store large bodies elsewhere and put a reference in the event';
+    END IF;
+    IF p_headers IS NULL OR jsonb_typeof(p_headers) <> 'object'
+       OR (p_headers <> '{}'::jsonb
+           AND EXISTS (SELECT 1 FROM jsonb_each(p_headers) h WHERE jsonb_typeof(h.value) <> 'string')) THEN
+        RAISE EXCEPTION 'ferry: invalid event headers: %', p_headers
+            USING ERRCODE = '22023',
+                  HINT = 'headers must be a JSON object whose values are strings';
+    END IF;
+    -- Without a slot nobody would ever read the message: fail closed. A
+    -- lost slot will never read it either.
+    IF NOT EXISTS (SELECT 1 FROM ferry.wal_slots w JOIN pg_replication_slots s ON s.slot_name = w.slot
+                    WHERE w.ready AND s.database = current_database()
+                      AND s.wal_status IS DISTINCT FROM 'lost') THEN
+        RAISE EXCEPTION 'ferry: no WAL slot reads this database, so a tableless event would be lost'
+            USING ERRCODE = '55000',
+                  HINT = 'start a relay with [relay] mode = "wal" (it creates the slot, or replaces a lost one), '
+                         'or use ferry.enqueue';
+    END IF;
+    PERFORM pg_logical_emit_message(true, 'ferry', convert_to(jsonb_build_object(
+        'v', 1, 'id', p_id, 'type', p_type, 'key', p_key,
+        'content_type', coalesce(p_content_type, 'application/json'), 'headers', p_headers,
+        'payload', translate(encode(p_payload, 'base64'), E'\n', ''),
+        'created_at', now())::text, 'UTF8'));
+    RETURN p_id;
+END
+$$;
