@@ -41,6 +41,9 @@ pub const CAPTURE_DROPPED: &str = "ferry_capture_dropped_events";
 pub const WAL_STREAMING: &str = "ferry_wal_streaming";
 /// WAL the slot holds back (written since its confirmed position), in bytes.
 pub const WAL_LAG_BYTES: &str = "ferry_wal_lag_bytes";
+/// WAL that can still be written before the server invalidates the slot,
+/// in bytes; only with a `max_slot_wal_keep_size`.
+pub const WAL_SAFE_BYTES: &str = "ferry_wal_safe_bytes";
 /// Age of the newest transaction settled from the stream, at settling.
 pub const WAL_LAG_SECONDS: &str = "ferry_wal_lag_seconds";
 /// Streamed events queued in the table behind earlier deliveries of their
@@ -79,6 +82,11 @@ pub fn describe() {
         WAL_LAG_BYTES,
         Unit::Bytes,
         "WAL the slot holds back, written since its confirmed position."
+    );
+    describe_gauge!(
+        WAL_SAFE_BYTES,
+        Unit::Bytes,
+        "WAL that can still be written before PostgreSQL invalidates the slot (max_slot_wal_keep_size)."
     );
     describe_gauge!(
         WAL_LAG_SECONDS,

@@ -15,7 +15,9 @@ use std::sync::Arc;
 
 use chrono::Utc;
 use ferry_core::{Claimed, Clock, ErrorKind, NO_ROUTE, Route, Store, StoreError};
-use ferry_store::postgres::wal::{Outcome, Prepared, Settlement, WalEvent, WalItem, WalSource, WalStream, WalTxn};
+use ferry_store::postgres::wal::{
+    Outcome, Prepared, Settlement, SlotLag, WalEvent, WalItem, WalSource, WalStream, WalTxn,
+};
 use tokio::time::{Duration, Instant};
 use tracing::{debug, error, info, warn};
 
@@ -301,12 +303,15 @@ async fn settle_and_confirm<S: Store, C: Clock>(
 }
 
 async fn read_lag(source: &WalSource, options: &WalOptions) {
-    match source.lag_bytes().await {
-        Ok(Some(lag)) => {
-            ::metrics::gauge!(metrics::WAL_LAG_BYTES).set(lag as f64);
-            if lag.max(0) as u64 > options.lag_budget {
+    match source.lag().await {
+        Ok(Some(SlotLag { behind, safe })) => {
+            ::metrics::gauge!(metrics::WAL_LAG_BYTES).set(behind as f64);
+            if let Some(safe) = safe {
+                ::metrics::gauge!(metrics::WAL_SAFE_BYTES).set(safe as f64);
+            }
+            if behind.max(0) as u64 > options.lag_budget {
                 warn!(
-                    lag_bytes = lag,
+                    lag_bytes = behind,
                     budget = options.lag_budget,
                     slot = %source.config().slot,
                     "the WAL slot holds back more than its budget"

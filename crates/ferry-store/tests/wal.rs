@@ -88,6 +88,32 @@ async fn a_lost_slot_refuses_tableless_events_and_is_replaced() {
     assert!(emit_one(&pool).await.is_err(), "ferry.emit wrote before the sweep");
     source.mark_swept().await.unwrap();
     emit_one(&pool).await.expect("the new slot reads tableless events");
+    // max_slot_wal_keep_size caps slots now: how far from lost it is shows.
+    let lag = source.lag().await.unwrap().expect("the slot exists");
+    assert!(lag.safe.is_some(), "{lag:?}");
+    let check = slot_check(&db, &pool).await;
+    assert!(
+        check.ok && check.detail.contains("PostgreSQL invalidates it after"),
+        "{check:?}"
+    );
+    // Past the cap, the slot waits only for the next checkpoint to be lost.
+    sqlx::query("CREATE TABLE wal_filler (at timestamptz)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        sqlx::query("INSERT INTO wal_filler VALUES (now())")
+            .execute(&pool)
+            .await
+            .unwrap();
+        sqlx::query("SELECT pg_switch_wal()").execute(&pool).await.unwrap();
+    }
+    assert_eq!(wal_status(&pool, slot).await.as_deref(), Some("unreserved"));
+    let check = slot_check(&db, &pool).await;
+    assert!(
+        !check.ok && check.detail.contains("the next checkpoint invalidates it"),
+        "{check:?}"
+    );
     assert_eq!(
         source.prepare().await.unwrap(),
         Prepared {

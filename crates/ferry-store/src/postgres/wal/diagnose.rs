@@ -109,10 +109,11 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
         Option<i32>,
         Option<String>,
         Option<i64>,
+        Option<i64>,
     );
     let slot_row: Option<SlotRow> = sqlx::query_as(
         "SELECT database::text, plugin::text, active, active_pid, wal_status, \
-                pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint \
+                pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, safe_wal_size \
            FROM pg_replication_slots WHERE slot_name = $1",
     )
     .bind(slot)
@@ -143,7 +144,7 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
                 finding(what, can, "not created yet; the relay creates it at start")
             }
         }
-        Some((db, plugin, active, pid, status, lag)) => {
+        Some((db, plugin, active, pid, status, lag, safe)) => {
             if db.as_deref() != Some(here.as_str()) || plugin.as_deref() != Some("pgoutput") {
                 finding(
                     what,
@@ -169,17 +170,32 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
                     (true, Some(pid)) => format!("streaming (walsender pid {pid})"),
                     _ => "idle: no relay streams from it".to_owned(),
                 };
-                if lag > lag_budget {
+                // How much more WAL before the server invalidates the slot,
+                // when max_slot_wal_keep_size caps it.
+                let margin = safe
+                    .map(|safe| format!("; PostgreSQL invalidates it after {} more bytes of WAL", safe.max(0)))
+                    .unwrap_or_default();
+                if status.as_deref() == Some("unreserved") {
+                    finding(
+                        what,
+                        false,
+                        format!(
+                            "{who}; holds back {lag} bytes of WAL, more than max_slot_wal_keep_size: the next \
+                             checkpoint invalidates it unless a relay catches up first (start one, or raise \
+                             max_slot_wal_keep_size)"
+                        ),
+                    )
+                } else if lag > lag_budget {
                     finding(
                         what,
                         false,
                         format!(
                             "{who}; holds back {lag} bytes of WAL, over the budget of {lag_budget} \
-                             ([relay] wal_lag_budget): start a relay, or see what slows it (ferry status)"
+                             ([relay] wal_lag_budget): start a relay, or see what slows it (ferry status){margin}"
                         ),
                     )
                 } else {
-                    finding(what, true, format!("{who}; {lag} bytes behind"))
+                    finding(what, true, format!("{who}; {lag} bytes behind{margin}"))
                 }
             }
         }

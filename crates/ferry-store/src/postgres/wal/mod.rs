@@ -329,24 +329,39 @@ impl WalSource {
         })
     }
 
-    /// Bytes of WAL the slot holds back: written since its confirmed
-    /// position. `None` when the slot does not exist.
-    pub async fn lag_bytes(&self) -> Result<Option<i64>, StoreError> {
-        slot_lag_bytes(&self.pool, &self.config.slot).await
+    /// How far the slot is behind, and how far from being lost. `None`
+    /// when the slot does not exist.
+    pub async fn lag(&self) -> Result<Option<SlotLag>, StoreError> {
+        slot_lag(&self.pool, &self.config.slot).await
     }
 }
 
-/// Bytes of WAL the slot holds back, `None` when it does not exist.
-pub async fn slot_lag_bytes(pool: &PgPool, slot: &str) -> Result<Option<i64>, StoreError> {
-    let lag: Option<Option<i64>> = sqlx::query_scalar(
-        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint \
+/// How far a slot is behind, and how far from being lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotLag {
+    /// Bytes of WAL the slot holds back: written since its confirmed
+    /// position.
+    pub behind: i64,
+    /// Bytes of WAL that can still be written before the server invalidates
+    /// the slot (`safe_wal_size`); `None` while `max_slot_wal_keep_size` is
+    /// unlimited (-1, the default) or the slot is lost already.
+    pub safe: Option<i64>,
+}
+
+/// How far the slot is behind, `None` when it does not exist.
+pub async fn slot_lag(pool: &PgPool, slot: &str) -> Result<Option<SlotLag>, StoreError> {
+    let row: Option<(Option<i64>, Option<i64>)> = sqlx::query_as(
+        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, safe_wal_size \
            FROM pg_replication_slots WHERE slot_name = $1",
     )
     .bind(slot)
     .fetch_optional(pool)
     .await
     .map_err(store_error)?;
-    Ok(lag.flatten())
+    Ok(row.map(|(behind, safe)| SlotLag {
+        behind: behind.unwrap_or(0),
+        safe,
+    }))
 }
 
 /// Whether a relay starting at the same time created the object first.
