@@ -1,6 +1,7 @@
 //! Operations end to end: a running `ferry run` scraped at `/metrics`, its
-//! `/healthz` and `/readyz` through a database outage, background
-//! retention with its archive, and `ferry purge`.
+//! `/healthz` and `/readyz` through a database outage, a lost WAL slot
+//! reported and replaced, background retention with its archive, and
+//! `ferry purge`.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 use ferry_core::Event;
 use ferry_store::postgres::enqueue_batch;
 use ferry_testkit::pg::TestDb;
+use ferry_testkit::pg_server::PgServer;
 use ferry_testkit::process::dies_with_test;
 use ferry_testkit::proxy::Proxy;
 use serde_json::json;
@@ -28,7 +30,11 @@ struct Ops {
 
 impl Ops {
     async fn new() -> Ops {
-        let db = TestDb::create().await;
+        Self::on(TestDb::create().await).await
+    }
+
+    /// On `db`, whatever server that is.
+    async fn on(db: TestDb) -> Ops {
         let pool = db.pool().await;
         let ops = Ops {
             db,
@@ -55,6 +61,7 @@ max_connections = 4
 [relay]
 lease = "3s"
 poll_interval = "1s"
+{wal}
 
 [log]
 level = "warn"
@@ -77,6 +84,12 @@ sink = "out"
 destination = "all"
 "#,
             enabled = s.retention,
+            // Slot names are server-wide: one per test database.
+            wal = if s.wal {
+                format!("mode = \"wal\"\nwal_slot = \"{}\"", self.db.name())
+            } else {
+                String::new()
+            },
             archive = s
                 .archive_dir
                 .as_ref()
@@ -145,6 +158,8 @@ struct Settings {
     metrics: Option<SocketAddr>,
     retention: bool,
     archive_dir: Option<PathBuf>,
+    /// WAL streaming mode, with a slot named after the test database.
+    wal: bool,
 }
 
 struct Running {
@@ -395,6 +410,82 @@ async fn a_running_relay_serves_metrics_health_and_readiness_and_retention_archi
     let status = relay.terminate();
     assert!(status.success(), "SIGTERM must exit 0, got {status:?}");
     assert!(get(addr, "/healthz").is_none(), "the endpoint stops with the relay");
+}
+
+/// A slot PostgreSQL invalidated while no relay ran: `ferry check` fails on
+/// it, and the relay that starts next replaces it, delivers every outbox
+/// row, logs the loss of the old slot's tableless events as an error and
+/// counts it; with `max_slot_wal_keep_size` set, `/metrics` shows how far
+/// the new slot is from the same fate.
+#[tokio::test]
+async fn a_relay_replaces_a_lost_slot_delivers_every_row_and_reports_the_loss() {
+    let server = PgServer::start().await;
+    let ops = Ops::on(TestDb::create_on(&server.admin_url()).await).await;
+    let slot = ops.db.name().to_owned();
+    let addr = free_addr();
+    let cfg = ops.config(&Settings {
+        metrics: Some(addr),
+        wal: true,
+        ..Settings::default()
+    });
+    let relay = ops.spawn(&cfg);
+    eventually(
+        "streaming",
+        || relay.log(),
+        async || {
+            ferry_store::postgres::wal::streaming(&ops.pool, &slot)
+                .await
+                .unwrap()
+                .then_some(())
+        },
+    )
+    .await;
+    ops.produce(100).await;
+    eventually(
+        "100 published",
+        || relay.log(),
+        async || (ops.published().await == 100).then_some(()),
+    )
+    .await;
+    assert!(relay.terminate().success());
+
+    ops.produce(100).await;
+    server.invalidate_slot(&slot).await;
+    ops.produce(100).await;
+    let check = ops.ferry(&cfg, &["check"]);
+    let report = String::from_utf8_lossy(&check.stdout);
+    assert_eq!(check.status.code(), Some(1), "{report}");
+    assert!(
+        report.contains(&format!("FAIL replication slot {slot}: lost:")),
+        "{report}"
+    );
+
+    let relay = ops.spawn(&cfg);
+    let log = || relay.log();
+    eventually("300 published", log, async || {
+        (ops.published().await == 300).then_some(())
+    })
+    .await;
+    let samples = eventually("the lag read on the new slot", log, async || {
+        let samples = parse_metrics(&get(addr, "/metrics")?.1);
+        total(&samples, "ferry_wal_safe_bytes", &[])
+            .is_some()
+            .then_some(samples)
+    })
+    .await;
+    assert_eq!(
+        total(&samples, "ferry_wal_slot_replaced_total", &[("reason", "lost")]),
+        Some(1.0),
+        "log:\n{}",
+        relay.log()
+    );
+    let logged = relay.log();
+    assert!(
+        logged.contains("ERROR") && logged.contains("PostgreSQL invalidated the replication slot"),
+        "{logged}"
+    );
+    assert!(relay.terminate().success());
+    ops.pool.close().await;
 }
 
 #[tokio::test]
