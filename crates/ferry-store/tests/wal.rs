@@ -21,13 +21,19 @@ fn source_of(db: &TestDb, pool: &PgPool) -> WalSource {
     WalSource::new(pool.clone(), config_of(db)).unwrap()
 }
 
-/// One tableless event in a transaction of its own.
-async fn emit_one(pool: &PgPool) -> Result<(), String> {
+/// Emits one event in a transaction of its own; says whether it became an
+/// outbox row instead of a tableless event.
+async fn emit_one(pool: &PgPool) -> bool {
     let mut tx = pool.begin().await.unwrap();
-    emit(&mut tx, Event::new("order.placed", json!({ "n": 1 })).key("k"))
+    let id = emit(&mut tx, Event::new("order.placed", json!({ "n": 1 })).key("k"))
         .await
-        .map_err(|e| e.to_string())?;
-    tx.commit().await.map_err(|e| e.to_string())
+        .unwrap();
+    tx.commit().await.unwrap();
+    sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM ferry.events WHERE id = $1)")
+        .bind(id.0)
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 /// What `ferry check` says of the slot.
@@ -48,30 +54,33 @@ async fn wal_status(pool: &PgPool, slot: &str) -> Option<String> {
         .flatten()
 }
 
-/// A slot PostgreSQL invalidated never streams again. Until it is replaced,
-/// a tableless event written for it would be read by nobody, so `ferry.emit`
-/// refuses; `prepare` replaces it (outbox rows then wait for the new slot's
-/// sweep) and says so. A slot gone altogether, as after a failover, is
+/// A slot PostgreSQL invalidated never streams again: a tableless event
+/// written for it would be read by nobody, so until a relay has replaced
+/// and swept it `ferry.emit` writes outbox rows instead, as it does before a
+/// slot is ready and while one is about to be lost. `prepare` replaces a lost
+/// slot and says so; a slot gone altogether, as after a failover, is
 /// replaced and reported too.
 #[tokio::test]
-async fn a_lost_slot_refuses_tableless_events_and_is_replaced() {
+async fn a_lost_slot_is_replaced_and_meanwhile_emit_writes_outbox_rows() {
     let server = PgServer::start().await;
     let db = TestDb::create_on(&server.admin_url()).await;
     let pool = db.pool().await;
     migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
     let source = source_of(&db, &pool);
     let slot = db.name();
+    assert!(emit_one(&pool).await, "no slot: the event must become an outbox row");
     let fresh = Prepared {
         unswept: true,
         replaced: None,
     };
     assert_eq!(source.prepare().await.unwrap(), fresh);
+    // Not swept yet: a tableless event could overtake an older row.
+    assert!(emit_one(&pool).await, "before the sweep: the event must become a row");
     source.mark_swept().await.unwrap();
-    emit_one(&pool).await.expect("a ready slot reads tableless events");
+    assert!(!emit_one(&pool).await, "a ready slot reads tableless events");
 
     server.invalidate_slot(slot).await;
-    let refused = emit_one(&pool).await.expect_err("ferry.emit wrote for a lost slot");
-    assert!(refused.contains("no WAL slot reads this database"), "{refused}");
+    assert!(emit_one(&pool).await, "a lost slot: the event must become a row");
     let check = slot_check(&db, &pool).await;
     assert!(!check.ok && check.detail.starts_with("lost:"), "{check:?}");
     let replaced = source.prepare().await.unwrap();
@@ -83,11 +92,9 @@ async fn a_lost_slot_refuses_tableless_events_and_is_replaced() {
         }
     );
     assert_eq!(wal_status(&pool, slot).await.as_deref(), Some("reserved"));
-    // The new slot is not swept yet: a tableless event could overtake an
-    // outbox row committed before it.
-    assert!(emit_one(&pool).await.is_err(), "ferry.emit wrote before the sweep");
+    assert!(emit_one(&pool).await, "the new slot is not swept yet");
     source.mark_swept().await.unwrap();
-    emit_one(&pool).await.expect("the new slot reads tableless events");
+    assert!(!emit_one(&pool).await, "the new slot reads tableless events");
     // max_slot_wal_keep_size caps slots now: how far from lost it is shows.
     let lag = source.lag().await.unwrap().expect("the slot exists");
     assert!(lag.safe.is_some(), "{lag:?}");
@@ -109,6 +116,10 @@ async fn a_lost_slot_refuses_tableless_events_and_is_replaced() {
         sqlx::query("SELECT pg_switch_wal()").execute(&pool).await.unwrap();
     }
     assert_eq!(wal_status(&pool, slot).await.as_deref(), Some("unreserved"));
+    assert!(
+        emit_one(&pool).await,
+        "a slot about to be lost: the event must become a row"
+    );
     let check = slot_check(&db, &pool).await;
     assert!(
         !check.ok && check.detail.contains("the next checkpoint invalidates it"),
@@ -120,7 +131,7 @@ async fn a_lost_slot_refuses_tableless_events_and_is_replaced() {
             unswept: false,
             replaced: None,
         },
-        "a healthy slot is kept"
+        "a slot not lost is kept"
     );
 
     sqlx::query("SELECT pg_drop_replication_slot($1)")

@@ -10,7 +10,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (6, "direct", include_str!("migrations/0006_direct.sql")),
     (7, "enqueue", include_str!("migrations/0007_enqueue.sql")),
     (8, "wal_settled", include_str!("migrations/0008_wal_settled.sql")),
-    (9, "emit_lost_slot", include_str!("migrations/0009_emit_lost_slot.sql")),
+    (9, "emit_fallback", include_str!("migrations/0009_emit_fallback.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

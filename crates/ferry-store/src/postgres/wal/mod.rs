@@ -201,9 +201,9 @@ impl WalSource {
                 )));
             }
             if status.as_deref() == Some("lost") {
-                // Refuse tableless events at once (ferry.emit also checks
-                // the slot's status), then drop the slot. Both only while it
-                // is still the lost one: another relay may have replaced it
+                // Mark the slot unswept (ferry.emit writes outbox rows while
+                // it is lost anyway), then drop it. Both only while it is
+                // still the lost one: another relay may have replaced it
                 // meanwhile, and its new slot must survive.
                 sqlx::query(
                     "UPDATE ferry.wal_slots SET ready = false, settled_lsn = NULL \
@@ -545,9 +545,13 @@ impl WalStream {
 
 /// Writes `event` as a tableless event in the caller's transaction: a
 /// logical decoding message that the WAL relay publishes at commit. No
-/// outbox row is written unless its delivery fails. Fails when no slot
-/// reads this database (the event would be lost), and ignores a dispatch
-/// key (there is no table to deduplicate against).
+/// outbox row is written unless its delivery fails, or unless no healthy
+/// slot would read the message (none yet, not swept yet, or invalidated or
+/// about to be by the server): then the event is written as [`enqueue`]
+/// writes it, so it is never lost and the transaction still commits.
+/// Ignores a dispatch key (there is no table to deduplicate against).
+///
+/// [`enqueue`]: crate::postgres::enqueue
 pub async fn emit(conn: &mut PgConnection, event: Event) -> Result<EventId, EnqueueError> {
     if !conn.is_in_transaction() {
         return Err(EnqueueError::NotInTransaction);

@@ -1,13 +1,20 @@
--- WAL streaming: ferry.emit refuses to write while the only slot that
--- would read the event is lost.
+-- WAL streaming: ferry.emit writes an outbox row instead of a tableless
+-- event whenever no healthy slot would read the event.
 --
--- PostgreSQL invalidates a slot that holds back more WAL than
--- max_slot_wal_keep_size allows (pg_replication_slots.wal_status = 'lost').
--- Such a slot never streams again, so a logical decoding message written
--- after that would be read by nobody: the event would be lost without an
--- error. The relay drops a lost slot and makes a new one (which sweeps the
--- outbox rows into the table path); until that new slot is swept,
--- ferry.emit fails as it does when no slot exists.
+-- Until now it refused (the producer's transaction failed) while no ready
+-- slot read the database, and it wrote tableless events for a slot the
+-- server had invalidated: PostgreSQL gives up a slot that holds back more
+-- WAL than max_slot_wal_keep_size (pg_replication_slots.wal_status =
+-- 'lost'; 'unreserved' while only the next checkpoint stands between it and
+-- that), after which it never streams again and such an event was lost
+-- without an error.
+--
+-- Now the event is written as ferry.enqueue writes it whenever the slot is
+-- missing, not yet swept (a tableless event could overtake an older row of
+-- its key), unreserved or lost: the row is streamed or swept like any
+-- other and delivered in order with the rest of its key, and the
+-- producer's transaction commits. Tableless events are what a healthy slot
+-- gets, and nothing else changes for them.
 
 CREATE OR REPLACE FUNCTION ferry._emit(
     p_id uuid, p_type text, p_key text, p_payload bytea, p_content_type text, p_headers jsonb
@@ -37,15 +44,13 @@ BEGIN
             USING ERRCODE = '22023',
                   HINT = 'headers must be a JSON object whose values are strings';
     END IF;
-    -- Without a slot nobody would ever read the message: fail closed. A
-    -- lost slot will never read it either.
+    -- Only a ready slot that keeps its WAL reads the message for sure.
+    -- Otherwise the event becomes an outbox row, which every relay mode
+    -- delivers (no dispatch key: ferry.emit takes none).
     IF NOT EXISTS (SELECT 1 FROM ferry.wal_slots w JOIN pg_replication_slots s ON s.slot_name = w.slot
                     WHERE w.ready AND s.database = current_database()
-                      AND s.wal_status IS DISTINCT FROM 'lost') THEN
-        RAISE EXCEPTION 'ferry: no WAL slot reads this database, so a tableless event would be lost'
-            USING ERRCODE = '55000',
-                  HINT = 'start a relay with [relay] mode = "wal" (it creates the slot, or replaces a lost one), '
-                         'or use ferry.enqueue';
+                      AND s.wal_status IN ('reserved', 'extended')) THEN
+        RETURN ferry._enqueue(p_id, p_type, p_key, p_payload, p_content_type, p_headers, NULL);
     END IF;
     PERFORM pg_logical_emit_message(true, 'ferry', convert_to(jsonb_build_object(
         'v', 1, 'id', p_id, 'type', p_type, 'key', p_key,
