@@ -172,10 +172,14 @@ impl Running {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    fn signal(&self, signal: i32) {
+        // SAFETY: kill(2) on our own child's pid with a valid signal.
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
     /// SIGTERM; the exit status.
     fn terminate(mut self) -> std::process::ExitStatus {
-        // SAFETY: kill(2) on our own child's pid with a valid signal.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.signal(libc::SIGTERM);
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
             if let Some(status) = self.child.try_wait().unwrap() {
@@ -419,6 +423,24 @@ async fn a_running_relay_serves_metrics_health_and_readiness_and_retention_archi
 /// the new slot is from the same fate.
 #[tokio::test]
 async fn a_relay_replaces_a_lost_slot_delivers_every_row_and_reports_the_loss() {
+    replaces_a_lost_slot(Outage::Stopped).await;
+}
+
+/// The same with the relay paused (SIGSTOP) instead of stopped: the server
+/// ends the walsender of the slot it invalidates, and the relay, resumed,
+/// finds its stream gone and the slot lost.
+#[tokio::test]
+async fn a_relay_paused_until_its_slot_is_lost_replaces_it_when_it_resumes() {
+    replaces_a_lost_slot(Outage::Paused).await;
+}
+
+/// What the relay does while the server invalidates its slot.
+enum Outage {
+    Stopped,
+    Paused,
+}
+
+async fn replaces_a_lost_slot(outage: Outage) {
     let server = PgServer::start().await;
     let ops = Ops::on(TestDb::create_on(&server.admin_url()).await).await;
     let slot = ops.db.name().to_owned();
@@ -447,7 +469,16 @@ async fn a_relay_replaces_a_lost_slot_delivers_every_row_and_reports_the_loss() 
         async || (ops.published().await == 100).then_some(()),
     )
     .await;
-    assert!(relay.terminate().success());
+    let paused = match outage {
+        Outage::Stopped => {
+            assert!(relay.terminate().success());
+            None
+        }
+        Outage::Paused => {
+            relay.signal(libc::SIGSTOP);
+            Some(relay)
+        }
+    };
 
     ops.produce(100).await;
     server.invalidate_slot(&slot).await;
@@ -460,7 +491,13 @@ async fn a_relay_replaces_a_lost_slot_delivers_every_row_and_reports_the_loss() 
         "{report}"
     );
 
-    let relay = ops.spawn(&cfg);
+    let relay = match paused {
+        None => ops.spawn(&cfg),
+        Some(relay) => {
+            relay.signal(libc::SIGCONT);
+            relay
+        }
+    };
     let log = || relay.log();
     eventually("300 published", log, async || {
         (ops.published().await == 300).then_some(())
