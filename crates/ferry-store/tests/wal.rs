@@ -189,3 +189,43 @@ async fn look_reports_transactions_not_yet_visible() {
     drop(open);
     db.drop_db().await;
 }
+
+/// The SQL door, `ferry.emit(type, key, payload)`: without a healthy slot it
+/// writes `ferry.enqueue`'s row, checked by that; with one, a tableless
+/// event, checked by `ferry._emit` itself. Either way a bad event is refused
+/// with the fix, and a good one comes back with its id.
+#[tokio::test]
+async fn the_sql_emit_checks_the_event_with_or_without_a_slot() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    for slot_ready in [false, true] {
+        if slot_ready {
+            source.prepare().await.unwrap();
+            source.mark_swept().await.unwrap();
+        }
+        let err = sqlx::query("SELECT ferry.emit('Order Placed', 'k', '{}')")
+            .execute(&pool)
+            .await
+            .expect_err("a bad event type was accepted");
+        let err = err.as_database_error().expect("refused by the database");
+        assert_eq!(err.code().as_deref(), Some("22023"), "{err}");
+        assert!(err.message().contains("invalid event type"), "{err}");
+        let id: uuid::Uuid = sqlx::query_scalar("SELECT ferry.emit('order.placed', 'k', '{\"n\": 1}')")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let row: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM ferry.events WHERE id = $1)")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(
+            row, !slot_ready,
+            "a row only without a ready slot (slot ready: {slot_ready})"
+        );
+    }
+    pool.close().await;
+    db.drop_db().await;
+}

@@ -21,6 +21,15 @@ CREATE OR REPLACE FUNCTION ferry._emit(
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 BEGIN
+    -- Only a ready slot that keeps its WAL reads the message for sure.
+    -- Otherwise the event becomes an outbox row, which every relay mode
+    -- delivers (ferry._enqueue checks it; no dispatch key: ferry.emit
+    -- takes none).
+    IF NOT EXISTS (SELECT 1 FROM ferry.wal_slots w JOIN pg_replication_slots s ON s.slot_name = w.slot
+                    WHERE w.ready AND s.database = current_database()
+                      AND s.wal_status IN ('reserved', 'extended')) THEN
+        RETURN ferry._enqueue(p_id, p_type, p_key, p_payload, p_content_type, p_headers, NULL);
+    END IF;
     IF p_type IS NULL OR length(p_type) > 255
        OR p_type !~ '^[a-z0-9][a-z0-9_-]*(\.[a-z0-9][a-z0-9_-]*)+$' THEN
         RAISE EXCEPTION 'ferry: invalid event type %', coalesce(quote_literal(p_type), 'NULL')
@@ -43,14 +52,6 @@ BEGIN
         RAISE EXCEPTION 'ferry: invalid event headers: %', p_headers
             USING ERRCODE = '22023',
                   HINT = 'headers must be a JSON object whose values are strings';
-    END IF;
-    -- Only a ready slot that keeps its WAL reads the message for sure.
-    -- Otherwise the event becomes an outbox row, which every relay mode
-    -- delivers (no dispatch key: ferry.emit takes none).
-    IF NOT EXISTS (SELECT 1 FROM ferry.wal_slots w JOIN pg_replication_slots s ON s.slot_name = w.slot
-                    WHERE w.ready AND s.database = current_database()
-                      AND s.wal_status IN ('reserved', 'extended')) THEN
-        RETURN ferry._enqueue(p_id, p_type, p_key, p_payload, p_content_type, p_headers, NULL);
     END IF;
     PERFORM pg_logical_emit_message(true, 'ferry', convert_to(jsonb_build_object(
         'v', 1, 'id', p_id, 'type', p_type, 'key', p_key,
