@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use ferry_core::Event;
 use ferry_store::postgres::enqueue_batch;
 use ferry_testkit::pg::TestDb;
+#[cfg(feature = "postgres")]
 use ferry_testkit::pg_server::PgServer;
 use ferry_testkit::process::dies_with_test;
 use ferry_testkit::proxy::Proxy;
@@ -421,6 +422,7 @@ async fn a_running_relay_serves_metrics_health_and_readiness_and_retention_archi
 /// row, logs the loss of the old slot's tableless events as an error and
 /// counts it; with `max_slot_wal_keep_size` set, `/metrics` shows how far
 /// the new slot is from the same fate.
+#[cfg(feature = "postgres")]
 #[tokio::test]
 async fn a_relay_replaces_a_lost_slot_delivers_every_row_and_reports_the_loss() {
     replaces_a_lost_slot(Outage::Stopped).await;
@@ -429,17 +431,20 @@ async fn a_relay_replaces_a_lost_slot_delivers_every_row_and_reports_the_loss() 
 /// The same with the relay paused (SIGSTOP) instead of stopped: the server
 /// ends the walsender of the slot it invalidates, and the relay, resumed,
 /// finds its stream gone and the slot lost.
+#[cfg(feature = "postgres")]
 #[tokio::test]
 async fn a_relay_paused_until_its_slot_is_lost_replaces_it_when_it_resumes() {
     replaces_a_lost_slot(Outage::Paused).await;
 }
 
 /// What the relay does while the server invalidates its slot.
+#[cfg(feature = "postgres")]
 enum Outage {
     Stopped,
     Paused,
 }
 
+#[cfg(feature = "postgres")]
 async fn replaces_a_lost_slot(outage: Outage) {
     let server = PgServer::start().await;
     let ops = Ops::on(TestDb::create_on(&server.admin_url()).await).await;
@@ -490,6 +495,8 @@ async fn replaces_a_lost_slot(outage: Outage) {
         report.contains(&format!("FAIL replication slot {slot}: lost:")),
         "{report}"
     );
+    let status = String::from_utf8_lossy(&ops.ferry(&cfg, &["status"]).stdout).into_owned();
+    assert!(status.contains(&format!("wal slot {slot}: LOST")), "{status}");
 
     let relay = match paused {
         None => ops.spawn(&cfg),
@@ -520,6 +527,18 @@ async fn replaces_a_lost_slot(outage: Outage) {
     assert!(
         logged.contains("ERROR") && logged.contains("PostgreSQL invalidated the replication slot"),
         "{logged}"
+    );
+    let out = ops.ferry(&cfg, &["status", "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let wal = &status["wal_slot"];
+    assert_eq!(wal["wal_status"], "reserved", "{status}");
+    assert!(wal["streaming_pid"].is_i64(), "{status}");
+    assert_eq!(wal["ready"], true, "{status}");
+    assert!(wal["safe_bytes"].is_i64(), "{status}");
+    let text = String::from_utf8_lossy(&ops.ferry(&cfg, &["status"]).stdout).into_owned();
+    assert!(
+        text.contains(&format!("wal slot {slot}: streaming (walsender pid")) && text.contains("invalidated after"),
+        "{text}"
     );
     assert!(relay.terminate().success());
     ops.pool.close().await;

@@ -19,12 +19,19 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     }
     report.routes.sort_by(|a, b| a.route.cmp(&b.route));
     let breaches = breaches(&report, &cfg.alerts);
+    let slot = slot(cfg).await?;
     if json {
         let mut out = serde_json::to_value(&report)?;
         out["breaches"] = serde_json::to_value(&breaches)?;
+        if let Some(slot) = &slot {
+            out["wal_slot"] = serde_json::to_value(slot)?;
+        }
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         print!("{}", render(&report));
+        if let Some(slot) = &slot {
+            println!("\n{}", render_slot(slot));
+        }
         for b in &breaches {
             println!("ALERT {}", b.message);
         }
@@ -33,6 +40,78 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
         Ok(ExitCode::SUCCESS)
     } else {
         Ok(ExitCode::from(BREACHED))
+    }
+}
+
+/// In WAL mode on PostgreSQL, the state of the relay's slot.
+#[cfg(feature = "postgres")]
+async fn slot(cfg: &Config) -> anyhow::Result<Option<ferry_store::postgres::wal::SlotStatus>> {
+    if cfg.relay.mode != crate::config::RelayMode::Wal {
+        return Ok(None);
+    }
+    let Ok(crate::store::AnyStore::Postgres(pg)) = super::store(cfg) else {
+        return Ok(None);
+    };
+    let status = ferry_store::postgres::wal::slot_status(pg.pool(), &cfg.relay.wal_slot)
+        .await
+        .context("reading the WAL slot's state")?;
+    Ok(Some(status))
+}
+
+/// Without PostgreSQL there is no slot.
+#[cfg(not(feature = "postgres"))]
+#[derive(serde::Serialize)]
+pub enum NoSlot {}
+
+#[cfg(not(feature = "postgres"))]
+async fn slot(_: &Config) -> anyhow::Result<Option<NoSlot>> {
+    Ok(None)
+}
+
+/// One line on the slot: whether a relay streams from it, how far behind
+/// it is, and how far from being invalidated.
+#[cfg(feature = "postgres")]
+pub fn render_slot(s: &ferry_store::postgres::wal::SlotStatus) -> String {
+    let name = &s.slot;
+    let Some(wal_status) = s.wal_status.as_deref() else {
+        return format!("wal slot {name}: missing; a relay in WAL mode creates it (and sweeps the outbox) at start");
+    };
+    if wal_status == "lost" {
+        return format!(
+            "wal slot {name}: LOST, invalidated by PostgreSQL (max_slot_wal_keep_size); a relay in WAL mode \
+             replaces it and sweeps the outbox; tableless events it had not handed over are gone"
+        );
+    }
+    let who = match s.streaming_pid {
+        Some(pid) => format!("streaming (walsender pid {pid})"),
+        None => "NOT streaming: no relay reads it".to_owned(),
+    };
+    let sweep = if s.ready { "" } else { ", start-up sweep not done" };
+    let behind = s.behind_bytes.map_or("?".to_owned(), bytes);
+    let risk = match (wal_status, s.safe_bytes) {
+        ("unreserved", _) => {
+            "; past max_slot_wal_keep_size: the next checkpoint invalidates it unless a relay catches up".to_owned()
+        }
+        (_, Some(safe)) => format!("; invalidated after {} more", bytes(safe.max(0))),
+        _ => String::new(),
+    };
+    format!("wal slot {name}: {who}{sweep}; {behind} behind{risk}")
+}
+
+#[cfg(not(feature = "postgres"))]
+pub fn render_slot(s: &NoSlot) -> String {
+    match *s {}
+}
+
+/// A byte count for people: 0 B, 12.3 kB, 4.0 MB, 1.2 GB.
+#[cfg(feature = "postgres")]
+fn bytes(n: i64) -> String {
+    let n = n as f64;
+    match n {
+        _ if n < 1e3 => format!("{n} B"),
+        _ if n < 1e6 => format!("{:.1} kB", n / 1e3),
+        _ if n < 1e9 => format!("{:.1} MB", n / 1e6),
+        _ => format!("{:.1} GB", n / 1e9),
     }
 }
 
@@ -180,4 +259,48 @@ pub fn render(r: &StatusReport) -> String {
         );
     }
     out
+}
+
+#[cfg(all(test, feature = "postgres"))]
+mod tests {
+    use ferry_store::postgres::wal::SlotStatus;
+
+    use super::{bytes, render_slot};
+
+    fn slot(wal_status: Option<&str>, pid: Option<i32>, ready: bool, safe: Option<i64>) -> SlotStatus {
+        SlotStatus {
+            slot: "ferry".into(),
+            wal_status: wal_status.map(str::to_owned),
+            streaming_pid: pid,
+            ready,
+            behind_bytes: Some(2_500),
+            safe_bytes: safe,
+        }
+    }
+
+    #[test]
+    fn the_slot_line_says_what_an_operator_must_act_on() {
+        assert_eq!(
+            render_slot(&slot(Some("reserved"), Some(42), true, None)),
+            "wal slot ferry: streaming (walsender pid 42); 2.5 kB behind"
+        );
+        assert_eq!(
+            render_slot(&slot(Some("extended"), None, false, Some(3_000_000_000))),
+            "wal slot ferry: NOT streaming: no relay reads it, start-up sweep not done; 2.5 kB behind; \
+             invalidated after 3.0 GB more"
+        );
+        let at_risk = render_slot(&slot(Some("unreserved"), None, true, Some(-5)));
+        assert!(at_risk.contains("the next checkpoint invalidates it"), "{at_risk}");
+        assert!(render_slot(&slot(Some("lost"), None, false, None)).contains("LOST"));
+        assert!(render_slot(&slot(None, None, false, None)).contains("missing"));
+    }
+
+    #[test]
+    fn byte_counts_read_in_their_unit() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(999), "999 B");
+        assert_eq!(bytes(12_345), "12.3 kB");
+        assert_eq!(bytes(4_000_000), "4.0 MB");
+        assert_eq!(bytes(1_250_000_000), "1.2 GB");
+    }
 }

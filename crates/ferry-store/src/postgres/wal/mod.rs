@@ -388,6 +388,54 @@ pub async fn streaming(pool: &PgPool, slot: &str) -> Result<bool, StoreError> {
     Ok(ready == Some(true))
 }
 
+/// A slot's state as `ferry status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct SlotStatus {
+    pub slot: String,
+    /// `pg_replication_slots.wal_status`: `reserved`, `extended`,
+    /// `unreserved` (the next checkpoint invalidates it) or `lost`; `None`
+    /// when the slot does not exist.
+    pub wal_status: Option<String>,
+    /// A relay streams from it (its walsender's process id).
+    pub streaming_pid: Option<i32>,
+    /// Its start-up sweep is done: tableless events are written for it.
+    pub ready: bool,
+    /// Bytes of WAL it holds back.
+    pub behind_bytes: Option<i64>,
+    /// Bytes of WAL the server writes before it invalidates the slot, under
+    /// `max_slot_wal_keep_size`.
+    pub safe_bytes: Option<i64>,
+}
+
+/// The slot's state; a slot that does not exist comes back with no
+/// `wal_status`.
+pub async fn slot_status(pool: &PgPool, slot: &str) -> Result<SlotStatus, StoreError> {
+    type Row = (Option<String>, Option<i32>, Option<i64>, Option<i64>);
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT wal_status, active_pid, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, \
+                safe_wal_size \
+           FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(store_error)?;
+    let ready: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
+        .bind(slot)
+        .fetch_optional(pool)
+        .await
+        .map_err(store_error)?;
+    let (wal_status, streaming_pid, behind_bytes, safe_bytes) = row.unwrap_or_default();
+    Ok(SlotStatus {
+        slot: slot.to_owned(),
+        ready: wal_status.is_some() && ready == Some(true),
+        wal_status,
+        streaming_pid,
+        behind_bytes,
+        safe_bytes,
+    })
+}
+
 /// A permission or configuration error while setting up, with the fix.
 fn explain(e: sqlx::Error, doing: &str) -> StoreError {
     let code = e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
