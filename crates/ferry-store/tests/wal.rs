@@ -229,3 +229,74 @@ async fn the_sql_emit_checks_the_event_with_or_without_a_slot() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// Two relays start at once. One makes the slot, sweeps and marks it ready
+/// while the other, which found no slot a moment before, is about to record
+/// that it makes one. That record must not undo the first relay's `ready`:
+/// tableless producing would stay off (`ferry.emit` writing outbox rows)
+/// until the streaming relay restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_found_no_slot_does_not_undo_another_relays_sweep() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let slot = db.name().to_owned();
+    // The first relay holds the table from before the second looks until it
+    // has made the slot and swept. A table lock takes no transaction id, so
+    // making the slot does not wait for it.
+    let mut first = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE ferry.wal_slots IN SHARE ROW EXCLUSIVE MODE")
+        .execute(&mut *first)
+        .await
+        .unwrap();
+    let second = tokio::spawn({
+        let source = source_of(&db, &pool);
+        async move { source.prepare().await }
+    });
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let waiting: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE relation = 'ferry.wal_slots'::regclass AND NOT granted)",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the second relay never reached its record of the slot"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    // The second relay has found no slot and waits to record one: the first
+    // makes it, sweeps, and marks it ready.
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(&slot)
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, 'ferry', true)")
+        .bind(&slot)
+        .execute(&mut *first)
+        .await
+        .unwrap();
+    first.commit().await.unwrap();
+    let prepared = second.await.unwrap().unwrap();
+    assert_eq!(
+        prepared,
+        Prepared {
+            unswept: false,
+            replaced: None,
+        }
+    );
+    let ready: bool = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
+        .bind(&slot)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(ready, "the second relay undid the first one's sweep");
+    pool.close().await;
+    db.drop_db().await;
+}

@@ -245,11 +245,15 @@ impl WalSource {
         if slot_row.is_none() {
             // A new slot streams only what commits after it: whatever is
             // unrouted now must be swept before tableless events may be
-            // written (they could overtake it).
+            // written (they could overtake it). Unless another relay made
+            // the slot since we looked: it reset the row itself before, and
+            // may have swept and marked it ready already, which must stand.
             sqlx::query(
                 "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
                  ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
-                 settled_lsn = NULL",
+                 settled_lsn = NULL \
+                 WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots s \
+                                    WHERE s.slot_name = EXCLUDED.slot AND s.wal_status IS DISTINCT FROM 'lost')",
             )
             .bind(slot)
             .bind(publication)
