@@ -544,6 +544,50 @@ async fn replaces_a_lost_slot(outage: Outage) {
     ops.pool.close().await;
 }
 
+/// Two relays in WAL mode: one streams, the other stands by and tries the
+/// slot again every few seconds, reading its lag each time. When the
+/// streaming one hangs (SIGSTOP here), its own gauges freeze where they
+/// were; the standby's must show the lag growing, so that the lag alert
+/// still fires.
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_standby_relay_shows_the_slot_lag_while_the_streaming_relay_hangs() {
+    let ops = Ops::new().await;
+    let addrs = [free_addr(), free_addr()];
+    let relays = addrs.map(|addr| {
+        ops.spawn(&ops.config(&Settings {
+            metrics: Some(addr),
+            wal: true,
+            ..Settings::default()
+        }))
+    });
+    let logs = || format!("{}\n{}", relays[0].log(), relays[1].log());
+    let gauge = |relay: usize, name: &'static str| {
+        let samples = get(addrs[relay], "/metrics").map(|r| parse_metrics(&r.1));
+        samples.and_then(|s| total(&s, name, &[]))
+    };
+    let (streamer, standby) = eventually("a relay streaming", logs, async || {
+        (0..2)
+            .find(|&i| gauge(i, "ferry_wal_streaming") == Some(1.0))
+            .map(|i| (i, 1 - i))
+    })
+    .await;
+    relays[streamer].signal(libc::SIGSTOP);
+    ops.produce(2_000).await;
+    let lag = eventually("the standby showing the lag", logs, async || {
+        gauge(standby, "ferry_wal_lag_bytes").filter(|&lag| lag > 100_000.0)
+    })
+    .await;
+    relays[streamer].signal(libc::SIGCONT);
+    eventually("2,000 published", logs, async || {
+        (ops.published().await == 2_000).then_some(())
+    })
+    .await;
+    let [a, b] = relays;
+    assert!(a.terminate().success() && b.terminate().success(), "lag {lag}");
+    ops.pool.close().await;
+}
+
 #[tokio::test]
 async fn readyz_fails_while_the_database_is_unreachable_and_recovers() {
     let ops = Ops::new().await;
