@@ -75,6 +75,11 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, wal: Wal)
                     warn!(error = %e, "WAL stream lost; reconnecting");
                     ::metrics::counter!(metrics::RECONNECTS, "component" => "wal").increment(1);
                 }
+                // The streaming relay reads the slot's lag as it goes; one
+                // that is not streaming reads it between attempts, so that
+                // a streaming relay that hangs (its own gauges frozen) still
+                // shows as a growing lag, and so does a slot nobody reads.
+                read_lag(&wal.source, &wal.options).await;
                 if started.elapsed() > Duration::from_secs(30) {
                     backoff = Duration::from_millis(500);
                 }

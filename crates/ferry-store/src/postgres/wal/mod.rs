@@ -311,8 +311,9 @@ impl WalSource {
     /// position the last settle recorded, or the slot's confirmed position
     /// if that is later (the server takes the later of the two). The slot's
     /// own position alone is not enough after a crash of the server, which
-    /// can take it back (see migration 0008). Fails while another relay
-    /// streams from the slot (it is then a standby).
+    /// can take it back (see migration 0008). Returns once the server has
+    /// handed the slot to this session; fails while another relay streams
+    /// from it (this one is then a standby).
     pub async fn open(&self) -> Result<WalStream, StoreError> {
         let mut cfg = replication_config(&self.config)?;
         let settled: Option<Option<i64>> =
@@ -324,9 +325,16 @@ impl WalSource {
         if let Some(lsn) = settled.flatten() {
             cfg = cfg.with_start_lsn(Lsn::from_u64(lsn as u64));
         }
-        let client = ReplicationClient::connect(cfg)
+        let mut client = ReplicationClient::connect(cfg)
             .await
             .map_err(|e| StoreError::transient(format!("replication connection: {e}")))?;
+        // `connect` returns before the server has answered START_REPLICATION:
+        // wait for its answer, so that a slot another relay streams from
+        // fails here, before this relay says it streams or sweeps.
+        client
+            .wait_started()
+            .await
+            .map_err(|e| StoreError::transient(format!("replication stream: {e}")))?;
         Ok(WalStream {
             client,
             decoder: decode::Decoder::default(),
