@@ -16,7 +16,7 @@ use std::sync::Arc;
 use chrono::Utc;
 use ferry_core::{Claimed, Clock, ErrorKind, NO_ROUTE, Route, Store, StoreError};
 use ferry_store::postgres::wal::{
-    Outcome, Prepared, Settlement, SlotLag, WalEvent, WalItem, WalSource, WalStream, WalTxn,
+    Outcome, Prepared, Settlement, SlotStatus, WalEvent, WalItem, WalSource, WalStream, WalTxn,
 };
 use tokio::time::{Duration, Instant};
 use tracing::{debug, error, info, warn};
@@ -308,10 +308,14 @@ async fn settle_and_confirm<S: Store, C: Clock>(
 }
 
 async fn read_lag(source: &WalSource, options: &WalOptions) {
-    match source.lag().await {
-        Ok(Some(SlotLag { behind, safe })) => {
+    match source.status().await {
+        Ok(SlotStatus {
+            behind_bytes: Some(behind),
+            safe_bytes,
+            ..
+        }) => {
             ::metrics::gauge!(metrics::WAL_LAG_BYTES).set(behind as f64);
-            if let Some(safe) = safe {
+            if let Some(safe) = safe_bytes {
                 ::metrics::gauge!(metrics::WAL_SAFE_BYTES).set(safe as f64);
             }
             if behind.max(0) as u64 > options.lag_budget {
@@ -323,7 +327,8 @@ async fn read_lag(source: &WalSource, options: &WalOptions) {
                 );
             }
         }
-        Ok(None) => {}
+        // No slot, or a lost one: nothing held back to report.
+        Ok(_) => {}
         Err(e) => debug!(error = %e, "could not read the slot's lag"),
     }
 }

@@ -19,16 +19,19 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     }
     report.routes.sort_by(|a, b| a.route.cmp(&b.route));
     let breaches = breaches(&report, &cfg.alerts);
+    #[cfg(feature = "postgres")]
     let slot = slot(cfg).await?;
     if json {
         let mut out = serde_json::to_value(&report)?;
         out["breaches"] = serde_json::to_value(&breaches)?;
+        #[cfg(feature = "postgres")]
         if let Some(slot) = &slot {
             out["wal_slot"] = serde_json::to_value(slot)?;
         }
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
         print!("{}", render(&report));
+        #[cfg(feature = "postgres")]
         if let Some(slot) = &slot {
             println!("\n{}", render_slot(slot));
         }
@@ -56,16 +59,6 @@ async fn slot(cfg: &Config) -> anyhow::Result<Option<ferry_store::postgres::wal:
         .await
         .context("reading the WAL slot's state")?;
     Ok(Some(status))
-}
-
-/// Without PostgreSQL there is no slot.
-#[cfg(not(feature = "postgres"))]
-#[derive(serde::Serialize)]
-pub enum NoSlot {}
-
-#[cfg(not(feature = "postgres"))]
-async fn slot(_: &Config) -> anyhow::Result<Option<NoSlot>> {
-    Ok(None)
 }
 
 /// One line on the slot: whether a relay streams from it, how far behind
@@ -96,11 +89,6 @@ pub fn render_slot(s: &ferry_store::postgres::wal::SlotStatus) -> String {
         _ => String::new(),
     };
     format!("wal slot {name}: {who}{sweep}; {behind} behind{risk}")
-}
-
-#[cfg(not(feature = "postgres"))]
-pub fn render_slot(s: &NoSlot) -> String {
-    match *s {}
 }
 
 /// A byte count for people: 0 B, 12.3 kB, 4.0 MB, 1.2 GB.

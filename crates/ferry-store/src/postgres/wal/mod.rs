@@ -341,39 +341,11 @@ impl WalSource {
         })
     }
 
-    /// How far the slot is behind, and how far from being lost. `None`
-    /// when the slot does not exist.
-    pub async fn lag(&self) -> Result<Option<SlotLag>, StoreError> {
-        slot_lag(&self.pool, &self.config.slot).await
+    /// The slot's state: whether a relay streams from it, how far behind
+    /// it is and how far from being lost.
+    pub async fn status(&self) -> Result<SlotStatus, StoreError> {
+        slot_status(&self.pool, &self.config.slot).await
     }
-}
-
-/// How far a slot is behind, and how far from being lost.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SlotLag {
-    /// Bytes of WAL the slot holds back: written since its confirmed
-    /// position.
-    pub behind: i64,
-    /// Bytes of WAL that can still be written before the server invalidates
-    /// the slot (`safe_wal_size`); `None` while `max_slot_wal_keep_size` is
-    /// unlimited (-1, the default) or the slot is lost already.
-    pub safe: Option<i64>,
-}
-
-/// How far the slot is behind, `None` when it does not exist.
-pub async fn slot_lag(pool: &PgPool, slot: &str) -> Result<Option<SlotLag>, StoreError> {
-    let row: Option<(Option<i64>, Option<i64>)> = sqlx::query_as(
-        "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, safe_wal_size \
-           FROM pg_replication_slots WHERE slot_name = $1",
-    )
-    .bind(slot)
-    .fetch_optional(pool)
-    .await
-    .map_err(store_error)?;
-    Ok(row.map(|(behind, safe)| SlotLag {
-        behind: behind.unwrap_or(0),
-        safe,
-    }))
 }
 
 /// Whether a relay starting at the same time created the object first.
@@ -422,27 +394,24 @@ pub struct SlotStatus {
 /// The slot's state; a slot that does not exist comes back with no
 /// `wal_status`.
 pub async fn slot_status(pool: &PgPool, slot: &str) -> Result<SlotStatus, StoreError> {
-    type Row = (Option<String>, Option<i32>, Option<i64>, Option<i64>);
+    type Row = (Option<String>, Option<i32>, Option<i64>, Option<i64>, bool);
     let row: Option<Row> = sqlx::query_as(
-        "SELECT wal_status, active_pid, pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, \
-                safe_wal_size \
-           FROM pg_replication_slots WHERE slot_name = $1",
+        "SELECT s.wal_status, s.active_pid, \
+                pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint, s.safe_wal_size, \
+                coalesce(w.ready, false) \
+           FROM pg_replication_slots s LEFT JOIN ferry.wal_slots w ON w.slot = s.slot_name \
+          WHERE s.slot_name = $1",
     )
     .bind(slot)
     .fetch_optional(pool)
     .await
     .map_err(store_error)?;
-    let ready: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
-        .bind(slot)
-        .fetch_optional(pool)
-        .await
-        .map_err(store_error)?;
-    let (wal_status, streaming_pid, behind_bytes, safe_bytes) = row.unwrap_or_default();
+    let (wal_status, streaming_pid, behind_bytes, safe_bytes, ready) = row.unwrap_or_default();
     Ok(SlotStatus {
         slot: slot.to_owned(),
-        ready: wal_status.is_some() && ready == Some(true),
         wal_status,
         streaming_pid,
+        ready,
         behind_bytes,
         safe_bytes,
     })
