@@ -91,6 +91,70 @@ pub struct InboxRecord {
     pub processed_at: DateTime<Utc>,
 }
 
+/// Commits a handler's transaction, or says why it did not take effect.
+///
+/// A handler that swallows a failed statement's error (`let _ = ...`)
+/// leaves PostgreSQL's transaction aborted, and `COMMIT` on an aborted
+/// transaction rolls it back *without an error*: the handler's writes and
+/// the inbox row would be gone while the broker is acknowledged. So the
+/// inbox row is read back first, which fails in an aborted transaction and
+/// finds nothing if the handler ended the transaction itself. A `COMMIT`
+/// the server refuses (a deferred constraint, a serialization failure) is
+/// the handler's failure too, counted and retried like any other, not an
+/// outage: it would fail the same way on every redelivery.
+#[cfg(feature = "postgres")]
+async fn commit(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    consumer: &str,
+    id: EventId,
+) -> Result<Option<HandlerError>, InboxError> {
+    let kept: Result<Option<i32>, sqlx::Error> =
+        sqlx::query_scalar("SELECT 1 FROM ferry.inbox WHERE consumer = $1 AND event_id = $2 AND state = 'done'")
+            .bind(consumer)
+            .bind(id.0)
+            .fetch_optional(&mut *tx)
+            .await;
+    match kept {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            tx.rollback().await?;
+            return Ok(Some(HandlerError::transient(
+                "the handler ended the inbox's transaction itself (COMMIT or ROLLBACK inside the handler); \
+                 its writes are not recorded with the event: let the inbox commit",
+            )));
+        }
+        Err(e) if refused_by_server(&e) => {
+            tx.rollback().await?;
+            return Ok(Some(HandlerError::transient(format!(
+                "a statement in the handler failed and the handler did not return the error, so PostgreSQL \
+                 rolled back the whole transaction ({e}); return the error, or run the statement in a savepoint"
+            ))));
+        }
+        Err(e) => return Err(e.into()),
+    }
+    match tx.commit().await {
+        Ok(()) => Ok(None),
+        Err(e) if refused_by_server(&e) => Ok(Some(HandlerError::transient(format!(
+            "the handler's transaction could not commit: {e}"
+        )))),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The server refused the statement for what the transaction did, as
+/// opposed to a lost connection or a server in trouble (SQLSTATE classes
+/// 08, 53, 57, 58 and XX), after which the outcome is unknown or the
+/// database is what needs fixing.
+#[cfg(feature = "postgres")]
+fn refused_by_server(e: &sqlx::Error) -> bool {
+    let Some(code) = e.as_database_error().and_then(|d| d.code()) else {
+        return false;
+    };
+    !["08", "53", "57", "58", "XX"]
+        .iter()
+        .any(|class| code.starts_with(class))
+}
+
 /// A consumer name both inboxes accept: it keys every row, so a blank one
 /// would merge unrelated consumers.
 pub(crate) fn checked_consumer(consumer: String) -> Result<String, InboxError> {
@@ -237,17 +301,20 @@ impl Inbox {
             drop(tx);
             return self.already_recorded(event.id).await;
         };
-        match handler(&mut tx).await {
-            Ok(()) => {
-                tx.commit().await?;
-                count_processed(&self.consumer, event.id, attempts);
-                Ok(Outcome::Processed)
-            }
+        let error = match handler(&mut tx).await {
+            Ok(()) => match commit(tx, &self.consumer, event.id).await? {
+                None => {
+                    count_processed(&self.consumer, event.id, attempts);
+                    return Ok(Outcome::Processed);
+                }
+                Some(error) => error,
+            },
             Err(error) => {
                 tx.rollback().await?;
-                self.failed(event, &error).await
+                error
             }
-        }
+        };
+        self.failed(event, &error).await
     }
 
     /// A row exists and is done or dead.

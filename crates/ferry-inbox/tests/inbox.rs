@@ -249,6 +249,94 @@ async fn a_database_error_in_the_handler_rolls_back_everything() {
     assert_eq!(effects(&e.pool, ev.id).await, 0);
 }
 
+/// A handler that drops a failed statement's error and returns `Ok` leaves
+/// the transaction aborted; PostgreSQL answers its `COMMIT` with a rollback
+/// and no error. Reported as processed, the message would be acknowledged
+/// with its effects and its inbox row gone: lost. It must be a failed
+/// attempt, retried, whose redelivery takes effect once.
+#[tokio::test]
+async fn a_handler_that_swallows_a_failed_statement_is_retried_not_acknowledged() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ev = event();
+    let outcome = inbox
+        .process(&ev, async |tx, ev| {
+            effect(tx, ev, "billing").await?;
+            // The error is dropped; the transaction is aborted all the same.
+            let _ = sqlx::query("INSERT INTO no_such_table VALUES (1)")
+                .execute(&mut *tx)
+                .await;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    match outcome {
+        Outcome::Retry { attempts: 1, error, .. } => {
+            assert!(error.contains("did not return the error"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "failing");
+
+    // A handler that ends the transaction itself is refused the same way.
+    let outcome = inbox
+        .process(&ev, async |tx, ev| {
+            effect(tx, ev, "billing").await?;
+            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    match outcome {
+        Outcome::Retry { attempts: 2, error, .. } => {
+            assert!(error.contains("ended the inbox's transaction"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+
+    let outcome = inbox
+        .process(&ev, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed);
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+}
+
+/// A deferred constraint the handler's writes break fails the `COMMIT`, the
+/// same way on every redelivery: a failed attempt of the handler, counted
+/// until the event is dead, not a database outage retried for ever.
+#[tokio::test]
+async fn a_commit_refused_for_a_deferred_constraint_is_a_counted_failure() {
+    let e = env().await;
+    for statement in [
+        "CREATE TABLE parents (id int PRIMARY KEY)",
+        "CREATE TABLE children (parent int REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)",
+    ] {
+        sqlx::query(statement).execute(&e.pool).await.unwrap();
+    }
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(2));
+    let ev = event();
+    let handler = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        sqlx::query("INSERT INTO children VALUES (42)")
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    };
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Retry { attempts: 1, error, .. } => assert!(error.contains("could not commit"), "{error}"),
+        other => panic!("{other:?}"),
+    }
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Dead { attempts: 2, reason } => assert!(reason.contains("foreign key"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+}
+
 #[tokio::test]
 async fn purge_removes_old_done_rows_in_batches_and_keeps_the_rest() {
     let e = env().await;

@@ -290,6 +290,39 @@ async fn a_database_error_in_the_handler_rolls_back_everything() {
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "failing");
 }
 
+/// A deferred foreign key the handler's writes break fails the `COMMIT` on
+/// every redelivery: a failed attempt of the handler, counted until the
+/// event is dead, not a database outage retried for ever.
+#[tokio::test]
+async fn a_commit_refused_for_a_deferred_constraint_is_a_counted_failure() {
+    let e = env().await;
+    for statement in [
+        "CREATE TABLE parents (id INTEGER PRIMARY KEY)",
+        "CREATE TABLE children (parent INTEGER REFERENCES parents (id) DEFERRABLE INITIALLY DEFERRED)",
+    ] {
+        sqlx::query(statement).execute(&e.pool).await.unwrap();
+    }
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(2));
+    let ev = event();
+    let handler = async |tx: &mut SqliteConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        sqlx::query("INSERT INTO children VALUES (42)")
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    };
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Retry { attempts: 1, error, .. } => assert!(error.contains("could not commit"), "{error}"),
+        other => panic!("{other:?}"),
+    }
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Dead { attempts: 2, reason } => assert!(reason.contains("FOREIGN KEY"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+}
+
 #[tokio::test]
 async fn purge_removes_old_done_rows_in_batches_and_keeps_the_rest() {
     let e = env().await;

@@ -106,17 +106,26 @@ impl Inbox {
             tx.rollback().await?;
             return Ok(already_recorded(&self.consumer, event.id, record));
         };
-        match handler(&mut tx, event).await {
-            Ok(()) => {
-                tx.commit().await?;
-                count_processed(&self.consumer, event.id, attempts);
-                Ok(Outcome::Processed)
-            }
+        let error = match handler(&mut tx, event).await {
+            Ok(()) => match tx.commit().await {
+                Ok(()) => {
+                    count_processed(&self.consumer, event.id, attempts);
+                    return Ok(Outcome::Processed);
+                }
+                // A deferred foreign key the handler's writes break fails the
+                // commit on every redelivery: the handler's failure, counted
+                // and retried until dead, not an outage to wait out.
+                Err(e) if constraint_failed(&e) => {
+                    HandlerError::transient(format!("the handler's transaction could not commit: {e}"))
+                }
+                Err(e) => return Err(e.into()),
+            },
             Err(error) => {
                 tx.rollback().await?;
-                self.failed(event, &error).await
+                error
             }
-        }
+        };
+        self.failed(event, &error).await
     }
 
     /// Counts the failed attempt in its own transaction (the handler's was
@@ -208,4 +217,13 @@ async fn read(conn: &mut SqliteConnection, consumer: &str, id: EventId) -> Resul
         last_error,
         processed_at: DateTime::from_timestamp_micros(processed_at).unwrap_or_default(),
     }))
+}
+
+/// SQLite refused the commit for a constraint (result code
+/// SQLITE_CONSTRAINT, 19, in its low byte: a deferred foreign key).
+fn constraint_failed(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| code & 0xff == 19)
 }
