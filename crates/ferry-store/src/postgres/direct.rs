@@ -150,6 +150,50 @@ pub(crate) async fn settle<'e>(
 mod tests {
     use super::*;
 
+    /// A role or database may default to `synchronous_commit = off`; a
+    /// durable settle (WAL streaming's, whose slot position is confirmed
+    /// right after it) must still reach the disk, and a relaxed one keeps
+    /// its relaxation.
+    #[tokio::test]
+    async fn a_durable_settle_flushes_even_where_commits_default_to_asynchronous() {
+        let db = ferry_testkit::pg::TestDb::create().await;
+        let admin = db.pool().await;
+        crate::postgres::migrate(&mut admin.acquire().await.unwrap())
+            .await
+            .unwrap();
+        // A test database's own generated name.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE \"{}\" SET synchronous_commit = off",
+            db.name()
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+        admin.close().await;
+        let pool = db.pool().await;
+        for (durable, expected) in [(true, "local"), (false, "off")] {
+            let mut tx = pool.begin().await.unwrap();
+            let default: String = sqlx::query_scalar("SHOW synchronous_commit")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            assert_eq!(default, "off", "the database's default");
+            let mode = SettleMode {
+                fence: None,
+                notify: false,
+                durable,
+                conflicts: Conflicts::Skip,
+            };
+            settle(&mut *tx, &[], &Deliveries::default(), mode).await.unwrap();
+            let at_commit: String = sqlx::query_scalar("SHOW synchronous_commit")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            assert_eq!(at_commit, expected, "durable: {durable}");
+            tx.commit().await.unwrap();
+        }
+    }
+
     #[test]
     fn the_unguarded_settle_differs_only_by_its_conflict_clause() {
         assert_eq!(SETTLE.matches(SKIP_CONFLICTS).count(), 1);

@@ -50,4 +50,11 @@ WITH fence AS (
 )
 SELECT (SELECT count(*) FROM gone) AS gone, (SELECT count(*) FROM made) AS made,
        (SELECT count(*) FROM woke) AS woke,
-       CASE WHEN $15 THEN 'on' ELSE set_config('synchronous_commit', 'off', true) END AS durability
+       -- Durable means flushed to this server's disk whatever the role's or
+       -- database's default: WAL streaming confirms the slot's position
+       -- right after this commit, and the server may write that position to
+       -- disk before a commit made with synchronous_commit = off.
+       CASE WHEN NOT $15 THEN set_config('synchronous_commit', 'off', true)
+            WHEN current_setting('synchronous_commit') = 'off'
+                THEN set_config('synchronous_commit', 'local', true)
+            ELSE current_setting('synchronous_commit') END AS durability
