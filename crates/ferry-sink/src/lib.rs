@@ -8,7 +8,8 @@
 //!   producer (`acks=all`) to existing topics, keyed by the event key.
 //!   Configured by [`kafka::KafkaOptions`].
 //! - [`nats::NatsSink`] (feature `nats`): JetStream publishes, delivered only
-//!   on a PubAck, with `Nats-Msg-Id` for the stream's duplicate window.
+//!   on a PubAck, with `Nats-Msg-Id` (event id and subject) for the
+//!   stream's duplicate window.
 //!   Configured by [`nats::NatsOptions`].
 //! - [`redis::RedisSink`] (feature `redis`): `XADD` to Redis streams, a batch
 //!   per pipeline, with optional `MAXLEN ~` trimming per route. Configured by
@@ -22,7 +23,8 @@
 //! - [`stdout::StdoutSink`] (feature `stdout`): one JSON line per event, for
 //!   development and piping into other tools.
 //!
-//! Every sink carries the event id as the message id and the CloudEvents 1.0
+//! Every sink carries the event id as the message id (NATS: in `ce-id`, its
+//! `Nats-Msg-Id` adds the subject) and the CloudEvents 1.0
 //! attributes (in the destination's binary content mode where it has
 //! headers; webhooks use structured mode), reports one outcome per event in
 //! input order, and classifies failures as transient, permanent or

@@ -79,7 +79,7 @@ async fn wire_format_carries_msg_id_cloudevents_and_producer_headers() {
         let h = &m.headers;
         assert_eq!(m.subject, format!("{}.order.{}", stream.subject, e.event_type));
         assert_eq!(m.payload, e.payload);
-        assert_eq!(h["Nats-Msg-Id"], id);
+        assert_eq!(h["Nats-Msg-Id"], format!("{id}:{}", m.subject));
         assert_eq!(h["ce-id"], id);
         assert_eq!(h["ce-specversion"], "1.0");
         assert_eq!(h["ce-type"], e.event_type);
@@ -120,6 +120,37 @@ async fn a_republished_event_is_stored_once_and_both_publishes_succeed() {
         "a duplicate was stored"
     );
     assert_eq!(stream.count().await, 4);
+    sink.close().await;
+    stream.delete().await;
+}
+
+#[tokio::test]
+async fn one_event_routed_to_two_subjects_of_one_stream_is_stored_under_both() {
+    let stream = TestStream::create("fanout").await;
+    let sink = sink_at(nats_url());
+    let orders = route(&format!("{}.orders", stream.subject));
+    let audit = route(&format!("{}.audit", stream.subject));
+    let events = keyed(2, |seq| format!("k{seq}"));
+    assert_eq!(sink.publish(&orders, &events).await, vec![Ok(()), Ok(())]);
+    assert_eq!(sink.publish(&audit, &events).await, vec![Ok(()), Ok(())]);
+    // A re-publish to a subject that already holds the events, as after a
+    // crash, is still dropped by the duplicate window.
+    assert_eq!(sink.publish(&audit, &events).await, vec![Ok(()), Ok(())]);
+
+    let stored = stream.receive(4, ARRIVAL_TIMEOUT).await;
+    let copies: Vec<(String, String)> = stored.iter().map(|m| (m.subject.clone(), m.id())).collect();
+    let expected: Vec<(String, String)> = [&orders, &audit]
+        .iter()
+        .flat_map(|to| events.iter().map(|e| (to.destination.clone(), e.id.to_string())))
+        .collect();
+    assert_eq!(
+        copies, expected,
+        "every route's copy is stored, with the event id in ce-id"
+    );
+    assert!(
+        stream.receive(1, QUIET_PERIOD).await.is_empty(),
+        "a re-publish was stored"
+    );
     sink.close().await;
     stream.delete().await;
 }

@@ -1,5 +1,9 @@
 //! Turning a stored event into a JetStream message: the subject, the
 //! `Nats-Msg-Id` dedup header and the CloudEvents 1.0 binary-mode headers.
+//!
+//! The event id travels in `ce-id`. `Nats-Msg-Id` is `<event id>:<subject>`
+//! (see [`msg_id`]), not the bare event id, because JetStream deduplicates
+//! by message id across a whole stream, whatever the subject.
 
 use std::str::FromStr;
 
@@ -9,7 +13,8 @@ use chrono::SecondsFormat;
 use ferry_core::{Route, SinkError, StoredEvent, render_template};
 
 /// JetStream drops a second message with the same id inside the stream's
-/// duplicate window, so a re-publish after a crash is stored once.
+/// duplicate window, so a re-publish after a crash is stored once. Its
+/// value is [`msg_id`], not the event id, which is in `ce-id`.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 /// CloudEvents specification version written in `ce-specversion`.
 pub const SPEC_VERSION: &str = "1.0";
@@ -64,7 +69,7 @@ impl Message {
         // and time are formatted here and cannot hold a line break.
         let id = event.id.to_string();
         let time = event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
-        headers.insert(MSG_ID, HeaderValue::from(id.clone()));
+        headers.insert(MSG_ID, HeaderValue::from(msg_id(&id, &subject)));
         headers.insert(CE_SPECVERSION, HeaderValue::from(SPEC_VERSION));
         headers.insert(CE_ID, HeaderValue::from(id));
         headers.insert(CE_TYPE, header_value("ce-type", &event.event_type)?);
@@ -88,6 +93,24 @@ impl Message {
             payload: event.payload.clone(),
         })
     }
+}
+
+/// The `Nats-Msg-Id` of an event published to `subject`: one per event and
+/// subject. JetStream deduplicates by message id across the whole stream, so
+/// with the bare event id, two routes sending one event to two subjects of
+/// the same stream would see the second publish acknowledged as a duplicate
+/// and never stored. A re-publish to the same subject (after a crash) still
+/// carries the same id and is dropped by the duplicate window; two routes to
+/// the same subject store one copy, which is all that subject's readers need.
+///
+/// ```
+/// assert_eq!(
+///     ferry_sink::nats::msg_id("0190a1b2-0000-7000-8000-000000000001", "orders.created"),
+///     "0190a1b2-0000-7000-8000-000000000001:orders.created"
+/// );
+/// ```
+pub fn msg_id(event_id: &str, subject: &str) -> String {
+    format!("{event_id}:{subject}")
 }
 
 /// The size of the headers block as written on the wire.
@@ -154,7 +177,8 @@ mod tests {
         let m = Message::prepare(&route("events.{domain}.{type}"), &e, "ferry-test", 100, 0).unwrap();
         assert_eq!(m.subject, "events.order.order.item.created");
         let id = e.id.to_string();
-        assert_eq!(header(&m, "Nats-Msg-Id").as_deref(), Some(id.as_str()));
+        let msg_id = format!("{id}:events.order.order.item.created");
+        assert_eq!(header(&m, "Nats-Msg-Id"), Some(msg_id));
         assert_eq!(header(&m, "ce-id").as_deref(), Some(id.as_str()));
         assert_eq!(header(&m, "ce-specversion").as_deref(), Some("1.0"));
         assert_eq!(header(&m, "ce-type").as_deref(), Some("order.item.created"));
@@ -178,8 +202,20 @@ mod tests {
         let m = Message::prepare(&route("events"), &e, "ferry", 100, 0).unwrap();
         let id = e.id.to_string();
         assert_eq!(m.headers.get_all("Nats-Msg-Id").count(), 1);
-        assert_eq!(header(&m, "Nats-Msg-Id").as_deref(), Some(id.as_str()));
+        assert_eq!(header(&m, "Nats-Msg-Id"), Some(format!("{id}:events")));
         assert_eq!(header(&m, "ce-id").as_deref(), Some(id.as_str()));
+    }
+
+    #[test]
+    fn the_message_id_differs_per_subject_and_not_per_publish() {
+        let e = event(Some("o-1"));
+        let prepare = |destination| Message::prepare(&route(destination), &e, "ferry", 100, 0).unwrap();
+        let msg_id = |m: &Message| header(m, "Nats-Msg-Id").unwrap();
+        // Two routes to two subjects of one stream: two ids, so both are stored.
+        assert_ne!(msg_id(&prepare("orders")), msg_id(&prepare("audit")));
+        // A re-publish to the same subject: the same id, dropped as a duplicate.
+        assert_eq!(msg_id(&prepare("orders")), msg_id(&prepare("orders")));
+        assert_eq!(header(&prepare("audit"), "ce-id"), Some(e.id.to_string()));
     }
 
     #[test]

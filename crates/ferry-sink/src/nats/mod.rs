@@ -2,9 +2,11 @@
 //! reply inbox and counts as published only once a stream's PubAck says it
 //! is stored.
 //!
-//! - The event id travels as `Nats-Msg-Id`, so the stream's duplicate window
-//!   drops a re-publish after a crash; a PubAck with `duplicate: true` is a
-//!   success.
+//! - `Nats-Msg-Id` is `<event id>:<subject>` ([`msg_id`]), so the stream's
+//!   duplicate window drops a re-publish to the same subject after a crash
+//!   (a PubAck with `duplicate: true` is a success), while the same event
+//!   sent by two routes to two subjects of one stream is stored under each:
+//!   JetStream deduplicates by message id across the whole stream.
 //! - CloudEvents 1.0 binary mode: `ce-id`, `ce-type`, `ce-source`, `ce-time`,
 //!   `ce-specversion`, and `ce-subject` for the aggregate key; `content-type`
 //!   and the producer's own headers ride along.
@@ -49,7 +51,7 @@ pub use codes::{
     MEMORY_RESOURCES_EXCEEDED, MESSAGE_EXCEEDS_MAXIMUM, STORAGE_RESOURCES_EXCEEDED, STORE_FAILED, STREAM_NOT_FOUND,
     STREAM_OFFLINE, STREAM_SEALED, WRONG_LAST_MSG_ID, WRONG_LAST_SEQUENCE, api_error_kind, status_kind,
 };
-pub use message::{MSG_ID_HEADER, SPEC_VERSION};
+pub use message::{MSG_ID_HEADER, SPEC_VERSION, msg_id};
 
 use crate::batch::log_published;
 use connector::Connector;

@@ -157,7 +157,8 @@ async fn a_cut_mid_drain_loses_nothing_and_keeps_key_order() {
     let confirmed = drain_like_a_relay(&sink, &to, &events, BATCH, &failures, Duration::from_secs(120)).await;
     faults.await.unwrap();
     assert!(failures.into_inner() > 0, "the faults never reached the sink");
-    // JetStream deduplicates on Nats-Msg-Id: a retried event is stored once.
+    // JetStream deduplicates on Nats-Msg-Id, the same for every publish of
+    // an event to one subject: a retried event is stored once.
     let stored: Vec<String> = stream.all().await.iter().map(|m| m.id()).collect();
     let duplicates = assert_all_arrived_in_key_order(&events, &stored, &confirmed);
     assert_eq!(duplicates, 0, "JetStream stored an event twice");

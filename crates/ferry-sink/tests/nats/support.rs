@@ -72,8 +72,9 @@ pub struct Stored {
 }
 
 impl Stored {
+    /// The event id, as consumers read it (`Nats-Msg-Id` adds the subject).
     pub fn id(&self) -> String {
-        self.headers.get("Nats-Msg-Id").cloned().unwrap_or_default()
+        self.headers.get("ce-id").cloned().unwrap_or_default()
     }
 }
 
