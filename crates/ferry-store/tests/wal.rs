@@ -159,6 +159,63 @@ async fn a_lost_slot_is_replaced_and_meanwhile_emit_writes_outbox_rows() {
     db.drop_db().await;
 }
 
+/// Making the new slot waits for every transaction already running, so a
+/// `statement_timeout` or an old open transaction can fail the attempt that
+/// dropped the lost slot, after it reset what said the slot had streamed.
+/// The next attempt must still report the loss.
+#[tokio::test]
+async fn a_loss_is_reported_by_the_attempt_that_replaces_the_slot_after_one_that_failed() {
+    let server = PgServer::start().await;
+    let db = TestDb::create_on(&server.admin_url()).await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let impatient = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::query("SET statement_timeout = '1s'").execute(conn).await?;
+                Ok(())
+            })
+        })
+        .connect(db.url())
+        .await
+        .unwrap();
+    let source = source_of(&db, &impatient);
+    source.prepare().await.unwrap();
+    source.mark_swept().await.unwrap();
+    server.invalidate_slot(db.name()).await;
+
+    // A transaction with an id, left open: the new slot waits for it.
+    let mut old = sqlx::PgConnection::connect(db.url()).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut old).await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()")
+        .execute(&mut old)
+        .await
+        .unwrap();
+    let failed = source.prepare().await.unwrap_err();
+    assert!(failed.message.contains("before that"), "{failed:?}");
+    sqlx::query("ROLLBACK").execute(&mut old).await.unwrap();
+
+    assert_eq!(
+        source.prepare().await.unwrap(),
+        Prepared {
+            unswept: true,
+            replaced: Some(SlotLoss::Lost),
+        }
+    );
+    assert_eq!(
+        source.prepare().await.unwrap(),
+        Prepared {
+            unswept: true,
+            replaced: None,
+        },
+        "reported once"
+    );
+    impatient.close().await;
+    pool.close().await;
+    db.drop_db().await;
+}
+
 /// The slot can hand a transaction over before other sessions see it
 /// commit. `look` must tell such a transaction apart from one whose rows
 /// were routed already, or the relay would skip its events for good.

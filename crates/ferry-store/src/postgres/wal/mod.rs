@@ -16,6 +16,7 @@ mod diagnose;
 mod settle;
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, StoreError};
@@ -105,6 +106,10 @@ impl std::fmt::Display for SlotLoss {
 pub struct WalSource {
     pool: PgPool,
     config: WalConfig,
+    /// A loss found by a [`prepare`](Self::prepare) that failed before it
+    /// made the new slot. The failed attempt already reset what told the
+    /// loss (`ready`), so the next one carries it from here.
+    unreported: Arc<Mutex<Option<SlotLoss>>>,
 }
 
 impl WalSource {
@@ -117,7 +122,11 @@ impl WalSource {
                 )));
             }
         }
-        Ok(Self { pool, config })
+        Ok(Self {
+            pool,
+            config,
+            unreported: Arc::default(),
+        })
     }
 
     pub fn config(&self) -> &WalConfig {
@@ -192,7 +201,8 @@ impl WalSource {
             .fetch_optional(&mut *conn)
             .await
             .map_err(store_error)?;
-        let mut replaced = None;
+        // Kept until an attempt returns it: any attempt may fail first.
+        let mut replaced = *self.unreported.lock().expect("not poisoned");
         if let Some((db, plugin, status)) = &slot_row {
             if db.as_deref() != Some(here.as_str()) || plugin.as_deref() != Some("pgoutput") {
                 return Err(StoreError::config(format!(
@@ -223,7 +233,7 @@ impl WalSource {
                 .await;
                 match dropped {
                     Ok(done) if done.rows_affected() == 1 => {
-                        replaced = Some(SlotLoss::Lost);
+                        replaced = replaced.or(Some(SlotLoss::Lost));
                         slot_row = None;
                     }
                     // Another relay dropped it first: take the slot as it
@@ -240,7 +250,7 @@ impl WalSource {
                 }
             }
         } else if was_ready == Some(true) {
-            replaced = Some(SlotLoss::Vanished);
+            replaced = replaced.or(Some(SlotLoss::Vanished));
         }
         if slot_row.is_none() {
             // A new slot streams only what commits after it: whatever is
@@ -268,9 +278,11 @@ impl WalSource {
                 && !already_exists(&e)
             {
                 let mut err = explain(e, "create the replication slot");
-                // The next attempt no longer knows what happened before.
+                // `ready` is reset: only this source remembers the loss, for
+                // the attempt that makes the slot to report.
                 if let Some(loss) = replaced {
                     err.message = format!("{}; before that, {loss}", err.message);
+                    *self.unreported.lock().expect("not poisoned") = Some(loss);
                 }
                 return Err(err);
             }
@@ -289,6 +301,7 @@ impl WalSource {
                 .await
                 .map_err(store_error)?;
         }
+        self.unreported.lock().expect("not poisoned").take();
         Ok(Prepared {
             unswept: ready != Some(true),
             replaced,
