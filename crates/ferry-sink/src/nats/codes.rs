@@ -4,7 +4,9 @@
 //! A JetStream publish is answered by a PubAck on the reply subject: either
 //! `{"stream":..,"seq":..,"duplicate":..}` or `{"error":{"code":..,"err_code":..,"description":..}}`.
 //! A subject that no stream captures is answered by the server itself with a
-//! `503` status message (no responders).
+//! `503` status message (no responders), and so is a publish while the
+//! stream has no leader (an election in a cluster): the two cannot be told
+//! apart, so a `503` is retried, with a reason that names both.
 
 use async_nats::StatusCode;
 use async_nats::{ConnectErrorKind, PublishErrorKind};
@@ -67,14 +69,23 @@ pub fn api_error_kind(err_code: u16) -> ErrorKind {
     }
 }
 
-/// How a status-only reply (no PubAck body) should be handled: `503` means
-/// no stream captures the subject, which only the operator can fix.
-pub fn status_kind(status: u16) -> ErrorKind {
-    match status {
-        503 => ErrorKind::Config,
-        // 408 request timeout, 5xx server trouble, anything unexpected.
-        _ => ErrorKind::Transient,
-    }
+/// How a status-only reply (no PubAck body) should be handled: always
+/// transient. A `503` (no responders) may mean that no stream captures the
+/// subject, but also that the stream's leader is being elected, which passes
+/// within seconds; NATS ADR-22 asks clients to retry it. A route that no
+/// stream captures is caught by `check` at start-up, and one that slips
+/// through (a templated subject) ends dead after the retry policy's
+/// `max_attempts`, with the reason naming the subject.
+///
+/// ```
+/// use ferry_core::ErrorKind;
+/// use ferry_sink::nats::status_kind;
+/// assert_eq!(status_kind(503), ErrorKind::Transient);
+/// ```
+pub fn status_kind(_status: u16) -> ErrorKind {
+    // 503 no responders, 408 request timeout, 5xx server trouble, anything
+    // unexpected: none of them says this message can never be stored.
+    ErrorKind::Transient
 }
 
 /// How a client-side publish failure should be handled.
@@ -126,12 +137,18 @@ struct ApiError {
     description: String,
 }
 
-/// The config error for a subject that no stream captures.
-pub(crate) fn no_stream(subject: &str) -> SinkError {
-    SinkError::config(format!(
-        "no JetStream stream captures subject {subject:?} (503 no responders); create a stream whose \
-         subjects include it (e.g. `nats stream add EVENTS --subjects '{subject}'`) or fix routes[].destination"
-    ))
+/// The error for a `503` (no responders) to a publish: retried, since a
+/// leader election answers the same, but saying what to fix if it persists.
+pub(crate) fn no_responders(subject: &str) -> SinkError {
+    error(
+        status_kind(503),
+        format!(
+            "no JetStream stream answered the publish to subject {subject:?} (503 no responders): either the \
+             stream is electing a leader, which passes, or no stream captures the subject; if it persists, \
+             create a stream whose subjects include it (e.g. `nats stream add EVENTS --subjects '{subject}'`) \
+             or fix routes[].destination"
+        ),
+    )
 }
 
 /// Turns the reply to one JetStream publish into its outcome. A PubAck with
@@ -140,7 +157,7 @@ pub(crate) fn pub_ack(subject: &str, status: Option<StatusCode>, payload: &[u8])
     if let Some(status) = status {
         let code = status.as_u16();
         if code == 503 {
-            return Err(no_stream(subject));
+            return Err(no_responders(subject));
         }
         if code != 200 {
             return Err(error(
@@ -208,7 +225,8 @@ mod tests {
 
     #[test]
     fn statuses() {
-        assert_eq!(status_kind(503), ErrorKind::Config);
+        // A leader election answers 503 too: retried, never dead at once.
+        assert_eq!(status_kind(503), ErrorKind::Transient);
         for code in [408, 404, 500, 504, 999] {
             assert_eq!(status_kind(code), ErrorKind::Transient, "{code}");
         }
@@ -263,8 +281,9 @@ mod tests {
         assert_eq!(pub_ack("s", None, mismatch).unwrap_err().kind, ErrorKind::Config);
 
         let err = pub_ack("orders.created", Some(StatusCode::NO_RESPONDERS), b"").unwrap_err();
-        assert_eq!(err.kind, ErrorKind::Config);
+        assert_eq!(err.kind, ErrorKind::Transient, "a leader election answers 503 too");
         assert!(err.message.contains("\"orders.created\""), "{err}");
+        assert!(err.message.contains("no stream captures the subject"), "{err}");
         assert!(err.message.contains("create a stream"), "{err}");
         let err = pub_ack("s", Some(StatusCode::TIMEOUT), b"").unwrap_err();
         assert_eq!(err.kind, ErrorKind::Transient);

@@ -11,7 +11,10 @@
 //!   `ce-specversion`, and `ce-subject` for the aggregate key; `content-type`
 //!   and the producer's own headers ride along.
 //! - A subject that no stream captures gets "no responders" (`503`) from the
-//!   server: a configuration error naming the subject, never a success.
+//!   server, never a success. So does a stream electing its leader, which
+//!   passes: the sink retries it (transient, naming the subject), `check`
+//!   reports a plain subject that no stream captures before the relay starts,
+//!   and a templated one ends dead after the retry policy's `max_attempts`.
 //! - A batch is pipelined: every publish is queued, then every PubAck awaited,
 //!   all within `publish_timeout`.
 //!
