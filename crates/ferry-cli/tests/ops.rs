@@ -421,7 +421,7 @@ async fn a_running_relay_serves_metrics_health_and_readiness_and_retention_archi
 /// it, and the relay that starts next replaces it, delivers every outbox
 /// row, logs the loss of the old slot's tableless events as an error and
 /// counts it; with `max_slot_wal_keep_size` set, `/metrics` shows how far
-/// the new slot is from the same fate.
+/// the new slot is from the same fate, and without it an unbounded margin.
 #[cfg(feature = "postgres")]
 #[tokio::test]
 async fn a_relay_replaces_a_lost_slot_delivers_every_row_and_reports_the_loss() {
@@ -540,6 +540,14 @@ async fn replaces_a_lost_slot(outage: Outage) {
         text.contains(&format!("wal slot {slot}: streaming (walsender pid")) && text.contains("invalidated after"),
         "{text}"
     );
+    // Without the cap the server never invalidates the slot: the margin is
+    // unbounded, not the last one read while the cap was set.
+    server.uncap_slots().await;
+    eventually("an unbounded margin", log, async || {
+        let samples = parse_metrics(&get(addr, "/metrics")?.1);
+        (total(&samples, "ferry_wal_safe_bytes", &[]) == Some(f64::INFINITY)).then_some(())
+    })
+    .await;
     assert!(relay.terminate().success());
     ops.pool.close().await;
 }

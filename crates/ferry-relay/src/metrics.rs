@@ -42,7 +42,7 @@ pub const WAL_STREAMING: &str = "ferry_wal_streaming";
 /// WAL the slot holds back (written since its confirmed position), in bytes.
 pub const WAL_LAG_BYTES: &str = "ferry_wal_lag_bytes";
 /// WAL that can still be written before the server invalidates the slot,
-/// in bytes; only with a `max_slot_wal_keep_size`.
+/// in bytes; `+Inf` without a `max_slot_wal_keep_size`.
 pub const WAL_SAFE_BYTES: &str = "ferry_wal_safe_bytes";
 /// Age of the newest transaction settled from the stream, at settling.
 pub const WAL_LAG_SECONDS: &str = "ferry_wal_lag_seconds";
@@ -86,7 +86,7 @@ pub fn describe() {
     describe_gauge!(
         WAL_SAFE_BYTES,
         Unit::Bytes,
-        "WAL that can still be written before PostgreSQL invalidates the slot (max_slot_wal_keep_size)."
+        "WAL that can still be written before PostgreSQL invalidates the slot (max_slot_wal_keep_size; +Inf without one)."
     );
     describe_gauge!(
         WAL_LAG_SECONDS,

@@ -315,9 +315,11 @@ async fn read_lag(source: &WalSource, options: &WalOptions) {
             ..
         }) => {
             ::metrics::gauge!(metrics::WAL_LAG_BYTES).set(behind as f64);
-            if let Some(safe) = safe_bytes {
-                ::metrics::gauge!(metrics::WAL_SAFE_BYTES).set(safe as f64);
-            }
+            // Without `max_slot_wal_keep_size` the server never invalidates
+            // the slot: the margin is unbounded, not the last one seen while
+            // a cap was set.
+            let safe = safe_bytes.map_or(f64::INFINITY, |b| b as f64);
+            ::metrics::gauge!(metrics::WAL_SAFE_BYTES).set(safe);
             if behind.max(0) as u64 > options.lag_budget {
                 warn!(
                     lag_bytes = behind,

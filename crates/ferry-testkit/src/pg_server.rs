@@ -220,6 +220,17 @@ impl PgServer {
         panic!("slot {slot} is still not lost; server log:\n{}", self.log());
     }
 
+    /// Takes back the cap [`PgServer::invalidate_slot`] set: slots keep
+    /// their WAL for as long as they need it again.
+    pub async fn uncap_slots(&self) {
+        let mut admin = sqlx::PgConnection::connect(&self.admin_url())
+            .await
+            .expect("connect to the test cluster");
+        for statement in ["ALTER SYSTEM RESET max_slot_wal_keep_size", "SELECT pg_reload_conf()"] {
+            sqlx::query(statement).execute(&mut admin).await.expect(statement);
+        }
+    }
+
     /// What the server logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.log_path()).unwrap_or_default()
