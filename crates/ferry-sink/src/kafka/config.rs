@@ -46,6 +46,20 @@ const RESERVED: [(&str, &str); 12] = [
     ("transactional.id", "Ferry's producer is idempotent, not transactional"),
 ];
 
+/// librdkafka's partitioners that put every record of one key on one
+/// partition (a hash of the key; they differ only in the hash and in where
+/// records without a key go). `random` spreads a key's records over all
+/// partitions, and Kafka orders records only within a partition: per-key
+/// order would be lost without any error.
+const KEY_HASHING_PARTITIONERS: [&str; 6] = [
+    "murmur2_random",
+    "murmur2",
+    "consistent_random",
+    "consistent",
+    "fnv1a_random",
+    "fnv1a",
+];
+
 impl KafkaOptions {
     /// Checks every field, naming the one that is wrong.
     pub fn validate(&self) -> Result<(), SinkError> {
@@ -74,6 +88,19 @@ impl KafkaOptions {
             if let Some((_, why)) = RESERVED.iter().find(|(r, _)| r == name) {
                 return bad(&format!("extra.{name:?}"), format!("is set by Ferry itself: {why}"));
             }
+        }
+        if let Some(partitioner) = self.extra.get("partitioner")
+            && !KEY_HASHING_PARTITIONERS.contains(&partitioner.as_str())
+        {
+            return bad(
+                "extra.\"partitioner\"",
+                format!(
+                    "is {partitioner:?}, which does not keep a key on one partition, so per-key order \
+                     would be lost; use one that hashes the key ({}), or remove it for Ferry's \
+                     murmur2_random",
+                    KEY_HASHING_PARTITIONERS.join(", ")
+                ),
+            );
         }
         Ok(())
     }
@@ -166,6 +193,23 @@ mod tests {
             let err = with_extra(name, "x").validate().unwrap_err();
             assert_eq!(err.kind, ErrorKind::Config, "{name}");
             assert!(err.message.contains(&format!("extra.{name:?}")), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn only_partitioners_that_hash_the_key_are_accepted() {
+        for partitioner in KEY_HASHING_PARTITIONERS {
+            let o = with_extra("partitioner", partitioner);
+            assert_eq!(o.validate(), Ok(()), "{partitioner}");
+            assert_eq!(o.producer_config().get("partitioner"), Some(partitioner));
+        }
+        // `random` ignores the key; the rest are not librdkafka partitioners.
+        for partitioner in ["random", "", "Murmur2", "murmur3"] {
+            let err = with_extra("partitioner", partitioner).validate().unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Config, "{partitioner:?}");
+            assert!(err.message.contains("extra.\"partitioner\""), "{}", err.message);
+            assert!(err.message.contains("murmur2_random"), "{}", err.message);
+            assert!(err.message.contains("per-key order"), "{}", err.message);
         }
     }
 

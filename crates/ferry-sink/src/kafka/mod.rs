@@ -69,8 +69,8 @@ pub struct KafkaOptions {
     /// More librdkafka properties (`security.protocol`, `sasl.*`,
     /// `linger.ms` (Ferry's default is 1 ms, see [`DEFAULT_LINGER_MS`]),
     /// `compression.type`, ...). Properties the guarantees rest
-    /// on (`acks`, `enable.idempotence`, ...) are refused by
-    /// [`KafkaOptions::validate`].
+    /// on (`acks`, `enable.idempotence`, ...), and a `partitioner` that
+    /// does not hash the key, are refused by [`KafkaOptions::validate`].
     pub extra: BTreeMap<String, String>,
 }
 
