@@ -11,6 +11,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (7, "enqueue", include_str!("migrations/0007_enqueue.sql")),
     (8, "wal_settled", include_str!("migrations/0008_wal_settled.sql")),
     (9, "emit_fallback", include_str!("migrations/0009_emit_fallback.sql")),
+    (10, "emit_seq", include_str!("migrations/0010_emit_seq.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -19,8 +19,11 @@ pub(crate) const MESSAGE_PREFIX: &str = "ferry";
 /// One event as the slot handed it over.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WalEvent {
-    /// For an outbox row, its seq; for a tableless event, 0 until the event
-    /// is written to the outbox (only if its delivery fails).
+    /// For an outbox row, its seq; for a tableless event, the seq
+    /// `ferry._emit` reserved for it (migration 0010), which the event takes
+    /// if it is written to the outbox (only if its delivery fails). 0 for a
+    /// message emitted before that migration: such an event draws its seq
+    /// when it is written.
     pub event: StoredEvent,
     /// The outbox partition of a row; `None` for a tableless event.
     pub partition: Option<i32>,
@@ -29,6 +32,11 @@ pub struct WalEvent {
 impl WalEvent {
     pub fn tableless(&self) -> bool {
         self.partition.is_none()
+    }
+
+    /// The seq a tableless event's message carries, if any.
+    pub(crate) fn reserved_seq(&self) -> Option<i64> {
+        (self.tableless() && self.event.seq > 0).then_some(self.event.seq)
     }
 }
 
@@ -224,6 +232,9 @@ fn row(c: &Columns, tuple: &TupleData) -> Result<WalEvent, StoreError> {
 struct Message {
     v: u32,
     id: uuid::Uuid,
+    /// Reserved by `ferry._emit` since migration 0010; absent before.
+    #[serde(default)]
+    seq: Option<i64>,
     #[serde(rename = "type")]
     event_type: String,
     key: Option<String>,
@@ -245,7 +256,7 @@ fn tableless(content: &[u8]) -> Result<WalEvent, StoreError> {
     Ok(WalEvent {
         event: StoredEvent {
             id: EventId(m.id),
-            seq: 0,
+            seq: m.seq.unwrap_or(0),
             event_type: m.event_type,
             key: m.key,
             payload: Bytes::from(payload),
@@ -302,6 +313,14 @@ mod tests {
         assert_eq!(e.event.event_type, "order.paid");
         assert_eq!(&e.event.payload[..], br#"{"id":1}"#);
         assert_eq!(e.event.headers["a"], "b");
+        // Emitted before migration 0010: no reserved seq, one is drawn when
+        // the event is written.
+        assert_eq!((e.event.seq, e.reserved_seq()), (0, None));
+        let reserved = br#"{"v":1,"id":"0190b6a0-0000-7000-8000-000000000002","seq":42,"type":"order.paid",
+            "key":"o-1","content_type":"application/json","headers":{},"payload":"",
+            "created_at":"2026-11-30T15:00:00Z"}"#;
+        let e = tableless(reserved).unwrap();
+        assert_eq!((e.event.seq, e.reserved_seq()), (42, Some(42)));
         let newer = br#"{"v":2,"id":"0190b6a0-0000-7000-8000-000000000001","type":"a.b","key":null,
             "content_type":"x","headers":{},"payload":"","created_at":"2026-11-30T15:00:00Z"}"#;
         assert!(tableless(newer).unwrap_err().message.contains("upgrade"));

@@ -148,7 +148,10 @@ impl WalSource {
         let mut settled = Settled::default();
         // Tableless events some route could not publish: written to the
         // outbox (and `unrouted`, which the statement below takes them out
-        // of again). A replay finds the id taken and writes nothing twice.
+        // of again) with the seq ferry._emit reserved, so their order
+        // against the rest of the outbox is commit order whatever the order
+        // of the outcomes. A replay finds the id taken and writes nothing
+        // twice.
         let mut seq_of: HashMap<uuid::Uuid, i64> = HashMap::new();
         let mut tableless: Vec<&WalEvent> = Vec::new();
         for (e, _, outcome) in &s.outcomes {
@@ -176,6 +179,7 @@ impl WalSource {
                         .collect::<Vec<_>>(),
                 )
                 .bind(tableless.iter().map(|e| e.event.created_at).collect::<Vec<_>>())
+                .bind(tableless.iter().map(|e| e.reserved_seq()).collect::<Vec<_>>())
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(store_error)?;
