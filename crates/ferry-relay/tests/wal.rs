@@ -596,3 +596,253 @@ async fn a_failed_event_holds_back_later_events_of_its_route_until_it_is_deliver
     assert_complete_and_ordered(&expected, &in_order);
     e.db.drop_db().await;
 }
+
+/// Commits one event of `key` in a transaction of its own, tableless
+/// (`ferry.emit`) or as an outbox row (`enqueue`).
+async fn commit_one(pool: &PgPool, tableless: bool, key: &str, n: usize) -> (EventId, String) {
+    let mut tx = pool.begin().await.unwrap();
+    let event = Event::new("order.placed", json!({ "n": n, "tableless": tableless })).key(key);
+    let id = if tableless {
+        emit(&mut tx, event).await.unwrap()
+    } else {
+        enqueue(&mut tx, event).await.unwrap().id
+    };
+    tx.commit().await.unwrap();
+    (id, key.to_owned())
+}
+
+/// Waits until `n` events are written to the outbox (tableless ones once
+/// their delivery failed).
+async fn written(pool: &PgPool, n: usize) {
+    eventually_async("the failed events in the outbox", Duration::from_secs(20), async || {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        rows as usize >= n
+    })
+    .await;
+}
+
+/// With the destination down, tableless events and outbox rows of a key
+/// all go to the table path, which delivers a key in seq order. A tableless
+/// event takes the seq `ferry.emit` reserved under the key's lock, so a row
+/// committed after it (or written after it in its own transaction) comes
+/// after it; a seq drawn only when its failure was written came after theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn emitted_and_enqueued_events_of_a_key_arrive_in_commit_order_after_an_outage() {
+    let e = env().await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    e.sink.set_down(true);
+    let mut ids = Vec::new();
+    for n in 0..15 {
+        // In turn, one door then the other, on two keys out of step.
+        ids.push(commit_one(&e.pool, n % 2 == 0, "a", n).await);
+        ids.push(commit_one(&e.pool, n % 2 == 1, "b", n).await);
+        // Both doors in one transaction: the order they were called in.
+        let mut tx = e.pool.begin().await.unwrap();
+        let first = emit(
+            &mut tx,
+            Event::new("order.placed", json!({ "n": n, "first": true })).key("a"),
+        )
+        .await
+        .unwrap();
+        let second = enqueue(
+            &mut tx,
+            Event::new("order.placed", json!({ "n": n, "first": false })).key("a"),
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        ids.push((first, "a".to_owned()));
+        ids.push((second.id, "a".to_owned()));
+    }
+    written(&e.pool, ids.len()).await;
+    e.sink.set_down(false);
+    eventually("every event after the outage", Duration::from_secs(60), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len()
+    })
+    .await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
+    relay.stop().await;
+    e.db.drop_db().await;
+}
+
+/// Tableless events that fail together are written in one settle, whose
+/// outcomes come route by route: `shipping` lists the shipped event before
+/// `audit` lists the paid one emitted ahead of it. Their seqs, reserved at
+/// emit, keep the order they were emitted in on every route.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tableless_events_failing_on_several_routes_keep_their_order_per_key() {
+    let e = env().await;
+    let shipping = Route {
+        matcher: Glob::new("order.shipped").unwrap(),
+        ..route("shipping", "mock")
+    };
+    let relay = start(&e, "wal-a", vec![shipping, route("audit", "other")]);
+    streaming(&e).await;
+    e.sink.set_down(true);
+    e.other.set_down(true);
+    let (mut audit, mut shipped) = (Vec::new(), Vec::new());
+    for n in 0..10 {
+        let key = format!("o-{}", n % 3);
+        let mut tx = e.pool.begin().await.unwrap();
+        let paid = emit(&mut tx, Event::new("order.paid", json!({ "n": n })).key(key.clone()))
+            .await
+            .unwrap();
+        let ship = emit(&mut tx, Event::new("order.shipped", json!({ "n": n })).key(key.clone()))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        audit.extend([(paid, key.clone()), (ship, key.clone())]);
+        shipped.push((ship, key));
+    }
+    written(&e.pool, audit.len() + shipped.len()).await;
+    e.sink.set_down(false);
+    e.other.set_down(false);
+    eventually("every event after the outage", Duration::from_secs(60), || {
+        unique(&e.other.delivered("audit")).len() >= audit.len()
+            && unique(&e.sink.delivered("shipping")).len() >= shipped.len()
+    })
+    .await;
+    assert_complete_and_ordered(&audit, &e.other.delivered("audit"));
+    assert_complete_and_ordered(&shipped, &e.sink.delivered("shipping"));
+    relay.stop().await;
+    e.db.drop_db().await;
+}
+
+/// `ferry.emit` reserves the event's seq with the rights of the function's
+/// owner (the role that ran `ferry migrate`): a producer role with only the
+/// grants docs/OPERATIONS.md lists emits tableless events, though it may not
+/// draw from the outbox's sequence itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_producer_with_the_documented_grants_emits_tableless_events() {
+    let e = env().await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    // Roles belong to the whole server: one per test database.
+    let role = format!("{}_producer", e.db.name());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {role} NOLOGIN;
+         GRANT USAGE ON SCHEMA ferry TO {role};
+         GRANT SELECT, INSERT ON ferry.events, ferry.unrouted TO {role};
+         GRANT SELECT ON ferry.relays, ferry.wal_slots TO {role};"
+    )))
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let set_role = format!("SET LOCAL ROLE {role}");
+
+    let mut tx = e.pool.begin().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(set_role.clone()))
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let denied = sqlx::query("SELECT nextval('ferry.events_seq_seq')")
+        .execute(&mut *tx)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        denied.as_database_error().and_then(|d| d.code()).as_deref(),
+        Some("42501"),
+        "the producer role may draw from the sequence, so this test proves nothing: {denied}"
+    );
+    tx.rollback().await.unwrap();
+
+    let mut ids = Vec::new();
+    for n in 0..3 {
+        let mut tx = e.pool.begin().await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(set_role.clone()))
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let id = emit(&mut tx, Event::new("order.placed", json!({ "n": n })).key("k"))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        ids.push((id, "k".to_owned()));
+    }
+    eventually("the producer role's events", Duration::from_secs(20), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len()
+    })
+    .await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "the events were not tableless");
+    relay.stop().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP OWNED BY {role}; DROP ROLE {role};")))
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    e.db.drop_db().await;
+}
+
+/// A failed tableless event is written with the seq `ferry.emit` reserved
+/// for it, once: the settle replayed after a crash writes nothing again. A
+/// message from before migration 0010 carries no seq and draws one then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_tableless_event_is_written_once_with_its_reserved_seq() {
+    let e = env().await;
+    let source = WalSource::new(
+        e.pool.clone(),
+        WalConfig {
+            url: e.db.url().to_owned(),
+            slot: e.slot.clone(),
+            publication: "ferry".into(),
+        },
+    )
+    .unwrap();
+    let reserved: i64 = sqlx::query_scalar("SELECT ferry._reserve_seq()")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    let tableless = |seq: i64| ferry_store::postgres::wal::WalEvent {
+        event: StoredEvent {
+            id: EventId::new(),
+            seq,
+            event_type: "order.paid".into(),
+            key: Some("k".into()),
+            payload: b"{}".to_vec().into(),
+            content_type: "application/json".into(),
+            headers: Default::default(),
+            created_at: chrono::Utc::now(),
+        },
+        partition: None,
+    };
+    // Its seq reserved, then one from before the migration (drawn now, so
+    // after the reserved one).
+    let (with_seq, without) = (tableless(reserved), tableless(0));
+    let now = chrono::Utc::now();
+    let failed = ferry_store::postgres::wal::Outcome::Retry {
+        next_at: now,
+        error: "down".into(),
+    };
+    let settlement = ferry_store::postgres::wal::Settlement {
+        outcomes: vec![
+            (&without, "all".to_owned(), failed.clone()),
+            (&with_seq, "all".to_owned(), failed),
+        ],
+        through: 0,
+    };
+    let first = source.settle(&settlement, now).await.unwrap();
+    assert_eq!((first.written, first.deliveries), (2, 2));
+    let again = source.settle(&settlement, now).await.unwrap();
+    assert_eq!((again.written, again.deliveries), (0, 0), "a replay wrote again");
+    let rows: Vec<(String, i64)> = sqlx::query_as("SELECT id::text, seq FROM ferry.events ORDER BY seq")
+        .fetch_all(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(
+        rows[0],
+        (with_seq.event.id.0.to_string(), reserved),
+        "the reserved seq was not kept"
+    );
+    assert_eq!(rows[1].0, without.event.id.0.to_string());
+    assert!(rows[1].1 > reserved);
+    e.db.drop_db().await;
+}
