@@ -505,12 +505,13 @@ impl<'a> Direct<'a> {
         let leases = owned.leases.clone();
         let ahead_owned = owned.clone();
         let publish_started = Instant::now();
-        let (settle_took, ((published, now_down), publish_took), ahead) = tokio::join!(
+        let ((previous_settled, settle_took), ((published, now_down), publish_took), ahead) = tokio::join!(
             async {
-                if let Some(u) = previous {
-                    settle(shared, u).await;
-                }
-                publish_started.elapsed()
+                let settled = match previous {
+                    Some(u) => settle(shared, u).await,
+                    None => true,
+                };
+                (settled, publish_started.elapsed())
             },
             async {
                 let published = Self::publish(shared, owned, batch, plan).await;
@@ -546,6 +547,23 @@ impl<'a> Direct<'a> {
             if self.down.insert(route.clone()) {
                 warn!(route = %route, "the destination failed; its events wait in the table for the route worker");
             }
+        }
+        if !previous_settled {
+            // This batch, and the one fetched ahead, were planned behind the
+            // batch that could not be written: a key's events it failed or
+            // parked held theirs back only through the carry. Written now,
+            // their rows would let those later events out ahead of the
+            // earlier ones, still unrouted, or past a dead one. Neither is
+            // written: all their events stay unrouted and are fetched again,
+            // in order, once the database is back (published again: the
+            // duplicates of an outage).
+            warn!(
+                events = published.seqs.len(),
+                "not settling a batch planned behind one that could not be settled; it will be published again"
+            );
+            self.ahead = None;
+            drop(gate);
+            return Step::Failed;
         }
         if let Some((batch, fetch_took)) = ahead {
             self.ahead = Some(Ahead {
@@ -648,8 +666,9 @@ impl<'a> Direct<'a> {
 
 /// Writes a published batch's delivery rows, retrying while the lease
 /// lasts (a write that fails costs a duplicate publish later, never an
-/// event); then wakes the route workers of what it parked.
-async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) {
+/// event); then wakes the route workers of what it parked. False when it
+/// gave up: the batch's events stay unrouted.
+async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool {
     let mut backoff = Duration::from_millis(20);
     loop {
         let started = Instant::now();
@@ -674,7 +693,7 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) {
                     || shared.cancel.is_cancelled() && backoff > Duration::from_secs(1)
                 {
                     warn!(events = u.seqs.len(), error = %e, "could not settle published events; they will be published again");
-                    return;
+                    return false;
                 }
                 debug!(events = u.seqs.len(), error = %e, "settling failed; retrying");
                 tokio::time::sleep(backoff).await;
@@ -691,6 +710,7 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) {
     for name in parked {
         shared.wake_route(name);
     }
+    true
 }
 
 #[cfg(test)]

@@ -541,6 +541,98 @@ async fn a_renewal_in_flight_at_shutdown_does_not_keep_the_leases() {
     assert_eq!(owned, 0, "the renewal took leases after the relay handed them back");
 }
 
+/// The router settles batch n while it publishes batch n + 1, which it
+/// planned behind batch n: a key that failed in n is held back in n + 1 only
+/// in memory. If the database is gone until the lease runs out, the settle
+/// of n gives up and its events stay unrouted; the settle of n + 1 must give
+/// up with it. Written once the database is back, it would leave a later
+/// event of that key pending with nothing before it in the table, and the
+/// route worker would deliver it ahead of the earlier one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_planned_behind_one_that_could_not_be_settled_is_not_settled_either() {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::time::Instant;
+
+    let e = env().await;
+    let first = |key: &str, n: u32| Event::new("order.item.created", json!({ "n": n })).key(key);
+    // Batches of two: [early, other], then [late, slow], fetched ahead.
+    let ids = produce(
+        &e.pool,
+        vec![first("k", 0), first("other", 1), first("k", 2), first("slow", 3)],
+    )
+    .await;
+    let (early, late, slow) = (ids[0], ids[2], ids[3]);
+    let early_attempts = Arc::new(AtomicU32::new(0));
+    let slow_attempts = Arc::new(AtomicU32::new(0));
+    {
+        let early_attempts = early_attempts.clone();
+        e.sink.fail_when(move |ev| {
+            (ev.id == early && early_attempts.fetch_add(1, Ordering::SeqCst) < 2)
+                .then(|| SinkError::transient("refused"))
+        });
+        let slow_attempts = slow_attempts.clone();
+        // Still publishing when the database is back.
+        e.sink.delay_when(move |ev| {
+            (ev.id == slow && slow_attempts.fetch_add(1, Ordering::SeqCst) == 0).then_some(Duration::from_secs(6))
+        });
+    }
+    // The database goes away at the first settle (batch one's, beside batch
+    // two's publish) for longer than the lease; afterwards the second
+    // settle is slow, so that a route worker woken by the first has time to
+    // claim what it wrote.
+    let outage: Arc<Mutex<Option<Instant>>> = Arc::default();
+    let settles_after = Arc::new(AtomicU32::new(0));
+    let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
+        let (outage, settles_after) = (outage.clone(), settles_after.clone());
+        Box::pin(async move {
+            let began = {
+                let mut outage = outage.lock().unwrap();
+                if called == "settle" && outage.is_none() {
+                    *outage = Some(Instant::now());
+                }
+                *outage
+            };
+            match began {
+                Some(at) if at.elapsed() < Duration::from_millis(4_500) => {
+                    Err(ferry_core::StoreError::transient("the database is unreachable"))
+                }
+                Some(_) if called == "settle" => {
+                    if settles_after.fetch_add(1, Ordering::SeqCst) == 1 {
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                    }
+                    Ok(())
+                }
+                _ => Ok(()),
+            }
+        })
+    });
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let relay = start_on(
+        &e,
+        store,
+        RelaySettings {
+            batch_size: 2,
+            ..settings("outage", 6)
+        },
+        vec![route("orders", "order.**")],
+    );
+    eventually("every event", Duration::from_secs(60), || {
+        let got = e.sink.delivered_ids("orders");
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+    relay.stop().await;
+    assert!(slow_attempts.load(Ordering::SeqCst) >= 1 && early_attempts.load(Ordering::SeqCst) >= 3);
+    let got = e.sink.delivered_ids("orders");
+    let at = |id| got.iter().position(|g| *g == id).unwrap();
+    assert!(
+        at(early) < at(late),
+        "the later event of key k arrived first: {got:?} (early {early}, late {late})"
+    );
+    assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
+}
+
 /// A database that stops answering (a partition, not a refusal) must not
 /// hold the relay's exit: SIGTERM ends it within its shutdown timeout and
 /// the farewell's bound, and no delivery is lost (what it could not record

@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use ferry_core::{EventId, PublishOutcome, Route, Sink, SinkError, StoredEvent, prepare_in_key_order};
 
 type Script = Box<dyn Fn(&StoredEvent) -> Option<SinkError> + Send + Sync>;
+type Delay = Box<dyn Fn(&StoredEvent) -> Option<std::time::Duration> + Send + Sync>;
 
 /// Records every event it confirms, per route, in publish order.
 #[derive(Default)]
@@ -16,6 +17,7 @@ pub struct MockSink {
     delivered: Mutex<HashMap<String, Vec<StoredEvent>>>,
     script: Mutex<Option<Script>>,
     admission: Mutex<Option<Script>>,
+    delay: Mutex<Option<Delay>>,
     admits_in_publish: AtomicBool,
     down: AtomicBool,
     attempts: AtomicU64,
@@ -29,6 +31,12 @@ impl MockSink {
     /// Fails each event for which `f` returns an error.
     pub fn fail_when(&self, f: impl Fn(&StoredEvent) -> Option<SinkError> + Send + Sync + 'static) {
         *self.script.lock().unwrap() = Some(Box::new(f));
+    }
+
+    /// Holds a publish for the longest delay `f` returns for its events, as
+    /// a slow destination would: the caller's task goes on meanwhile.
+    pub fn delay_when(&self, f: impl Fn(&StoredEvent) -> Option<std::time::Duration> + Send + Sync + 'static) {
+        *self.delay.lock().unwrap() = Some(Box::new(f));
     }
 
     /// Refuses each event for which `f` returns an error before sending it,
@@ -82,6 +90,15 @@ impl Sink for MockSink {
 
     async fn publish(&self, route: &Route, events: &[StoredEvent]) -> Vec<PublishOutcome> {
         self.attempts.fetch_add(events.len() as u64, Ordering::SeqCst);
+        let delay = self
+            .delay
+            .lock()
+            .unwrap()
+            .as_ref()
+            .and_then(|f| events.iter().filter_map(f).max());
+        if let Some(delay) = delay {
+            tokio::time::sleep(delay).await;
+        }
         let down = self.down.load(Ordering::SeqCst);
         let admitted = if self.admits_in_publish() {
             prepare_in_key_order(events, |e| self.admit(route, e))
