@@ -361,7 +361,6 @@ const DEFAULT_WAL_NAME: &str = "ferry";
 const DEFAULT_WAL_LAG_BUDGET_MB: i64 = 1024;
 const DEFAULT_WAL_PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_PUBLISHED_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
-const DEFAULT_DEAD_WINDOW: Duration = Duration::from_secs(30 * 24 * 3600);
 const DEFAULT_RETENTION_BATCH: usize = 1_000;
 const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(50);
 const DEFAULT_RETENTION_INTERVAL: Duration = Duration::from_secs(300);
@@ -713,9 +712,13 @@ fn retention(check: &mut Checker, raw: RawRetention) -> RetentionConfig {
         DEFAULT_PUBLISHED_WINDOW,
         second,
     );
+    // Kept unless a window is set: a dead event holds its key back until an
+    // operator requeues or cancels it, and deleting it would release the
+    // key and lose the event without anyone deciding to.
     let dead_window = match raw.dead_window {
+        None => None,
         Some(text) if text.0.trim() == "never" => None,
-        raw => Some(check.duration_at_least("retention.dead_window", raw, DEFAULT_DEAD_WINDOW, second)),
+        raw => Some(check.duration_at_least("retention.dead_window", raw, published_window, second)),
     };
     if let Some(dead) = dead_window
         && dead < published_window

@@ -665,14 +665,14 @@ fn load_reads_the_file() {
 mod sink_kinds;
 
 #[test]
-fn retention_defaults_keep_a_week_of_published_and_a_month_of_dead() {
+fn retention_defaults_keep_a_week_of_published_and_every_dead_event() {
     let c = from_toml_str(MINIMAL).unwrap();
     assert_eq!(
         c.retention,
         RetentionConfig {
             enabled: true,
             published_window: Duration::from_secs(7 * 86_400),
-            dead_window: Some(Duration::from_secs(30 * 86_400)),
+            dead_window: None,
             batch_size: 1_000,
             batch_pause: Duration::from_millis(50),
             interval: Duration::from_secs(300),
