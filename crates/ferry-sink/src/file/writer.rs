@@ -1,5 +1,8 @@
 //! Appending a batch's lines to their files: rotation by size, then one
-//! `sync_data` per file touched. Blocking; runs on tokio's blocking pool.
+//! `sync_data` per file touched. A batch that fails is rolled back: every
+//! file it was appending to is cut back to its length before the batch, so
+//! a half-written line (a full disk) never has the retry's line glued to it.
+//! Blocking; runs on tokio's blocking pool.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions};
@@ -7,11 +10,14 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
+use tracing::warn;
 
 /// An open destination file and how many bytes it holds.
 struct Open {
     writer: BufWriter<File>,
     size: u64,
+    /// Its length before this batch wrote to it: where a failure cuts it back.
+    start: u64,
 }
 
 impl Open {
@@ -24,7 +30,16 @@ impl Open {
         Ok(Self {
             writer: BufWriter::with_capacity(64 * 1024, file),
             size,
+            start: size,
         })
+    }
+
+    /// Cuts the file back to its length before this batch. The buffered
+    /// bytes are discarded first: a `BufWriter` flushes on drop, which would
+    /// append them again after the cut.
+    fn roll_back(self) -> io::Result<()> {
+        let (file, _unwritten) = self.writer.into_parts();
+        file.set_len(self.start)
     }
 
     fn sync(&mut self) -> io::Result<()> {
@@ -44,8 +59,33 @@ pub(crate) struct WriteError {
 /// files: when it would take a non-empty file past `max_file_bytes`, the file
 /// is rotated first. Returns only once every touched file, and the directory
 /// of every created or renamed one, is synced.
+///
+/// On an error, every file the batch appended to is cut back to where the
+/// batch found it (a file rotated away keeps its whole lines), so the retry
+/// starts on a line boundary.
 pub(crate) fn write_lines(lines: &[(&Path, &[u8])], max_file_bytes: u64, now: DateTime<Utc>) -> Result<(), WriteError> {
     let mut open: HashMap<&Path, Open> = HashMap::new();
+    let written = append_and_sync(lines, max_file_bytes, now, &mut open);
+    if written.is_err() {
+        for (path, file) in open {
+            if let Err(e) = file.roll_back() {
+                warn!(
+                    path = %path.display(),
+                    error = %e,
+                    "could not cut the file back after a failed batch; it may end in a partial line"
+                );
+            }
+        }
+    }
+    written
+}
+
+fn append_and_sync<'a>(
+    lines: &[(&'a Path, &[u8])],
+    max_file_bytes: u64,
+    now: DateTime<Utc>,
+    open: &mut HashMap<&'a Path, Open>,
+) -> Result<(), WriteError> {
     let mut dirs: BTreeSet<PathBuf> = BTreeSet::new();
     let at = |path: &Path| {
         let path = path.to_owned();
@@ -66,7 +106,7 @@ pub(crate) fn write_lines(lines: &[(&Path, &[u8])], max_file_bytes: u64, now: Da
         file.writer.write_all(line).map_err(at(path))?;
         file.size += len;
     }
-    for (path, file) in &mut open {
+    for (path, file) in open.iter_mut() {
         file.sync().map_err(at(path))?;
     }
     for dir in dirs {
@@ -144,6 +184,47 @@ mod tests {
         for f in &files {
             assert!(fs::metadata(f).unwrap().len() <= 15, "{f:?}");
         }
+    }
+
+    #[test]
+    fn a_batch_that_fails_part_way_leaves_the_files_as_they_were() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        fs::write(&path, b"before\n").unwrap();
+        let blocked = dir.path().join("blocked");
+        fs::create_dir(&blocked).unwrap();
+        // The first file takes a line, then the second cannot be opened.
+        let batch: [(&Path, &[u8]); 3] = [
+            (path.as_path(), b"line-1\n"),
+            (blocked.as_path(), b"x\n"),
+            (path.as_path(), b"line-2\n"),
+        ];
+        let err = write_lines(&batch, 1024, Utc::now()).unwrap_err();
+        assert_eq!(err.path, blocked);
+        assert_eq!(
+            fs::read(&path).unwrap(),
+            b"before\n",
+            "the retry would write line-1 twice"
+        );
+    }
+
+    #[test]
+    fn rolling_back_drops_what_reached_the_file_and_what_was_still_buffered() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        fs::write(&path, b"whole\n").unwrap();
+        let mut file = Open::append(&path, &mut BTreeSet::new()).unwrap();
+        // What a write that failed on a full disk leaves: part of a line in
+        // the file, the rest of the batch in the buffer.
+        file.writer.get_mut().write_all(b"{\"half").unwrap();
+        file.writer.write_all(b" of a line\n{\"next\"}\n").unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"whole\n{\"half");
+        file.roll_back().unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"whole\n");
+
+        let lines: [(&Path, &[u8]); 1] = [(path.as_path(), b"retried\n")];
+        write_lines(&lines, 1024, Utc::now()).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"whole\nretried\n");
     }
 
     #[test]
