@@ -146,11 +146,12 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     // nothing: every row not settled is replayed from the slot, in commit
     // order with the tableless events around it.
     if unswept {
-        sweep(shared, source).await?;
+        sweep(shared, source, Sweep::Unrouted).await?;
         source.mark_swept().await?;
     }
     let mut lag_at = Instant::now();
     read_lag(source, &wal.options).await;
+    sweep_requeued(shared, source).await;
     // Batch n is settled while batch n + 1 is published, so the database
     // write is off the publish path; positions are confirmed in order, each
     // after its own batch is settled.
@@ -167,6 +168,7 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
         if lag_at.elapsed() >= wal.options.lag_every {
             lag_at = Instant::now();
             read_lag(source, &wal.options).await;
+            sweep_requeued(shared, source).await;
         }
         let first = if unsettled.is_some() {
             match stream.try_next()? {
@@ -187,6 +189,7 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
                 _ = tokio::time::sleep_until(lag_at + wal.options.lag_every) => {
                     lag_at = Instant::now();
                     read_lag(source, &wal.options).await;
+                    sweep_requeued(shared, source).await;
                     continue;
                 }
                 _ = shared.cancel.cancelled() => continue,
@@ -335,11 +338,25 @@ async fn read_lag(source: &WalSource, options: &WalOptions) {
     }
 }
 
-/// Routes every still-unrouted outbox row into the table path.
-async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource) -> Result<(), StoreError> {
+/// What a sweep takes into the table path.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sweep {
+    /// Every outbox row still unrouted: on a new slot, before it streams.
+    Unrouted,
+    /// Events an operator requeued after they were dead with no route,
+    /// which the stream never brings again.
+    Requeued,
+}
+
+/// Routes outbox rows into the table path.
+async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource, what: Sweep) -> Result<(), StoreError> {
     let mut swept = 0u64;
     loop {
-        let batch = source.unrouted(shared.settings.batch_size as i64).await?;
+        let limit = shared.settings.batch_size as i64;
+        let batch = match what {
+            Sweep::Unrouted => source.unrouted(limit).await?,
+            Sweep::Requeued => source.requeued(limit).await?,
+        };
         if batch.is_empty() {
             break;
         }
@@ -363,12 +380,23 @@ async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource) ->
         }
     }
     if swept > 0 {
-        info!(
-            events = swept,
-            "events committed before streaming began go through the table path"
-        );
+        match what {
+            Sweep::Unrouted => info!(
+                events = swept,
+                "events committed before streaming began go through the table path"
+            ),
+            Sweep::Requeued => info!(events = swept, "requeued events go through the table path"),
+        }
     }
     Ok(())
+}
+
+/// Takes requeued events into the table path, every `lag_every` while
+/// streaming; a failure waits for the next time, the stream goes on.
+async fn sweep_requeued<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource) {
+    if let Err(e) = sweep(shared, source, Sweep::Requeued).await {
+        warn!(error = %e, "could not take requeued events into the table path; trying again shortly");
+    }
 }
 
 fn matching<'a>(routes: &'a [Route], e: &WalEvent) -> Vec<&'a Route> {

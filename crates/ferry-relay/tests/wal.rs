@@ -846,3 +846,69 @@ async fn a_failed_tableless_event_is_written_once_with_its_reserved_seq() {
     assert!(rows[1].1 > reserved);
     e.db.drop_db().await;
 }
+
+/// An event no route matched is dead with reason `no route`, whose advice
+/// is "add a route and requeue". The requeue puts it back into `unrouted`
+/// for a router, which a relay in WAL mode does not run, and the stream
+/// never brings the event again: the streaming relay must take it itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_requeued_event_that_had_no_route_is_delivered_in_wal_mode() {
+    use ferry_store::{Action, Admin, Filter};
+    let e = env().await;
+    let only = |name: &str, glob: &str, sink: &str| Route {
+        name: name.into(),
+        matcher: Glob::new(glob).unwrap(),
+        sink: sink.into(),
+        destination: "d".into(),
+        routing_key: None,
+    };
+    let relay = start(&e, "wal-a", vec![only("orders", "order.**", "mock")]);
+    streaming(&e).await;
+    let mut tx = e.pool.begin().await.unwrap();
+    let sent = enqueue(&mut tx, Event::new("invoice.item.sent", json!({ "n": 1 })).key("i-1"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    eventually_async("dead with no route", Duration::from_secs(20), async || {
+        let dead: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM ferry.deliveries d JOIN ferry.events e ON e.seq = d.seq \
+              WHERE e.id = $1 AND d.route = $2 AND d.state = 'dead'",
+        )
+        .bind(sent.id.0)
+        .bind(ferry_core::NO_ROUTE)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+        dead == 1
+    })
+    .await;
+    relay.stop().await;
+
+    let relay = start(
+        &e,
+        "wal-b",
+        vec![
+            only("orders", "order.**", "mock"),
+            only("invoices", "invoice.**", "other"),
+        ],
+    );
+    streaming(&e).await;
+    let store = PgStore::new(e.pool.clone());
+    let action = Action::Requeue {
+        include_published: false,
+    };
+    let selection = Filter {
+        ids: vec![sent.id],
+        ..Filter::default()
+    };
+    let plan = store.plan(&action, &selection).await.unwrap();
+    assert_eq!(plan.changes.len(), 1, "{plan:?}");
+    store.apply(&action, "test", &plan.changes).await.unwrap();
+    eventually("the requeued event", Duration::from_secs(30), || {
+        e.other.delivered_ids("invoices").contains(&sent.id)
+    })
+    .await;
+    assert!(e.sink.delivered("orders").is_empty());
+    relay.stop().await;
+    e.db.drop_db().await;
+}

@@ -106,16 +106,46 @@ impl WalSource {
     /// event is looked up by its seq, so that no plan merge-joins the few
     /// unrouted rows with the outbox's whole history (see claim.sql).
     pub async fn unrouted(&self, limit: i64) -> Result<Vec<WalEvent>, StoreError> {
-        let rows = sqlx::query(
-            "SELECT e.seq, e.id, e.type, e.key, e.partition, e.payload, e.content_type, e.headers, e.created_at \
-               FROM (SELECT u.seq FROM ferry.unrouted u ORDER BY u.seq LIMIT $1) u \
-              CROSS JOIN LATERAL (SELECT * FROM ferry.events e WHERE e.seq = u.seq LIMIT 1) e \
-              ORDER BY u.seq",
+        self.events_of(
+            sqlx::query(
+                "SELECT e.seq, e.id, e.type, e.key, e.partition, e.payload, e.content_type, e.headers, e.created_at \
+                   FROM (SELECT u.seq FROM ferry.unrouted u ORDER BY u.seq LIMIT $1) u \
+                  CROSS JOIN LATERAL (SELECT * FROM ferry.events e WHERE e.seq = u.seq LIMIT 1) e \
+                  ORDER BY u.seq",
+            )
+            .bind(limit),
         )
-        .bind(limit)
-        .fetch_all(&self.pool)
         .await
-        .map_err(store_error)?;
+    }
+
+    /// Up to `limit` events an operator requeued after they were dead with
+    /// no route, oldest first. A requeue puts such an event back into
+    /// `unrouted` for a router, but the stream brought its row long ago and
+    /// never brings it again: a relay in WAL mode takes these into the table
+    /// path itself. Found through the requeue's `admin_log` entry, which
+    /// nothing else leaves for an unrouted event.
+    pub async fn requeued(&self, limit: i64) -> Result<Vec<WalEvent>, StoreError> {
+        self.events_of(
+            sqlx::query(
+                "SELECT e.seq, e.id, e.type, e.key, e.partition, e.payload, e.content_type, e.headers, e.created_at \
+                   FROM (SELECT u.seq FROM ferry.unrouted u \
+                          WHERE u.seq IN (SELECT a.seq FROM ferry.admin_log a \
+                                           WHERE a.action = 'requeue' AND a.route = $2) \
+                          ORDER BY u.seq LIMIT $1) u \
+                  CROSS JOIN LATERAL (SELECT * FROM ferry.events e WHERE e.seq = u.seq LIMIT 1) e \
+                  ORDER BY u.seq",
+            )
+            .bind(limit)
+            .bind(ferry_core::NO_ROUTE),
+        )
+        .await
+    }
+
+    async fn events_of(
+        &self,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<Vec<WalEvent>, StoreError> {
+        let rows = query.fetch_all(&self.pool).await.map_err(store_error)?;
         rows.into_iter()
             .map(|r| {
                 let headers: sqlx::types::Json<ferry_core::Headers> = r.try_get(7).map_err(store_error)?;
