@@ -265,6 +265,46 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     env.cleanup().await;
 }
 
+/// A stream that captures the consumer's own dead-letter subject hands every
+/// dead letter back to the consumer, which dead-letters it again, without
+/// end, growing the stream. The consumer refuses such a stream and consumes
+/// nothing, so nothing is lost either.
+#[tokio::test]
+async fn a_consumer_whose_stream_captures_its_dead_letters_consumes_nothing() {
+    let name = unique_name("inbox-nats-loop");
+    let js = jetstream::new(async_nats::connect(nats_url()).await.unwrap());
+    js.create_stream(stream::Config {
+        name: name.clone(),
+        subjects: vec![format!("{name}.>")],
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let db = Db::new().await;
+    let inbox = Inbox::new(db.pool.clone(), "billing").unwrap();
+    let mut options = NatsConsumerOptions::new(nats_url(), &name, "billing", format!("{name}.dead"));
+    options.timeout = Duration::from_secs(2);
+    options.reconnect_max_delay = Duration::from_millis(300);
+    let consumer = NatsConsumer::new(inbox, options).unwrap();
+    // A message no Ferry sink wrote: malformed, so dead-lettered at once.
+    js.publish(format!("{name}.orders"), "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let report = consumer
+        .run(
+            async |_: &mut PgConnection, _: &ReceivedEvent| Ok::<(), HandlerError>(()),
+            tokio::time::sleep(Duration::from_secs(3)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(report.malformed, 0, "{report:?}");
+    let mut stream = js.get_stream(&name).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 1);
+    let _ = js.delete_stream(&name).await;
+}
+
 #[tokio::test]
 async fn bad_options_name_the_field() {
     let db = Db::new().await;

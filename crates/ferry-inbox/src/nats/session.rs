@@ -60,6 +60,15 @@ where
                 .get_stream(&o.stream)
                 .await
                 .map_err(|e| format!("stream {:?}: {e}", o.stream))?;
+            let subjects = &stream.cached_info().config.subjects;
+            if reads_its_own_dead_letters(subjects, o.filter_subject.as_deref(), &o.dead_letter_subject) {
+                return Err(format!(
+                    "dead_letter_subject {:?} is captured by stream {:?} (subjects {subjects:?}) and read by this \
+                     consumer: every dead letter would come back to it and be dead-lettered again, without end; \
+                     choose a subject no subject of the stream matches, or a filter_subject that excludes it",
+                    o.dead_letter_subject, o.stream
+                ));
+            }
             let config = pull::Config {
                 durable_name: Some(o.durable.clone()),
                 ack_policy: AckPolicy::Explicit,
@@ -187,4 +196,57 @@ fn message_id(message: &jetstream::Message) -> String {
         .info()
         .map(|i| format!("{}-{}", i.stream, i.stream_sequence))
         .unwrap_or_else(|_| uuid::Uuid::now_v7().to_string())
+}
+
+/// Whether dead letters published to `dead` land in the stream with
+/// `subjects` and pass the consumer's `filter`.
+fn reads_its_own_dead_letters(subjects: &[String], filter: Option<&str>, dead: &str) -> bool {
+    let filter = filter.filter(|f| !f.is_empty());
+    subjects.iter().any(|s| subject_matches(s, dead)) && filter.is_none_or(|f| subject_matches(f, dead))
+}
+
+/// Whether the literal `subject` matches the NATS subject `pattern` (`*` is
+/// one token, a final `>` one or more).
+fn subject_matches(pattern: &str, subject: &str) -> bool {
+    let (mut p, mut s) = (pattern.split('.'), subject.split('.'));
+    loop {
+        match (p.next(), s.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_match_as_nats_matches_them() {
+        assert!(subject_matches("billing.>", "billing.dead"));
+        assert!(subject_matches("billing.>", "billing.dead.x"));
+        assert!(!subject_matches("billing.>", "billing"));
+        assert!(subject_matches("billing.*", "billing.dead"));
+        assert!(!subject_matches("billing.*", "billing.dead.x"));
+        assert!(subject_matches("billing.dead", "billing.dead"));
+        assert!(!subject_matches("billing.orders", "billing.dead"));
+        assert!(!subject_matches("billing.dead.x", "billing.dead"));
+    }
+
+    #[test]
+    fn a_consumer_reads_its_dead_letters_only_if_the_stream_and_its_filter_take_them() {
+        let subjects = ["billing.>".to_owned()];
+        assert!(reads_its_own_dead_letters(&subjects, None, "billing.dead"));
+        assert!(reads_its_own_dead_letters(&subjects, Some(""), "billing.dead"));
+        assert!(!reads_its_own_dead_letters(
+            &subjects,
+            Some("billing.orders"),
+            "billing.dead"
+        ));
+        assert!(reads_its_own_dead_letters(&subjects, Some("billing.*"), "billing.dead"));
+        assert!(!reads_its_own_dead_letters(&subjects, None, "dead.billing"));
+    }
 }
