@@ -16,10 +16,28 @@ pub(crate) async fn keep<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, tx: watc
     loop {
         let mut gate = None;
         if !release.is_empty() {
-            // Quiesce: wait for the current units of work to finish.
+            // Quiesce: wait for the current units of work to finish, renewing
+            // every lease meanwhile. A unit may publish for longer than a
+            // lease (a slow destination); were the leases left to run out,
+            // the relay that asked for a share would take the partitions
+            // still being published, and publish them again.
             shared.quiesce.store(true, std::sync::atomic::Ordering::SeqCst);
-            gate = Some(shared.gate.write().await);
+            let write = shared.gate.write();
+            tokio::pin!(write);
+            loop {
+                tokio::select! {
+                    g = &mut write => {
+                        gate = Some(g);
+                        break;
+                    }
+                    _ = tokio::time::sleep(settings.renew_every()) => renew(&shared, &tx).await,
+                    _ = shared.cancel.cancelled() => break,
+                }
+            }
             shared.quiesce.store(false, std::sync::atomic::Ordering::SeqCst);
+            if gate.is_none() {
+                return;
+            }
         }
         let sent = Instant::now();
         match shared.store.tick(&settings.id, settings.lease, &release).await {
@@ -68,6 +86,30 @@ pub(crate) async fn keep<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, tx: watc
         tokio::select! {
             _ = tokio::time::sleep(settings.renew_every()) => {}
             _ = shared.cancel.cancelled() => return,
+        }
+    }
+}
+
+/// Renews the leases held, handing none back: the view stays as it was but
+/// for its deadline (and any partition lost meanwhile).
+async fn renew<S: Store, C: Clock>(shared: &Shared<S, C>, tx: &watch::Sender<LeaseView>) {
+    let settings = &shared.settings;
+    let sent = Instant::now();
+    match shared.store.tick(&settings.id, settings.lease, &[]).await {
+        Ok(mut owned) => {
+            owned.relay = settings.id.clone();
+            // Partitions gained now wait for the next heartbeat's view: the
+            // units holding the gate were planned without them.
+            let before = tx.borrow().owned.partitions();
+            owned.leases.retain(|(p, _)| before.contains(p));
+            tx.send_replace(LeaseView {
+                owned,
+                valid_until: sent + settings.lease.saturating_sub(settings.lease_margin()),
+            });
+        }
+        Err(e) => {
+            ::metrics::counter!(metrics::STORE_ERRORS, "op" => "tick").increment(1);
+            warn!(error = %e, "lease renewal failed while handing partitions back");
         }
     }
 }

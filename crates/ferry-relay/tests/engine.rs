@@ -471,6 +471,43 @@ async fn two_relays_share_the_work_without_loss_duplicates_or_reordering() {
     assert_eq!(ra.refused + rb.refused, 0);
 }
 
+/// A relay above its fair share hands partitions back only once the work in
+/// flight on them is done. A publish that outlasts the lease (a slow
+/// destination) must not let the leases run out meanwhile: the relay that
+/// joined would take the partitions still being published, publish their
+/// events again and have the first relay's outcomes refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_publish_while_handing_partitions_back_keeps_the_leases() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(200, 20)).await;
+    let slow = ids[0];
+    let once = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    {
+        let once = once.clone();
+        // Twice the lease (3 s), once.
+        e.sink.delay_when(move |ev| {
+            (ev.id == slow && !once.swap(true, std::sync::atomic::Ordering::SeqCst)).then_some(Duration::from_secs(6))
+        });
+    }
+    let routes = vec![route("orders", "order.**")];
+    let a = start(&e, "a", routes.clone());
+    eventually("the slow publish under way", Duration::from_secs(20), || {
+        once.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+    // Relay a now holds every partition, and must hand half back.
+    let b = start(&e, "b", routes);
+    eventually("200 delivered", Duration::from_secs(60), || {
+        e.sink.delivered("orders").len() >= 200
+    })
+    .await;
+    let (ra, rb) = (a.stop().await, b.stop().await);
+    let got = e.sink.delivered("orders");
+    assert_eq!(ra.refused + rb.refused, 0, "outcomes refused after a lease ran out");
+    assert_eq!(got.len(), 200, "duplicates: {}", got.len() - 200);
+    assert_complete_and_ordered(&ids, &got);
+}
+
 #[tokio::test]
 async fn shutdown_hands_the_leases_back() {
     let e = env().await;
