@@ -62,6 +62,13 @@ impl Message {
 
         let mut headers = HeaderMap::new();
         for (name, value) in &event.headers {
+            // JetStream acts on `Nats-*` headers: a producer's `Nats-Rollup`
+            // would purge the subject's earlier messages, other events'
+            // included, and a `Nats-Expected-*` would refuse the publish for
+            // ever. They are the server's, not the event's: not sent.
+            if name.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("nats-")) {
+                continue;
+            }
             headers.insert(header_name(name)?, header_value(name, value)?);
         }
         // Inserted after the producer's headers so a producer cannot spoof
@@ -192,6 +199,25 @@ mod tests {
 
         let m = Message::prepare(&route("events"), &event(None), "ferry", 100, 0).unwrap();
         assert_eq!(header(&m, "ce-subject"), None);
+    }
+
+    #[test]
+    fn producers_cannot_send_jetstream_directives() {
+        let mut e = event(None);
+        for name in [
+            "Nats-Rollup",
+            "nats-expected-last-sequence",
+            "NATS-Expected-Stream",
+            "Nats-TTL",
+        ] {
+            e.headers.insert(name.into(), "1".into());
+        }
+        e.headers.insert("natsy".into(), "kept".into());
+        let m = Message::prepare(&route("events"), &e, "ferry", 100, 0).unwrap();
+        let mut names: Vec<String> = m.headers.iter().map(|(n, _)| n.to_string()).collect();
+        names.retain(|n| n.to_ascii_lowercase().starts_with("nats"));
+        names.sort();
+        assert_eq!(names, ["Nats-Msg-Id", "natsy"]);
     }
 
     #[test]
