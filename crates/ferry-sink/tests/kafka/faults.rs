@@ -50,6 +50,9 @@ async fn internal_retries_of_failed_produce_requests_keep_every_key_in_order() {
     // Small message sets, so each partition has several produce requests in
     // flight at once and a failed one has followers that were already sent.
     opts.extra.insert("batch.num.messages".into(), "5".into());
+    // Retries through six injected errors take seconds on a loaded 2-core
+    // host; the test is about their order, not their speed.
+    opts.publish_timeout = Duration::from_secs(30);
     let sink = KafkaSink::new(opts).expect("a sink");
     let to = route(&topic);
     let events = keyed(EVENTS, |seq| format!("k{}", seq % KEYS));
