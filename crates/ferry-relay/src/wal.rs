@@ -147,7 +147,7 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     // order with the tableless events around it.
     if unswept {
         sweep(shared, source, Sweep::Unrouted).await?;
-        source.mark_swept().await?;
+        source.mark_swept(&prepared).await?;
     }
     let mut lag_at = Instant::now();
     read_lag(source, &wal.options).await;

@@ -17,6 +17,12 @@ fn config_of(db: &TestDb) -> WalConfig {
     }
 }
 
+/// What `prepare` found: whether the slot waits for its sweep, and the
+/// loss it reports.
+fn seen(prepared: Prepared) -> (bool, Option<SlotLoss>) {
+    (prepared.unswept, prepared.replaced)
+}
+
 fn source_of(db: &TestDb, pool: &PgPool) -> WalSource {
     WalSource::new(pool.clone(), config_of(db)).unwrap()
 }
@@ -69,14 +75,12 @@ async fn a_lost_slot_is_replaced_and_meanwhile_emit_writes_outbox_rows() {
     let source = source_of(&db, &pool);
     let slot = db.name();
     assert!(emit_one(&pool).await, "no slot: the event must become an outbox row");
-    let fresh = Prepared {
-        unswept: true,
-        replaced: None,
-    };
-    assert_eq!(source.prepare().await.unwrap(), fresh);
+    let fresh = (true, None);
+    let prepared = source.prepare().await.unwrap();
+    assert_eq!(seen(prepared), fresh);
     // Not swept yet: a tableless event could overtake an older row.
     assert!(emit_one(&pool).await, "before the sweep: the event must become a row");
-    source.mark_swept().await.unwrap();
+    source.mark_swept(&prepared).await.unwrap();
     assert!(!emit_one(&pool).await, "a ready slot reads tableless events");
 
     server.invalidate_slot(slot).await;
@@ -84,16 +88,10 @@ async fn a_lost_slot_is_replaced_and_meanwhile_emit_writes_outbox_rows() {
     let check = slot_check(&db, &pool).await;
     assert!(!check.ok && check.detail.starts_with("lost:"), "{check:?}");
     let replaced = source.prepare().await.unwrap();
-    assert_eq!(
-        replaced,
-        Prepared {
-            unswept: true,
-            replaced: Some(SlotLoss::Lost),
-        }
-    );
+    assert_eq!(seen(replaced), (true, Some(SlotLoss::Lost)));
     assert_eq!(wal_status(&pool, slot).await.as_deref(), Some("reserved"));
     assert!(emit_one(&pool).await, "the new slot is not swept yet");
-    source.mark_swept().await.unwrap();
+    source.mark_swept(&replaced).await.unwrap();
     assert!(!emit_one(&pool).await, "the new slot reads tableless events");
     // max_slot_wal_keep_size caps slots now: how far from lost it is shows.
     let lag = source.status().await.unwrap();
@@ -126,11 +124,8 @@ async fn a_lost_slot_is_replaced_and_meanwhile_emit_writes_outbox_rows() {
         "{check:?}"
     );
     assert_eq!(
-        source.prepare().await.unwrap(),
-        Prepared {
-            unswept: false,
-            replaced: None,
-        },
+        seen(source.prepare().await.unwrap()),
+        (false, None),
         "a slot not lost is kept"
     );
 
@@ -141,30 +136,25 @@ async fn a_lost_slot_is_replaced_and_meanwhile_emit_writes_outbox_rows() {
         .unwrap();
     let check = slot_check(&db, &pool).await;
     assert!(check.ok && check.detail.starts_with("gone though"), "{check:?}");
-    assert_eq!(
-        source.prepare().await.unwrap(),
-        Prepared {
-            unswept: true,
-            replaced: Some(SlotLoss::Vanished),
-        }
-    );
+    assert_eq!(seen(source.prepare().await.unwrap()), (true, Some(SlotLoss::Vanished)));
     // A slot that never streamed is not reported when it goes.
     sqlx::query("SELECT pg_drop_replication_slot($1)")
         .bind(slot)
         .execute(&pool)
         .await
         .unwrap();
-    assert_eq!(source.prepare().await.unwrap(), fresh);
+    assert_eq!(seen(source.prepare().await.unwrap()), fresh);
     pool.close().await;
     db.drop_db().await;
 }
 
 /// Making the new slot waits for every transaction already running, so a
 /// `statement_timeout` or an old open transaction can fail the attempt that
-/// dropped the lost slot, after it reset what said the slot had streamed.
-/// The next attempt must still report the loss.
+/// dropped the lost slot, after it reset what said the slot had streamed (a
+/// relay killed there leaves the same state). The next attempt must still
+/// report the loss, from this relay or from another one started since.
 #[tokio::test]
-async fn a_loss_is_reported_by_the_attempt_that_replaces_the_slot_after_one_that_failed() {
+async fn a_loss_is_reported_by_whichever_relay_replaces_the_slot_after_an_attempt_that_failed() {
     let server = PgServer::start().await;
     let db = TestDb::create_on(&server.admin_url()).await;
     let pool = db.pool().await;
@@ -181,8 +171,8 @@ async fn a_loss_is_reported_by_the_attempt_that_replaces_the_slot_after_one_that
         .await
         .unwrap();
     let source = source_of(&db, &impatient);
-    source.prepare().await.unwrap();
-    source.mark_swept().await.unwrap();
+    let prepared = source.prepare().await.unwrap();
+    source.mark_swept(&prepared).await.unwrap();
     server.invalidate_slot(db.name()).await;
 
     // A transaction with an id, left open: the new slot waits for it.
@@ -196,21 +186,10 @@ async fn a_loss_is_reported_by_the_attempt_that_replaces_the_slot_after_one_that
     assert!(failed.message.contains("before that"), "{failed:?}");
     sqlx::query("ROLLBACK").execute(&mut old).await.unwrap();
 
-    assert_eq!(
-        source.prepare().await.unwrap(),
-        Prepared {
-            unswept: true,
-            replaced: Some(SlotLoss::Lost),
-        }
-    );
-    assert_eq!(
-        source.prepare().await.unwrap(),
-        Prepared {
-            unswept: true,
-            replaced: None,
-        },
-        "reported once"
-    );
+    // A relay started afresh, as after a crash of the one that failed.
+    let restarted = source_of(&db, &pool);
+    assert_eq!(seen(restarted.prepare().await.unwrap()), (true, Some(SlotLoss::Lost)));
+    assert_eq!(seen(source.prepare().await.unwrap()), (true, None), "reported once");
     impatient.close().await;
     pool.close().await;
     db.drop_db().await;
@@ -259,8 +238,8 @@ async fn the_sql_emit_checks_the_event_with_or_without_a_slot() {
     let source = source_of(&db, &pool);
     for slot_ready in [false, true] {
         if slot_ready {
-            source.prepare().await.unwrap();
-            source.mark_swept().await.unwrap();
+            let prepared = source.prepare().await.unwrap();
+            source.mark_swept(&prepared).await.unwrap();
         }
         let err = sqlx::query("SELECT ferry.emit('Order Placed', 'k', '{}')")
             .execute(&pool)
@@ -340,20 +319,54 @@ async fn a_relay_that_found_no_slot_does_not_undo_another_relays_sweep() {
         .await
         .unwrap();
     first.commit().await.unwrap();
-    let prepared = second.await.unwrap().unwrap();
-    assert_eq!(
-        prepared,
-        Prepared {
-            unswept: false,
-            replaced: None,
-        }
-    );
+    let prepared = seen(second.await.unwrap().unwrap());
+    assert_eq!(prepared, (false, None));
     let ready: bool = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
         .bind(&slot)
         .fetch_one(&pool)
         .await
         .unwrap();
     assert!(ready, "the second relay undid the first one's sweep");
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// A relay sweeping a new slot can lose it meanwhile to another relay that
+/// replaces it. Its sweep covered only what was committed before the old
+/// slot, so it must not mark the new one swept: if the relay that made the
+/// new slot then crashed before its own sweep, the next one would skip the
+/// sweep, and whatever was committed in between would stay unrouted for
+/// good.
+#[tokio::test]
+async fn a_sweep_of_a_slot_since_replaced_does_not_mark_the_new_slot_swept() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let sweeping = source_of(&db, &pool);
+    let swept = sweeping.prepare().await.unwrap();
+    assert_eq!(seen(swept), (true, None));
+    // While it sweeps, its slot goes and another relay makes a new one.
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(db.name())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let replacing = source_of(&db, &pool);
+    let made = replacing.prepare().await.unwrap();
+    assert_eq!(seen(made), (true, None));
+    let err = sweeping.mark_swept(&swept).await.unwrap_err();
+    assert!(err.message.contains("replaced during the sweep"), "{err:?}");
+    assert!(
+        emit_one(&pool).await,
+        "the new slot is not swept: events must become rows"
+    );
+    // The relay that made the new slot crashed before its sweep was done:
+    // the next one must sweep.
+    let next = source_of(&db, &pool);
+    let prepared = next.prepare().await.unwrap();
+    assert_eq!(seen(prepared), (true, None), "the new slot was taken as swept");
+    next.mark_swept(&prepared).await.unwrap();
+    assert!(!emit_one(&pool).await, "a swept slot reads tableless events");
     pool.close().await;
     db.drop_db().await;
 }

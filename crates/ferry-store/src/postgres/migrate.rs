@@ -12,6 +12,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (8, "wal_settled", include_str!("migrations/0008_wal_settled.sql")),
     (9, "emit_fallback", include_str!("migrations/0009_emit_fallback.sql")),
     (10, "emit_seq", include_str!("migrations/0010_emit_seq.sql")),
+    (
+        11,
+        "wal_slot_generation",
+        include_str!("migrations/0011_wal_slot_generation.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

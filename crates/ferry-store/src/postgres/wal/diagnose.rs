@@ -126,12 +126,13 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
         None => {
             // Read only for the wording: before `ferry migrate` the table
             // is missing, and the slot is simply not created yet.
-            let streamed: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
-                .bind(slot)
-                .fetch_optional(pool)
-                .await
-                .ok()
-                .flatten();
+            let streamed: Option<bool> =
+                sqlx::query_scalar("SELECT ready OR lost IS NOT NULL FROM ferry.wal_slots WHERE slot = $1")
+                    .bind(slot)
+                    .fetch_optional(pool)
+                    .await
+                    .ok()
+                    .flatten();
             if streamed == Some(true) {
                 finding(
                     what,

@@ -16,7 +16,6 @@ mod diagnose;
 mod settle;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, StoreError};
@@ -57,7 +56,12 @@ pub struct Prepared {
     /// sweep into the table path.
     pub unswept: bool,
     /// A slot that had streamed was lost, and a new one made in its place.
+    /// Reported once, by the first relay to have a slot again, however many
+    /// attempts (or relays) it took to make it.
     pub replaced: Option<SlotLoss>,
+    /// Which slot this is: bumped each time a slot replaces another, for
+    /// [`WalSource::mark_swept`].
+    pub generation: i64,
 }
 
 /// How the slot a relay had streamed from was lost. Either way the outbox
@@ -77,6 +81,14 @@ pub enum SlotLoss {
 }
 
 impl SlotLoss {
+    fn parse(label: &str) -> Option<SlotLoss> {
+        match label {
+            "lost" => Some(SlotLoss::Lost),
+            "vanished" => Some(SlotLoss::Vanished),
+            _ => None,
+        }
+    }
+
     /// A label for metrics.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -106,10 +118,6 @@ impl std::fmt::Display for SlotLoss {
 pub struct WalSource {
     pool: PgPool,
     config: WalConfig,
-    /// A loss found by a [`prepare`](Self::prepare) that failed before it
-    /// made the new slot. The failed attempt already reset what told the
-    /// loss (`ready`), so the next one carries it from here.
-    unreported: Arc<Mutex<Option<SlotLoss>>>,
 }
 
 impl WalSource {
@@ -122,11 +130,7 @@ impl WalSource {
                 )));
             }
         }
-        Ok(Self {
-            pool,
-            config,
-            unreported: Arc::default(),
-        })
+        Ok(Self { pool, config })
     }
 
     pub fn config(&self) -> &WalConfig {
@@ -194,15 +198,6 @@ impl WalSource {
             .fetch_one(&mut *conn)
             .await
             .map_err(store_error)?;
-        // Whether the slot had streamed: ready means its start-up sweep was
-        // done, so tableless events may have been written for it.
-        let was_ready: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
-            .bind(slot)
-            .fetch_optional(&mut *conn)
-            .await
-            .map_err(store_error)?;
-        // Kept until an attempt returns it: any attempt may fail first.
-        let mut replaced = *self.unreported.lock().expect("not poisoned");
         if let Some((db, plugin, status)) = &slot_row {
             if db.as_deref() != Some(here.as_str()) || plugin.as_deref() != Some("pgoutput") {
                 return Err(StoreError::config(format!(
@@ -211,12 +206,14 @@ impl WalSource {
                 )));
             }
             if status.as_deref() == Some("lost") {
-                // Mark the slot unswept (ferry.emit writes outbox rows while
-                // it is lost anyway), then drop it. Both only while it is
+                // Reset the record (ferry.emit writes outbox rows while the
+                // slot is lost anyway) and note the loss for whichever relay
+                // makes the new slot, then drop it. Both only while it is
                 // still the lost one: another relay may have replaced it
                 // meanwhile, and its new slot must survive.
                 sqlx::query(
-                    "UPDATE ferry.wal_slots SET ready = false, settled_lsn = NULL \
+                    "UPDATE ferry.wal_slots SET ready = false, settled_lsn = NULL, generation = generation + 1, \
+                            lost = coalesce(lost, 'lost') \
                       WHERE slot = $1 AND EXISTS (SELECT 1 FROM pg_replication_slots \
                                                    WHERE slot_name = $1 AND wal_status = 'lost')",
                 )
@@ -232,12 +229,9 @@ impl WalSource {
                 .execute(&mut *conn)
                 .await;
                 match dropped {
-                    Ok(done) if done.rows_affected() == 1 => {
-                        replaced = replaced.or(Some(SlotLoss::Lost));
-                        slot_row = None;
-                    }
+                    Ok(done) if done.rows_affected() == 1 => slot_row = None,
                     // Another relay dropped it first: take the slot as it
-                    // is now, gone or made anew; that relay reports the loss.
+                    // is now, gone or made anew.
                     Ok(_) => {
                         slot_row = sqlx::query_as(SLOT_ROW)
                             .bind(slot)
@@ -249,19 +243,20 @@ impl WalSource {
                     Err(e) => return Err(explain(e, "drop the lost replication slot")),
                 }
             }
-        } else if was_ready == Some(true) {
-            replaced = replaced.or(Some(SlotLoss::Vanished));
         }
         if slot_row.is_none() {
             // A new slot streams only what commits after it: whatever is
             // unrouted now must be swept before tableless events may be
-            // written (they could overtake it). Unless another relay made
-            // the slot since we looked: it reset the row itself before, and
-            // may have swept and marked it ready already, which must stand.
+            // written (they could overtake it). A record that says its slot
+            // had streamed (`ready`) tells of a slot that vanished. Unless
+            // another relay made the slot since we looked: it reset the
+            // record itself before, and may have swept and marked it ready
+            // already, which must stand.
             sqlx::query(
                 "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
                  ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
-                 settled_lsn = NULL \
+                 settled_lsn = NULL, generation = ferry.wal_slots.generation + 1, \
+                 lost = coalesce(ferry.wal_slots.lost, CASE WHEN ferry.wal_slots.ready THEN 'vanished' END) \
                  WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots s \
                                     WHERE s.slot_name = EXCLUDED.slot AND s.wal_status IS DISTINCT FROM 'lost')",
             )
@@ -278,45 +273,70 @@ impl WalSource {
                 && !already_exists(&e)
             {
                 let mut err = explain(e, "create the replication slot");
-                // `ready` is reset: only this source remembers the loss, for
-                // the attempt that makes the slot to report.
-                if let Some(loss) = replaced {
+                // The record keeps the loss for the attempt that makes the
+                // slot; say it here too, where the operator looks now.
+                let lost: Option<String> = sqlx::query_scalar("SELECT lost FROM ferry.wal_slots WHERE slot = $1")
+                    .bind(slot)
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .ok()
+                    .flatten()
+                    .flatten();
+                if let Some(loss) = lost.as_deref().and_then(SlotLoss::parse) {
                     err.message = format!("{}; before that, {loss}", err.message);
-                    *self.unreported.lock().expect("not poisoned") = Some(loss);
                 }
                 return Err(err);
             }
         }
-        let ready: Option<bool> = sqlx::query_scalar("SELECT ready FROM ferry.wal_slots WHERE slot = $1")
+        // A slot made by hand (or by an administrator, see OPERATIONS.md)
+        // has no record yet.
+        sqlx::query("INSERT INTO ferry.wal_slots (slot, publication) VALUES ($1, $2) ON CONFLICT DO NOTHING")
             .bind(slot)
-            .fetch_optional(&mut *conn)
+            .bind(publication)
+            .execute(&mut *conn)
             .await
             .map_err(store_error)?;
-        if ready.is_none() {
-            // A slot made by hand (or by an administrator, see OPERATIONS.md).
-            sqlx::query("INSERT INTO ferry.wal_slots (slot, publication) VALUES ($1, $2) ON CONFLICT DO NOTHING")
+        // The slot exists: the first relay here since a loss reports it.
+        let reported: Option<String> = sqlx::query_scalar(
+            "UPDATE ferry.wal_slots w SET lost = NULL \
+               FROM (SELECT slot, lost FROM ferry.wal_slots WHERE slot = $1 AND lost IS NOT NULL FOR UPDATE) old \
+              WHERE w.slot = old.slot RETURNING old.lost",
+        )
+        .bind(slot)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(store_error)?;
+        let (ready, generation): (bool, i64) =
+            sqlx::query_as("SELECT ready, generation FROM ferry.wal_slots WHERE slot = $1")
                 .bind(slot)
-                .bind(publication)
-                .execute(&mut *conn)
+                .fetch_one(&mut *conn)
                 .await
                 .map_err(store_error)?;
-        }
-        self.unreported.lock().expect("not poisoned").take();
         Ok(Prepared {
-            unswept: ready != Some(true),
-            replaced,
+            unswept: !ready,
+            replaced: reported.as_deref().and_then(SlotLoss::parse),
+            generation,
         })
     }
 
     /// Records that the events committed before the slot existed are swept
     /// into the table path: from now on everything reaches the relay through
-    /// the slot, and ferry.emit may write tableless events.
-    pub async fn mark_swept(&self) -> Result<(), StoreError> {
-        sqlx::query("UPDATE ferry.wal_slots SET ready = true WHERE slot = $1")
+    /// the slot, and ferry.emit may write tableless events. Only for the
+    /// slot `prepared` found: if the slot was replaced during the sweep, the
+    /// new one is not swept yet, and this fails (transient) so that the
+    /// relay starts over with it.
+    pub async fn mark_swept(&self, prepared: &Prepared) -> Result<(), StoreError> {
+        let marked = sqlx::query("UPDATE ferry.wal_slots SET ready = true WHERE slot = $1 AND generation = $2")
             .bind(&self.config.slot)
+            .bind(prepared.generation)
             .execute(&self.pool)
             .await
             .map_err(store_error)?;
+        if marked.rows_affected() == 0 {
+            return Err(StoreError::transient(
+                "the replication slot was replaced during the sweep; starting over with the new slot",
+            ));
+        }
         Ok(())
     }
 
@@ -591,7 +611,8 @@ impl WalStream {
 /// slot would read the message (none yet, not swept yet, or invalidated or
 /// about to be by the server): then the event is written as [`enqueue`]
 /// writes it, so it is never lost and the transaction still commits.
-/// Ignores a dispatch key (there is no table to deduplicate against).
+/// Refuses an event with a dispatch key: there is no row to deduplicate
+/// against, so a producer's retry would send the event twice.
 ///
 /// [`enqueue`]: crate::postgres::enqueue
 pub async fn emit(conn: &mut PgConnection, event: Event) -> Result<EventId, EnqueueError> {
@@ -599,6 +620,13 @@ pub async fn emit(conn: &mut PgConnection, event: Event) -> Result<EventId, Enqu
         return Err(EnqueueError::NotInTransaction);
     }
     event.validate()?;
+    if event.get_dispatch_key().is_some() {
+        return Err(EnqueueError::Invalid(ferry_core::ValidationError {
+            field: "dispatch_key",
+            problem: "is set, but a tableless event has no outbox row to deduplicate against".into(),
+            fix: "use enqueue, which deduplicates by dispatch key, or leave the dispatch key out",
+        }));
+    }
     let headers = serde_json::to_value(event.headers()).expect("string map serialises");
     let id: uuid::Uuid = sqlx::query_scalar("SELECT ferry._emit($1, $2, $3, $4, $5, $6)")
         .bind(event.id().0)
