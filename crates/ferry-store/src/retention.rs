@@ -160,7 +160,35 @@ pub trait ExpiredBatch: Send {
     fn scanned_to(&self) -> i64;
     /// Deletes exactly [`events`](ExpiredBatch::events), their deliveries
     /// and failures, and commits. Returns the deliveries deleted.
-    async fn delete(self: Box<Self>) -> Result<u64, StoreError>;
+    async fn delete(self: Box<Self>) -> Result<u64, DeleteFailed>;
+}
+
+/// A delete that failed, and whether its rows may be gone all the same.
+#[derive(Debug)]
+pub struct DeleteFailed {
+    pub source: StoreError,
+    /// The commit was sent and no answer came back (the connection broke):
+    /// the database may have committed it.
+    pub maybe_deleted: bool,
+}
+
+impl DeleteFailed {
+    /// Failed before the commit was sent: nothing was deleted.
+    pub fn before_commit(source: StoreError) -> Self {
+        Self {
+            source,
+            maybe_deleted: false,
+        }
+    }
+
+    /// The commit failed. The database answering with an error means it
+    /// rolled back; any other failure leaves the outcome unknown.
+    pub fn at_commit(e: sqlx::Error, classify: impl FnOnce(sqlx::Error) -> StoreError) -> Self {
+        Self {
+            maybe_deleted: e.as_database_error().is_none(),
+            source: classify(e),
+        }
+    }
 }
 
 /// How [`purge`] runs.
@@ -278,11 +306,14 @@ pub async fn purge<R: Retention + ?Sized>(
                     report.archive_file = archive.as_ref().map(|a| a.path.clone());
                 }
             }
-            Err(source) => {
+            Err(DeleteFailed { source, maybe_deleted }) => {
                 // Take the batch back out of the archive so it holds exactly
-                // what was deleted; if that fails too, the events appear again
-                // in a later archive: twice, never missing.
-                if let (Some(len), Some(a)) = (undo, archive.take()) {
+                // what was deleted, but only when nothing was: a commit whose
+                // answer was lost may have deleted the batch, and then the
+                // archive is the only copy left. Kept, or if cutting fails,
+                // the events still in the table appear again in a later
+                // archive: twice, never missing.
+                if let (Some(len), Some(a), false) = (undo, archive.take(), maybe_deleted) {
                     let _ = tokio::task::spawn_blocking(move || a.truncate(len)).await;
                 }
                 return Err(PurgeError::Store { source, done: report });

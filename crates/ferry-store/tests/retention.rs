@@ -9,7 +9,9 @@ use std::collections::BTreeSet;
 use chrono::Utc;
 use ferry_core::Event;
 use ferry_store::postgres::{PgStore, enqueue_batch};
-use ferry_store::{ExpiredBatch, PurgeError, PurgeOptions, Retention, RetentionRules, purge, read_archive};
+use ferry_store::{
+    DeleteFailed, ExpiredBatch, PurgeError, PurgeOptions, Retention, RetentionRules, purge, read_archive,
+};
 use ferry_testkit::pg::TestDb;
 use ferry_testkit::pg_store::PgHarness;
 use ferry_testkit::retention_suite::rules;
@@ -337,16 +339,20 @@ async fn a_stop_signal_ends_the_run_between_batches() {
 }
 
 /// Delegates to the PostgreSQL store, but the `fail_at`-th delete fails
-/// (after the archive was written) and deletes nothing.
+/// (after the archive was written): it deletes nothing, or, with
+/// `commit_answer_lost`, it deletes and commits but reports the failure a
+/// connection lost during the commit would.
 struct FailingDelete {
     store: PgStore,
     deletes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     fail_at: usize,
+    commit_answer_lost: bool,
 }
 
 struct FailingBatch {
     inner: Box<dyn ExpiredBatch>,
     fail: bool,
+    commit_answer_lost: bool,
 }
 
 #[async_trait::async_trait]
@@ -365,7 +371,11 @@ impl Retention for FailingDelete {
         let inner = self.store.take_expired(rules, after, upto, now).await?;
         let fail = !inner.events().is_empty()
             && self.deletes.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == self.fail_at;
-        Ok(Box::new(FailingBatch { inner, fail }))
+        Ok(Box::new(FailingBatch {
+            inner,
+            fail,
+            commit_answer_lost: self.commit_answer_lost,
+        }))
     }
 }
 
@@ -379,12 +389,20 @@ impl ExpiredBatch for FailingBatch {
         self.inner.scanned_to()
     }
 
-    async fn delete(self: Box<Self>) -> Result<u64, ferry_core::StoreError> {
-        if self.fail {
-            drop(self.inner);
-            return Err(ferry_core::StoreError::transient("connection reset mid-delete"));
+    async fn delete(self: Box<Self>) -> Result<u64, DeleteFailed> {
+        if !self.fail {
+            return self.inner.delete().await;
         }
-        self.inner.delete().await
+        let reset = ferry_core::StoreError::transient("connection reset mid-delete");
+        if self.commit_answer_lost {
+            self.inner.delete().await.unwrap();
+            return Err(DeleteFailed::at_commit(
+                sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into()),
+                |_| reset,
+            ));
+        }
+        drop(self.inner);
+        Err(DeleteFailed::before_commit(reset))
     }
 }
 
@@ -402,6 +420,7 @@ async fn a_failed_delete_takes_its_batch_back_out_of_the_archive() {
         store: o.store.clone(),
         deletes: Default::default(),
         fail_at: 2,
+        commit_answer_lost: false,
     };
     let err = purge(&failing, &rules(5), &options, Utc::now()).await.unwrap_err();
     assert!(matches!(err, PurgeError::Store { .. }), "{err}");
@@ -423,6 +442,35 @@ async fn a_failed_delete_takes_its_batch_back_out_of_the_archive() {
         }
     }
     assert_eq!(all, seqs.into_iter().collect());
+}
+
+/// A commit can reach the database and its answer be lost (the connection
+/// resets): the batch may be deleted though the delete failed. The archive
+/// is then its only copy and must keep it.
+#[tokio::test]
+async fn a_delete_whose_commit_answer_was_lost_stays_archived() {
+    let o = outbox().await;
+    let seqs = o.produce(12, "x").await;
+    o.settle(&seqs, "orders", "published", 8, 0).await;
+    let dir = tempfile::tempdir().unwrap();
+    let options = PurgeOptions {
+        archive_dir: Some(dir.path().to_owned()),
+        ..PurgeOptions::default()
+    };
+    let failing = FailingDelete {
+        store: o.store.clone(),
+        deletes: Default::default(),
+        fail_at: 2,
+        commit_answer_lost: true,
+    };
+    let err = purge(&failing, &rules(5), &options, Utc::now()).await.unwrap_err();
+    assert!(matches!(err, PurgeError::Store { .. }), "{err}");
+    let left = o.seqs().await;
+    assert_eq!(left.len(), 2, "both batches are gone");
+    let file = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap().path();
+    let archived: BTreeSet<i64> = read_archive(&file).unwrap().into_iter().map(|e| e.seq).collect();
+    let deleted: BTreeSet<i64> = seqs.iter().copied().filter(|s| !left.contains(s)).collect();
+    assert_eq!(archived, deleted, "a deleted event is missing from the archive");
 }
 
 #[tokio::test]

@@ -15,7 +15,7 @@ use sqlx::{Postgres, Row, Transaction};
 
 use super::PgStore;
 use super::error::store_error;
-use crate::retention::{ArchivedDelivery, ArchivedEvent, ExpiredBatch, Retention, RetentionRules};
+use crate::retention::{ArchivedDelivery, ArchivedEvent, DeleteFailed, ExpiredBatch, Retention, RetentionRules};
 
 /// Stretches of the outbox scanned per batch, in batches: bounds the work of
 /// one query when most old events must be kept (dead, or still pending).
@@ -159,7 +159,7 @@ impl ExpiredBatch for PgExpired {
         self.scanned_to
     }
 
-    async fn delete(mut self: Box<Self>) -> Result<u64, StoreError> {
+    async fn delete(mut self: Box<Self>) -> Result<u64, DeleteFailed> {
         let Some(mut tx) = self.tx.take() else {
             return Ok(0);
         };
@@ -168,16 +168,16 @@ impl ExpiredBatch for PgExpired {
             .bind(&seqs)
             .fetch_one(&mut *tx)
             .await
-            .map_err(store_error)?;
+            .map_err(|e| DeleteFailed::before_commit(store_error(e)))?;
         if events as usize != seqs.len() {
             // Cannot happen while the rows are locked; if it does, delete
             // nothing rather than let the archive and the table disagree.
-            return Err(StoreError::permanent(format!(
+            return Err(DeleteFailed::before_commit(StoreError::permanent(format!(
                 "retention: expected to delete {} events, found {events}; rolled back",
                 seqs.len()
-            )));
+            ))));
         }
-        tx.commit().await.map_err(store_error)?;
+        tx.commit().await.map_err(|e| DeleteFailed::at_commit(e, store_error))?;
         Ok(deliveries as u64)
     }
 }

@@ -17,7 +17,9 @@ use sqlx::{Row, Sqlite, SqliteConnection, Transaction};
 use super::SqliteStore;
 use super::error::store_error;
 use super::store::{from_micros, micros};
-use crate::retention::{ArchivedDelivery, ArchivedEvent, ArchivedFailure, ExpiredBatch, Retention, RetentionRules};
+use crate::retention::{
+    ArchivedDelivery, ArchivedEvent, ArchivedFailure, DeleteFailed, ExpiredBatch, Retention, RetentionRules,
+};
 
 /// Stretches of the outbox scanned per batch, in batches: bounds the work of
 /// one query when most old events must be kept (dead, or still pending).
@@ -200,7 +202,7 @@ impl ExpiredBatch for SqliteExpired {
         self.scanned_to
     }
 
-    async fn delete(mut self: Box<Self>) -> Result<u64, StoreError> {
+    async fn delete(mut self: Box<Self>) -> Result<u64, DeleteFailed> {
         let Some(mut tx) = self.tx.take() else {
             return Ok(0);
         };
@@ -219,19 +221,19 @@ impl ExpiredBatch for SqliteExpired {
                 .bind(&list)
                 .execute(&mut *tx)
                 .await
-                .map_err(store_error)?
+                .map_err(|e| DeleteFailed::before_commit(store_error(e)))?
                 .rows_affected();
         }
         if deleted[2] as usize != seqs.len() {
             // Cannot happen while the write lock is held; if it does, delete
             // nothing rather than let the archive and the table disagree.
-            return Err(StoreError::permanent(format!(
+            return Err(DeleteFailed::before_commit(StoreError::permanent(format!(
                 "retention: expected to delete {} events, found {}; rolled back",
                 seqs.len(),
                 deleted[2]
-            )));
+            ))));
         }
-        tx.commit().await.map_err(store_error)?;
+        tx.commit().await.map_err(|e| DeleteFailed::at_commit(e, store_error))?;
         Ok(deleted[1])
     }
 }
