@@ -179,6 +179,9 @@ impl Store for AnyStore {
     async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError> {
         each!(self, s => s.set_sleeping(relay, sleeping).await)
     }
+    async fn producers_open(&self) -> Result<bool, StoreError> {
+        each!(self, s => s.producers_open().await)
+    }
     async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
         each!(self, s => s.listen().await)
     }

@@ -333,6 +333,16 @@ pub trait Store: Send + Sync + 'static {
     /// Tells producers whether this relay sleeps and wants a notification.
     async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError>;
 
+    /// Whether a transaction that has written events is still open. A
+    /// producer decides whether to notify when it writes, not when it
+    /// commits, so one that found every relay awake and commits after they
+    /// all went to sleep wakes nobody: the relay keeps looking while such a
+    /// transaction is open. Stores whose wake-up does not rest on the
+    /// producer's decision say `false`.
+    async fn producers_open(&self) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+
     /// Subscribes to commit notifications.
     async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError>;
 }

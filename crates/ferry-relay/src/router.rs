@@ -32,7 +32,8 @@ pub fn plan_routes(routes: &[Route], events: Vec<UnroutedEvent>) -> Vec<RoutePla
 
 /// Re-checks after this relay tells producers it sleeps: a producer that read
 /// the flag just before it flipped commits without notifying, and one of
-/// these polls finds its event.
+/// these polls finds its event; one still open after them is watched for
+/// ([`Stragglers`]).
 const RECHECKS: [Duration; 3] = [
     Duration::from_millis(5),
     Duration::from_millis(50),
@@ -135,14 +136,31 @@ const RATE_WINDOW: Duration = Duration::from_millis(100);
 struct Idle {
     sleeping: bool,
     rechecks: Vec<Duration>,
+    /// After the rechecks: producers that read the flag before it flipped
+    /// and are still open.
+    stragglers: Stragglers,
     rate: Arrivals,
 }
+
+/// Producers that may commit without notifying, after the relay went to
+/// sleep: they wrote while it was awake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stragglers {
+    /// Ask the store whether one is open; if so, look again after this.
+    Watch(Duration),
+    /// None is open: wait for notifications, and poll only as configured.
+    Gone,
+}
+
+/// The first wait for an open producer, doubled each time it is still open.
+const STRAGGLER_WAIT: Duration = Duration::from_secs(1);
 
 impl Default for Idle {
     fn default() -> Self {
         Self {
             sleeping: false,
             rechecks: Vec::new(),
+            stragglers: Stragglers::Gone,
             rate: Arrivals::new(Instant::now()),
         }
     }
@@ -226,12 +244,34 @@ impl Idle {
                 Ok(()) => {
                     self.sleeping = true;
                     self.rechecks = RECHECKS.iter().rev().copied().collect();
+                    self.stragglers = Stragglers::Watch(STRAGGLER_WAIT);
                     return true;
                 }
                 Err(err) => warn!(error = %err, "could not ask producers for notifications; polling instead"),
             }
         }
-        let wait = self.rechecks.pop().unwrap_or(shared.settings.poll_interval);
+        let poll = shared.settings.poll_interval;
+        let wait = match (self.rechecks.pop(), self.stragglers) {
+            (Some(wait), _) => wait,
+            (None, Stragglers::Gone) => poll,
+            // A producer that read the flag before it flipped and commits
+            // later notifies nobody: look while one is open, then once more.
+            (None, Stragglers::Watch(next)) => match shared.store.producers_open().await {
+                Ok(true) => {
+                    self.stragglers = Stragglers::Watch((next * 2).min(poll));
+                    next.min(poll)
+                }
+                Ok(false) => {
+                    self.stragglers = Stragglers::Gone;
+                    return true;
+                }
+                Err(err) => {
+                    debug!(error = %err, "could not look for open producers; polling as configured");
+                    self.stragglers = Stragglers::Gone;
+                    poll
+                }
+            },
+        };
         let deadline = Instant::now() + wait;
         tokio::select! {
             _ = shared.router_wake.notified() => true,

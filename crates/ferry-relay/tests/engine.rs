@@ -172,6 +172,82 @@ async fn an_idle_relay_wakes_on_commit_not_on_its_poll() {
     relay.stop().await;
 }
 
+/// A producer decides whether to notify when it writes its event, not when
+/// it commits. One that wrote while the relay was busy (no notification
+/// asked for) and commits well after the relay went to sleep must still
+/// have its event delivered promptly, not at the next fallback poll.
+#[tokio::test]
+async fn a_producer_that_wrote_while_the_relay_was_busy_and_commits_late_is_not_left_to_the_poll() {
+    let e = env().await;
+    // Small batches published slowly: a burst keeps the relay busy (no
+    // notifications asked for) for a while.
+    e.sink
+        .delay_when(|ev| (ev.event_type == "order.busy").then_some(Duration::from_millis(20)));
+    let busy_settings = RelaySettings {
+        batch_size: 10,
+        lease: Duration::from_secs(30),
+        ..settings("a", 4)
+    };
+    let relay = start_with(&e, busy_settings, vec![route("orders", "order.**")]);
+    let flag = async || -> Option<bool> {
+        sqlx::query_scalar("SELECT bool_or(sleeping) FROM ferry.relays")
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+    };
+    eventually_async("relay asleep", Duration::from_secs(30), async || {
+        flag().await == Some(true)
+    })
+    .await;
+    let mut late = None;
+    for _ in 0..10 {
+        let burst = (0..300)
+            .map(|i| Event::new("order.busy", json!({ "i": i })).key(format!("b{}", i % 50)))
+            .collect();
+        produce(&e.pool, burst).await;
+        eventually_async("relay busy", Duration::from_secs(30), async || {
+            flag().await == Some(false)
+        })
+        .await;
+        // The snapshot of the flag's read is the enqueue's: a repeatable
+        // read transaction that sees the relay awake writes without asking
+        // for a notification.
+        let mut tx = e.pool.begin().await.unwrap();
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let sleeping: bool = sqlx::query_scalar("SELECT bool_or(sleeping) FROM ferry.relays")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        if sleeping {
+            continue;
+        }
+        let id = ferry_store::postgres::enqueue(&mut tx, Event::new("order.late", json!({})).key("late"))
+            .await
+            .unwrap()
+            .id;
+        late = Some((tx, id));
+        break;
+    }
+    let (tx, id) = late.expect("the relay was never seen busy");
+    // The relay goes to sleep and its re-checks after that pass; only then
+    // does the producer commit.
+    eventually_async("relay asleep again", Duration::from_secs(60), async || {
+        flag().await == Some(true)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tx.commit().await.unwrap();
+    // The fallback poll is 60 s away.
+    eventually("the late event delivered", Duration::from_secs(20), || {
+        e.sink.delivered_ids("orders").contains(&id)
+    })
+    .await;
+    relay.stop().await;
+}
+
 /// A steady stream of commits that the relay keeps up with: it stops asking
 /// producers to notify it (NOTIFY serialises their commits) and polls
 /// instead, delivers every event in per-key order, and asks for

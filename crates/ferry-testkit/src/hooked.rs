@@ -118,6 +118,10 @@ impl<S: Store> Store for Hooked<S> {
         (self.hook)("set_sleeping").await?;
         self.inner.set_sleeping(relay, sleeping).await
     }
+    async fn producers_open(&self) -> Result<bool, StoreError> {
+        (self.hook)("producers_open").await?;
+        self.inner.producers_open().await
+    }
     async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
         (self.hook)("listen").await?;
         self.inner.listen().await

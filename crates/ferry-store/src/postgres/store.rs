@@ -393,6 +393,21 @@ impl Store for PgStore {
         Ok(())
     }
 
+    async fn producers_open(&self) -> Result<bool, StoreError> {
+        // Writing an event holds ROW EXCLUSIVE on ferry.events until the
+        // transaction ends. pg_locks shows every session's locks (fast-path
+        // ones too) to any role, unlike pg_stat_activity.
+        sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks \
+                             WHERE locktype = 'relation' AND relation = 'ferry.events'::regclass \
+                               AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                               AND mode = 'RowExclusiveLock' AND granted AND pid <> pg_backend_pid())",
+        )
+        .fetch_one(&self.pool)
+        .await
+        .map_err(store_error)
+    }
+
     async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
         Ok(Box::new(PgWakeSource::connect(&self.pool).await?))
     }
