@@ -54,6 +54,13 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// Why a config without routes cannot run a relay, and the fix. Loading such
+/// a config is fine: `migrate`, `status`, `check` and the admin verbs need
+/// no routes; only `ferry run` refuses it.
+pub(crate) const NO_ROUTES: &str = "none configured, so the relay would record every event dead with \
+     \"(no route)\"; add a [[routes]] section to the config file (see ferry.example.toml), or pass the \
+     file that has them with --config FILE or FERRY_CONFIG";
+
 pub fn exit_code(err: &anyhow::Error) -> u8 {
     if err.is::<UsageError>() { 2 } else { 1 }
 }

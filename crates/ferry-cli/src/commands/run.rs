@@ -15,6 +15,9 @@ use crate::config::Config;
 use crate::{health, sinks, telemetry};
 
 pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
+    if cfg.routes.is_empty() {
+        return Err(UsageError(format!("routes: {}", super::NO_ROUTES)).into());
+    }
     #[cfg(feature = "otel")]
     let exporting = init_telemetry(&cfg)?;
     #[cfg(not(feature = "otel"))]

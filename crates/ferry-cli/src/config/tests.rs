@@ -191,6 +191,8 @@ fn the_example_file_states_the_real_defaults() {
     ))
     .unwrap();
     assert_eq!(tracing_defaults.tracing, example.tracing);
+    // A config without routes loads: migrate, status, check and the admin
+    // verbs need none. Only `ferry run` refuses it.
     assert!(defaults.routes.is_empty());
 }
 
