@@ -30,8 +30,10 @@ use raw::{
 };
 pub use sinks::{FileSpec, KafkaSpec, NatsSpec, RedisSpec, WebhookSpec};
 
-/// Environment variables starting with this (and containing `__`) override
-/// config fields: `FERRY_DATABASE__URL` sets `database.url`.
+/// Environment variables starting with this override config fields, with
+/// `__` between section and field: `FERRY_DATABASE__URL` sets
+/// `database.url`. A name without `__` is refused, except `FERRY_CONFIG`
+/// and the test suite's `FERRY_TEST_*`.
 pub const ENV_PREFIX: &str = "FERRY_";
 
 /// The checked configuration of a Ferry relay.

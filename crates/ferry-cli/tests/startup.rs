@@ -1,5 +1,6 @@
 //! What the built `ferry` binary says before it does anything: a relay with
-//! no route to deliver to is refused.
+//! no route to deliver to and settings it would otherwise ignore are
+//! refused.
 
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -54,4 +55,30 @@ async fn run_refuses_a_config_without_routes_that_migrate_and_status_accept() {
         "{stderr}"
     );
     db.drop_db().await;
+}
+
+/// `FERRY_DATABASE_URL` (one underscore) is no setting: read as nothing, it
+/// would leave the file's URL in force without a word. Every command
+/// refuses it, naming the variable and the name meant.
+#[test]
+fn a_setting_with_a_single_underscore_is_refused_with_the_name_meant() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ferry.toml");
+    std::fs::write(
+        &config,
+        "[database]\nurl = \"postgres://root@127.0.0.1:5432/ferry_from_the_file\"\n",
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let env = [("FERRY_DATABASE_URL", "postgres://root@127.0.0.1:5432/postgres")];
+    for verb in ["status", "run", "check"] {
+        let out = ferry_env(&env, &["--config", config, verb], Duration::from_secs(30));
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{verb}: {stderr}");
+        assert!(
+            stderr.starts_with("error: FERRY_DATABASE_URL: not a setting Ferry reads")
+                && stderr.contains("write FERRY_DATABASE__URL"),
+            "{verb}: {stderr}"
+        );
+    }
 }

@@ -176,15 +176,25 @@ const ENV_SOURCE: &str = "environment";
 /// The `FERRY_<SECTION>__<FIELD>` variables as a figment provider.
 ///
 /// figment's own `Env` provider reads the process environment directly; this
-/// one takes the variables as a value so tests can pass their own. Only names
-/// containing `__` count: every field lives in a section, and this keeps
-/// `FERRY_CONFIG` and unrelated variables such as `FERRY_TEST_PG_URL` from
-/// being read as (unknown) fields.
+/// one takes the variables as a value so tests can pass their own. Every
+/// field lives in a section, so a name of ours without `__` is a mistake
+/// (`FERRY_DATABASE_URL`), and ignoring it would leave the file's value in
+/// force without a word: it is refused, except the names Ferry reads for
+/// something else ([`OTHER_USES`]).
 pub(super) struct EnvOverrides(Vec<(Vec<String>, String)>);
+
+/// `FERRY_` names that are not config fields: `FERRY_CONFIG` (the file,
+/// read by the command line), and the `FERRY_TEST_*` family (the test
+/// suite's service addresses, such as `FERRY_TEST_PG_URL`), which a
+/// developer's or CI's shell exports and every `ferry` the tests start
+/// inherits. A prefix, not a list: the suite adds services, and no config
+/// section is named `test`.
+const OTHER_USES: [&str; 2] = ["CONFIG", "TEST_"];
 
 impl EnvOverrides {
     pub(super) fn new(env: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
         let mut vars = Vec::new();
+        let mut problems = Vec::new();
         for (name, value) in env {
             let Some(rest) = name
                 .get(..ENV_PREFIX.len())
@@ -194,19 +204,60 @@ impl EnvOverrides {
                 continue;
             };
             if !rest.contains("__") {
+                let upper = rest.to_ascii_uppercase();
+                let other_use = OTHER_USES.iter().any(|other| {
+                    if other.ends_with('_') {
+                        upper.starts_with(other)
+                    } else {
+                        upper == *other
+                    }
+                });
+                if !other_use {
+                    problems.push(Problem {
+                        message: single_underscore(&upper),
+                        field: name,
+                    });
+                }
                 continue;
             }
             let keys: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
             if keys.iter().any(String::is_empty) {
-                return Err(ConfigError::one(
-                    name,
-                    "empty field name; separate sections and fields with exactly \"__\", as in FERRY_DATABASE__URL",
-                ));
+                problems.push(Problem {
+                    field: name,
+                    message: "empty field name; separate sections and fields with exactly \"__\", as in \
+                              FERRY_DATABASE__URL"
+                        .into(),
+                });
+                continue;
             }
             vars.push((keys, value));
         }
+        if !problems.is_empty() {
+            // The environment's order is arbitrary; the message's is not.
+            problems.sort_by(|a, b| a.field.cmp(&b.field));
+            return Err(ConfigError { problems });
+        }
         Ok(Self(vars))
     }
+}
+
+/// Why `FERRY_<rest>` (no `__`) is refused, with the name it likely meant:
+/// `DATABASE_URL` is `FERRY_DATABASE__URL`.
+fn single_underscore(rest: &str) -> String {
+    const SECTIONS: [&str; 7] = ["DATABASE", "RELAY", "METRICS", "LOG", "RETENTION", "ALERTS", "TRACING"];
+    let meant = rest
+        .split_once('_')
+        .filter(|(section, field)| SECTIONS.contains(section) && !field.is_empty())
+        .map(|(section, field)| format!("{ENV_PREFIX}{section}__{field}"));
+    let fix = match meant {
+        Some(name) => format!("write {name}"),
+        // Sinks are named by the user, so the split cannot be guessed.
+        None => "write FERRY_<SECTION>__<FIELD>, as in FERRY_DATABASE__URL or FERRY_SINKS__<NAME>__URL".into(),
+    };
+    format!(
+        "not a setting Ferry reads, and ignoring it would leave the config file's value in force; sections \
+         and fields are joined by a double underscore, so {fix} (or unset it)"
+    )
 }
 
 impl Provider for EnvOverrides {

@@ -571,7 +571,8 @@ fn environment_overrides_the_file() {
             // Looks like a number, must stay text.
             ("FERRY_RELAY__ID", "12345"),
             ("FERRY_SINKS__RABBIT__URL", "amqps://broker/%2f"),
-            // Not config fields: no "__" after the prefix.
+            // Not config fields, read for something else: no "__" after
+            // the prefix, and not refused.
             ("FERRY_CONFIG", "/elsewhere.toml"),
             ("FERRY_TEST_PG_URL", "postgres://x"),
             ("OTHER__THING", "1"),
@@ -628,6 +629,45 @@ fn environment_errors_name_the_variable() {
         .unwrap_err()
         .to_string();
     assert!(e.starts_with("FERRY_DATABASE____URL: empty field name"), "{e}");
+}
+
+#[test]
+fn a_name_without_a_double_underscore_is_refused_with_the_name_meant() {
+    // Read as nothing, it would leave the file's URL in force unsaid.
+    let e = load_with_env(
+        None,
+        env(&[
+            ("FERRY_DATABASE__URL", "postgres://h/db"),
+            ("FERRY_DATABASE_URL", "postgres://h/other"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("FERRY_DATABASE_URL: not a setting Ferry reads")
+            && e.contains("joined by a double underscore, so write FERRY_DATABASE__URL"),
+        "{e}"
+    );
+    // All at once, in name order; a sink's name cannot be guessed.
+    let e = load_with_env(
+        None,
+        env(&[
+            ("FERRY_SINKS_RABBIT_URL", "amqp://h"),
+            ("ferry_relay_batch_size", "10"),
+            ("FERRY_DATABASE__URL", "postgres://h/db"),
+        ]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.starts_with("2 problems in the configuration:"), "{e}");
+    let lines: Vec<&str> = e.lines().skip(1).map(str::trim).collect();
+    assert!(lines[0].starts_with("FERRY_SINKS_RABBIT_URL: ") && lines[0].contains("FERRY_SINKS__<NAME>__URL"));
+    assert!(lines[1].starts_with("ferry_relay_batch_size: ") && lines[1].contains("write FERRY_RELAY__BATCH_SIZE"));
+    // Names Ferry reads for something else stay allowed.
+    for name in ["FERRY_CONFIG", "FERRY_TEST_AMQP_URL", "FERRY_TEST_KAFKA_PORT"] {
+        load_with_env(None, env(&[("FERRY_DATABASE__URL", "postgres://h/db"), (name, "x")]))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
 }
 
 #[test]
