@@ -16,7 +16,7 @@ use ferry_core::{
     SinkError, Store, SystemClock, Transition,
 };
 use ferry_relay::{Relay, RelayError, RelaySettings, RunReport, plan_routes};
-use ferry_store::{Action, Admin, AdminState, DeliverySummary, Filter, Page, Target};
+use ferry_store::{Action, Admin, AdminState, BlockedKeys, DeliverySummary, Filter, Gauges, Page, Target};
 use serde_json::json;
 
 use crate::mock_sink::MockSink;
@@ -376,8 +376,12 @@ fn plan_orders(events: Vec<ferry_core::UnroutedEvent>) -> Vec<RoutePlan> {
 }
 
 /// Status counts each state, waiting work, blocked keys, dead reasons and
-/// leases.
-pub async fn status_counts_states_and_blocked_keys<H: AdminHarness>(h: &H) {
+/// leases. A dead `(no route)` delivery holds no key (no relay claims on
+/// that name), so it blocks nothing, in the status or the gauges.
+pub async fn status_counts_states_and_blocked_keys<H: AdminHarness>(h: &H)
+where
+    H::S: Gauges,
+{
     let store = h.store();
     h.enqueue(vec![
         Event::new("order.created", json!({})).key("a"),
@@ -444,6 +448,16 @@ pub async fn status_counts_states_and_blocked_keys<H: AdminHarness>(h: &H) {
     assert!(orders.blocked.oldest_since.is_some());
     let none = s.routes.iter().find(|r| r.route == NO_ROUTE).unwrap();
     assert_eq!(none.dead, 1);
+    assert_eq!(
+        none.blocked,
+        BlockedKeys::default(),
+        "a (no route) delivery holds no key"
+    );
+    let gauges = store.gauges().await.unwrap();
+    let none = gauges.routes.iter().find(|r| r.route == NO_ROUTE).unwrap();
+    assert_eq!((none.dead, none.blocked_keys), (1, 0), "{none:?}");
+    let orders = gauges.routes.iter().find(|r| r.route == ROUTE).unwrap();
+    assert_eq!(orders.blocked_keys, 1);
     assert!(s.dead_reasons.iter().any(|d| d.reason.contains("no route")));
     assert!(s.dead_reasons.iter().any(|d| d.reason == "unroutable"));
     assert!(s.needs_attention());

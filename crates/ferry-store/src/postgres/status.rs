@@ -2,7 +2,7 @@ use sqlx::{PgPool, Row};
 
 use super::error::store_error;
 use crate::{BlockedKeys, DeadReason, LeaseInfo, RouteStatus, StatusReport};
-use ferry_core::StoreError;
+use ferry_core::{NO_ROUTE, StoreError};
 
 impl super::PgStore {
     /// Counts per route and state, the oldest waiting work, blocked keys,
@@ -75,12 +75,15 @@ async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
     }
 
     // A key is blocked on a route while a delivery of it failed and waits, or
-    // is dead; `waiting` counts the later deliveries of those keys.
+    // is dead; `waiting` counts the later deliveries of those keys. A dead
+    // `(no route)` delivery holds no key: no relay claims on that name, and
+    // a requeue sends the event back to the router.
     let rows = sqlx::query(
         "WITH heads AS (
              SELECT b.route, b.key, min(b.seq) AS seq, min(b.updated_at) AS since
                FROM ferry.deliveries b
-              WHERE b.key IS NOT NULL AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))
+              WHERE b.key IS NOT NULL AND b.route <> $1
+                AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))
               GROUP BY b.route, b.key)
          SELECT h.route, count(*), min(h.since),
                 (SELECT count(*) FROM ferry.deliveries w JOIN heads h2
@@ -88,6 +91,7 @@ async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
                   WHERE w.state = 'pending' AND w.route = h.route)
            FROM heads h GROUP BY h.route",
     )
+    .bind(NO_ROUTE)
     .fetch_all(pool)
     .await
     .map_err(store_error)?;

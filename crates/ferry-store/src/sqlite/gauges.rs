@@ -1,5 +1,5 @@
 use async_trait::async_trait;
-use ferry_core::StoreError;
+use ferry_core::{NO_ROUTE, StoreError};
 use sqlx::Row;
 
 use super::SqliteStore;
@@ -26,7 +26,8 @@ impl Gauges for SqliteStore {
         report.oldest_unrouted_seconds = row.get(1);
 
         // Each subquery's filter matches one of the partial indexes of the
-        // first migration, so each reads only the work left.
+        // first migration, so each reads only the work left. A dead `(no
+        // route)` delivery holds no key: no relay claims on that name.
         let rows = sqlx::query(concat!(
             "WITH pending AS (
                  SELECT route, count(*) AS n, count(*) FILTER (WHERE attempts > 0) AS retrying, min(seq) AS first
@@ -39,6 +40,7 @@ impl Gauges for SqliteStore {
                  SELECT route, count(DISTINCT key) AS keys, min(updated_at) AS since
                    FROM ferry_deliveries
                   WHERE key IS NOT NULL AND (state = 'dead' OR (state = 'pending' AND attempts > 0))
+                    AND route <> ?1
                   GROUP BY route),
              routes AS (SELECT route FROM pending UNION SELECT route FROM settled UNION SELECT route FROM blocked)
              SELECT r.route, coalesce(p.n, 0), coalesce(p.retrying, 0), coalesce(s.dead, 0), coalesce(s.cancelled, 0),
@@ -55,6 +57,7 @@ impl Gauges for SqliteStore {
                LEFT JOIN blocked b ON b.route = r.route
               ORDER BY r.route"
         ))
+        .bind(NO_ROUTE)
         .fetch_all(pool)
         .await
         .map_err(store_error)?;
