@@ -1,12 +1,16 @@
 //! What the built `ferry` binary says before it does anything: a relay with
 //! no route to deliver to and settings it would otherwise ignore are
-//! refused.
+//! refused, and `check` tells what it could not verify.
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry_testkit::pg::TestDb;
 use ferry_testkit::process::dies_with_test;
+use ferry_testkit::rabbit::{TestTopology, unique_name};
+use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ferry");
 
@@ -81,4 +85,115 @@ fn a_setting_with_a_single_underscore_is_refused_with_the_name_meant() {
             "{verb}: {stderr}"
         );
     }
+}
+
+/// One call to the local RabbitMQ's management API as `guest`; the status.
+fn rabbit_api(method: &str, path: &str, body: &str) -> u16 {
+    let mut stream = TcpStream::connect("127.0.0.1:15672").expect("the RabbitMQ management API");
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:15672\r\nAuthorization: Basic Z3Vlc3Q6Z3Vlc3Q=\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A RabbitMQ user that may publish on `/` but has no tag, so the
+/// management API refuses it; deleted on drop.
+struct UntaggedUser(String);
+
+impl UntaggedUser {
+    fn create() -> UntaggedUser {
+        let user = UntaggedUser(unique_name("untagged"));
+        let name = &user.0;
+        let created = rabbit_api("PUT", &format!("/api/users/{name}"), r#"{"password":"pw","tags":""}"#);
+        assert!(matches!(created, 201 | 204), "creating user {name}: HTTP {created}");
+        let granted = rabbit_api(
+            "PUT",
+            &format!("/api/permissions/%2F/{name}"),
+            r#"{"configure":".*","write":".*","read":".*"}"#,
+        );
+        assert!(matches!(granted, 201 | 204), "granting {name}: HTTP {granted}");
+        user
+    }
+}
+
+impl Drop for UntaggedUser {
+    fn drop(&mut self) {
+        rabbit_api("DELETE", &format!("/api/users/{}", self.0), "");
+    }
+}
+
+/// A RabbitMQ user that may publish but has no management tag, so the
+/// management API refuses it. With no `management_url`, `check` asks the
+/// API with the AMQP credentials and is refused: it cannot see the bindings
+/// of an exchange that reaches no queue. It passes (the broker's returns
+/// still catch every unroutable publish), but says so on the route's line.
+#[tokio::test]
+async fn check_says_when_it_could_not_see_a_rabbitmq_routes_bindings() {
+    let untagged = UntaggedUser::create();
+    let user = &untagged.0;
+    let db = TestDb::create().await;
+    let nobody = TestTopology::create_unbound("check-caveat").await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ferry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"{}\"\n\n[sinks.rabbit]\nkind = \"rabbitmq\"\n\
+             url = \"amqp://{user}:pw@127.0.0.1:5672/%2f\"\n\n[[routes]]\nname = \"orders\"\n\
+             match = \"order.*\"\nsink = \"rabbit\"\ndestination = \"{}\"\n",
+            db.url(),
+            nobody.exchange()
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let ferry = |args: &[&str]| {
+        let mut all = vec!["--config", config];
+        all.extend(args);
+        ferry_env(&[], &all, Duration::from_secs(60))
+    };
+    let out = ferry(&["migrate"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+
+    let out = ferry(&["check"]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("routes[0] (orders)"))
+        .unwrap_or_else(|| panic!("no line for the route: {stdout}"));
+    assert!(line.starts_with("warn "), "{line}");
+    assert!(
+        line.contains(
+            "exchange exists; bindings not checked: could not ask the management API at http://127.0.0.1:15672/ \
+             (HTTP 401 Unauthorized)"
+        ) && line.contains("set the sink's management_url"),
+        "{line}"
+    );
+    let out = ferry(&["check", "--json"]);
+    let findings: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let route = findings
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["what"].as_str().unwrap().contains("(orders)"))
+        .unwrap();
+    assert_eq!(route["ok"], true);
+    assert!(
+        route["caveats"][0].as_str().unwrap().contains("bindings not checked"),
+        "{route}"
+    );
+    nobody.delete().await;
+    db.drop_db().await;
 }

@@ -127,6 +127,15 @@ pub trait Sink: Send + Sync + 'static {
     /// Verifies that the route's destination exists and is reachable.
     async fn check(&self, route: &Route) -> Result<(), SinkError>;
 
+    /// [`check`](Sink::check), and what it could not verify: each caveat is
+    /// a sentence for the operator, such as bindings the broker would not
+    /// show, which `ferry check` prints on the route's line. A passing
+    /// check with caveats is still a pass. The default verifies everything
+    /// `check` does.
+    async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
+        self.check(route).await.map(|()| Vec::new())
+    }
+
     /// Closes connections after the last confirm has been awaited.
     async fn close(&self) {}
 }

@@ -5,11 +5,15 @@ use serde::Serialize;
 use crate::config::Config;
 use crate::sinks;
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 struct Finding {
     what: String,
     ok: bool,
     detail: String,
+    /// What a passing check could not verify (bindings the broker would
+    /// not show): printed as `warn`, and no failure.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    caveats: Vec<String>,
 }
 
 /// Checks the database and schema, then every route's destination.
@@ -36,16 +40,24 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
             sink.kind(),
             super::redact(&route.destination)
         );
-        findings.push(match sink.check(route).await {
-            Ok(()) => Finding {
+        findings.push(match sink.check_with_caveats(route).await {
+            Ok(caveats) if caveats.is_empty() => Finding {
                 what,
                 ok: true,
                 detail: "reachable".into(),
+                ..Finding::default()
+            },
+            Ok(caveats) => Finding {
+                what,
+                ok: true,
+                detail: caveats.join("; "),
+                caveats,
             },
             Err(e) => Finding {
                 what,
                 ok: false,
                 detail: e.to_string(),
+                ..Finding::default()
             },
         });
     }
@@ -57,7 +69,12 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&findings)?);
     } else {
         for f in &findings {
-            println!("{} {}: {}", if f.ok { "ok  " } else { "FAIL" }, f.what, f.detail);
+            let mark = match (f.ok, f.caveats.is_empty()) {
+                (false, _) => "FAIL",
+                (true, true) => "ok  ",
+                (true, false) => "warn",
+            };
+            println!("{mark} {}: {}", f.what, f.detail);
         }
         if failed > 0 {
             println!("{failed} problem(s)");
@@ -91,7 +108,12 @@ async fn check_database(cfg: &Config) -> Finding {
         Ok((None, _)) => (false, "no ferry schema; run `ferry migrate`".into()),
         Err(detail) => (false, detail),
     };
-    Finding { what, ok, detail }
+    Finding {
+        what,
+        ok,
+        detail,
+        ..Finding::default()
+    }
 }
 
 #[cfg(feature = "postgres")]
@@ -114,6 +136,7 @@ async fn check_wal(cfg: &Config) -> Vec<Finding> {
             what: f.what,
             ok: f.ok,
             detail: f.detail,
+            ..Finding::default()
         })
         .collect()
 }
@@ -128,12 +151,18 @@ async fn check_captures(cfg: &Config) -> Vec<Finding> {
     match super::capture::check_findings(&mut conn).await {
         Ok(found) => found
             .into_iter()
-            .map(|(what, ok, detail)| Finding { what, ok, detail })
+            .map(|(what, ok, detail)| Finding {
+                what,
+                ok,
+                detail,
+                ..Finding::default()
+            })
             .collect(),
         Err(e) => vec![Finding {
             what: "captured tables".into(),
             ok: false,
             detail: format!("{e:#}"),
+            ..Finding::default()
         }],
     }
 }

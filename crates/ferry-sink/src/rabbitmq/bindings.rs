@@ -34,7 +34,7 @@ pub(crate) enum Reach {
     Bound(usize),
     /// None could: what is missing, for the message.
     Nobody(String),
-    /// The API could not be asked; why, for a log line.
+    /// The API could not be asked; why, with the fix, for the operator.
     Unknown(String),
 }
 
@@ -160,8 +160,9 @@ impl Management {
             )))
         } else {
             Ok(Reach::Unknown(format!(
-                "the management API at {} did not answer ({problem}); enable the rabbitmq_management \
-                 plugin or set management_url to check bindings before publishing",
+                "could not ask the management API at {} ({problem}); enable the rabbitmq_management \
+                 plugin, or set the sink's management_url to one that answers, for a user with the \
+                 management tag",
                 self.base
             )))
         }

@@ -174,12 +174,19 @@ impl Sink for RabbitMqSink {
     }
 
     async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        for caveat in self.check_with_caveats(route).await? {
+            tracing::warn!(route = %route.name, "{caveat}");
+        }
+        Ok(())
+    }
+
+    async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
         let mut connector = self.connector.lock().await;
         let exchange = route.destination.as_str();
         // A template names many exchanges, known only per event, and the
         // default exchange always exists: connectivity is all there is to check.
         if exchange.contains('{') || exchange.is_empty() {
-            return connector.confirm_channels().await.map(drop);
+            return connector.confirm_channels().await.map(|_| Vec::new());
         }
         if !connector.exchange_exists(exchange).await? {
             return Err(SinkError::config(format!(
@@ -199,17 +206,17 @@ impl Sink for RabbitMqSink {
             self.options.publish_timeout,
         )?;
         match api.reach(exchange, key).await? {
-            Reach::Bound(_) => Ok(()),
+            Reach::Bound(_) => Ok(Vec::new()),
             Reach::Nobody(what) => Err(SinkError::config(format!(
                 "route {:?} reaches nobody: {what}, so every event would come back unroutable \
                  and be retried until dead; bind a consumer's queue to the exchange, or fix \
                  routes[].destination or routes[].routing_key",
                 route.name
             ))),
-            Reach::Unknown(why) => {
-                tracing::warn!(route = %route.name, "bindings not checked: {why}");
-                Ok(())
-            }
+            // The broker's own returns still catch an unroutable message
+            // at publish time: nothing is lost, but the operator must hear
+            // that this check could not look.
+            Reach::Unknown(why) => Ok(vec![format!("exchange exists; bindings not checked: {why}")]),
         }
     }
 
