@@ -1,6 +1,8 @@
 //! Table capture against a real database: the events each kind of change
-//! writes, drift and refresh, the fail-closed and warn paths, bad input, and
-//! a relay delivering captured events in commit order per key.
+//! writes, drift and refresh, the fail-closed and warn paths, bad input, a
+//! relay delivering captured events in commit order per key, and the ways a
+//! change could pass without its event (a trigger that does not fire, the
+//! replica role, TRUNCATE), before and after an upgrade.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,11 +11,12 @@ use std::time::Duration;
 use ferry_core::{Glob, Route, Sink, SystemClock};
 use ferry_relay::{Relay, RelaySettings};
 use ferry_store::postgres::capture::{self, CaptureError, CaptureSpec, OnError, Operation, Tables};
-use ferry_store::postgres::{PgStore, migrate};
+use ferry_store::postgres::{MIGRATIONS, PgStore, migrate};
 use ferry_testkit::mock_sink::MockSink;
 use ferry_testkit::pg::TestDb;
 use serde_json::{Value, json};
 use sqlx::PgPool;
+use sqlx::postgres::PgDatabaseError;
 
 async fn database(schema: &str) -> (TestDb, PgPool) {
     let db = TestDb::create().await;
@@ -556,4 +559,268 @@ async fn installing_gives_up_on_a_table_a_long_transaction_holds() {
     add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
         .await
         .unwrap();
+}
+
+/// The capture triggers on each table: `(table, trigger, pg_trigger.tgenabled)`.
+async fn trigger_states(pool: &PgPool) -> Vec<(String, String, String)> {
+    sqlx::query_as(
+        "SELECT tgrelid::regclass::text, tgname::text, tgenabled::text FROM pg_trigger
+          WHERE tgname LIKE 'ferry_capture%' ORDER BY 1, 2",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// The message and hint of a statement's error.
+async fn refused(pool: &PgPool, sql: &str) -> (String, String) {
+    let err = sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(pool)
+        .await
+        .expect_err(sql);
+    let db = err.as_database_error().unwrap_or_else(|| panic!("{sql}: {err}"));
+    let hint = db.try_downcast_ref::<PgDatabaseError>().and_then(PgDatabaseError::hint);
+    (db.message().to_owned(), hint.unwrap_or_default().to_owned())
+}
+
+#[tokio::test]
+async fn a_trigger_that_does_not_always_fire_is_drift_with_the_statement_that_enables_it() {
+    let (_db, pool) = database(ORDERS).await;
+    let mut conn = pool.acquire().await.unwrap();
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "ALTER TABLE orders DISABLE TRIGGER ferry_capture").await;
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    assert_eq!(drift[0].table, "public.orders");
+    assert!(drift[0].problem.contains("ferry_capture is disabled"), "{drift:?}");
+    assert_eq!(
+        drift[0].fix,
+        "ALTER TABLE public.orders ENABLE ALWAYS TRIGGER ferry_capture"
+    );
+    exec(&pool, &drift[0].fix).await;
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+
+    // What `pg_restore --disable-triggers` runs around its data, and the undo
+    // it may not get to run: the undo makes the triggers ordinary ones again,
+    // which writes under the replica role skip.
+    exec(&pool, "ALTER TABLE orders DISABLE TRIGGER ALL").await;
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 2, "the row trigger and the TRUNCATE guard: {drift:?}");
+    assert!(drift.iter().all(|d| d.problem.contains("is disabled")), "{drift:?}");
+    exec(&pool, "ALTER TABLE orders ENABLE TRIGGER ALL").await;
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 2, "{drift:?}");
+    for d in &drift {
+        assert!(d.problem.contains("session_replication_role = replica"), "{d:?}");
+        exec(&pool, &d.fix).await;
+    }
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec(&pool, "INSERT INTO orders (id, status) VALUES (1, 'new')").await;
+    assert_eq!(events(&pool).await.len(), 1);
+}
+
+#[tokio::test]
+async fn changes_under_the_replica_role_are_captured() {
+    let (_db, pool) = database(ORDERS).await;
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    // As a logical replication apply worker, or a restore or ETL tool, runs.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::raw_sql(
+        "SET LOCAL session_replication_role = replica;
+         INSERT INTO orders (id, status) VALUES (1, 'new');
+         UPDATE orders SET status = 'paid';
+         DELETE FROM orders;",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let types: Vec<String> = events(&pool).await.into_iter().map(|e| e.event_type).collect();
+    assert_eq!(
+        types,
+        ["shop.order.created", "shop.order.updated", "shop.order.deleted"]
+    );
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL session_replication_role = replica")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let err = sqlx::query("TRUNCATE orders").execute(&mut *tx).await.unwrap_err();
+    assert!(err.to_string().contains("TRUNCATE of public.orders"), "{err}");
+}
+
+#[tokio::test]
+async fn truncate_is_refused_while_the_table_captures_deletes() {
+    let (_db, pool) = database(ORDERS).await;
+    let mut conn = pool.acquire().await.unwrap();
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "INSERT INTO orders (id, status) VALUES (1, 'new'), (2, 'new')").await;
+    let (message, hint) = refused(&pool, "TRUNCATE orders").await;
+    assert_eq!(
+        message,
+        "ferry: TRUNCATE of public.orders would delete its rows without their shop.order.deleted events"
+    );
+    assert!(hint.contains("DELETE FROM public.orders"), "{hint}");
+    assert!(hint.contains("ferry capture remove public.orders"), "{hint}");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 2);
+
+    // Without deletes captured, a TRUNCATE loses no event.
+    capture::remove(&mut conn, "orders").await.unwrap();
+    add(
+        &pool,
+        CaptureSpec::new("orders", "shop.order", "id").on([Operation::Insert, Operation::Update]),
+    )
+    .await
+    .unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec(&pool, "TRUNCATE orders").await;
+    capture::remove(&mut conn, "orders").await.unwrap();
+    assert!(trigger_states(&pool).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_truncate_in_warn_mode_counts_each_row_as_a_dropped_event() {
+    let (_db, pool) = database(ORDERS).await;
+    add(
+        &pool,
+        CaptureSpec::new("orders", "shop.order", "id").on_error(OnError::Warn),
+    )
+    .await
+    .unwrap();
+    exec(
+        &pool,
+        "INSERT INTO orders (id, status) SELECT i, 'new' FROM generate_series(1, 3) i",
+    )
+    .await;
+    exec(&pool, "TRUNCATE orders").await;
+    exec(&pool, "TRUNCATE orders").await; // nothing left to lose
+    let listed = capture::list(&mut pool.acquire().await.unwrap()).await.unwrap();
+    assert_eq!(listed[0].dropped, 3);
+    assert_eq!(
+        listed[0].last_dropped_error.as_deref(),
+        Some("TRUNCATE of public.orders deleted 3 rows without their shop.order.deleted events")
+    );
+    let gauges = ferry_store::Gauges::gauges(&PgStore::new(pool.clone())).await.unwrap();
+    assert_eq!(gauges.capture_dropped, vec![("public.orders".to_owned(), 3)]);
+}
+
+#[tokio::test]
+async fn every_partition_fires_always_and_is_guarded() {
+    let (_db, pool) = database(
+        "CREATE TABLE readings (device text NOT NULL, at date NOT NULL, value int) PARTITION BY RANGE (at);
+         CREATE TABLE readings_2026 PARTITION OF readings FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');",
+    )
+    .await;
+    let mut conn = pool.acquire().await.unwrap();
+    add(&pool, CaptureSpec::new("readings", "iot.reading", "device"))
+        .await
+        .unwrap();
+    exec(&pool, "ALTER TABLE readings_2026 DISABLE TRIGGER ferry_capture").await;
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    assert_eq!(drift[0].table, "public.readings");
+    assert!(
+        drift[0].problem.contains("disabled on public.readings_2026"),
+        "{drift:?}"
+    );
+    exec(&pool, &drift[0].fix).await;
+    assert!(
+        refused(&pool, "TRUNCATE readings_2026")
+            .await
+            .0
+            .contains("readings_2026")
+    );
+
+    // Statement triggers are not cloned to a new partition: reported until
+    // refreshed.
+    exec(
+        &pool,
+        "CREATE TABLE readings_2027 PARTITION OF readings FOR VALUES FROM ('2027-01-01') TO ('2028-01-01')",
+    )
+    .await;
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    assert!(
+        drift[0]
+            .problem
+            .contains("TRUNCATE guard is missing on public.readings_2027"),
+        "{drift:?}"
+    );
+    assert_eq!(drift[0].fix, "ferry capture refresh public.readings");
+    capture::refresh(&mut conn, Tables::All).await.unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    refused(&pool, "TRUNCATE readings_2027").await;
+    // Detached, a partition is no longer captured: nothing to guard.
+    exec(&pool, "ALTER TABLE readings DETACH PARTITION readings_2027").await;
+    exec(&pool, "TRUNCATE readings_2027").await;
+}
+
+#[tokio::test]
+async fn tables_captured_before_the_upgrade_fire_always_and_are_guarded() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    // The schema as it was before the TRUNCATE guard.
+    exec(
+        &pool,
+        "CREATE SCHEMA ferry;
+         CREATE TABLE ferry.schema_migrations (version int PRIMARY KEY, name text NOT NULL,
+                                               applied_at timestamptz NOT NULL DEFAULT now());",
+    )
+    .await;
+    for &(version, name, sql) in MIGRATIONS.iter().filter(|m| m.0 < 13) {
+        sqlx::raw_sql(sql).execute(&pool).await.unwrap();
+        sqlx::query("INSERT INTO ferry.schema_migrations (version, name) VALUES ($1, $2)")
+            .bind(version)
+            .bind(name)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    exec(
+        &pool,
+        &format!("{ORDERS}; CREATE TABLE notes (id int PRIMARY KEY, body text)"),
+    )
+    .await;
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    add(&pool, CaptureSpec::new("notes", "crm.note", "id")).await.unwrap();
+    // Disabled on purpose before the upgrade: the upgrade leaves it so.
+    exec(&pool, "ALTER TABLE notes DISABLE TRIGGER ferry_capture").await;
+
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(migrate(&mut conn).await.unwrap().contains(&13));
+    let states = trigger_states(&pool).await;
+    let state = |table: &str, trigger: &str| {
+        states
+            .iter()
+            .find(|s| s.0 == table && s.1 == trigger)
+            .map(|s| s.2.clone())
+    };
+    assert_eq!(state("orders", "ferry_capture").as_deref(), Some("A"), "{states:?}");
+    assert_eq!(
+        state("orders", "ferry_capture_truncate").as_deref(),
+        Some("A"),
+        "{states:?}"
+    );
+    assert_eq!(state("notes", "ferry_capture").as_deref(), Some("D"), "{states:?}");
+    assert_eq!(
+        state("notes", "ferry_capture_truncate").as_deref(),
+        Some("A"),
+        "{states:?}"
+    );
+    refused(&pool, "TRUNCATE orders").await;
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    assert_eq!(drift[0].table, "public.notes");
 }

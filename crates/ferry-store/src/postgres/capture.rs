@@ -18,7 +18,11 @@
 //!
 //! By default a trigger fails closed: when the event cannot be written, the
 //! business statement fails too. [`OnError::Warn`] keeps the write and drops
-//! the event instead: lossy, counted in [`Capture::dropped`].
+//! the event instead: lossy, counted in [`Capture::dropped`]. The triggers
+//! fire always, `session_replication_role = replica` included, and a
+//! `TRUNCATE` of a table that captures deletes is refused (counted, in warn
+//! mode). [`check`] reports a trigger that does not fire always, with the
+//! statement that enables it.
 //!
 //! ```no_run
 //! # async fn demo(conn: &mut sqlx::PgConnection) -> Result<(), ferry_store::postgres::capture::CaptureError> {
@@ -81,7 +85,8 @@ pub enum OnError {
     #[default]
     Fail,
     /// The business statement succeeds and the event is dropped, with a
-    /// WARNING and a count in `ferry.capture_dropped`. Lossy.
+    /// WARNING and a count in `ferry.capture_dropped`; a `TRUNCATE` counts
+    /// each row it removes. Lossy.
     Warn,
 }
 
@@ -167,12 +172,13 @@ pub struct Capture {
     pub last_dropped_at: Option<DateTime<Utc>>,
 }
 
-/// A captured table whose trigger no longer matches it.
+/// A captured table whose triggers would miss changes or no longer match
+/// it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Drift {
     pub table: String,
     pub problem: String,
-    /// The command that fixes it.
+    /// The command (`ferry capture ...`) or SQL statement that fixes it.
     pub fix: String,
 }
 
@@ -306,9 +312,12 @@ pub async fn list(conn: &mut PgConnection) -> Result<Vec<Capture>, CaptureError>
         .collect())
 }
 
-/// Captured tables whose trigger is out of date with the table (columns
-/// added or gone, the trigger missing, the table gone), each with its fix.
-/// Empty when every trigger matches its table.
+/// Captured tables whose triggers would miss changes (disabled, or not
+/// firing always, on the table or a partition; a partition without its
+/// `TRUNCATE` guard) or are out of date with the table (columns added or
+/// gone, the trigger missing, the table gone), each with its fix, the
+/// worst first; a table can have several. Empty when every trigger fires
+/// always and matches its table.
 pub async fn check(conn: &mut PgConnection) -> Result<Vec<Drift>, CaptureError> {
     let rows: Vec<(String, String, String)> =
         sqlx::query_as("SELECT table_name, problem, fix FROM ferry.capture_check()")
