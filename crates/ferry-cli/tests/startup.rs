@@ -41,14 +41,22 @@ fn text(bytes: &[u8]) -> String {
 
 /// Only `database.url` from the environment: a config with no route loads,
 /// and the commands that need no route work with it, but a relay would
-/// record every event dead `(no route)`, so `ferry run` refuses to start.
+/// record every event dead `(no route)`, so `ferry run` refuses to start,
+/// and `check` warns that it will.
 #[tokio::test]
 async fn run_refuses_a_config_without_routes_that_migrate_and_status_accept() {
     let db = TestDb::create().await;
     let env = [("FERRY_DATABASE__URL", db.url())];
-    for verb in ["migrate", "status"] {
+    for verb in ["migrate", "status", "check"] {
         let out = ferry_env(&env, &[verb], Duration::from_secs(60));
         assert_eq!(out.status.code(), Some(0), "{verb}: {}", text(&out.stderr));
+        if verb == "check" {
+            let stdout = text(&out.stdout);
+            assert!(
+                stdout.contains("\nwarn routes: `ferry run` refuses this config: none configured"),
+                "{stdout}"
+            );
+        }
     }
     let out = ferry_env(&env, &["run"], Duration::from_secs(30));
     let stderr = text(&out.stderr);

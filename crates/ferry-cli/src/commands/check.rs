@@ -28,6 +28,17 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
             findings.extend(check_wal(cfg).await);
         }
     }
+    // Loading a config without routes is fine (migrate, status, capture
+    // need none), but a relay cannot run on it.
+    if cfg.routes.is_empty() {
+        let caveat = format!("`ferry run` refuses this config: {}", super::NO_ROUTES);
+        findings.push(Finding {
+            what: "routes".into(),
+            ok: true,
+            detail: caveat.clone(),
+            caveats: vec![caveat],
+        });
+    }
     let sinks = sinks::build(cfg)?;
     for (i, route) in cfg.routes.iter().enumerate() {
         let sink = &sinks[&route.sink];
