@@ -122,8 +122,13 @@ async fn fixture() -> Fixture {
 impl Fixture {
     /// A config file with `extra` appended.
     fn config(&self, extra: &str) -> PathBuf {
+        self.config_named(ROUTE, extra)
+    }
+
+    /// [`Fixture::config`] with the route named `route`.
+    fn config_named(&self, route: &str, extra: &str) -> PathBuf {
         let text = format!(
-            "[database]\nurl = \"{}\"\n\n[sinks.out]\nkind = \"stdout\"\n\n[[routes]]\nname = \"{ROUTE}\"\n\
+            "[database]\nurl = \"{}\"\n\n[sinks.out]\nkind = \"stdout\"\n\n[[routes]]\nname = \"{route}\"\n\
              match = \"order.**\"\nsink = \"out\"\ndestination = \"-\"\n\n{extra}",
             self.db.url()
         );
@@ -424,4 +429,110 @@ async fn tail_follows_outcomes_until_interrupted() {
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(0), "tail did not stop cleanly on Ctrl-C");
+}
+
+/// The route renamed in the config: its deliveries stay under the old name,
+/// which no relay running the new config claims. `check` fails naming the
+/// route, its counts and the fixes; `status` marks it; `requeue` refuses to
+/// send anything again on it; `run` logs it and keeps running.
+#[tokio::test]
+async fn a_renamed_route_leaves_its_deliveries_named_by_every_command() {
+    let f = fixture().await;
+    let renamed = f.config_named("orders-v2", "");
+    let ferry = |args: &[&str]| {
+        Command::new(BIN)
+            .arg("--config")
+            .arg(&renamed)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    // p1, d2 (held back) and r1 (retrying) wait; d1 and the bulk are dead.
+    let waiting = "not in the config, yet 3 pending and 13 dead deliveries wait on it";
+
+    let check = ferry(&["check"]);
+    let stdout = String::from_utf8_lossy(&check.stdout).into_owned();
+    assert_eq!(check.status.code(), Some(1), "{stdout}{}", stderr(&check));
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("FAIL route \"orders\": "))
+        .unwrap_or_else(|| panic!("no line on the old route: {stdout}"));
+    assert!(line.contains(waiting), "{line}");
+    assert!(
+        line.contains("give it name = \"orders\"")
+            && line.contains("`ferry cancel --route orders --state pending --state retrying --state dead --reason"),
+        "{line}"
+    );
+    let kept = f.ferry(&["check"]);
+    assert_eq!(kept.status.code(), Some(0), "{}", String::from_utf8_lossy(&kept.stdout));
+
+    let status = json_of(&ferry(&["status", "--json"]), 0);
+    let configured: Vec<(&str, &Value)> = status["routes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["route"].as_str().unwrap(), &r["configured"]))
+        .collect();
+    assert_eq!(configured, [("orders", &json!(false)), ("orders-v2", &json!(true))]);
+    let text = ferry(&["status"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("\norders (not configured) "), "{text}");
+    assert!(
+        text.contains(&format!("not in the config:\n  route \"orders\" is {waiting}")),
+        "{text}"
+    );
+
+    let before = f.dead_count().await;
+    let by_route = ferry(&["requeue", "--route", "orders", "--state", "dead", "--yes"]);
+    assert_eq!(by_route.status.code(), Some(2), "{}", stderr(&by_route));
+    assert!(
+        stderr(&by_route).starts_with(&format!("error: nothing requeued: route \"orders\" is {waiting}")),
+        "{}",
+        stderr(&by_route)
+    );
+    let by_state = json_of(&ferry(&["requeue", "--state", "dead", "--yes", "--json"]), 1);
+    assert!(by_state["changed"].as_array().unwrap().is_empty());
+    let refused = by_state["refused"].as_array().unwrap();
+    assert_eq!(refused.len(), 1 + BULK);
+    assert!(
+        refused[0]["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("route \"orders\" is not in the config"),
+        "{refused:?}"
+    );
+    assert_eq!(f.dead_count().await, before, "nothing was requeued");
+
+    let log = f.dir.path().join("relay.log");
+    let mut relay = ferry_testkit::process::dies_with_test(
+        Command::new(BIN)
+            .arg("--config")
+            .arg(&renamed)
+            .arg("run")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap()),
+    )
+    .spawn()
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let logged = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("route \"orders\" is not in the config") || std::time::Instant::now() > deadline {
+            break text;
+        }
+        if let Some(exit) = relay.try_wait().unwrap() {
+            panic!("ferry run exited ({exit}): {text}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let line = logged
+        .lines()
+        .find(|l| l.contains("route \"orders\" is not in the config"))
+        .unwrap_or_else(|| panic!("no error on the old route: {logged}"));
+    assert!(line.contains("ERROR") && line.contains(waiting), "{line}");
+    assert!(relay.try_wait().unwrap().is_none(), "the relay keeps running: {logged}");
+    // SAFETY: kill(2) on our own child's pid with a valid signal.
+    unsafe { libc::kill(relay.id() as i32, libc::SIGTERM) };
+    assert_eq!(relay.wait().unwrap().code(), Some(0));
 }

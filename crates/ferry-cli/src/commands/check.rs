@@ -75,6 +75,7 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     for sink in sinks.values() {
         sink.close().await;
     }
+    findings.extend(check_unserved(cfg).await);
     let failed = findings.iter().filter(|f| !f.ok).count();
     if json {
         println!("{}", serde_json::to_string_pretty(&findings)?);
@@ -96,6 +97,27 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// A finding per route name that holds undelivered deliveries but is not in
+/// the config. A database that cannot be read is a finding of its own.
+async fn check_unserved(cfg: &Config) -> Vec<Finding> {
+    use ferry_store::Gauges;
+    let Ok(store) = super::store(cfg) else {
+        return Vec::new();
+    };
+    let Ok(gauges) = store.gauges().await else {
+        return Vec::new();
+    };
+    super::unserved::from_gauges(cfg, &gauges)
+        .into_iter()
+        .map(|u| Finding {
+            what: format!("route {:?}", u.route),
+            ok: false,
+            detail: u.detail(),
+            ..Finding::default()
+        })
+        .collect()
 }
 
 async fn check_database(cfg: &Config) -> Finding {

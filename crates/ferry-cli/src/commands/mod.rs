@@ -9,6 +9,7 @@ mod run;
 pub mod show;
 mod status;
 pub mod tail;
+mod unserved;
 
 use std::process::ExitCode;
 

@@ -15,12 +15,12 @@ use std::time::Duration;
 use crate::store::AnyStore;
 use anyhow::Context;
 use ferry_core::{ErrorKind, StoreError};
-use ferry_store::{Action, Admin, Applied, Filter, Plan, Refusal, Target};
+use ferry_store::{Action, Admin, Applied, Filter, Gauges, Plan, Refusal, Target};
 use serde_json::json;
 use uuid::Uuid;
 
-use super::UsageError;
 use super::list::{FilterArgs, clip};
+use super::{UsageError, unserved};
 use crate::config::Config;
 
 /// More deliveries than this ask for confirmation unless `--yes`.
@@ -85,7 +85,17 @@ pub(super) async fn change(
         .into());
     }
     let store = super::store(cfg)?;
-    let plan = store.plan(action, &selection).await.context("selecting deliveries")?;
+    let requeue = matches!(action, Action::Requeue { .. });
+    if requeue
+        && let Some(route) = &selection.route
+        && !unserved::configured(cfg, route)
+    {
+        return Err(UsageError(not_configured(cfg, &store, route).await).into());
+    }
+    let mut plan = store.plan(action, &selection).await.context("selecting deliveries")?;
+    if requeue {
+        refuse_unserved(cfg, &mut plan);
+    }
     // Ids the operator named but nothing matched: a typo, or an event not
     // routed yet (`ferry show` tells which).
     let unmatched: Vec<_> = selection
@@ -141,6 +151,58 @@ pub(super) async fn change(
     } else {
         Ok(ExitCode::from(1))
     }
+}
+
+/// Why `ferry requeue --route <route>` is refused when the config has no
+/// such route: what it requeued would wait for ever on a name no relay
+/// running this config claims.
+async fn not_configured(cfg: &Config, store: &AnyStore, route: &str) -> String {
+    if cfg.routes.is_empty() {
+        return format!(
+            "nothing requeued: this config has no routes, so it cannot tell whether a relay delivers \
+             route {route:?}; run requeue with the config the relays run (--config FILE or FERRY_CONFIG)"
+        );
+    }
+    let names: Vec<&str> = cfg.routes.iter().map(|r| r.name.as_str()).collect();
+    let waiting = match store.gauges().await {
+        Ok(gauges) => unserved::from_gauges(cfg, &gauges)
+            .into_iter()
+            .find(|u| u.route == route),
+        // The reason to refuse stands without the counts.
+        Err(_) => None,
+    };
+    let why = match waiting {
+        Some(u) => u.explain(),
+        None => format!(
+            "route {route:?} is not in the config, so no relay running this config would deliver what \
+             is requeued. {}",
+            unserved::fixes(route)
+        ),
+    };
+    format!("nothing requeued: {why}. The config's routes: {}", names.join(", "))
+}
+
+/// A delivery requeued on a route the config does not have would wait for
+/// ever: it is refused instead, as `--route` would be.
+fn refuse_unserved(cfg: &Config, plan: &mut Plan) {
+    let (served, stranded): (Vec<Target>, Vec<Target>) = std::mem::take(&mut plan.changes)
+        .into_iter()
+        .partition(|t| unserved::configured(cfg, &t.route));
+    plan.changes = served;
+    plan.refused.extend(stranded.into_iter().map(|target| Refusal {
+        reason: if cfg.routes.is_empty() {
+            "this config has no routes, so it cannot tell whether a relay delivers this; run requeue \
+             with the config the relays run (--config FILE or FERRY_CONFIG)"
+                .to_owned()
+        } else {
+            format!(
+                "route {:?} is not in the config: no relay running it would deliver this (`ferry \
+                 check` says what to do)",
+                target.route
+            )
+        },
+        target,
+    }));
 }
 
 /// Asks on the terminal; refuses when there is none to ask at.

@@ -8,7 +8,7 @@ use ferry_relay::{Relay, RelaySettings};
 
 use crate::config::RelayMode;
 use tokio::sync::watch;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::{UsageError, purge};
 use crate::config::Config;
@@ -47,6 +47,9 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
     if !refused.is_empty() {
         return Err(UsageError(format!("routes reach no destination:\n  {}", refused.join("\n  "))).into());
     }
+    // Beside the start, not before it: a database that is down would hold
+    // the relay up, and the relay itself retries.
+    tokio::spawn(report_unserved(store.clone(), cfg.clone()));
     let relay = Relay::new(
         store.clone(),
         SystemClock,
@@ -115,6 +118,21 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
         "bye"
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Logs the deliveries waiting on routes this config does not have. The
+/// relay starts anyway: in a rolling deploy, relays still running the old
+/// config serve the old names.
+async fn report_unserved(store: crate::store::AnyStore, cfg: Config) {
+    use ferry_store::Gauges;
+    match store.gauges().await {
+        Ok(gauges) => {
+            for u in super::unserved::from_gauges(&cfg, &gauges) {
+                error!(route = %u.route, pending = u.pending, dead = u.dead, "{}", u.explain());
+            }
+        }
+        Err(e) => warn!(error = %e, "could not look for deliveries on routes not in the config"),
+    }
 }
 
 /// Logs, and with `[tracing]` the span exporter, which `run` flushes when

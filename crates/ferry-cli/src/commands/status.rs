@@ -1,8 +1,10 @@
 use std::process::ExitCode;
 
 use anyhow::Context;
+use ferry_core::NO_ROUTE;
 use ferry_store::{Admin, StatusReport};
 
+use super::unserved;
 use crate::config::{AlertsConfig, Config};
 
 pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
@@ -19,10 +21,18 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     }
     report.routes.sort_by(|a, b| a.route.cmp(&b.route));
     let breaches = breaches(&report, &cfg.alerts);
+    let unserved = unserved::from_status(cfg, &report);
+    let configured = |route: &str| is_configured(cfg, route);
     #[cfg(feature = "postgres")]
     let slot = slot(cfg).await?;
     if json {
         let mut out = serde_json::to_value(&report)?;
+        if let Some(routes) = out["routes"].as_array_mut() {
+            for route in routes {
+                let name = route["route"].as_str().unwrap_or_default().to_owned();
+                route["configured"] = serde_json::to_value(configured(&name))?;
+            }
+        }
         out["breaches"] = serde_json::to_value(&breaches)?;
         #[cfg(feature = "postgres")]
         if let Some(slot) = &slot {
@@ -30,7 +40,13 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
         }
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        print!("{}", render(&report));
+        print!("{}", render(&report, configured));
+        if !unserved.is_empty() {
+            println!("\nnot in the config:");
+            for u in &unserved {
+                println!("  {}", u.explain());
+            }
+        }
         #[cfg(feature = "postgres")]
         if let Some(slot) = &slot {
             println!("\n{}", render_slot(slot));
@@ -101,6 +117,12 @@ fn bytes(n: i64) -> String {
         _ if n < 1e9 => format!("{:.1} MB", n / 1e6),
         _ => format!("{:.1} GB", n / 1e9),
     }
+}
+
+/// Whether the config has this route: `None` for `(no route)`, which is no
+/// route at all, and under a config without routes, which cannot tell.
+fn is_configured(cfg: &Config, route: &str) -> Option<bool> {
+    (route != NO_ROUTE && !cfg.routes.is_empty()).then(|| unserved::configured(cfg, route))
 }
 
 /// The exit code when a threshold is breached: distinct from 1 (the status
@@ -178,8 +200,9 @@ fn age(seconds: Option<f64>) -> String {
     }
 }
 
-/// Tables for people; `--json` is for machines.
-pub fn render(r: &StatusReport) -> String {
+/// Tables for people; `--json` is for machines. A route `configured` says
+/// the config lacks is marked so.
+pub fn render(r: &StatusReport, configured: impl Fn(&str) -> Option<bool>) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(
@@ -205,10 +228,14 @@ pub fn render(r: &StatusReport) -> String {
         "WAITING"
     );
     for s in &r.routes {
+        let route = match configured(&s.route) {
+            Some(false) => format!("{} (not configured)", s.route),
+            _ => s.route.clone(),
+        };
         let _ = writeln!(
             out,
             "{:<24} {:>9} {:>9} {:>9} {:>7} {:>9} {:>10} {:>8} {:>9} {:>8} {:>8}",
-            s.route,
+            route,
             s.pending,
             s.in_flight,
             s.retrying,
