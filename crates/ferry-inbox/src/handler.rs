@@ -11,6 +11,10 @@ use ferry_core::ErrorKind;
 /// dead-letter destination at once (a payload that will never parse, say).
 /// Deliberately not a `std::error::Error` itself, so the blanket `From`
 /// cannot overlap with the reflexive one.
+///
+/// The message is recorded in the inbox row and sent with a dead letter, so
+/// a NUL byte in it, which PostgreSQL cannot store in text, is replaced with
+/// U+FFFD: recording the failure must not fail for the text of the error.
 pub struct HandlerError {
     kind: ErrorKind,
     message: String,
@@ -19,18 +23,19 @@ pub struct HandlerError {
 impl HandlerError {
     /// Worth another attempt: the event is redelivered after a backoff.
     pub fn transient(message: impl Into<String>) -> Self {
-        Self {
-            kind: ErrorKind::Transient,
-            message: message.into(),
-        }
+        Self::new(ErrorKind::Transient, message.into())
     }
 
     /// Never going to work: dead-lettered without further attempts.
     pub fn permanent(message: impl Into<String>) -> Self {
-        Self {
-            kind: ErrorKind::Permanent,
-            message: message.into(),
+        Self::new(ErrorKind::Permanent, message.into())
+    }
+
+    fn new(kind: ErrorKind, mut message: String) -> Self {
+        if message.contains('\0') {
+            message = message.replace('\0', "\u{FFFD}");
         }
+        Self { kind, message }
     }
 
     pub fn is_permanent(&self) -> bool {
@@ -78,5 +83,12 @@ mod tests {
         assert!(!e.is_permanent());
         assert_eq!(e.message(), "disk full");
         assert!(HandlerError::permanent("bad payload").is_permanent());
+    }
+
+    #[test]
+    fn a_nul_byte_in_the_message_is_replaced() {
+        assert_eq!(HandlerError::transient("a\0b").message(), "a\u{FFFD}b");
+        let e = HandlerError::from(std::io::Error::other("c\0"));
+        assert_eq!(e.to_string(), "c\u{FFFD}");
     }
 }

@@ -337,6 +337,29 @@ async fn a_commit_refused_for_a_deferred_constraint_is_a_counted_failure() {
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
 }
 
+/// PostgreSQL cannot store a NUL byte in text (SQLSTATE 22021). A handler
+/// error whose text has one must still be recorded and counted: otherwise
+/// the attempt is lost to an error the inbox reports as an outage, and the
+/// message is put back for ever without coming nearer to its dead letter.
+#[tokio::test]
+async fn a_handler_error_with_a_nul_byte_is_recorded_and_counted() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(2));
+    let ev = event();
+    let fail = async |_: &mut PgConnection, _: &ReceivedEvent| Err(HandlerError::transient("bad\0byte"));
+    match inbox.process(&ev, fail).await.unwrap() {
+        Outcome::Retry { attempts: 1, error, .. } => assert_eq!(error, "bad\u{FFFD}byte"),
+        other => panic!("{other:?}"),
+    }
+    let r = inbox.record(ev.id).await.unwrap().unwrap();
+    assert_eq!(r.last_error.as_deref(), Some("bad\u{FFFD}byte"));
+    match inbox.process(&ev, fail).await.unwrap() {
+        Outcome::Dead { attempts: 2, reason } => assert!(reason.ends_with("bad\u{FFFD}byte"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+}
+
 #[tokio::test]
 async fn purge_removes_old_done_rows_in_batches_and_keeps_the_rest() {
     let e = env().await;
