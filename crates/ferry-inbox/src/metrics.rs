@@ -14,6 +14,10 @@ pub const RETRIES: &str = "ferry_inbox_retries_total";
 pub const DEAD: &str = "ferry_inbox_dead_total";
 /// Messages that were not Ferry events at all, dead-lettered unhandled.
 pub const MALFORMED: &str = "ferry_inbox_malformed_total";
+/// Messages the broker removed before they were handled: their events are
+/// lost to the consumer. Labelled by `reason`: `trimmed` (Redis MAXLEN or
+/// XTRIM removed stream entries before the group read or acknowledged them).
+pub const LOST: &str = "ferry_inbox_lost_total";
 
 pub(crate) fn processed(consumer: &str) {
     metrics::counter!(PROCESSED, "consumer" => consumer.to_owned()).increment(1);
@@ -37,4 +41,9 @@ pub(crate) fn dead(consumer: &str) {
 )]
 pub(crate) fn malformed(consumer: &str) {
     metrics::counter!(MALFORMED, "consumer" => consumer.to_owned()).increment(1);
+}
+
+#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+pub(crate) fn lost(consumer: &str, reason: &'static str, n: u64) {
+    metrics::counter!(LOST, "consumer" => consumer.to_owned(), "reason" => reason).increment(n);
 }

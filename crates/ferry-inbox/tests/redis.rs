@@ -2,19 +2,21 @@
 //! with the inbox, counting the business effect per event through a member
 //! that dies between its commit and its XACK (its entries claimed by the
 //! other member), deliberate double publishes, a relay that republishes
-//! after a crash, and a handler that always fails.
+//! after a crash, and a handler that always fails; and entries trimmed
+//! from the stream before they were read or handled, each reported.
 
 mod support;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, RetryPolicy, Sink};
-use ferry_inbox::redis::{DEAD_GROUP_FIELD, DEAD_REASON_FIELD, RedisConsumer, RedisConsumerOptions};
+use ferry_inbox::redis::{DEAD_GROUP_FIELD, DEAD_REASON_FIELD, DEAD_SOURCE_FIELD, RedisConsumer, RedisConsumerOptions};
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::redis::{RedisOptions, RedisSink};
+use ferry_testkit::metrics::Counts;
 use ferry_testkit::proxy::Proxy;
 use ferry_testkit::rabbit::unique_name;
 use redis::aio::MultiplexedConnection;
@@ -78,6 +80,49 @@ impl Env {
         }
     }
 
+    /// Adds an entry the way Ferry's sink writes one, trimming the stream
+    /// to exactly `maxlen` entries when set.
+    async fn add(&self, maxlen: Option<u32>) -> String {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&self.stream);
+        if let Some(n) = maxlen {
+            cmd.arg("MAXLEN").arg(n);
+        }
+        ferry_entry(cmd.arg("*"))
+            .query_async(&mut self.redis.clone())
+            .await
+            .unwrap()
+    }
+
+    /// Reads up to 10 new entries as `member` of the group, leaving them pending.
+    async fn read_as(&self, member: &str) -> Vec<String> {
+        let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("billing")
+            .arg(member)
+            .arg("COUNT")
+            .arg(10)
+            .arg("STREAMS")
+            .arg(&self.stream)
+            .arg(">")
+            .query_async(&mut self.redis.clone())
+            .await
+            .unwrap();
+        reply.keys.into_iter().flat_map(|k| k.ids).map(|e| e.id).collect()
+    }
+
+    async fn create_group(&self) {
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.stream)
+            .arg("billing")
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(&mut self.redis.clone())
+            .await
+            .unwrap();
+    }
+
     async fn cleanup(mut self) {
         let _: i64 = redis::cmd("DEL")
             .arg(&self.stream)
@@ -86,6 +131,29 @@ impl Env {
             .await
             .unwrap();
     }
+}
+
+/// The fields of an entry as Ferry's sink writes them, for a new event.
+fn ferry_entry(cmd: &mut redis::Cmd) -> &mut redis::Cmd {
+    cmd.arg("id")
+        .arg(EventId::new().to_string())
+        .arg("type")
+        .arg("order.item.created")
+        .arg("payload")
+        .arg("{}")
+        .arg("specversion")
+        .arg("1.0")
+}
+
+/// Counter increments of this test process, by consumer (each test names
+/// its inbox consumer uniquely).
+fn counts() -> &'static Counts {
+    static COUNTS: OnceLock<Counts> = OnceLock::new();
+    COUNTS.get_or_init(|| {
+        let counts = Counts::by_label("consumer");
+        metrics::set_global_recorder(counts.clone()).expect("no other recorder in this test binary");
+        counts
+    })
 }
 
 #[tokio::test]
@@ -263,4 +331,138 @@ async fn bad_options_name_the_field() {
     assert!(err.to_string().contains("dead_letter_stream"), "{err}");
     let err = RedisConsumer::new(inbox, RedisConsumerOptions::new("http://x", "s", "g", "c", "d")).unwrap_err();
     assert!(err.to_string().contains("url"), "{err}");
+}
+
+/// `XADD ... MAXLEN` removes the oldest entries whether or not the group has
+/// read them, and `XREADGROUP >` goes on after the gap without a word. The
+/// consumer reports such a gap when it starts (the group has not read past
+/// it yet) and while it runs (the group has read past it), each loss once.
+#[tokio::test]
+async fn entries_trimmed_before_the_group_read_them_are_reported() {
+    let env = Env::new("inbox-redis-trim").await;
+    let name = unique_name("billing");
+    let inbox = Inbox::new(env.db.pool.clone(), name.as_str()).unwrap();
+    let consumer = RedisConsumer::new(inbox, env.options(redis_url(), "only")).unwrap();
+    let lost = || counts().get(ferry_inbox::metrics::LOST, &name);
+    env.create_group().await;
+    for _ in 0..2 {
+        env.add(None).await;
+    }
+    let read = env.read_as("earlier").await;
+    let _: i64 = redis::cmd("XACK")
+        .arg(&env.stream)
+        .arg("billing")
+        .arg(&read)
+        .query_async(&mut env.redis.clone())
+        .await
+        .unwrap();
+    // Four more, the stream kept at two: the first two of them are gone
+    // before the group read them.
+    for _ in 0..4 {
+        env.add(Some(2)).await;
+    }
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("the first gap reported, the rest handled", || async {
+            lost() == 2 && consumer.report().processed == 2
+        })
+        .await;
+        // Four at once, the stream kept at one: the consumer reads the last
+        // and so skips the three before it.
+        let mut add = redis::pipe();
+        add.atomic();
+        for _ in 0..4 {
+            let mut cmd = redis::cmd("XADD");
+            ferry_entry(cmd.arg(&env.stream).arg("MAXLEN").arg(1).arg("*"));
+            add.add_command(cmd);
+        }
+        let _: Vec<String> = add.query_async(&mut env.redis.clone()).await.unwrap();
+        wait("the second gap reported", || async {
+            lost() == 5 && consumer.report().processed == 3
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(async |_: &mut PgConnection, _: &ReceivedEvent| Ok(()), async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!(
+        (report.processed, report.malformed, report.dead),
+        (3, 0, 0),
+        "{report:?}"
+    );
+    assert_eq!(lost(), 5, "each loss reported once");
+    // The group's counters tell the truth again: nothing left to read.
+    let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&env.stream)
+        .query_async(&mut env.redis.clone())
+        .await
+        .unwrap();
+    assert_eq!(groups[0]["lag"], redis::Value::Int(0), "{groups:?}");
+    env.cleanup().await;
+}
+
+/// Entries read but not yet acknowledged can be trimmed too: this member's
+/// own (read before a restart) come back from the pending list without
+/// fields, another member's are named as deleted by XAUTOCLAIM. Each is
+/// counted as lost and dead-lettered saying it was trimmed, none as
+/// malformed.
+#[tokio::test]
+async fn pending_entries_trimmed_before_they_were_handled_are_dead_lettered_as_trimmed() {
+    let env = Env::new("inbox-redis-trim-pending").await;
+    let name = unique_name("billing");
+    let inbox = Inbox::new(env.db.pool.clone(), name.as_str()).unwrap();
+    let consumer = RedisConsumer::new(inbox, env.options(redis_url(), "only")).unwrap();
+    let lost = || counts().get(ferry_inbox::metrics::LOST, &name);
+    env.create_group().await;
+    for _ in 0..2 {
+        env.add(None).await;
+    }
+    let mut trimmed = env.read_as("only").await;
+    env.add(None).await;
+    trimmed.extend(env.read_as("gone").await);
+    env.add(Some(1)).await;
+    assert_eq!(trimmed.len(), 3);
+
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("the trimmed entries dead-lettered, the last handled", || async {
+            lost() == 3 && consumer.report().processed == 1 && env.pending().await == 0
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(async |_: &mut PgConnection, _: &ReceivedEvent| Ok(()), async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!((report.processed, report.malformed), (1, 0), "{report:?}");
+    let dead: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(&env.dead)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut env.redis.clone())
+        .await
+        .unwrap();
+    let mut sources: Vec<String> = dead
+        .iter()
+        .map(|(_, fields)| {
+            let reason = &fields[DEAD_REASON_FIELD];
+            assert!(reason.starts_with("trimmed from the stream"), "{reason}");
+            fields[DEAD_SOURCE_FIELD].clone()
+        })
+        .collect();
+    sources.sort();
+    let expected: Vec<String> = trimmed.iter().map(|id| format!("{} {id}", env.stream)).collect();
+    assert_eq!(sources, expected);
+    assert_eq!(lost(), 3);
+    env.cleanup().await;
 }

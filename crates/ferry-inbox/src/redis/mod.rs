@@ -25,6 +25,7 @@
 
 mod decode;
 mod session;
+mod trim;
 
 use std::pin::pin;
 use std::sync::Arc;

@@ -1,5 +1,6 @@
-//! One connection's life: join the group, read this member's own pending
-//! entries, then claim idle ones and read new ones, handling each.
+//! One connection's life: join the group, report entries trimmed before the
+//! group read them, read this member's own pending entries, then claim idle
+//! ones and read new ones, handling each.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -10,8 +11,9 @@ use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
 use redis::{AsyncConnectionConfig, RedisError, Value};
 use sqlx::PgConnection;
 use tokio::time::Instant;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
+use super::trim::{self, TRIMMED, TRIMMED_REASON, Unread};
 use super::{DEAD_GROUP_FIELD, DEAD_REASON_FIELD, DEAD_SOURCE_FIELD, RedisConsumerOptions, decode};
 use crate::runner::Counters;
 use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
@@ -84,6 +86,7 @@ where
             }
         }
         self.started = true;
+        self.report_trimmed(&mut conn, true).await?;
         // This member's own pending entries first: read before a restart,
         // never acknowledged.
         let mut cursor = "0".to_owned();
@@ -108,6 +111,7 @@ where
             }
             if Instant::now() >= next_claim {
                 claim_cursor = self.claim(&mut conn, &claim_cursor).await?;
+                self.report_trimmed(&mut conn, false).await?;
                 next_claim = Instant::now() + claim_every;
             }
             let wake = self
@@ -169,24 +173,80 @@ where
             .arg(o.batch)
             .query_async(conn)
             .await?;
-        if !reply.deleted_ids.is_empty() {
-            warn!(stream = %o.stream, ids = ?reply.deleted_ids, "pending entries were trimmed from the stream before anyone handled them");
-        }
         if !reply.claimed.is_empty() {
             debug!(stream = %o.stream, n = reply.claimed.len(), "claimed idle entries");
         }
+        // Redis 7 drops pending entries that were trimmed from the pending
+        // list and names them here; Redis 6.2 returns them with no fields,
+        // which `handle` reports the same way.
+        for id in reply.deleted_ids {
+            let gone = StreamId {
+                id,
+                ..StreamId::default()
+            };
+            self.trimmed(conn, gone).await?;
+        }
         for entry in reply.claimed {
-            // Claimed entries whose fields are gone (deleted meanwhile) come back empty.
-            if !entry.map.is_empty() {
-                self.handle(conn, entry).await?;
-            }
+            self.handle(conn, entry).await?;
         }
         Ok(reply.next_stream_id)
+    }
+
+    /// Reports entries trimmed from the stream before the group read them:
+    /// an error and [`metrics::LOST`], once per loss (the check records it in
+    /// the group); at start, also when this Redis cannot tell.
+    async fn report_trimmed(&self, conn: &mut MultiplexedConnection, at_start: bool) -> Result<(), RedisError> {
+        let o = self.options;
+        let consumer = self.inbox.consumer();
+        match trim::unread_lost(conn, &o.stream, &o.group).await? {
+            Unread::NoneLost => {}
+            Unread::Lost { count, after, before } => {
+                metrics::lost(consumer, TRIMMED, count);
+                error!(
+                    consumer,
+                    stream = %o.stream,
+                    group = %o.group,
+                    lost = count,
+                    after = %after,
+                    before = before.as_deref().unwrap_or("(read past)"),
+                    "{count} entries were trimmed from the stream (MAXLEN or XTRIM) before the group read them: \
+                     their events are lost to this consumer; raise the trimming limit above the backlog the \
+                     group may fall behind by (see the README, Redis Streams)"
+                );
+            }
+            Unread::Unsupported(why) => {
+                if at_start {
+                    warn!(stream = %o.stream, group = %o.group, "entries trimmed before the group reads them cannot be detected: {why}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A pending entry whose fields are gone: trimmed before it was handled.
+    /// Counted as lost and dead-lettered with the reason and its id.
+    async fn trimmed(&self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), RedisError> {
+        let o = self.options;
+        let consumer = self.inbox.consumer();
+        metrics::lost(consumer, TRIMMED, 1);
+        error!(
+            consumer,
+            stream = %o.stream,
+            group = %o.group,
+            entry = %entry.id,
+            "a pending entry was trimmed from the stream (MAXLEN or XTRIM) before it was processed: its event is \
+             lost to this consumer; dead-lettered with its id"
+        );
+        self.dead_letter(conn, &entry, TRIMMED_REASON).await
     }
 
     /// One entry; an error means the connection failed, and the entry stays
     /// pending for the next session.
     async fn handle(&mut self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), RedisError> {
+        if entry.map.is_empty() {
+            // XADD needs a field, so an entry without any was removed.
+            return self.trimmed(conn, entry).await;
+        }
         let consumer = self.inbox.consumer();
         let event = match decode(&entry.map) {
             Ok(event) => event,

@@ -61,6 +61,9 @@ pub struct RedisOptions {
     pub max_message_bytes: usize,
     /// Approximate trimming (`MAXLEN ~ n`) for routes not named in
     /// `maxlen_per_route`. Default `None`: streams grow until trimmed elsewhere.
+    /// Trimming ignores consumer groups: entries a group has not read or
+    /// acknowledged yet are removed too, so keep `n` above the largest backlog
+    /// a group may build (see the README, "Redis Streams").
     pub maxlen_default: Option<u64>,
     /// Approximate trimming per route name; overrides `maxlen_default`, and
     /// `0` turns trimming off for that route.

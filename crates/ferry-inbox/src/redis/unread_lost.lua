@@ -1,0 +1,45 @@
+-- Entries of stream KEYS[1] that group ARGV[1] never read because MAXLEN or
+-- XTRIM removed them first. Redis 7 counts the entries added to the stream
+-- (entries-added) and, per group, the entries read (entries-read); `lag`,
+-- their difference, takes in the removed entries, which a group reading past
+-- them never counts as read. Subtracting the entries still present after the
+-- group's last-delivered id leaves the loss. The group's counter is then set
+-- to the truth, in this same script, so that each loss is reported once.
+--
+-- Returns {lost, last-delivered id, first entry id or ''} when entries were
+-- lost; otherwise {0, '', ''}, or {-1, '', ''} when this Redis keeps no
+-- counters (before 7.0), or {-2, '', ''} when it cannot tell now: the
+-- counters are unknown, or more than ARGV[2] entries follow the
+-- last-delivered id and a gap may be among them (told once the group has
+-- caught up).
+local function field(reply, name)
+  for i = 1, #reply, 2 do
+    if reply[i] == name then return reply[i + 1] end
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return {0, '', ''} end
+local group
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  if field(g, 'name') == ARGV[1] then group = g end
+end
+if not group then return {0, '', ''} end
+-- Absent before Redis 7.0; nil (false here) when Redis cannot compute them.
+local lag, read = field(group, 'lag'), field(group, 'entries-read')
+if lag == nil then return {-1, '', ''} end
+if not lag or not read then return {-2, '', ''} end
+local stream = redis.call('XINFO', 'STREAM', KEYS[1])
+local length, added = field(stream, 'length'), field(stream, 'entries-added')
+local last = field(group, 'last-delivered-id')
+local after, first = length, ''
+if length > 0 and #redis.call('XRANGE', KEYS[1], '-', last, 'COUNT', 1) == 0 then
+  -- Every entry present follows the last-delivered id: any gap is ahead.
+  first = field(stream, 'first-entry')[1]
+elseif length > 0 then
+  local limit = tonumber(ARGV[2])
+  after = #redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', limit + 1)
+  if after > limit then return {-2, '', ''} end
+end
+local lost = lag - after
+if lost <= 0 then return {0, '', ''} end
+redis.call('XGROUP', 'SETID', KEYS[1], ARGV[1], last, 'ENTRIESREAD', added - after)
+return {lost, last, first}
