@@ -204,8 +204,13 @@ impl Admin for AnyStore {
     async fn apply(&self, action: &Action, actor: &str, targets: &[Target]) -> Result<Applied, StoreError> {
         each!(self, s => s.apply(action, actor, targets).await)
     }
-    async fn changes_since(&self, since: DateTime<Utc>, limit: usize) -> Result<Vec<Change>, StoreError> {
-        each!(self, s => s.changes_since(since, limit).await)
+    async fn changes_since(
+        &self,
+        since: DateTime<Utc>,
+        after: Option<(i64, &str)>,
+        limit: usize,
+    ) -> Result<Vec<Change>, StoreError> {
+        each!(self, s => s.changes_since(since, after, limit).await)
     }
 }
 

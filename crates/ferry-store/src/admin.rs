@@ -54,10 +54,19 @@ pub trait Admin: Send + Sync {
     async fn apply(&self, action: &Action, actor: &str, targets: &[Target]) -> Result<Applied, StoreError>;
 
     /// Delivery outcomes (published, failed attempts, dead, cancelled) whose
-    /// last change is later than `since`, oldest first. A row's change time
-    /// is taken before its transaction commits, so followers should look
-    /// back a little and drop what they have seen.
-    async fn changes_since(&self, since: DateTime<Utc>, limit: usize) -> Result<Vec<Change>, StoreError>;
+    /// last change is later than `since`, oldest first, in (change time,
+    /// seq, route) order. With `after` (a delivery's seq and route), those
+    /// changed at `since` itself that come after that delivery are included
+    /// too: a follower paging on a full page passes its last change, since
+    /// many changes can share one time (a batch's outcomes do). A row's
+    /// change time is taken before its transaction commits, so followers
+    /// should look back a little and drop what they have seen.
+    async fn changes_since(
+        &self,
+        since: DateTime<Utc>,
+        after: Option<(i64, &str)>,
+        limit: usize,
+    ) -> Result<Vec<Change>, StoreError>;
 }
 
 /// A delivery's state as an operator sees it: the store's `pending` is split

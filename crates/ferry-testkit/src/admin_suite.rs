@@ -344,7 +344,7 @@ pub async fn changes_since_lists_outcomes_not_new_deliveries<H: AdminHarness>(h:
     let f = fixture(h).await;
     let changes = f
         .store()
-        .changes_since(Utc::now() - chrono::Duration::hours(1), 100)
+        .changes_since(Utc::now() - chrono::Duration::hours(1), None, 100)
         .await
         .unwrap();
     let mut names: Vec<_> = changes.iter().map(|c| f.name_of(c.event_id)).collect();
@@ -354,11 +354,34 @@ pub async fn changes_since_lists_outcomes_not_new_deliveries<H: AdminHarness>(h:
     assert!(published.latency_seconds().unwrap() >= 0.0);
     assert!(
         f.store()
-            .changes_since(Utc::now() + chrono::Duration::hours(1), 100)
+            .changes_since(Utc::now() + chrono::Duration::hours(1), None, 100)
             .await
             .unwrap()
             .is_empty()
     );
+}
+
+/// Outcomes recorded together share their change time. A follower paging
+/// through them a page at a time, from its last change, must see every one.
+pub async fn changes_since_pages_through_changes_that_share_a_time<H: AdminHarness>(h: &H) {
+    let f = fixture(h).await;
+    let mut from = Utc::now() - chrono::Duration::hours(1);
+    let mut after: Option<(i64, String)> = None;
+    let mut names = Vec::new();
+    loop {
+        let page = f
+            .store()
+            .changes_since(from, after.as_ref().map(|(s, r)| (*s, r.as_str())), 1)
+            .await
+            .unwrap();
+        let Some(last) = page.last() else { break };
+        names.push(f.name_of(last.event_id));
+        from = last.updated_at;
+        after = Some((last.seq, last.route.clone()));
+        assert!(names.len() <= 5, "the same change came back: {names:?}");
+    }
+    names.sort();
+    assert_eq!(names, ["c1", "d1", "nr", "pub1", "r1"]);
 }
 
 fn plan_orders(events: Vec<ferry_core::UnroutedEvent>) -> Vec<RoutePlan> {
@@ -658,6 +681,7 @@ macro_rules! admin_conformance {
             requeue_refuses_pending_retrying_and_published_and_dry_run_changes_nothing,
             cancel_refuses_what_a_relay_may_hold_and_unblocks_the_key,
             changes_since_lists_outcomes_not_new_deliveries,
+            changes_since_pages_through_changes_that_share_a_time,
             status_counts_states_and_blocked_keys,
             a_requeued_dead_event_is_delivered_by_a_running_relay_in_key_order,
             cancelling_a_dead_head_lets_its_key_flow_and_never_cancels_what_is_delivered

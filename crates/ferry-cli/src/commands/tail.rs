@@ -52,9 +52,10 @@ pub async fn run(cfg: &Config, args: TailArgs) -> anyhow::Result<ExitCode> {
     let mut terminate = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
     loop {
         let mut from = cursor - LOOKBACK;
+        let mut after: Option<(i64, String)> = None;
         loop {
             let changes = store
-                .changes_since(from, PAGE)
+                .changes_since(from, after.as_ref().map(|(s, r)| (*s, r.as_str())), PAGE)
                 .await
                 .context("reading delivery outcomes")?;
             for c in &changes {
@@ -66,8 +67,14 @@ pub async fn run(cfg: &Config, args: TailArgs) -> anyhow::Result<ExitCode> {
                 seen.insert(id);
                 println!("{}", if args.json { line_json(c) } else { line(c) });
             }
+            // A full page goes on after its last change: many can share
+            // one time, and a page that ends among them must not skip the
+            // rest.
             match changes.last() {
-                Some(last) if changes.len() == PAGE => from = last.updated_at,
+                Some(last) if changes.len() == PAGE => {
+                    from = last.updated_at;
+                    after = Some((last.seq, last.route.clone()));
+                }
                 _ => break,
             }
         }

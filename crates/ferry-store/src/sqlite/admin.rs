@@ -416,19 +416,27 @@ impl Admin for SqliteStore {
         Ok(applied)
     }
 
-    async fn changes_since(&self, since: DateTime<Utc>, limit: usize) -> Result<Vec<Change>, StoreError> {
+    async fn changes_since(
+        &self,
+        since: DateTime<Utc>,
+        after: Option<(i64, &str)>,
+        limit: usize,
+    ) -> Result<Vec<Change>, StoreError> {
         // New and requeued deliveries (pending, no attempt yet) are not
         // outcomes; everything else is.
         let rows = sqlx::query(
             "SELECT e.id, d.seq, d.route, e.type, e.key, d.state, d.attempts, e.created_at, d.updated_at,
                     d.published_at, d.last_error
                FROM ferry_deliveries d JOIN ferry_events e ON e.seq = d.seq
-              WHERE d.updated_at > ?1 AND NOT (d.state = 'pending' AND d.attempts = 0)
+              WHERE (d.updated_at > ?1 OR (d.updated_at = ?1 AND (d.seq, d.route) > (?3, ?4)))
+                AND NOT (d.state = 'pending' AND d.attempts = 0)
               ORDER BY d.updated_at, d.seq, d.route
               LIMIT ?2",
         )
         .bind(micros(since))
         .bind(limit as i64)
+        .bind(after.map(|a| a.0))
+        .bind(after.map(|a| a.1))
         .fetch_all(self.pool())
         .await
         .map_err(store_error)?;
