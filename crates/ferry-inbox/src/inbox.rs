@@ -78,7 +78,9 @@ pub fn after_failure(attempts: u32, error: &HandlerError, policy: &RetryPolicy, 
 pub enum InboxError {
     #[error("inbox database error: {0}")]
     Database(#[from] sqlx::Error),
-    #[error("consumer name {0:?} is invalid; use a non-empty name of at most 200 bytes that identifies this consumer")]
+    #[error(
+        "consumer name {0:?} is invalid; use a non-empty name of at most 200 bytes, without NUL bytes, that identifies this consumer"
+    )]
     InvalidConsumer(String),
 }
 
@@ -156,9 +158,10 @@ fn refused_by_server(e: &sqlx::Error) -> bool {
 }
 
 /// A consumer name both inboxes accept: it keys every row, so a blank one
-/// would merge unrelated consumers.
+/// would merge unrelated consumers, and one with a NUL byte (which
+/// PostgreSQL cannot store in text) would fail every claim.
 pub(crate) fn checked_consumer(consumer: String) -> Result<String, InboxError> {
-    if consumer.trim().is_empty() || consumer.len() > 200 {
+    if consumer.trim().is_empty() || consumer.len() > 200 || consumer.contains('\0') {
         return Err(InboxError::InvalidConsumer(consumer));
     }
     Ok(consumer)

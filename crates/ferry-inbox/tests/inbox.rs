@@ -403,8 +403,12 @@ async fn a_blank_consumer_name_is_refused() {
     let pool = sqlx::postgres::PgPoolOptions::new()
         .connect_lazy("postgres://localhost/x")
         .unwrap();
-    let err = Inbox::new(pool, " ").unwrap_err();
+    let err = Inbox::new(pool.clone(), " ").unwrap_err();
     assert!(err.to_string().contains("consumer name"), "{err}");
+    // PostgreSQL cannot store a NUL in text: every claim would fail.
+    let err = Inbox::new(pool, "bill\0ing").unwrap_err();
+    assert!(err.to_string().contains("consumer name \"bill\\0ing\""), "{err}");
+    assert!(err.to_string().contains("without NUL bytes"), "{err}");
 }
 
 #[tokio::test]

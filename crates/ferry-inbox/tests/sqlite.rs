@@ -367,8 +367,11 @@ async fn purge_removes_old_done_rows_in_batches_and_keeps_the_rest() {
 #[tokio::test]
 async fn a_blank_consumer_name_is_refused() {
     let pool = SqlitePoolOptions::new().connect_lazy("sqlite::memory:").unwrap();
-    let err = Inbox::new(pool, " ").unwrap_err();
+    let err = Inbox::new(pool.clone(), " ").unwrap_err();
     assert!(err.to_string().contains("consumer name"), "{err}");
+    // Refused as by the PostgreSQL inbox, which cannot store it.
+    let err = Inbox::new(pool, "bill\0ing").unwrap_err();
+    assert!(err.to_string().contains("without NUL bytes"), "{err}");
 }
 
 #[tokio::test]
