@@ -8,6 +8,7 @@
 //! The outcome types, the retry/dead decision and the counting here are
 //! shared with the SQLite inbox (`crate::sqlite`); only the SQL differs.
 
+use std::borrow::Cow;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -167,6 +168,19 @@ pub(crate) fn checked_consumer(consumer: String) -> Result<String, InboxError> {
     Ok(consumer)
 }
 
+/// The event type as the inbox row records it. The column is for operators
+/// (rows are keyed by event id), so a NUL byte, which PostgreSQL cannot
+/// store in text, is replaced with U+FFFD: an event a caller built with one
+/// is deduplicated like any other instead of failing every claim. (The
+/// runners' decoders refuse such a type before it gets here.)
+pub(crate) fn stored_type(event_type: &str) -> Cow<'_, str> {
+    if event_type.contains('\0') {
+        Cow::Owned(event_type.replace('\0', "\u{FFFD}"))
+    } else {
+        Cow::Borrowed(event_type)
+    }
+}
+
 /// 5 attempts, 1 s doubling to 60 s.
 pub(crate) fn default_retry() -> RetryPolicy {
     RetryPolicy {
@@ -297,7 +311,7 @@ impl Inbox {
         let claimed: Option<i32> = sqlx::query_scalar(CLAIM)
             .bind(&self.consumer)
             .bind(event.id.0)
-            .bind(&event.event_type)
+            .bind(stored_type(&event.event_type))
             .fetch_optional(&mut *tx)
             .await?;
         let Some(attempts) = claimed else {
@@ -333,7 +347,7 @@ impl Inbox {
         let counted: Option<i32> = sqlx::query_scalar(FAIL)
             .bind(&self.consumer)
             .bind(event.id.0)
-            .bind(&event.event_type)
+            .bind(stored_type(&event.event_type))
             .bind(error.message())
             .fetch_optional(&mut *tx)
             .await?;

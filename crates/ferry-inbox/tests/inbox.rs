@@ -411,6 +411,36 @@ async fn a_blank_consumer_name_is_refused() {
     assert!(err.to_string().contains("without NUL bytes"), "{err}");
 }
 
+/// An event whose type has a NUL byte (built by a caller: the runners'
+/// decoders refuse it) is deduplicated like any other. Its type is only
+/// recorded for operators; storing it as is failed every claim with SQLSTATE
+/// 22021, an error the caller could only retry for ever.
+#[tokio::test]
+async fn an_event_type_with_a_nul_byte_does_not_fail_the_claim() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ev = ReceivedEvent::new(EventId::new(), "order.item\0created", &b"{}"[..]);
+    let outcome = inbox
+        .process(&ev, async |_, _| Err(HandlerError::transient("not yet")))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 1, .. }), "{outcome:?}");
+    for expected in [Outcome::Processed, Outcome::Duplicate] {
+        let outcome = inbox
+            .process(&ev, async |tx, ev| effect(tx, ev, "billing").await)
+            .await
+            .unwrap();
+        assert_eq!(outcome, expected);
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+    let stored: String = sqlx::query_scalar("SELECT event_type FROM ferry.inbox WHERE event_id = $1")
+        .bind(ev.id.0)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, "order.item\u{FFFD}created");
+}
+
 #[tokio::test]
 async fn every_outcome_is_counted_per_consumer() {
     use ferry_inbox::metrics::{DEAD, DUPLICATES, PROCESSED, RETRIES};

@@ -19,7 +19,7 @@ use chrono::DateTime;
 use ferry_core::{EventId, RetryPolicy};
 use sqlx::{SqliteConnection, SqlitePool};
 
-use crate::inbox::{already_recorded, checked_consumer, count_processed, decide_failure, default_retry};
+use crate::inbox::{already_recorded, checked_consumer, count_processed, decide_failure, default_retry, stored_type};
 use crate::{HandlerError, InboxError, InboxRecord, Outcome, ReceivedEvent};
 
 const CLAIM: &str = include_str!("sql/claim.sql");
@@ -97,7 +97,7 @@ impl Inbox {
         let claimed: Option<i32> = sqlx::query_scalar(CLAIM)
             .bind(&self.consumer)
             .bind(&id)
-            .bind(&event.event_type)
+            .bind(stored_type(&event.event_type))
             .fetch_optional(&mut *tx)
             .await?;
         let Some(attempts) = claimed else {
@@ -136,7 +136,7 @@ impl Inbox {
         let counted: Option<i32> = sqlx::query_scalar(FAIL)
             .bind(&self.consumer)
             .bind(&id)
-            .bind(&event.event_type)
+            .bind(stored_type(&event.event_type))
             .bind(error.message())
             .fetch_optional(&mut *tx)
             .await?;
