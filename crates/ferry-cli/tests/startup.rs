@@ -1,6 +1,7 @@
 //! What the built `ferry` binary says before it does anything: a relay with
 //! no route to deliver to and settings it would otherwise ignore are
-//! refused, and `check` tells what it could not verify.
+//! refused, `check` tells what it could not verify, and a signal before the
+//! relay runs stops it cleanly.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -203,5 +204,62 @@ async fn check_says_when_it_could_not_see_a_rabbitmq_routes_bindings() {
         "{route}"
     );
     nobody.delete().await;
+    db.drop_db().await;
+}
+
+/// A SIGTERM while `ferry run` is still starting (here: checking a
+/// destination whose broker accepts the connection and never answers)
+/// stops the start and exits 0, as one after the start does; it used to
+/// kill the process, which an orchestrator reads as a crash.
+#[tokio::test]
+async fn a_signal_during_the_start_exits_cleanly() {
+    let db = TestDb::create().await;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ferry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"{}\"\n\n[sinks.rabbit]\nkind = \"rabbitmq\"\n\
+             url = \"amqp://guest:guest@127.0.0.1:{port}/%2f\"\n\n\
+             [[routes]]\nmatch = \"order.*\"\nsink = \"rabbit\"\ndestination = \"orders\"\n",
+            db.url()
+        ),
+    )
+    .unwrap();
+    let mut command = Command::new(BIN);
+    command
+        .args(["--config", config.to_str().unwrap(), "run"])
+        .env_remove("FERRY_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = dies_with_test(&mut command).spawn().expect("spawn ferry");
+    // The start is under way once the destination's check has connected.
+    silent.set_nonblocking(true).unwrap();
+    let connected_by = Instant::now() + Duration::from_secs(60);
+    let _held = loop {
+        match silent.accept() {
+            Ok((stream, _)) => break stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < connected_by => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("the destination check never connected: {e}"),
+        }
+    };
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{:?}: {stderr}", out.status);
     db.drop_db().await;
 }

@@ -18,6 +18,32 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
     if cfg.routes.is_empty() {
         return Err(UsageError(format!("routes: {}", super::NO_ROUTES)).into());
     }
+    // Listening from the start: a signal while the destinations are checked
+    // or the slot prepared (seconds against a slow broker) stops the start
+    // and exits 0, as one later does, instead of killing the process.
+    let mut signalled = Box::pin(shutdown_signal()?);
+    tokio::select! {
+        started = start(cfg) => started?.run(signalled).await,
+        () = &mut signalled => {
+            info!("stopping before the relay started: nothing was claimed");
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// A relay ready to run, with what runs beside it.
+struct Started {
+    relay: Relay<crate::store::AnyStore, SystemClock>,
+    beside: Vec<tokio::task::JoinHandle<()>>,
+    stop_tx: watch::Sender<bool>,
+    stopped_tx: watch::Sender<bool>,
+    #[cfg(feature = "otel")]
+    exporting: Option<crate::tracing_otel::Exporting>,
+}
+
+/// Everything before the relay runs: telemetry, the store, the sinks and
+/// their destinations' checks, WAL streaming's slot, the endpoints.
+async fn start(cfg: Config) -> anyhow::Result<Started> {
     #[cfg(feature = "otel")]
     let exporting = init_telemetry(&cfg)?;
     #[cfg(not(feature = "otel"))]
@@ -94,30 +120,52 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
             stop_rx,
         )));
     }
-    let shutdown = async {
-        shutdown_signal().await;
+    Ok(Started {
+        relay,
+        beside,
+        stop_tx,
+        stopped_tx,
+        #[cfg(feature = "otel")]
+        exporting,
+    })
+}
+
+impl Started {
+    /// Runs the relay until `signalled`, then stops what runs beside it.
+    async fn run(self, signalled: impl Future<Output = ()> + Send) -> anyhow::Result<ExitCode> {
+        let Started {
+            relay,
+            beside,
+            stop_tx,
+            stopped_tx,
+            #[cfg(feature = "otel")]
+            exporting,
+        } = self;
+        let shutdown = async {
+            signalled.await;
+            let _ = stop_tx.send(true);
+        };
+        let result = relay.run(shutdown).await;
         let _ = stop_tx.send(true);
-    };
-    let result = relay.run(shutdown).await;
-    let _ = stop_tx.send(true);
-    let _ = stopped_tx.send(true);
-    for task in beside {
-        if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
-            warn!("a background task did not stop within 10s");
+        let _ = stopped_tx.send(true);
+        for task in beside {
+            if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
+                warn!("a background task did not stop within 10s");
+            }
         }
+        #[cfg(feature = "otel")]
+        if let Some(exporting) = exporting {
+            exporting.shutdown().await;
+        }
+        let report = result.context("the relay stopped")?;
+        info!(
+            published = report.published,
+            retried = report.retried,
+            dead = report.dead,
+            "bye"
+        );
+        Ok(ExitCode::SUCCESS)
     }
-    #[cfg(feature = "otel")]
-    if let Some(exporting) = exporting {
-        exporting.shutdown().await;
-    }
-    let report = result.context("the relay stopped")?;
-    info!(
-        published = report.published,
-        retried = report.retried,
-        dead = report.dead,
-        "bye"
-    );
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Logs the deliveries waiting on routes this config does not have. The
@@ -214,25 +262,25 @@ pub(crate) fn relay_settings(cfg: &Config) -> RelaySettings {
     }
 }
 
-/// Resolves on SIGTERM or SIGINT.
-async fn shutdown_signal() {
+/// Listens for SIGTERM and SIGINT from now on; the future resolves on the
+/// first of them.
+fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()> + Send> {
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
+        let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+        let mut int = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
             }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
+        })
     }
     #[cfg(not(unix))]
     {
-        let _ = tokio::signal::ctrl_c().await;
+        Ok(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
     }
 }
