@@ -255,6 +255,21 @@ impl Event {
                 "use a non-empty dispatch key of at most 512 bytes",
             ));
         }
+        // PostgreSQL's text refuses a NUL byte with an encoding error that
+        // names no field, and SQLite would store what PostgreSQL refuses.
+        if let Some(key) = &self.key {
+            refuse_nul("key", "the key", key)?;
+        }
+        if let Some(dk) = &self.dispatch_key {
+            refuse_nul("dispatch_key", "the dispatch key", dk)?;
+        }
+        if let Payload::Bytes { content_type, .. } = &self.payload {
+            refuse_nul("content_type", "the content type", content_type)?;
+        }
+        for (name, value) in &self.headers {
+            refuse_nul("headers", &format!("the header name {name:?}"), name)?;
+            refuse_nul("headers", &format!("the value of header {name:?}"), value)?;
+        }
         let size = match &self.payload {
             Payload::Json(v) => serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX),
             Payload::Bytes { data, content_type } => {
@@ -285,6 +300,18 @@ impl Event {
             }
         }
         Ok(())
+    }
+}
+
+/// Refuses a NUL byte in a text field; `what` says where it is.
+fn refuse_nul(field: &'static str, what: &str, text: &str) -> Result<(), ValidationError> {
+    match text.find('\0') {
+        None => Ok(()),
+        Some(at) => Err(ValidationError::new(
+            field,
+            format!("{what} has a NUL byte at byte {at}"),
+            "remove the NUL byte (\\0): PostgreSQL cannot store it in text",
+        )),
     }
 }
 
@@ -352,6 +379,23 @@ mod tests {
         let e = Event::bytes("a.b", vec![1u8], "");
         assert_eq!(e.validate().unwrap_err().field, "content_type");
         assert!(Event::new("a.b.c", json!({"x": 1})).key("k").validate().is_ok());
+        // PostgreSQL refuses a NUL in text with an error that names no
+        // field; `validate` names it first, for every store.
+        let nul = "a\0b";
+        for (event, field) in [
+            (Event::new("a.b", json!({})).key(nul), "key"),
+            (Event::new("a.b", json!({})).dispatch_key(nul), "dispatch_key"),
+            (Event::new("a.b", json!({})).header(nul, "v"), "headers"),
+            (Event::new("a.b", json!({})).header("tenant", nul), "headers"),
+            (Event::bytes("a.b", vec![1u8], nul), "content_type"),
+        ] {
+            let err = event.validate().unwrap_err();
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.to_string().contains("NUL"), "{err}");
+        }
+        // A NUL inside a JSON string is escaped (\u0000) in the payload's
+        // bytes: nothing to refuse.
+        assert!(Event::new("a.b", json!({"s": nul})).validate().is_ok());
     }
 
     #[test]

@@ -107,20 +107,82 @@ async fn the_sql_door_validates_and_returns_v7_ids() {
             "SELECT ferry.enqueue('order.created', NULL, jsonb_build_object('x', repeat('x', 1100000)))",
             "payload",
         ),
+        // Header names as the Rust door checks them: RabbitMQ refuses a
+        // name over 255 bytes, and such an event went dead for good.
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '{\"\": \"x\"}')",
+            "headers: a header name of 0 bytes",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', jsonb_build_object(repeat('h', 300), 'x'))",
+            "headers: a header name of 300 bytes",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', jsonb_build_object('ok', 'x', repeat('é', 128), 'x'))",
+            "headers: a header name of 256 bytes",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', 'k', NULL)",
+            "payload: it is NULL",
+        ),
+        // The tableless door checks the same (without a slot it writes an
+        // outbox row through ferry._enqueue; with one, it checks itself).
+        (
+            "SELECT ferry.emit('order.created', NULL, '{}', jsonb_build_object(repeat('h', 300), 'x'))",
+            "headers: a header name of 300 bytes",
+        ),
+        ("SELECT ferry.emit('order.created', 'k', NULL)", "payload: it is NULL"),
     ] {
-        let err = sqlx::query(sql).execute(&h.pool).await.unwrap_err().to_string();
-        assert!(err.contains(&format!("invalid event {field}")), "{sql}: {err}");
+        let err = sqlx::query(sql).execute(&h.pool).await.unwrap_err();
+        let db = err.as_database_error().expect("a database error");
+        assert!(db.message().contains(&format!("invalid event {field}")), "{sql}: {db}");
+        let hint = db
+            .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .and_then(|e| e.hint());
+        assert!(hint.is_some_and(|h| !h.is_empty()), "{sql}: no hint");
     }
+    // The longest accepted name: 255 bytes (127 two-byte characters and one more).
+    let name = format!("{}h", "é".repeat(127));
+    sqlx::query("SELECT ferry.enqueue('order.created', NULL, '{}', jsonb_build_object($1::text, 'x'))")
+        .bind(&name)
+        .execute(&h.pool)
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
 async fn rust_validation_names_the_field_before_touching_the_database() {
     let h = harness().await;
     let mut tx = h.pool.begin().await.unwrap();
-    let err = enqueue(&mut tx, Event::new("Order", json!({}))).await.unwrap_err();
-    match err {
-        EnqueueError::Invalid(v) => assert_eq!(v.field, "type"),
-        other => panic!("expected a validation error, got {other}"),
+    let nul = "a\0b";
+    for (event, field) in [
+        (Event::new("Order", json!({})), "type"),
+        // PostgreSQL refuses a NUL in text with an encoding error that
+        // names no field.
+        (Event::new("order.created", json!({})).key(nul), "key"),
+        (Event::new("order.created", json!({})).dispatch_key(nul), "dispatch_key"),
+        (Event::new("order.created", json!({})).header(nul, "x"), "headers"),
+        (Event::new("order.created", json!({})).header("tenant", nul), "headers"),
+    ] {
+        match enqueue(&mut tx, event).await.unwrap_err() {
+            EnqueueError::Invalid(v) => assert_eq!(v.field, field, "{v}"),
+            other => panic!("expected a validation error of {field}, got {other}"),
+        }
+    }
+    // A tableless event has no row to deduplicate against: a dispatch key
+    // would be ignored, and a producer's retry would send a duplicate.
+    #[cfg(feature = "wal")]
+    {
+        let event = Event::new("order.created", json!({}))
+            .key("k")
+            .dispatch_key("stripe:evt_1");
+        match ferry_store::postgres::wal::emit(&mut tx, event).await.unwrap_err() {
+            EnqueueError::Invalid(v) => {
+                assert_eq!(v.field, "dispatch_key", "{v}");
+                assert!(v.fix.contains("enqueue"), "{v}");
+            }
+            other => panic!("expected a validation error of dispatch_key, got {other}"),
+        }
     }
 }
 

@@ -17,6 +17,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "wal_slot_generation",
         include_str!("migrations/0011_wal_slot_generation.sql"),
     ),
+    (
+        12,
+        "producer_limits",
+        include_str!("migrations/0012_producer_limits.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
