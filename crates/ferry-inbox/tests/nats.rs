@@ -3,7 +3,7 @@
 //! a client that dies between its commit and its ack (its messages
 //! redelivered to the other client after `ack_wait`), deliberate double
 //! publishes, a relay that republishes after a crash, and a handler that
-//! always fails.
+//! always fails; and durable consumers created earlier with other settings.
 
 mod support;
 
@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{self, Context, stream};
 use ferry_core::{Event, EventId, RetryPolicy, Sink};
 use ferry_inbox::nats::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, NatsConsumer, NatsConsumerOptions};
@@ -303,6 +304,99 @@ async fn a_consumer_whose_stream_captures_its_dead_letters_consumes_nothing() {
     let mut stream = js.get_stream(&name).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 1);
     let _ = js.delete_stream(&name).await;
+}
+
+/// Runs a consumer with the test's options until it stops by itself, which
+/// only a refusal makes it do.
+async fn refusal(env: &Env) -> String {
+    let inbox = Inbox::new(env.db.pool.clone(), "billing").unwrap();
+    let consumer = NatsConsumer::new(inbox, env.options(nats_url())).unwrap();
+    let run = consumer.run(
+        async |_: &mut PgConnection, _: &ReceivedEvent| Ok::<(), HandlerError>(()),
+        std::future::pending(),
+    );
+    match tokio::time::timeout(WITHIN, run).await {
+        Ok(Err(e)) => e.to_string(),
+        Ok(Ok(report)) => panic!("the consumer ran: {report:?}"),
+        Err(_) => panic!("the consumer started and consumed, though it should have refused"),
+    }
+}
+
+/// JetStream hands an existing durable over as it was created. One with
+/// ack_policy "all" (an ack of a later message acknowledges a message
+/// waiting out its retry: lost) or "none", or reading other subjects, is
+/// refused with the way out, and left as it is.
+#[tokio::test]
+async fn a_durable_with_another_ack_policy_or_filter_is_refused() {
+    let env = Env::new("inbox-nats-durable").await;
+    let stream = env.js.get_stream(&env.stream).await.unwrap();
+    for (ack_policy, filter_subject, expected) in [
+        (AckPolicy::All, String::new(), "has ack_policy \"all\""),
+        (AckPolicy::None, String::new(), "has ack_policy \"none\""),
+        (AckPolicy::Explicit, env.subject.clone(), "reads only \""),
+    ] {
+        stream
+            .create_consumer(pull::Config {
+                durable_name: Some("billing".into()),
+                ack_policy,
+                filter_subject,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let err = refusal(&env).await;
+        assert!(err.contains("durable consumer \"billing\""), "{err}");
+        assert!(err.contains(expected), "{err}");
+        assert!(
+            err.contains(&format!("nats consumer rm {} billing", env.stream)),
+            "{err}"
+        );
+        let info = stream.consumer_info("billing").await.unwrap();
+        assert_eq!(info.config.ack_policy, ack_policy, "left as it was");
+        stream.delete_consumer("billing").await.unwrap();
+    }
+    env.cleanup().await;
+}
+
+/// Limits JetStream can change in place are set to the runner's: a durable
+/// created with a small max_deliver would stop redelivering silently.
+#[tokio::test]
+async fn a_durable_with_other_limits_is_brought_in_line() {
+    let env = Env::new("inbox-nats-limits").await;
+    let stream = env.js.get_stream(&env.stream).await.unwrap();
+    stream
+        .create_consumer(pull::Config {
+            durable_name: Some("billing".into()),
+            ack_policy: AckPolicy::Explicit,
+            max_deliver: 2,
+            ack_wait: Duration::from_secs(7),
+            max_ack_pending: 1000,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let options = env.options(nats_url());
+    let consumer = NatsConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), options.clone()).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("the durable updated", || async {
+            let c = stream.consumer_info("billing").await.unwrap().config;
+            (c.max_deliver, c.ack_wait, c.max_ack_pending) == (-1, options.ack_wait, options.max_ack_pending)
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(
+            async |_: &mut PgConnection, _: &ReceivedEvent| Ok::<(), HandlerError>(()),
+            async {
+                let _ = stopped.await;
+            }
+        ),
+        scenario
+    );
+    report.unwrap();
+    env.cleanup().await;
 }
 
 #[tokio::test]

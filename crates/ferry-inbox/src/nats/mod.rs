@@ -24,6 +24,7 @@
 //! duplicate.
 
 mod decode;
+mod durable;
 mod session;
 
 use std::pin::pin;
@@ -31,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgConnection;
-use tracing::info;
+use tracing::{error, info};
 
 pub use decode::decode;
 
@@ -55,7 +56,10 @@ pub struct NatsConsumerOptions {
     /// The JetStream stream consumed; it must exist.
     pub stream: String,
     /// The durable consumer's name, created if missing: every client using
-    /// the same name shares its messages and its progress.
+    /// the same name shares its messages and its progress. An existing one
+    /// with another ack policy than explicit, or another filter, is refused
+    /// (the run returns an error); its `ack_wait`, `max_deliver` and
+    /// `max_ack_pending` are set to these options'.
     pub durable: String,
     /// Only subjects matching this filter, when set.
     pub filter_subject: Option<String>,
@@ -175,7 +179,11 @@ impl NatsConsumer {
             let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
             let error = match session.run(shutdown.as_mut()).await {
                 Ok(()) => break,
-                Err(e) => e,
+                Err(session::Failure::Lost(e)) => e,
+                Err(session::Failure::Refused(why)) => {
+                    error!(stream = %self.options.stream, durable = %self.options.durable, "consumer refuses to start: {why}");
+                    return Err(ConsumerError::Config(why));
+                }
             };
             if !reconnect
                 .after_loss(session.started(), &self.counters, &what, &error, shutdown.as_mut())

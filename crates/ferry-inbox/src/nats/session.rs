@@ -3,16 +3,29 @@
 
 use std::pin::Pin;
 
-use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{self, AckKind, Context};
 use futures::StreamExt;
 use sqlx::PgConnection;
 use tokio::time::timeout;
 use tracing::{debug, warn};
 
-use super::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, DEAD_SUBJECT_HEADER, NatsConsumerOptions, decode};
+use super::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, DEAD_SUBJECT_HEADER, NatsConsumerOptions, decode, durable};
 use crate::runner::Counters;
 use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+
+/// Why a session ended, other than by shutdown.
+pub(super) enum Failure {
+    /// The connection or the pull failed: connect again.
+    Lost(String),
+    /// What the server has contradicts what the runner needs: do not start.
+    Refused(String),
+}
+
+impl From<String> for Failure {
+    fn from(error: String) -> Self {
+        Failure::Lost(error)
+    }
+}
 
 pub(super) struct Session<'a, H> {
     inbox: &'a Inbox,
@@ -45,8 +58,8 @@ where
         self.started
     }
 
-    /// Returns `Ok` on shutdown, an error when the connection failed.
-    pub(super) async fn run(&mut self, mut shutdown: Pin<&mut impl Future<Output = ()>>) -> Result<(), String> {
+    /// Returns `Ok` on shutdown.
+    pub(super) async fn run(&mut self, mut shutdown: Pin<&mut impl Future<Output = ()>>) -> Result<(), Failure> {
         let o = self.options;
         let limit = o.timeout;
         let connect = async {
@@ -62,28 +75,16 @@ where
                 .map_err(|e| format!("stream {:?}: {e}", o.stream))?;
             let subjects = &stream.cached_info().config.subjects;
             if reads_its_own_dead_letters(subjects, o.filter_subject.as_deref(), &o.dead_letter_subject) {
-                return Err(format!(
+                return Err(Failure::Lost(format!(
                     "dead_letter_subject {:?} is captured by stream {:?} (subjects {subjects:?}) and read by this \
                      consumer: every dead letter would come back to it and be dead-lettered again, without end; \
                      choose a subject no subject of the stream matches, or a filter_subject that excludes it",
                     o.dead_letter_subject, o.stream
-                ));
+                )));
             }
-            let config = pull::Config {
-                durable_name: Some(o.durable.clone()),
-                ack_policy: AckPolicy::Explicit,
-                ack_wait: o.ack_wait,
-                max_deliver: o.max_deliver,
-                max_ack_pending: o.max_ack_pending,
-                filter_subject: o.filter_subject.clone().unwrap_or_default(),
-                ..Default::default()
-            };
-            let consumer = stream
-                .get_or_create_consumer(&o.durable, config)
-                .await
-                .map_err(|e| format!("durable consumer {:?}: {e}", o.durable))?;
+            let consumer = durable::bind(&stream, o).await?;
             let messages = consumer.messages().await.map_err(|e| format!("pulling: {e}"))?;
-            Ok::<_, String>((js, messages))
+            Ok::<_, Failure>((js, messages))
         };
         let (js, mut messages) = tokio::select! {
             biased;
@@ -99,8 +100,8 @@ where
             };
             match next {
                 Some(Ok(message)) => self.handle(&js, message).await?,
-                Some(Err(e)) => return Err(format!("pulling: {e}")),
-                None => return Err("the server ended the pull".into()),
+                Some(Err(e)) => return Err(Failure::Lost(format!("pulling: {e}"))),
+                None => return Err(Failure::Lost("the server ended the pull".into())),
             }
         }
     }
