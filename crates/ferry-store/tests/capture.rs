@@ -322,6 +322,52 @@ async fn warn_mode_keeps_the_write_and_counts_the_dropped_event() {
     assert_eq!(gauges.capture_dropped, vec![("public.orders".to_owned(), 2)]);
 }
 
+/// Writes under a role with exactly the producer grants OPERATIONS.md lists
+/// ("Least-privilege database roles"): a drop in warn mode is counted, and
+/// the business write still commits.
+#[tokio::test]
+async fn warn_mode_counts_a_drop_under_the_documented_producer_grants() {
+    let (db, pool) = database(ORDERS).await;
+    add(
+        &pool,
+        CaptureSpec::new("orders", "shop.order", "id").on_error(OnError::Warn),
+    )
+    .await
+    .unwrap();
+    // Roles belong to the whole server: one per test database.
+    let role = format!("{}_producer", db.name());
+    exec(
+        &pool,
+        &format!(
+            "CREATE ROLE {role} NOLOGIN;
+             GRANT SELECT, INSERT, UPDATE ON orders TO {role};
+             GRANT USAGE ON SCHEMA ferry TO {role};
+             GRANT SELECT, INSERT ON ferry.events, ferry.unrouted TO {role};
+             GRANT SELECT ON ferry.relays TO {role};
+             GRANT SELECT ON ferry.wal_slots TO {role};
+             GRANT SELECT, INSERT, UPDATE ON ferry.capture_dropped TO {role};"
+        ),
+    )
+    .await;
+    for write in [HUGE_INSERT, "INSERT INTO orders (id, status) VALUES (2, 'small')"] {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET LOCAL ROLE {role}; {write}")))
+            .execute(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{write}: {e}"));
+        tx.commit().await.unwrap();
+    }
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 2);
+    assert_eq!(events(&pool).await.len(), 1, "only the small row's event");
+    let listed = capture::list(&mut pool.acquire().await.unwrap()).await.unwrap();
+    assert_eq!(listed[0].dropped, 1);
+    exec(&pool, &format!("DROP OWNED BY {role}; DROP ROLE {role};")).await;
+}
+
 #[tokio::test]
 async fn the_initiator_comes_from_the_transaction() {
     let (_db, pool) = database(ORDERS).await;
