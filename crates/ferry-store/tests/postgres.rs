@@ -3,7 +3,7 @@
 //! suites run in `admin.rs` and `retention.rs`.
 
 use ferry_core::Event;
-use ferry_store::postgres::{EnqueueError, enqueue, migrate};
+use ferry_store::postgres::{EnqueueError, enqueue, enqueue_batch, migrate};
 use ferry_testkit::pg::TestDb;
 use ferry_testkit::pg_store::PgHarness;
 use serde_json::json;
@@ -184,6 +184,161 @@ async fn rust_validation_names_the_field_before_touching_the_database() {
             other => panic!("expected a validation error of dispatch_key, got {other}"),
         }
     }
+}
+
+/// A transaction holds at most 1,024 key locks, one per bucket of keys,
+/// however many keys it writes. With one lock per key, 20,000 keys filled
+/// PostgreSQL's shared lock table on a default server (about 12,800
+/// entries): the transaction failed with "out of shared memory", and while
+/// it held most of the table no other connection could even open.
+#[tokio::test]
+async fn a_transaction_of_20000_keys_holds_at_most_1024_key_locks() {
+    let h = harness().await;
+    let mut bulk = h.pool.begin().await.unwrap();
+    let events = (0..20_000)
+        .map(|i| Event::new("order.imported", json!({"n": i})).key(format!("order-{i}")))
+        .collect();
+    enqueue_batch(&mut bulk, events).await.unwrap();
+    let locks: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()")
+            .fetch_one(&mut *bulk)
+            .await
+            .unwrap();
+    assert!(locks <= 1024, "the transaction holds {locks} key locks");
+
+    // Meanwhile another connection opens and writes: a keyless event at
+    // once, and an event of another key once the bulk commits (20,000 keys
+    // cover every bucket, so it waits for that commit like any key of the
+    // batch would).
+    let mut other = sqlx::PgConnection::connect(h.db.url()).await.unwrap();
+    let (keyless_tx, keyless) = tokio::sync::oneshot::channel();
+    let producer = tokio::spawn(async move {
+        let mut tx = other.begin().await.unwrap();
+        enqueue(&mut tx, Event::new("customer.created", json!({})))
+            .await
+            .unwrap();
+        keyless_tx.send(()).unwrap();
+        enqueue(&mut tx, Event::new("customer.created", json!({})).key("customer-1"))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    });
+    keyless.await.unwrap();
+    // The keyed event waits on its bucket, not on a full lock table.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+              WHERE l.locktype = 'advisory' AND NOT l.granted AND d.datname = current_database()",
+        )
+        .fetch_one(&mut *bulk)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            !producer.is_finished(),
+            "the other key's producer finished before the bulk commit"
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the other key's producer never waited on its bucket"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    bulk.commit().await.unwrap();
+    producer.await.unwrap();
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 20_002);
+}
+
+/// Two batches of many keys at once share buckets. Each takes its buckets
+/// first, in ascending order, so one waits for the other's commit; taken in
+/// the order of the events, each would hold a bucket the other waits for,
+/// and PostgreSQL would abort one as a deadlock. Here batch A starts in
+/// bucket x and ends in bucket y, and batch B the other way round, with
+/// keys of buckets of their own in between.
+#[tokio::test]
+async fn two_bulk_batches_at_once_wait_for_each_other_instead_of_deadlocking() {
+    let h = harness().await;
+    let candidates: Vec<String> = (0..20_000).flat_map(|i| [format!("a-{i}"), format!("b-{i}")]).collect();
+    let buckets: Vec<(String, i32)> = sqlx::query_as("SELECT k, 1 + (hashtext(k) & 1023) FROM unnest($1::text[]) k")
+        .bind(&candidates)
+        .fetch_all(&h.pool)
+        .await
+        .unwrap();
+    let of = |side: &str, pick: &dyn Fn(i32) -> bool, n: usize| -> Vec<String> {
+        let keys = buckets.iter().filter(|(k, b)| k.starts_with(side) && pick(*b));
+        keys.take(n).map(|(k, _)| k.clone()).collect()
+    };
+    let (x, y) = (buckets[0].1, buckets[0].1 % 1024 + 1);
+    let between = |lo: i32, hi: i32| move |b: i32| b != x && b != y && (lo..=hi).contains(&b);
+    let order = |first: Vec<String>, middle: Vec<String>, last: Vec<String>| -> Vec<Event> {
+        first
+            .into_iter()
+            .chain(middle)
+            .chain(last)
+            .map(|k| Event::new("order.imported", json!({})).key(k))
+            .collect()
+    };
+    let batch_a = order(
+        of("a", &|b| b == x, 1),
+        of("a", &between(1, 512), 1_000),
+        of("a", &|b| b == y, 1),
+    );
+    let batch_b = order(
+        of("b", &|b| b == y, 1),
+        of("b", &between(513, 1024), 1_000),
+        of("b", &|b| b == x, 1),
+    );
+    // Both transactions open first, so the two batches overlap.
+    let mut a = h.pool.begin().await.unwrap();
+    let mut b = h.pool.begin().await.unwrap();
+    let (wrote_a, wrote_b) = tokio::join!(
+        async {
+            enqueue_batch(&mut a, batch_a).await?;
+            a.commit().await.map_err(EnqueueError::from)
+        },
+        async {
+            enqueue_batch(&mut b, batch_b).await?;
+            b.commit().await.map_err(EnqueueError::from)
+        },
+    );
+    wrote_a.unwrap();
+    wrote_b.unwrap();
+}
+
+/// Table capture in a bulk write: a 15,000-row INSERT into a captured table
+/// (failing closed) writes its 15,000 events. With one lock per key it
+/// failed with "out of shared memory" (and in warn mode dropped events).
+#[tokio::test]
+async fn a_bulk_insert_into_a_captured_table_writes_every_event() {
+    use ferry_store::postgres::capture::{self, CaptureSpec};
+
+    let h = harness().await;
+    sqlx::query("CREATE TABLE orders (id bigint PRIMARY KEY, status text NOT NULL)")
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    capture::add(
+        &mut h.pool.acquire().await.unwrap(),
+        &CaptureSpec::new("orders", "shop.order", "id"),
+    )
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO orders SELECT g, 'new' FROM generate_series(1, 15000) g")
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    let n: i64 = sqlx::query_scalar("SELECT count(DISTINCT key) FROM ferry.events WHERE type = 'shop.order.created'")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 15_000);
 }
 
 /// A relay's connections open with the statements an idle relay runs
