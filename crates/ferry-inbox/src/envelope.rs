@@ -5,7 +5,11 @@
 //! attributes in its own binary content mode; each runner's `decode` reads
 //! its broker's form and refuses, with a [`DecodeError`] naming the field,
 //! anything it cannot trust. A message without a readable id cannot be
-//! deduplicated, so it is never handled: runners dead-letter it.
+//! deduplicated, so it is never handled: runners dead-letter it. So is one
+//! no Ferry producer could have written: an event type outside Ferry's
+//! grammar, or a NUL byte in a text attribute (the producer refuses both,
+//! and PostgreSQL cannot store a NUL in text, so a handler recording it
+//! would fail on every attempt).
 
 // The parsers serve the runners; without one only the type remains.
 #![cfg_attr(
@@ -15,7 +19,7 @@
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
-use ferry_core::{EventId, Headers};
+use ferry_core::{EventId, EventType, Headers};
 use serde::de::DeserializeOwned;
 
 /// One event as a consumer sees it, whatever broker it came through.
@@ -90,13 +94,43 @@ pub(crate) fn parse_id(field: &str, value: Option<&str>) -> Result<EventId, Deco
         .map_err(|e| DecodeError::new(field, format!("{value:?} is not a UUID ({e})")))
 }
 
-/// Reads the event type, which every Ferry message carries.
+/// Reads the event type, which every Ferry message carries, in the grammar
+/// every Ferry producer enforces (`ferry_core::EventType`).
 pub(crate) fn parse_type(field: &str, value: Option<&str>) -> Result<String, DecodeError> {
     match value {
-        Some(t) if !t.trim().is_empty() => Ok(t.to_owned()),
-        Some(_) => Err(DecodeError::new(field, "is empty")),
+        Some(t) if t.trim().is_empty() => Err(DecodeError::new(field, "is empty")),
+        Some(t) => EventType::parse(t).map(String::from).map_err(|e| {
+            DecodeError::new(
+                field,
+                format!("{}, not an event type a Ferry producer writes ({})", e.problem, e.fix),
+            )
+        }),
         None => Err(DecodeError::new(field, "is missing; Ferry's sinks always set it")),
     }
+}
+
+/// Refuses a decoded event with a NUL byte in its key, source, content type
+/// or headers: Ferry's producer refuses one, and PostgreSQL cannot store it.
+pub(crate) fn checked(event: ReceivedEvent) -> Result<ReceivedEvent, DecodeError> {
+    let refuse = |field: String, value: &str| match value.find('\0') {
+        None => Ok(()),
+        Some(at) => Err(DecodeError::new(
+            field,
+            format!("{value:?} has a NUL byte at byte {at}, which no Ferry producer writes"),
+        )),
+    };
+    if let Some(key) = &event.key {
+        refuse("key".into(), key)?;
+    }
+    if let Some(source) = &event.source {
+        refuse("source".into(), source)?;
+    }
+    refuse("content type".into(), &event.content_type)?;
+    for (name, value) in &event.headers {
+        refuse(format!("header name {name:?}"), name)?;
+        refuse(format!("header {name:?}"), value)?;
+    }
+    Ok(event)
 }
 
 /// Reads an RFC 3339 time; an unreadable one is refused rather than dropped,
@@ -145,6 +179,47 @@ mod tests {
         assert_eq!(t.timestamp_subsec_millis(), 123);
         assert!(check_spec_version("specversion", Some("0.3")).is_err());
         assert!(check_spec_version("specversion", None).is_ok());
+    }
+
+    #[test]
+    fn a_type_outside_the_grammar_or_with_a_nul_is_refused() {
+        assert_eq!(
+            parse_type("type", Some("order.item.created")).unwrap(),
+            "order.item.created"
+        );
+        for bad in ["order.item\0created", "Order.Created", "order", "order created.x"] {
+            let err = parse_type("ce_type", Some(bad)).unwrap_err();
+            assert_eq!(err.field, "ce_type", "{bad}");
+            assert!(
+                err.problem.contains("not an event type a Ferry producer writes"),
+                "{err}"
+            );
+            assert!(
+                !err.to_string().contains('\0'),
+                "the reason itself is storable: {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_nul_in_a_text_attribute_is_refused() {
+        let ok = ReceivedEvent::new(EventId::new(), "order.created", &b"{\"s\":\"\\u0000\"}"[..]);
+        assert!(
+            checked(ok.clone()).is_ok(),
+            "a NUL escaped in a JSON payload is the payload's business"
+        );
+        let mut e = ok.clone();
+        e.key = Some("o-\0-1".into());
+        let err = checked(e).unwrap_err();
+        assert_eq!(err.field, "key");
+        assert!(err.problem.contains("NUL byte at byte 2"), "{err}");
+        assert!(!err.to_string().contains('\0'), "{err:?}");
+        let mut e = ok.clone();
+        e.headers.insert("tenant".into(), "a\0".into());
+        assert_eq!(checked(e).unwrap_err().field, "header \"tenant\"");
+        let mut e = ok;
+        e.headers.insert("ten\0ant".into(), "a".into());
+        assert_eq!(checked(e).unwrap_err().field, "header name \"ten\\0ant\"");
     }
 
     #[test]

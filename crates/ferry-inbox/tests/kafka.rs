@@ -18,7 +18,7 @@ use ferry_sink::kafka::{KafkaOptions, KafkaSink};
 use ferry_testkit::rabbit::unique_name;
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
@@ -265,6 +265,92 @@ async fn a_poison_event_is_dead_lettered_and_each_key_keeps_its_order() {
         }
     }
     assert_eq!(poisoned, 3);
+}
+
+/// Records no Ferry producer could have written, with a NUL byte in the
+/// type or the key or a type outside Ferry's grammar, are dead-lettered as
+/// malformed and the partition moves on. A NUL in the type made PostgreSQL
+/// refuse the claim, which the member took for an outage and waited out for
+/// ever, holding back the whole partition.
+#[tokio::test]
+async fn a_record_the_inbox_cannot_store_is_malformed_and_the_partition_moves_on() {
+    let env = Env::new("inbox-kafka-nul").await;
+    let consumer = KafkaConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), env.options()).unwrap();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", env.cluster.bootstrap_servers())
+        .create()
+        .unwrap();
+    let records = [
+        ("order.item\0created", None),
+        ("Order Created", None),
+        ("order.item.created", Some("o-\0-1")),
+        ("order.item.created", Some("o-1")),
+    ];
+    for (event_type, subject) in records {
+        let id = EventId::new().to_string();
+        let mut headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "ce_id",
+                value: Some(id.as_str()),
+            })
+            .insert(Header {
+                key: "ce_type",
+                value: Some(event_type),
+            });
+        if let Some(subject) = subject {
+            headers = headers.insert(Header {
+                key: "ce_subject",
+                value: Some(subject),
+            });
+        }
+        let record = FutureRecord::<(), _>::to(&env.topic)
+            .partition(0)
+            .payload("{\"n\": 1}")
+            .headers(headers);
+        producer.send(record, Duration::from_secs(10)).await.unwrap();
+    }
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("the good record processed after the bad ones", || async {
+            let r = consumer.report();
+            r.malformed == 3 && r.processed == 1
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(effect, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!(
+        (report.malformed, report.processed, report.dead),
+        (3, 1, 0),
+        "{report:?}"
+    );
+    assert_eq!(report.inbox_unavailable, 0, "{report:?}");
+    env.db.assert_effects_once(1).await;
+    let mut reasons: Vec<String> = env
+        .dead_letters(3)
+        .await
+        .into_iter()
+        .map(|(headers, _)| headers[DEAD_REASON_HEADER].clone())
+        .collect();
+    reasons.sort();
+    assert!(
+        reasons[0].starts_with("malformed message: ce_type \"Order Created\""),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[1].starts_with("malformed message: ce_type \"order.item\\0created\""),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[2].starts_with("malformed message: key \"o-\\0-1\" has a NUL byte"),
+        "{reasons:?}"
+    );
 }
 
 #[tokio::test]

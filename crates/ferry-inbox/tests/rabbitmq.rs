@@ -343,6 +343,94 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     env.cleanup().await;
 }
 
+/// Messages no Ferry producer could have written, with a NUL byte in the
+/// type or the key or a type outside Ferry's grammar, are dead-lettered as
+/// malformed. A NUL in the type made PostgreSQL refuse the claim, which the
+/// runner took for an outage: the message went back to the queue for ever,
+/// never counted, never dead-lettered.
+#[tokio::test]
+async fn a_message_the_inbox_cannot_store_is_dead_lettered_as_malformed() {
+    let env = Env::new("inbox-nul").await;
+    let consumer = RabbitMqConsumer::new(
+        Inbox::new(env.db.pool.clone(), "billing").unwrap(),
+        env.options(amqp_url()),
+    )
+    .unwrap();
+    env.declare(&consumer).await;
+    let long = |s: &str| AMQPValue::LongString(s.as_bytes().into());
+    for (event_type, key) in [
+        ("order.item\0created", None),
+        ("Order Created", None),
+        ("order.item.created", Some("o-\0-1")),
+        ("order.item.created", Some("o-1")),
+    ] {
+        let mut headers = FieldTable::default();
+        headers.insert("cloudEvents:id".into(), long(&EventId::new().to_string()));
+        headers.insert("cloudEvents:type".into(), long(event_type));
+        if let Some(key) = key {
+            headers.insert("ferry-key".into(), long(key));
+        }
+        env.channel
+            .basic_publish(
+                env.exchange.as_str().into(),
+                "order.item.created".into(),
+                BasicPublishOptions::default(),
+                b"{\"n\": 1}",
+                BasicProperties::default().with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(async |tx, event| effect(tx, event).await, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        wait("the bad messages dead-lettered, the good one processed", || async {
+            let r = consumer.report();
+            r.malformed == 3 && r.processed == 1
+        })
+        .await;
+        let dead = env.dead_letters(3).await;
+        let _ = stop.send(());
+        dead
+    };
+    let (report, dead) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!(
+        (report.malformed, report.processed, report.dead),
+        (3, 1, 0),
+        "{report:?}"
+    );
+    assert_eq!(report.inbox_unavailable, 0, "{report:?}");
+    env.db.assert_effects_once(1).await;
+    let mut reasons: Vec<String> = dead
+        .iter()
+        .map(
+            |d| match d.properties.headers().as_ref().unwrap().inner().get(DEAD_REASON_HEADER) {
+                Some(AMQPValue::LongString(s)) => s.to_string(),
+                other => panic!("{other:?}"),
+            },
+        )
+        .collect();
+    reasons.sort();
+    assert!(
+        reasons[0].starts_with("malformed message: cloudEvents:type \"Order Created\""),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[1].starts_with("malformed message: cloudEvents:type \"order.item\\0created\""),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons[2].starts_with("malformed message: key \"o-\\0-1\" has a NUL byte"),
+        "{reasons:?}"
+    );
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn an_inbox_database_outage_delays_events_and_loses_none() {
     const N: usize = 30;

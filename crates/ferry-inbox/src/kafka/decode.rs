@@ -3,7 +3,7 @@
 
 use ferry_core::Headers;
 
-use crate::envelope::{check_spec_version, parse_id, parse_time, parse_type};
+use crate::envelope::{check_spec_version, checked, parse_id, parse_time, parse_type};
 use crate::{DecodeError, ReceivedEvent};
 
 /// Decodes one record from its headers (in order, as Kafka keeps them), key
@@ -32,7 +32,7 @@ pub fn decode<'a>(
             .map(|k| String::from_utf8(k.to_vec()).map_err(|_| DecodeError::new("key", "is not UTF-8")))
             .transpose()?,
     };
-    Ok(ReceivedEvent {
+    checked(ReceivedEvent {
         id: parse_id("ce_id", get("ce_id"))?,
         event_type: parse_type("ce_type", get("ce_type"))?,
         key,

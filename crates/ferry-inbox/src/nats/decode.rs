@@ -4,7 +4,7 @@
 use async_nats::HeaderMap;
 use ferry_core::Headers;
 
-use crate::envelope::{check_spec_version, parse_id, parse_time, parse_type};
+use crate::envelope::{check_spec_version, checked, parse_id, parse_time, parse_type};
 use crate::{DecodeError, ReceivedEvent};
 
 /// The dedup header the NATS sink sets to the event id.
@@ -31,7 +31,7 @@ pub fn decode(headers: Option<&HeaderMap>, payload: &[u8]) -> Result<ReceivedEve
             own.insert(name.to_owned(), value.as_str().to_owned());
         }
     }
-    Ok(ReceivedEvent {
+    checked(ReceivedEvent {
         id,
         event_type: parse_type("ce-type", get("ce-type").as_deref())?,
         key: get("ce-subject"),

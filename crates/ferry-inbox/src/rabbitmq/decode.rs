@@ -5,7 +5,7 @@ use ferry_core::Headers;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable};
 
-use crate::envelope::{check_spec_version, parse_id, parse_time, parse_type};
+use crate::envelope::{check_spec_version, checked, parse_id, parse_time, parse_type};
 use crate::{DecodeError, ReceivedEvent};
 
 /// The header the RabbitMQ sink writes the aggregate key to.
@@ -54,7 +54,7 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<ReceivedEvent
             headers.insert(name.to_owned(), v);
         }
     }
-    Ok(ReceivedEvent {
+    checked(ReceivedEvent {
         id,
         event_type,
         key,

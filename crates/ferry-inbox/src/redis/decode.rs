@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use ferry_core::Headers;
 use redis::Value;
 
-use crate::envelope::{check_spec_version, parse_id, parse_time, parse_type};
+use crate::envelope::{check_spec_version, checked, parse_id, parse_time, parse_type};
 use crate::{DecodeError, ReceivedEvent};
 
 /// Decodes one entry's field map.
@@ -31,7 +31,7 @@ pub fn decode(fields: &HashMap<String, Value>) -> Result<ReceivedEvent, DecodeEr
         Some(json) => serde_json::from_str(&json)
             .map_err(|e| DecodeError::new("headers", format!("is not a JSON object of strings ({e})")))?,
     };
-    Ok(ReceivedEvent {
+    checked(ReceivedEvent {
         id: parse_id("id", text("id")?.as_deref())?,
         event_type: parse_type("type", text("type")?.as_deref())?,
         key: text("key")?,
