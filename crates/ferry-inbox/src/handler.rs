@@ -1,5 +1,6 @@
 //! The error a handler returns, saying whether to try again.
 
+use std::any::Any;
 use std::fmt;
 
 use ferry_core::ErrorKind;
@@ -29,6 +30,20 @@ impl HandlerError {
     /// Never going to work: dead-lettered without further attempts.
     pub fn permanent(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Permanent, message.into())
+    }
+
+    /// A handler that panicked: transient, so it is counted like any failed
+    /// attempt and dead-lettered after the last one, never left to crash the
+    /// consumer on the same message again and again.
+    pub(crate) fn panicked(panic: Box<dyn Any + Send>) -> Self {
+        let what = match panic.downcast::<String>() {
+            Ok(message) => *message,
+            Err(panic) => match panic.downcast::<&'static str>() {
+                Ok(message) => (*message).to_owned(),
+                Err(_) => "a panic without a message".to_owned(),
+            },
+        };
+        Self::transient(format!("the handler panicked: {what}"))
     }
 
     fn new(kind: ErrorKind, mut message: String) -> Self {
@@ -83,6 +98,21 @@ mod tests {
         assert!(!e.is_permanent());
         assert_eq!(e.message(), "disk full");
         assert!(HandlerError::permanent("bad payload").is_permanent());
+    }
+
+    #[test]
+    fn a_panic_is_a_transient_error_with_its_message() {
+        let e = HandlerError::panicked(Box::new("index out of bounds"));
+        assert_eq!(
+            (e.is_permanent(), e.message()),
+            (false, "the handler panicked: index out of bounds")
+        );
+        let e = HandlerError::panicked(Box::new(format!("order {}", 7)));
+        assert_eq!(e.message(), "the handler panicked: order 7");
+        assert_eq!(
+            HandlerError::panicked(Box::new(7)).message(),
+            "the handler panicked: a panic without a message"
+        );
     }
 
     #[test]

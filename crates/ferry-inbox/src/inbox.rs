@@ -9,10 +9,12 @@
 //! shared with the SQLite inbox (`crate::sqlite`); only the SQL differs.
 
 use std::borrow::Cow;
+use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use ferry_core::{EventId, RetryPolicy};
+use futures::FutureExt;
 #[cfg(feature = "postgres")]
 use sqlx::{PgConnection, PgPool};
 use tracing::{debug, warn};
@@ -156,6 +158,26 @@ fn refused_by_server(e: &sqlx::Error) -> bool {
     !["08", "53", "57", "58", "XX"]
         .iter()
         .any(|class| code.starts_with(class))
+}
+
+/// Runs a handler's future, turning a panic into a failed attempt: left to
+/// unwind, it would take the consumer down before the attempt is counted,
+/// and on restart the broker hands the same message out first again (the
+/// committed offset, the queue's head, the pending entries), for ever. The
+/// caller rolls the handler's transaction back, as for any failure.
+pub(crate) async fn run_handler(
+    handler: impl Future<Output = Result<(), HandlerError>>,
+    consumer: &str,
+    id: EventId,
+) -> Result<(), HandlerError> {
+    match AssertUnwindSafe(handler).catch_unwind().await {
+        Ok(result) => result,
+        Err(panic) => {
+            let error = HandlerError::panicked(panic);
+            warn!(consumer = %consumer, event = %id, %error, "handler panicked; its transaction is rolled back");
+            Err(error)
+        }
+    }
 }
 
 /// A consumer name both inboxes accept: it keys every row, so a blank one
@@ -318,7 +340,7 @@ impl Inbox {
             drop(tx);
             return self.already_recorded(event.id).await;
         };
-        let error = match handler(&mut tx).await {
+        let error = match run_handler(handler(&mut tx), &self.consumer, event.id).await {
             Ok(()) => match commit(tx, &self.consumer, event.id).await? {
                 None => {
                     count_processed(&self.consumer, event.id, attempts);

@@ -360,6 +360,50 @@ async fn a_handler_error_with_a_nul_byte_is_recorded_and_counted() {
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
 }
 
+/// A panicking handler is a failed attempt like any other: its writes roll
+/// back, the attempt is counted, and after the last one the event is dead.
+/// Uncaught, the panic took the consumer down before anything was counted,
+/// and the broker handed the same message out first again on restart.
+#[tokio::test]
+async fn a_panicking_handler_is_a_counted_failure() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(2));
+    let ev = event();
+    let handler = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        panic!("order {} has no customer", 42);
+    };
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Retry { attempts: 1, error, .. } => {
+            assert_eq!(error, "the handler panicked: order 42 has no customer")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        effects(&e.pool, ev.id).await,
+        0,
+        "the panicking attempt's write rolled back"
+    );
+    let r = inbox.record(ev.id).await.unwrap().unwrap();
+    assert_eq!((r.state.as_str(), r.attempts), ("failing", 1));
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Dead { attempts: 2, reason } => assert_eq!(
+            reason,
+            "max attempts (2) reached; last error: the handler panicked: order 42 has no customer"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+    // The pool's connections are fit for use after the panic.
+    let ok = event();
+    let outcome = inbox
+        .process(&ok, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed);
+}
+
 #[tokio::test]
 async fn purge_removes_old_done_rows_in_batches_and_keeps_the_rest() {
     let e = env().await;

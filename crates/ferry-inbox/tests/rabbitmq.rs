@@ -431,6 +431,75 @@ async fn a_message_the_inbox_cannot_store_is_dead_lettered_as_malformed() {
     env.cleanup().await;
 }
 
+/// A handler that panics on an event is counted like a failing one and the
+/// event dead-lettered after the last attempt; the consumer goes on. The
+/// panic used to unwind through the runner, and the message, back at the
+/// head of the queue, crashed every consumer that took it again.
+#[tokio::test]
+async fn a_panicking_handler_is_dead_lettered_after_its_attempts() {
+    let env = Env::new("inbox-panic").await;
+    let inbox = Inbox::new(env.db.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(RetryPolicy {
+            max_attempts: 3,
+            base_delay: Duration::from_millis(20),
+            max_delay: Duration::from_millis(100),
+            jitter: 0.0,
+        });
+    let consumer = RabbitMqConsumer::new(inbox.clone(), env.options(amqp_url())).unwrap();
+    env.declare(&consumer).await;
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if event.event_type == "order.poison.created" {
+            panic!("the poison pill");
+        }
+        effect(tx, event).await
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(handler, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        let ids = env
+            .db
+            .produce(vec![
+                Event::new("order.poison.created", json!({ "n": 1000 })),
+                Event::new("order.item.created", json!({ "n": 1 })),
+            ])
+            .await;
+        wait("the poison dead, the other processed", || async {
+            let r = consumer.report();
+            r.dead == 1 && r.processed == 1
+        })
+        .await;
+        relay.stop().await;
+        let dead = env.dead_letters(1).await;
+        let _ = stop.send(());
+        (ids, dead)
+    };
+    let (report, (ids, dead)) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!((report.processed, report.dead, report.retried), (1, 1, 2), "{report:?}");
+    env.db.assert_effects_once(1).await;
+    match dead[0]
+        .properties
+        .headers()
+        .as_ref()
+        .unwrap()
+        .inner()
+        .get(DEAD_REASON_HEADER)
+    {
+        Some(AMQPValue::LongString(s)) => assert_eq!(
+            s.to_string(),
+            "max attempts (3) reached; last error: the handler panicked: the poison pill"
+        ),
+        other => panic!("{other:?}"),
+    }
+    let record = inbox.record(ids[0]).await.unwrap().unwrap();
+    assert_eq!((record.state.as_str(), record.attempts), ("dead", 3));
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn an_inbox_database_outage_delays_events_and_loses_none() {
     const N: usize = 30;

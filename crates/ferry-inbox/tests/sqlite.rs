@@ -290,6 +290,39 @@ async fn a_database_error_in_the_handler_rolls_back_everything() {
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "failing");
 }
 
+/// A panicking handler is a failed attempt like any other, as on PostgreSQL:
+/// rolled back, counted, and dead after the last attempt; and the write
+/// lock its transaction held is released.
+#[tokio::test]
+async fn a_panicking_handler_is_a_counted_failure() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(2));
+    let ev = event();
+    let handler = async |tx: &mut SqliteConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        panic!("order {} has no customer", 42);
+    };
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Retry { attempts: 1, error, .. } => {
+            assert_eq!(error, "the handler panicked: order 42 has no customer")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Dead { attempts: 2, reason } => assert!(reason.ends_with("order 42 has no customer"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+    let ok = event();
+    let outcome = inbox
+        .process(&ok, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed);
+}
+
 /// A deferred foreign key the handler's writes break fails the `COMMIT` on
 /// every redelivery: a failed attempt of the handler, counted until the
 /// event is dead, not a database outage retried for ever.

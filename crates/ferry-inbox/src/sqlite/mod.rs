@@ -19,7 +19,9 @@ use chrono::DateTime;
 use ferry_core::{EventId, RetryPolicy};
 use sqlx::{SqliteConnection, SqlitePool};
 
-use crate::inbox::{already_recorded, checked_consumer, count_processed, decide_failure, default_retry, stored_type};
+use crate::inbox::{
+    already_recorded, checked_consumer, count_processed, decide_failure, default_retry, run_handler, stored_type,
+};
 use crate::{HandlerError, InboxError, InboxRecord, Outcome, ReceivedEvent};
 
 const CLAIM: &str = include_str!("sql/claim.sql");
@@ -106,7 +108,7 @@ impl Inbox {
             tx.rollback().await?;
             return Ok(already_recorded(&self.consumer, event.id, record));
         };
-        let error = match handler(&mut tx, event).await {
+        let error = match run_handler(handler(&mut tx, event), &self.consumer, event.id).await {
             Ok(()) => match tx.commit().await {
                 Ok(()) => {
                     count_processed(&self.consumer, event.id, attempts);
