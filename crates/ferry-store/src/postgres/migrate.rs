@@ -22,6 +22,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "producer_limits",
         include_str!("migrations/0012_producer_limits.sql"),
     ),
+    (13, "capture_guard", include_str!("migrations/0013_capture_guard.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
