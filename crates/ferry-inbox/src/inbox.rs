@@ -17,7 +17,7 @@ use ferry_core::{EventId, RetryPolicy};
 use futures::FutureExt;
 #[cfg(feature = "postgres")]
 use sqlx::{PgConnection, PgPool};
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use crate::HandlerError;
 #[cfg(feature = "postgres")]
@@ -30,6 +30,8 @@ const CLAIM: &str = include_str!("sql/claim.sql");
 const FAIL: &str = include_str!("sql/fail.sql");
 #[cfg(feature = "postgres")]
 const PURGE: &str = include_str!("sql/purge.sql");
+#[cfg(feature = "postgres")]
+const LEFT: &str = include_str!("sql/left.sql");
 
 /// What to do with the broker's message after [`Inbox::process`].
 #[derive(Debug, Clone, PartialEq)]
@@ -96,47 +98,56 @@ pub struct InboxRecord {
     pub processed_at: DateTime<Utc>,
 }
 
-/// Commits a handler's transaction, or says why it did not take effect.
+/// Where a handler left the inbox's transaction when it returned.
+#[cfg(feature = "postgres")]
+enum Left {
+    /// Still open, as it should be.
+    Open,
+    /// Aborted by a failed statement: it can only roll back.
+    Aborted(sqlx::Error),
+    /// Ended with a `ROLLBACK` inside the handler: the claim went with it.
+    RolledBack,
+    /// Ended with a `COMMIT` inside the handler: the inbox row is done, with
+    /// the writes the handler made before it.
+    Committed,
+}
+
+/// Reads where the handler left the transaction that claimed the event
+/// (`xid`), from inside it (`left.sql`).
 ///
 /// A handler that swallows a failed statement's error (`let _ = ...`)
 /// leaves PostgreSQL's transaction aborted, and `COMMIT` on an aborted
 /// transaction rolls it back *without an error*: the handler's writes and
-/// the inbox row would be gone while the broker is acknowledged. So the
-/// inbox row is read back first, which fails in an aborted transaction and
-/// finds nothing if the handler ended the transaction itself. A `COMMIT`
+/// the inbox row would be gone while the broker is acknowledged. A handler
+/// that runs `ROLLBACK` itself loses them the same way, and one that runs
+/// `COMMIT` itself commits the row early: what it does afterwards, failing
+/// or not, is outside the inbox's transaction. So the transaction is
+/// checked before the inbox commits it or counts a failure.
+#[cfg(feature = "postgres")]
+async fn left(tx: &mut PgConnection, consumer: &str, id: EventId, xid: i64) -> Result<Left, InboxError> {
+    let row: Result<Option<(bool, bool)>, sqlx::Error> = sqlx::query_as(LEFT)
+        .bind(consumer)
+        .bind(id.0)
+        .bind(xid)
+        .fetch_optional(tx)
+        .await;
+    match row {
+        Ok(Some((true, _))) => Ok(Left::Open),
+        Ok(Some((false, true))) => Ok(Left::Committed),
+        // No row, or a done row another delivery committed after the
+        // handler's own ROLLBACK let it claim the event.
+        Ok(_) => Ok(Left::RolledBack),
+        Err(e) if refused_by_server(&e) => Ok(Left::Aborted(e)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Commits a handler's transaction, which [`left`] found open. A `COMMIT`
 /// the server refuses (a deferred constraint, a serialization failure) is
-/// the handler's failure too, counted and retried like any other, not an
+/// the handler's failure, counted and retried like any other, not an
 /// outage: it would fail the same way on every redelivery.
 #[cfg(feature = "postgres")]
-async fn commit(
-    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
-    consumer: &str,
-    id: EventId,
-) -> Result<Option<HandlerError>, InboxError> {
-    let kept: Result<Option<i32>, sqlx::Error> =
-        sqlx::query_scalar("SELECT 1 FROM ferry.inbox WHERE consumer = $1 AND event_id = $2 AND state = 'done'")
-            .bind(consumer)
-            .bind(id.0)
-            .fetch_optional(&mut *tx)
-            .await;
-    match kept {
-        Ok(Some(_)) => {}
-        Ok(None) => {
-            tx.rollback().await?;
-            return Ok(Some(HandlerError::transient(
-                "the handler ended the inbox's transaction itself (COMMIT or ROLLBACK inside the handler); \
-                 its writes are not recorded with the event: let the inbox commit",
-            )));
-        }
-        Err(e) if refused_by_server(&e) => {
-            tx.rollback().await?;
-            return Ok(Some(HandlerError::transient(format!(
-                "a statement in the handler failed and the handler did not return the error, so PostgreSQL \
-                 rolled back the whole transaction ({e}); return the error, or run the statement in a savepoint"
-            ))));
-        }
-        Err(e) => return Err(e.into()),
-    }
+async fn commit(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<Option<HandlerError>, InboxError> {
     match tx.commit().await {
         Ok(()) => Ok(None),
         Err(e) if refused_by_server(&e) => Ok(Some(HandlerError::transient(format!(
@@ -303,6 +314,16 @@ impl Inbox {
 
     /// Runs `handler` for `event` unless this consumer already processed it.
     ///
+    /// The handler writes through the transaction it is given and leaves it
+    /// open: the inbox commits it. A handler that returns `Ok` from a
+    /// transaction a failed statement aborted, or that ran `ROLLBACK`, has
+    /// a failed attempt, retried. One that ran `COMMIT` committed the inbox
+    /// row with its writes up to there, and nothing after it is atomic with
+    /// them: the event is recorded [`Outcome::Dead`] with a reason naming
+    /// the bug, never retried (which would repeat those writes) nor
+    /// acknowledged as processed. A handler that panics has a failed
+    /// attempt, its transaction rolled back.
+    ///
     /// ```no_run
     /// # async fn demo(inbox: ferry_inbox::Inbox, event: ferry_inbox::ReceivedEvent) -> Result<(), ferry_inbox::InboxError> {
     /// let outcome = inbox
@@ -330,30 +351,90 @@ impl Inbox {
         // Inserts the row, or takes over a failing one; a done or dead row
         // (committed, or committed while this statement waited on its lock)
         // returns nothing. Concurrent deliveries of one event serialise here.
-        let claimed: Option<i32> = sqlx::query_scalar(CLAIM)
+        let claimed: Option<(i32, i64)> = sqlx::query_as(CLAIM)
             .bind(&self.consumer)
             .bind(event.id.0)
             .bind(stored_type(&event.event_type))
             .fetch_optional(&mut *tx)
             .await?;
-        let Some(attempts) = claimed else {
+        let Some((attempts, xid)) = claimed else {
             drop(tx);
             return self.already_recorded(event.id).await;
         };
-        let error = match run_handler(handler(&mut tx), &self.consumer, event.id).await {
-            Ok(()) => match commit(tx, &self.consumer, event.id).await? {
+        let result = run_handler(handler(&mut tx), &self.consumer, event.id).await;
+        let error = match (result, left(&mut tx, &self.consumer, event.id, xid).await?) {
+            (result, Left::Committed) => {
+                // Ends whatever the handler began after its COMMIT; after a
+                // bare COMMIT there is nothing to end (PostgreSQL warns).
+                tx.rollback().await?;
+                return self.committed_by_handler(event, result.err()).await;
+            }
+            (Ok(()), Left::Open) => match commit(tx).await? {
                 None => {
                     count_processed(&self.consumer, event.id, attempts);
                     return Ok(Outcome::Processed);
                 }
                 Some(error) => error,
             },
-            Err(error) => {
+            (Ok(()), Left::Aborted(e)) => {
+                tx.rollback().await?;
+                HandlerError::transient(format!(
+                    "a statement in the handler failed and the handler did not return the error, so PostgreSQL \
+                     rolled back the whole transaction ({e}); return the error, or run the statement in a savepoint"
+                ))
+            }
+            (Ok(()), Left::RolledBack) => {
+                tx.rollback().await?;
+                HandlerError::transient(
+                    "the handler ended the inbox's transaction itself (ROLLBACK inside the handler); \
+                     its writes are not recorded with the event: let the inbox commit",
+                )
+            }
+            (Err(error), _) => {
                 tx.rollback().await?;
                 error
             }
         };
         self.failed(event, &error).await
+    }
+
+    /// The handler ran `COMMIT` itself, so the event's inbox row committed
+    /// done with the writes the handler made before it, and what it did
+    /// afterwards (a failure it returned, or writes that each committed on
+    /// their own) was outside the inbox's transaction. A retry would apply
+    /// the first writes again and acknowledging it as processed would hide
+    /// the rest: the event is recorded dead and dead-lettered with the
+    /// reason, loudly, as the handler bug it is, the attempt counted.
+    async fn committed_by_handler(
+        &self,
+        event: &ReceivedEvent,
+        failure: Option<HandlerError>,
+    ) -> Result<Outcome, InboxError> {
+        let then = failure.map_or_else(String::new, |e| format!(" and then failed ({e})"));
+        let reason = format!(
+            "the handler committed the inbox's transaction itself (COMMIT inside the handler){then}: its writes \
+             before that COMMIT are committed with the event's inbox row, those after it are outside the inbox's \
+             transaction; not retried, since a retry would apply the first writes again: let the inbox commit, \
+             check the event's effects, and release it only if it must run again"
+        );
+        let attempts: Option<i32> = sqlx::query_scalar(
+            "UPDATE ferry.inbox SET state = 'dead', last_error = $3, processed_at = now() \
+             WHERE consumer = $1 AND event_id = $2 AND state = 'done' RETURNING attempts",
+        )
+        .bind(&self.consumer)
+        .bind(event.id.0)
+        .bind(&reason)
+        .fetch_optional(&self.pool)
+        .await?;
+        let Some(attempts) = attempts else {
+            return self.already_recorded(event.id).await;
+        };
+        metrics::dead(&self.consumer);
+        error!(consumer = %self.consumer, event = %event.id, attempts, %reason, "handler bug: dead");
+        Ok(Outcome::Dead {
+            attempts: u32::try_from(attempts).unwrap_or(0),
+            reason,
+        })
     }
 
     /// A row exists and is done or dead.

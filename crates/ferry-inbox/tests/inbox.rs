@@ -304,6 +304,97 @@ async fn a_handler_that_swallows_a_failed_statement_is_retried_not_acknowledged(
     assert_eq!(effects(&e.pool, ev.id).await, 1);
 }
 
+/// A handler that runs `COMMIT` itself commits the inbox row early, with the
+/// writes it made before; what it does after is outside the inbox's
+/// transaction. Failing afterwards, it was acknowledged as a duplicate (the
+/// failure record found the row done): its failure hidden, its later writes
+/// lost. It must be dead-lettered as the handler bug it is, the attempt
+/// counted, and never run again (a retry would repeat the first writes).
+#[tokio::test]
+async fn a_handler_that_commits_itself_is_dead_not_acknowledged() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+
+    // COMMIT, then a statement that fails: the failure is not hidden.
+    let ev = event();
+    let runs = AtomicU32::new(0);
+    let commit_then_fail = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        effect(tx, ev, "billing").await?;
+        sqlx::query("COMMIT").execute(&mut *tx).await?;
+        sqlx::query("INSERT INTO no_such_table VALUES (1)")
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    };
+    let reason = match inbox.process(&ev, commit_then_fail).await.unwrap() {
+        Outcome::Dead { attempts: 1, reason } => reason,
+        other => panic!("{other:?}"),
+    };
+    assert!(reason.contains("COMMIT inside the handler"), "{reason}");
+    assert!(
+        reason.contains("and then failed") && reason.contains("no_such_table"),
+        "{reason}"
+    );
+    assert_eq!(effects(&e.pool, ev.id).await, 1, "the write before the COMMIT stays");
+    let r = inbox.record(ev.id).await.unwrap().unwrap();
+    assert_eq!((r.state.as_str(), r.attempts), ("dead", 1));
+    assert_eq!(r.last_error.as_deref(), Some(reason.as_str()));
+    // A redelivery is dead-lettered again, never run.
+    match inbox.process(&ev, commit_then_fail).await.unwrap() {
+        Outcome::Dead {
+            attempts: 1,
+            reason: again,
+        } => assert_eq!(again, reason),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // COMMIT and success: refused all the same, after an earlier failure.
+    let ev = event();
+    let outcome = inbox
+        .process(&ev, async |_, _| Err(HandlerError::transient("not yet")))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 1, .. }), "{outcome:?}");
+    let outcome = inbox
+        .process(&ev, async |tx, ev| {
+            sqlx::query("COMMIT").execute(&mut *tx).await?;
+            effect(tx, ev, "billing").await
+        })
+        .await
+        .unwrap();
+    match outcome {
+        Outcome::Dead { attempts: 2, reason } => {
+            assert!(!reason.contains("then failed"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        effects(&e.pool, ev.id).await,
+        1,
+        "the write after the COMMIT committed on its own"
+    );
+
+    // COMMIT, then a transaction of the handler's own: the inbox ends it.
+    let ev = event();
+    let outcome = inbox
+        .process(&ev, async |tx, ev| {
+            sqlx::query("COMMIT").execute(&mut *tx).await?;
+            sqlx::query("BEGIN").execute(&mut *tx).await?;
+            effect(tx, ev, "billing").await
+        })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Dead { attempts: 1, .. }), "{outcome:?}");
+    assert_eq!(
+        effects(&e.pool, ev.id).await,
+        0,
+        "the handler's second transaction rolled back"
+    );
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+}
+
 /// A deferred constraint the handler's writes break fails the `COMMIT`, the
 /// same way on every redelivery: a failed attempt of the handler, counted
 /// until the event is dead, not a database outage retried for ever.
