@@ -273,11 +273,14 @@ pub(crate) fn decide_failure(
 /// Deduplicates one consumer's events in `ferry.inbox` (created by
 /// `ferry migrate`).
 ///
-/// Rows are kept for a retention window and purged with [`Inbox::purge`].
-/// **The window must be longer than the longest time a broker may take to
-/// redeliver a message** (consumer downtime, redelivery delays, replays from
-/// a dead-letter queue): a redelivery that arrives after its row was purged
-/// runs the handler again.
+/// Rows are kept for a retention window and purged with [`Inbox::purge`],
+/// which sets a horizon: an event whose row was purged is applied again if
+/// the broker hands it out again. **The window must be longer than the
+/// broker keeps messages, plus consumer downtime**: besides late
+/// redeliveries (retries, outages, replays from a dead-letter queue), a
+/// consumer group, durable or stream group created anew (or whose Kafka
+/// offsets expired) re-reads everything the broker still holds. The README
+/// ("Retention, order and outages") says how to size it per broker.
 #[cfg(feature = "postgres")]
 #[derive(Debug, Clone)]
 pub struct Inbox {
@@ -508,8 +511,9 @@ impl Inbox {
     /// statement so no transaction holds many locks, and returns how many
     /// went. Dead and failing rows stay until an operator releases them.
     ///
-    /// `window` must exceed the longest redelivery horizon of the broker (see
-    /// [`Inbox`]); a shorter one lets a late redelivery run the handler twice.
+    /// `window` must exceed what the broker can hand out again (see
+    /// [`Inbox`]): its retention, for a consumer that starts from the
+    /// beginning; a shorter one lets the handler run twice for one event.
     pub async fn purge(&self, window: Duration, batch: u32) -> Result<u64, InboxError> {
         let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
         // A window longer than all time purges nothing (and must not panic).

@@ -20,6 +20,24 @@
 //!
 //! There is no cache in front of the inbox table: the table is the only
 //! authority on "already done", so no cache outage can be mistaken for it.
+//!
+//! What the inbox does not give (the README's "Retention, order and
+//! outages" has the details):
+//!
+//! - Per-key order outside Kafka. Kafka keeps each partition's order: a failing
+//!   record is retried in place. On RabbitMQ, NATS and Redis a failing
+//!   message waits out its backoff while later ones are handled, so later
+//!   events of its key are processed first, and several members interleave
+//!   a key's events.
+//! - Effects once across a purge: an event whose row `purge` removed is
+//!   applied again if the broker hands it out again, as it does to a group,
+//!   durable or stream group created anew.
+//! - Immunity to broker delivery limits: while the inbox's database is
+//!   down, deliveries are put back without counting an attempt, but the
+//!   broker counts them (NATS `max_deliver`, a RabbitMQ quorum queue's
+//!   `delivery-limit`, 20 by default on RabbitMQ 4) and drops a message
+//!   past its limit. Leave NATS `max_deliver` unlimited and raise
+//!   `delivery-limit` by policy.
 
 mod envelope;
 #[cfg(any(feature = "postgres", feature = "sqlite"))]

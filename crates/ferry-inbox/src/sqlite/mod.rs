@@ -38,11 +38,14 @@ const RECORD: &str =
 /// and a busy timeout: without the timeout, a delivery that finds the write
 /// lock taken fails at once instead of waiting its turn.
 ///
-/// Rows are kept for a retention window and purged with [`Inbox::purge`].
-/// **The window must be longer than the longest time a broker may take to
-/// redeliver a message** (consumer downtime, redelivery delays, replays from
-/// a dead-letter queue): a redelivery that arrives after its row was purged
-/// runs the handler again.
+/// Rows are kept for a retention window and purged with [`Inbox::purge`],
+/// which sets a horizon: an event whose row was purged is applied again if
+/// the broker hands it out again. **The window must be longer than the
+/// broker keeps messages, plus consumer downtime**: besides late
+/// redeliveries (retries, outages, replays from a dead-letter queue), a
+/// consumer group, durable or stream group created anew (or whose Kafka
+/// offsets expired) re-reads everything the broker still holds. The README
+/// ("Retention, order and outages") says how to size it per broker.
 #[derive(Debug, Clone)]
 pub struct Inbox {
     pool: SqlitePool,
@@ -184,8 +187,9 @@ impl Inbox {
     /// statement so no other writer waits long for the lock, and returns how
     /// many went. Dead and failing rows stay until an operator releases them.
     ///
-    /// `window` must exceed the longest redelivery horizon of the broker (see
-    /// [`Inbox`]); a shorter one lets a late redelivery run the handler twice.
+    /// `window` must exceed what the broker can hand out again (see
+    /// [`Inbox`]): its retention, for a consumer that starts from the
+    /// beginning; a shorter one lets the handler run twice for one event.
     pub async fn purge(&self, window: Duration, batch: u32) -> Result<u64, InboxError> {
         // Measured against SQLite's clock, the one that stamped the rows.
         let window = i64::try_from(window.as_micros()).unwrap_or(i64::MAX);
