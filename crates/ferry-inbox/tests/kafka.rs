@@ -439,3 +439,26 @@ async fn on_tansu_a_consumer_group_applies_each_event_once() {
     db.assert_effects_once(N).await;
     let _ = admin.delete_topics(&[&topic, &dead_topic], &options).await;
 }
+
+/// A record given up on is produced to the dead-letter topic before its
+/// offset is committed; with the topic missing the member rejoined for
+/// ever, re-reading the record, its partition stalled and the log saying
+/// "consumer lost its broker". It now refuses to start, naming the topic.
+#[tokio::test]
+async fn a_missing_dead_letter_topic_is_refused_at_start() {
+    let env = Env::new("inbox-kafka-nodead").await;
+    let mut options = env.options();
+    options.dead_letter_topic = format!("{}.missing", env.topic);
+    options.timeout = Duration::from_secs(2);
+    let consumer = KafkaConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), options).unwrap();
+    let run = consumer.run(effect, std::future::pending());
+    let err = match tokio::time::timeout(WITHIN, run).await {
+        Ok(result) => result.unwrap_err().to_string(),
+        Err(_) => panic!("the consumer started without its dead-letter topic"),
+    };
+    assert!(
+        err.contains(&format!("dead_letter_topic \"{}.missing\" does not exist", env.topic)),
+        "{err}"
+    );
+    assert!(err.contains("create the topic"), "{err}");
+}

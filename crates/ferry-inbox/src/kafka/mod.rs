@@ -27,6 +27,7 @@
 //! consumer that dies leaves its partitions to the group, which reads again
 //! from the last committed offsets, and the inbox skips what was done.
 
+mod dead_letter;
 mod decode;
 
 use std::collections::BTreeMap;
@@ -35,11 +36,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::producer::FutureProducer;
 use rdkafka::{ClientConfig, Offset};
 use sqlx::PgConnection;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 pub use decode::decode;
 
@@ -123,6 +124,12 @@ impl KafkaConsumerOptions {
     }
 
     fn consumer(&self) -> Result<StreamConsumer, String> {
+        self.consumer_config()
+            .create()
+            .map_err(|e| format!("creating the Kafka consumer: {e}"))
+    }
+
+    fn consumer_config(&self) -> ClientConfig {
         let mut config = ClientConfig::new();
         config
             .set("bootstrap.servers", &self.bootstrap_servers)
@@ -133,7 +140,7 @@ impl KafkaConsumerOptions {
         for (k, v) in &self.extra {
             config.set(k, v);
         }
-        config.create().map_err(|e| format!("creating the Kafka consumer: {e}"))
+        config
     }
 
     fn producer(&self) -> Result<FutureProducer, String> {
@@ -160,6 +167,20 @@ pub struct KafkaConsumer {
     inbox: Inbox,
     options: KafkaConsumerOptions,
     counters: Arc<Counters>,
+}
+
+/// Why a session ended, other than by shutdown.
+enum Failure {
+    /// The cluster could not be reached or a call failed: join again.
+    Lost(String),
+    /// The dead-letter topic does not exist: do not go on.
+    Refused(String),
+}
+
+impl From<String> for Failure {
+    fn from(error: String) -> Self {
+        Failure::Lost(error)
+    }
 }
 
 enum Flow {
@@ -199,7 +220,11 @@ impl KafkaConsumer {
         loop {
             let error = match self.session(&handler, shutdown.as_mut()).await {
                 Ok(()) => break,
-                Err(e) => e,
+                Err(Failure::Lost(e)) => e,
+                Err(Failure::Refused(why)) => {
+                    error!(topic = %self.options.topic, group = %self.options.group, "consumer stops: {why}");
+                    return Err(ConsumerError::Config(why));
+                }
             };
             if !reconnect
                 .after_loss(false, &self.counters, &what, &error, shutdown.as_mut())
@@ -217,8 +242,11 @@ impl KafkaConsumer {
         &self,
         handler: &impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
         shutdown: Pin<&mut impl Future<Output = ()>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Failure> {
         let o = &self.options;
+        if !dead_letter::topic_exists(o).await? {
+            return Err(Failure::Refused(dead_letter::missing(o)));
+        }
         let consumer = o.consumer()?;
         let producer = o.producer()?;
         consumer
@@ -237,7 +265,7 @@ impl KafkaConsumer {
         consumer: &StreamConsumer,
         producer: &FutureProducer,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Failure> {
         loop {
             let message = tokio::select! {
                 biased;
@@ -276,7 +304,7 @@ impl KafkaConsumer {
         producer: &FutureProducer,
         message: &BorrowedMessage<'_>,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
-    ) -> Result<Flow, String> {
+    ) -> Result<Flow, Failure> {
         let name = self.inbox.consumer();
         let headers = message
             .headers()
@@ -289,7 +317,7 @@ impl KafkaConsumer {
                 Counters::bump(&self.counters.malformed);
                 metrics::malformed(name);
                 warn!(consumer = name, offset = message.offset(), error = %e, "malformed record");
-                self.dead_letter(producer, message, &e.to_string()).await?;
+                dead_letter::produce(&self.options, producer, message, &e.to_string()).await?;
                 return Ok(self.commit(consumer, message));
             }
         };
@@ -305,7 +333,7 @@ impl KafkaConsumer {
                 }
                 Ok(Outcome::Dead { reason, .. }) => {
                     Counters::bump(&self.counters.dead);
-                    self.dead_letter(producer, message, &reason).await?;
+                    dead_letter::produce(&self.options, producer, message, &reason).await?;
                     return Ok(self.commit(consumer, message));
                 }
                 Ok(Outcome::Retry { delay, .. }) => {
@@ -336,45 +364,5 @@ impl KafkaConsumer {
                 Flow::Rewind
             }
         }
-    }
-
-    /// Produces a copy of the record, with its reason, to the dead-letter
-    /// topic; an error ends the session before the offset is committed, so
-    /// the record is read (and dead-lettered) again rather than lost.
-    async fn dead_letter(
-        &self,
-        producer: &FutureProducer,
-        message: &BorrowedMessage<'_>,
-        reason: &str,
-    ) -> Result<(), String> {
-        let o = &self.options;
-        let mut headers = OwnedHeaders::new();
-        if let Some(original) = message.headers() {
-            for h in original.iter() {
-                headers = headers.insert(h);
-            }
-        }
-        let source = format!("{} {} {}", message.topic(), message.partition(), message.offset());
-        for (key, value) in [
-            (DEAD_REASON_HEADER, reason),
-            (DEAD_GROUP_HEADER, o.group.as_str()),
-            (DEAD_SOURCE_HEADER, source.as_str()),
-        ] {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value.as_bytes()),
-            });
-        }
-        let mut record = FutureRecord::to(&o.dead_letter_topic)
-            .payload(message.payload().unwrap_or_default())
-            .headers(headers);
-        if let Some(key) = message.key() {
-            record = record.key(key);
-        }
-        producer
-            .send(record, o.timeout)
-            .await
-            .map(drop)
-            .map_err(|(e, _)| format!("dead-lettering to {:?}: {e}", o.dead_letter_topic))
     }
 }
