@@ -565,3 +565,125 @@ async fn bad_options_name_the_field() {
     let err = RabbitMqConsumer::new(inbox, options).unwrap_err();
     assert!(err.to_string().contains("prefetch"), "{err}");
 }
+
+impl Env {
+    /// The queue, durable, without the consumer's declarations.
+    async fn declare_queue(&self) {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        self.channel
+            .queue_declare(self.queue.as_str().into(), durable, FieldTable::default())
+            .await
+            .unwrap();
+    }
+
+    /// A message no Ferry sink wrote, straight to the queue.
+    async fn publish_malformed(&self) {
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                b"not an event",
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Messages ready in the queue.
+    async fn ready(&self) -> u32 {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let ch = self.amqp.create_channel().await.unwrap();
+        ch.queue_declare(self.queue.as_str().into(), passive, FieldTable::default())
+            .await
+            .unwrap()
+            .message_count()
+    }
+}
+
+/// With `no_declare` and no dead-letter exchange, the broker closed the
+/// channel of the first dead letter (404), the session ended, and the
+/// requeued message came first again after every reconnect, logged as a
+/// lost broker. The consumer now refuses to start, naming the exchange.
+#[tokio::test]
+async fn a_missing_dead_letter_exchange_is_refused_at_start() {
+    let env = Env::new("inbox-rabbit-nodlx").await;
+    env.declare_queue().await;
+    env.publish_malformed().await;
+    let options = env.options(amqp_url()).no_declare();
+    let consumer = RabbitMqConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), options).unwrap();
+    let run = consumer.run(effect, std::future::pending());
+    let err = match tokio::time::timeout(WITHIN, run).await {
+        Ok(result) => result.unwrap_err().to_string(),
+        Err(_) => panic!("the consumer started without its dead-letter exchange"),
+    };
+    assert!(
+        err.contains(&format!("dead_letter_exchange {:?} does not exist", env.dlx)),
+        "{err}"
+    );
+    assert_eq!(consumer.report().malformed, 0);
+    assert_eq!(env.ready().await, 1, "the message waits in the queue");
+    env.cleanup().await;
+}
+
+/// The dead-letter exchange deleted while the consumer runs (`no_declare`):
+/// the consumer stops, saying the exchange is gone, and the message it could
+/// not set aside is back in the queue.
+#[tokio::test]
+async fn a_dead_letter_exchange_deleted_while_running_stops_the_consumer() {
+    let env = Env::new("inbox-rabbit-dlx-gone").await;
+    env.declare_queue().await;
+    env.channel
+        .exchange_declare(
+            env.dlx.as_str().into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let options = env.options(amqp_url()).no_declare();
+    let consumer = RabbitMqConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), options).unwrap();
+    let scenario = async {
+        // Consuming once the consumer holds the queue.
+        wait("the consumer consumes", || async {
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let ch = env.amqp.create_channel().await.unwrap();
+            ch.queue_declare(env.queue.as_str().into(), passive, FieldTable::default())
+                .await
+                .unwrap()
+                .consumer_count()
+                == 1
+        })
+        .await;
+        env.channel
+            .exchange_delete(env.dlx.as_str().into(), ExchangeDeleteOptions::default())
+            .await
+            .unwrap();
+        env.publish_malformed().await;
+    };
+    let (result, ()) = tokio::join!(
+        tokio::time::timeout(WITHIN, consumer.run(effect, std::future::pending())),
+        scenario
+    );
+    let err = result.expect("the consumer stopped").unwrap_err().to_string();
+    assert!(err.contains("NOT_FOUND"), "{err}");
+    assert!(
+        err.contains(&format!("dead_letter_exchange {:?} does not exist", env.dlx)),
+        "{err}"
+    );
+    assert_eq!(consumer.report().reconnects, 0);
+    wait("the message back in the queue", || async { env.ready().await == 1 }).await;
+    env.cleanup().await;
+}

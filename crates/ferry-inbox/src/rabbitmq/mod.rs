@@ -37,7 +37,7 @@ use std::time::Duration;
 
 use lapin::types::ShortString;
 use sqlx::PgConnection;
-use tracing::info;
+use tracing::{error, info};
 
 pub use decode::decode;
 
@@ -184,6 +184,10 @@ impl RabbitMqConsumer {
             let (started, error) = match session.run(shutdown.as_mut()).await {
                 Ok(session::Ended::Shutdown) => break,
                 Ok(session::Ended::Lost { started }) => (started, "the connection was lost".to_owned()),
+                Ok(session::Ended::Refused(why)) => {
+                    error!(queue = %self.options.queue, "consumer stops: {why}");
+                    return Err(ConsumerError::Config(why));
+                }
                 Err(e) => (false, e),
             };
             if !reconnect

@@ -15,7 +15,7 @@ use lapin::{Acker, Channel, Confirmation, Connection, ConnectionProperties, Exch
 use sqlx::PgConnection;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use super::{DEAD_CONSUMER_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, RabbitMqConsumerOptions, decode};
 use crate::runner::Counters;
@@ -28,7 +28,28 @@ pub(super) enum Ended {
     Lost {
         started: bool,
     },
+    /// The dead-letter exchange does not exist and the consumer may not
+    /// declare it: going on would bring a message given up on back first on
+    /// every reconnect.
+    Refused(String),
 }
+
+/// Why handling a delivery ended the session.
+enum Stop {
+    /// The channel or the connection failed.
+    Channel(String),
+    /// The broker closed the dead-letter channel: the exchange does not exist.
+    DeadLetterExchangeGone(String),
+}
+
+impl From<String> for Stop {
+    fn from(error: String) -> Self {
+        Stop::Channel(error)
+    }
+}
+
+/// AMQP's reply code for a missing exchange.
+const NOT_FOUND: u16 = 404;
 
 pub(super) struct Session<'a, H> {
     inbox: &'a Inbox,
@@ -82,6 +103,17 @@ where
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
     ) -> Result<Ended, String> {
         let limit = self.options.timeout;
+        if !self.options.declare {
+            let exists = timeout(
+                limit,
+                dead_letter_exchange_exists(connection, &self.options.dead_letter_exchange),
+            )
+            .await
+            .map_err(|_| format!("checking the dead-letter exchange took longer than {limit:?}"))??;
+            if !exists {
+                return Ok(Ended::Refused(missing(&self.options.dead_letter_exchange)));
+            }
+        }
         let (channel, dead_letters) = timeout(limit, self.open(connection))
             .await
             .map_err(|_| format!("opening channels took longer than {limit:?}"))?
@@ -116,12 +148,23 @@ where
                 }
             };
             match delivery {
-                Some(Ok(delivery)) => {
-                    if let Err(e) = self.handle(delivery, &dead_letters).await {
+                Some(Ok(delivery)) => match self.handle(delivery, &dead_letters).await {
+                    Ok(()) => {}
+                    Err(Stop::Channel(e)) => {
                         warn!(error = %e, "the channel failed while handling a delivery");
                         return Ok(Ended::Lost { started: true });
                     }
-                }
+                    Err(Stop::DeadLetterExchangeGone(e)) if self.options.declare => {
+                        error!(error = %e, "the dead-letter exchange is gone; the consumer declares it again");
+                        return Ok(Ended::Lost { started: true });
+                    }
+                    Err(Stop::DeadLetterExchangeGone(e)) => {
+                        return Ok(Ended::Refused(format!(
+                            "{e}; {}",
+                            missing(&self.options.dead_letter_exchange)
+                        )));
+                    }
+                },
                 Some(Err(e)) => {
                     warn!(error = %e, "RabbitMQ consumer failed");
                     return Ok(Ended::Lost { started: true });
@@ -185,7 +228,7 @@ where
 
     /// One delivery. An error means the channel is gone: the session ends and
     /// the broker redelivers whatever was not acknowledged.
-    async fn handle(&mut self, delivery: Delivery, dead_letters: &Channel) -> Result<(), String> {
+    async fn handle(&mut self, delivery: Delivery, dead_letters: &Channel) -> Result<(), Stop> {
         let consumer = self.inbox.consumer();
         let event = match decode(&delivery.properties, &delivery.data) {
             Ok(event) => event,
@@ -253,7 +296,7 @@ where
     /// Publishes the message to the dead-letter exchange with its reason and
     /// acknowledges it once the broker confirmed. Unconfirmed or unroutable,
     /// it goes back to the queue after a pause instead: never dropped.
-    async fn dead_letter(&mut self, delivery: Delivery, channel: &Channel, reason: &str) -> Result<(), String> {
+    async fn dead_letter(&mut self, delivery: Delivery, channel: &Channel, reason: &str) -> Result<(), Stop> {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         let long = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
         headers.insert(DEAD_REASON_HEADER.into(), long(reason));
@@ -288,11 +331,58 @@ where
                 delivery.routing_key.as_str()
             ),
             Ok(Ok(other)) => format!("dead-letter exchange {exchange:?} did not confirm: {other:?}"),
-            Ok(Err(e)) => return Err(format!("dead-lettering: {e}")),
+            Ok(Err(e)) if reply_code(&e) == Some(NOT_FOUND) => {
+                return Err(Stop::DeadLetterExchangeGone(format!(
+                    "dead-lettering a message of queue {:?} failed, the broker says {e}; it goes back to the queue",
+                    self.options.queue
+                )));
+            }
+            Ok(Err(e)) => return Err(Stop::Channel(format!("dead-lettering: {e}"))),
             Err(_) => format!("dead-letter exchange {exchange:?} did not confirm in time"),
         };
         warn!(consumer = self.inbox.consumer(), error = %failure, "dead-lettering failed; the message goes back to the queue");
         self.requeue_after(delivery.acker, self.options.database_retry_delay);
         Ok(())
+    }
+}
+
+/// Whether `exchange` exists: a passive declare, on a channel of its own
+/// since the broker closes the channel of a failed one.
+async fn dead_letter_exchange_exists(connection: &Connection, exchange: &str) -> Result<bool, String> {
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| format!("opening a channel: {e}"))?;
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    // The kind is ignored by a passive declare.
+    let declared = channel
+        .exchange_declare(exchange.into(), ExchangeKind::Topic, passive, FieldTable::default())
+        .await;
+    match declared {
+        Ok(()) => {
+            let _ = channel.close(200, "checked".into()).await;
+            Ok(true)
+        }
+        Err(e) if reply_code(&e) == Some(NOT_FOUND) => Ok(false),
+        Err(e) => Err(format!("checking dead_letter_exchange {exchange:?}: {e}")),
+    }
+}
+
+/// The refusal for a dead-letter exchange that does not exist.
+fn missing(exchange: &str) -> String {
+    format!(
+        "dead_letter_exchange {exchange:?} does not exist and the consumer declares nothing (no_declare): a message \
+         given up on could not be set aside and would come back first after every reconnect; declare the exchange \
+         (with a queue bound to it), or let the consumer declare it"
+    )
+}
+
+fn reply_code(error: &lapin::Error) -> Option<u16> {
+    match error.kind() {
+        lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
+        _ => None,
     }
 }
