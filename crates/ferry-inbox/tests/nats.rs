@@ -268,8 +268,8 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
 
 /// A stream that captures the consumer's own dead-letter subject hands every
 /// dead letter back to the consumer, which dead-letters it again, without
-/// end, growing the stream. The consumer refuses such a stream and consumes
-/// nothing, so nothing is lost either.
+/// end, growing the stream. The consumer refuses to start on such a stream
+/// and consumes nothing, so nothing is lost either.
 #[tokio::test]
 async fn a_consumer_whose_stream_captures_its_dead_letters_consumes_nothing() {
     let name = unique_name("inbox-nats-loop");
@@ -293,17 +293,37 @@ async fn a_consumer_whose_stream_captures_its_dead_letters_consumes_nothing() {
         .unwrap()
         .await
         .unwrap();
-    let report = consumer
+    let err = consumer
         .run(
             async |_: &mut PgConnection, _: &ReceivedEvent| Ok::<(), HandlerError>(()),
-            tokio::time::sleep(Duration::from_secs(3)),
+            tokio::time::sleep(WITHIN),
         )
         .await
-        .unwrap();
-    assert_eq!(report.malformed, 0, "{report:?}");
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("is captured by stream"), "{err}");
+    assert_eq!(consumer.report().malformed, 0);
     let mut stream = js.get_stream(&name).await.unwrap();
     assert_eq!(stream.info().await.unwrap().state.messages, 1);
     let _ = js.delete_stream(&name).await;
+}
+
+/// A dead letter published to a subject no stream captures is refused
+/// (no responders): the message came back after every nak, for ever. The
+/// consumer refuses to start, naming the subject.
+#[tokio::test]
+async fn a_dead_letter_subject_no_stream_captures_is_refused_at_start() {
+    let mut env = Env::new("inbox-nats-nodead").await;
+    env.dead_subject = format!("{}-nowhere.orders", env.stream);
+    let err = refusal(&env).await;
+    assert!(
+        err.contains(&format!(
+            "dead_letter_subject {:?} is captured by no stream",
+            env.dead_subject
+        )),
+        "{err}"
+    );
+    env.cleanup().await;
 }
 
 /// Runs a consumer with the test's options until it stops by itself, which

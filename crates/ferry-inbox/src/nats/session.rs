@@ -3,11 +3,12 @@
 
 use std::pin::Pin;
 
+use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
 use async_nats::jetstream::{self, AckKind, Context};
 use futures::StreamExt;
 use sqlx::PgConnection;
 use tokio::time::timeout;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use super::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, DEAD_SUBJECT_HEADER, NatsConsumerOptions, decode, durable};
 use crate::runner::Counters;
@@ -75,12 +76,24 @@ where
                 .map_err(|e| format!("stream {:?}: {e}", o.stream))?;
             let subjects = &stream.cached_info().config.subjects;
             if reads_its_own_dead_letters(subjects, o.filter_subject.as_deref(), &o.dead_letter_subject) {
-                return Err(Failure::Lost(format!(
+                return Err(Failure::Refused(format!(
                     "dead_letter_subject {:?} is captured by stream {:?} (subjects {subjects:?}) and read by this \
                      consumer: every dead letter would come back to it and be dead-lettered again, without end; \
                      choose a subject no subject of the stream matches, or a filter_subject that excludes it",
                     o.dead_letter_subject, o.stream
                 )));
+            }
+            match js.stream_by_subject(o.dead_letter_subject.as_str()).await {
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
+                    return Err(Failure::Refused(format!(
+                        "dead_letter_subject {:?} is captured by no stream: a message given up on could not be set \
+                         aside and would come back for ever; add the subject to a stream (nats stream add), or name \
+                         a subject a stream captures",
+                        o.dead_letter_subject
+                    )));
+                }
+                Err(e) => return Err(Failure::Lost(format!("finding the stream of dead_letter_subject: {e}"))),
             }
             let consumer = durable::bind(&stream, o).await?;
             let messages = consumer.messages().await.map_err(|e| format!("pulling: {e}"))?;
@@ -171,14 +184,20 @@ where
         headers.insert(DEAD_SUBJECT_HEADER, message.message.subject.as_str());
         let stored = timeout(o.timeout, async {
             js.publish_with_headers(o.dead_letter_subject.clone(), headers, message.message.payload.clone())
+                .await?
                 .await
-                .map_err(|e| e.to_string())?
-                .await
-                .map_err(|e| e.to_string())
         })
         .await;
         match stored {
             Ok(Ok(_)) => self.settle(message, AckKind::Ack).await,
+            Ok(Err(e)) if matches!(e.kind(), PublishErrorKind::StreamNotFound) => {
+                error!(
+                    subject = %o.dead_letter_subject,
+                    "dead-lettering failed: no stream captures dead_letter_subject any more; add it to a stream \
+                     (the message is redelivered until then)"
+                );
+                self.settle(message, AckKind::Nak(Some(o.database_retry_delay))).await
+            }
             Ok(Err(e)) => {
                 warn!(subject = %o.dead_letter_subject, error = %e, "dead-lettering failed; the message is redelivered later");
                 self.settle(message, AckKind::Nak(Some(o.database_retry_delay))).await
