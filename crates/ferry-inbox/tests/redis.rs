@@ -466,3 +466,77 @@ async fn pending_entries_trimmed_before_they_were_handled_are_dead_lettered_as_t
     assert_eq!(lost(), 3);
     env.cleanup().await;
 }
+
+/// A dead-letter key holding something else than a stream made every
+/// dead-lettering fail (WRONGTYPE), and the entry came back after every
+/// reconnect. The consumer refuses to start on it, naming the key; if the
+/// key changes while it runs, it stops at the first dead letter, and the
+/// entry stays pending.
+#[tokio::test]
+async fn a_dead_letter_key_that_is_not_a_stream_stops_the_consumer() {
+    let env = Env::new("inbox-redis-dead-type").await;
+    let inbox = Inbox::new(env.db.pool.clone(), "billing").unwrap();
+    let consumer = RedisConsumer::new(inbox, env.options(redis_url(), "only")).unwrap();
+    let set_dead_key = || async {
+        let _: () = redis::cmd("SET")
+            .arg(&env.dead)
+            .arg("not a stream")
+            .query_async(&mut env.redis.clone())
+            .await
+            .unwrap();
+    };
+    let run = || async {
+        let run = consumer.run(
+            async |_: &mut PgConnection, _: &ReceivedEvent| Ok(()),
+            std::future::pending(),
+        );
+        match tokio::time::timeout(support::WITHIN, run).await {
+            Ok(result) => result.unwrap_err().to_string(),
+            Err(_) => panic!("the consumer went on with a dead-letter key that is not a stream"),
+        }
+    };
+    let malformed = || async {
+        let _: String = redis::cmd("XADD")
+            .arg(&env.stream)
+            .arg("*")
+            .arg("hello")
+            .arg("world")
+            .query_async(&mut env.redis.clone())
+            .await
+            .unwrap();
+    };
+
+    set_dead_key().await;
+    let err = run().await;
+    assert!(
+        err.contains(&format!("dead_letter_stream {:?} is a string, not a stream", env.dead)),
+        "{err}"
+    );
+
+    let _: i64 = redis::cmd("DEL")
+        .arg(&env.dead)
+        .query_async(&mut env.redis.clone())
+        .await
+        .unwrap();
+    let scenario = async {
+        // The key becomes a string after the start, before a dead letter.
+        wait("the consumer reads", || async {
+            let groups: Vec<HashMap<String, redis::Value>> = redis::cmd("XINFO")
+                .arg("GROUPS")
+                .arg(&env.stream)
+                .query_async(&mut env.redis.clone())
+                .await
+                .unwrap_or_default();
+            groups.first().is_some_and(|g| g["consumers"] == redis::Value::Int(1))
+        })
+        .await;
+        set_dead_key().await;
+        malformed().await;
+    };
+    let (err, ()) = tokio::join!(run(), scenario);
+    assert!(err.contains("dead-lettering entry"), "{err}");
+    assert!(err.contains("is a string, not a stream"), "{err}");
+    assert_eq!(env.pending().await, 1, "the entry stays pending");
+    assert_eq!(consumer.report().reconnects, 0);
+    env.cleanup().await;
+}

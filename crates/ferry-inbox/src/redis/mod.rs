@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::PgConnection;
-use tracing::info;
+use tracing::{error, info};
 
 pub use decode::decode;
 
@@ -180,7 +180,11 @@ impl RedisConsumer {
             let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
             let error = match session.run(shutdown.as_mut()).await {
                 Ok(()) => break,
-                Err(e) => e,
+                Err(session::Failure::Lost(e)) => e,
+                Err(session::Failure::Refused(why)) => {
+                    error!(stream = %self.options.stream, group = %self.options.group, "consumer stops: {why}");
+                    return Err(ConsumerError::Config(why));
+                }
             };
             if !reconnect
                 .after_loss(session.started(), &self.counters, &what, &error, shutdown.as_mut())

@@ -18,6 +18,20 @@ use super::{DEAD_GROUP_FIELD, DEAD_REASON_FIELD, DEAD_SOURCE_FIELD, RedisConsume
 use crate::runner::Counters;
 use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
 
+/// Why a session ended, other than by shutdown.
+pub(super) enum Failure {
+    /// The connection or a command failed: connect again.
+    Lost(RedisError),
+    /// The dead-letter stream's key holds something else: do not go on.
+    Refused(String),
+}
+
+impl From<RedisError> for Failure {
+    fn from(error: RedisError) -> Self {
+        Failure::Lost(error)
+    }
+}
+
 /// An entry waiting out its retry backoff; still pending in the group, so
 /// if this session ends it is read again from the pending list.
 struct Later {
@@ -60,7 +74,7 @@ where
     }
 
     /// Returns `Ok` on shutdown, an error when the connection failed.
-    pub(super) async fn run(&mut self, mut shutdown: Pin<&mut impl Future<Output = ()>>) -> Result<(), RedisError> {
+    pub(super) async fn run(&mut self, mut shutdown: Pin<&mut impl Future<Output = ()>>) -> Result<(), Failure> {
         let o = self.options;
         let client = redis::Client::open(o.url.as_str())?;
         let config = AsyncConnectionConfig::new()
@@ -81,9 +95,16 @@ where
                 .query_async(&mut conn)
                 .await;
             match created {
-                Err(e) if e.code() != Some("BUSYGROUP") => return Err(e),
+                Err(e) if e.code() != Some("BUSYGROUP") => return Err(e.into()),
                 _ => {}
             }
+        }
+        let kind: String = redis::cmd("TYPE")
+            .arg(&o.dead_letter_stream)
+            .query_async(&mut conn)
+            .await?;
+        if kind != "none" && kind != "stream" {
+            return Err(Failure::Refused(not_a_stream(o, &kind)));
         }
         self.started = true;
         self.report_trimmed(&mut conn, true).await?;
@@ -161,7 +182,7 @@ where
     }
 
     /// One `XAUTOCLAIM` round from `cursor`; returns where the next starts.
-    async fn claim(&mut self, conn: &mut MultiplexedConnection, cursor: &str) -> Result<String, RedisError> {
+    async fn claim(&mut self, conn: &mut MultiplexedConnection, cursor: &str) -> Result<String, Failure> {
         let o = self.options;
         let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
             .arg(&o.stream)
@@ -225,7 +246,7 @@ where
 
     /// A pending entry whose fields are gone: trimmed before it was handled.
     /// Counted as lost and dead-lettered with the reason and its id.
-    async fn trimmed(&self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), RedisError> {
+    async fn trimmed(&self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), Failure> {
         let o = self.options;
         let consumer = self.inbox.consumer();
         metrics::lost(consumer, TRIMMED, 1);
@@ -242,7 +263,7 @@ where
 
     /// One entry; an error means the connection failed, and the entry stays
     /// pending for the next session.
-    async fn handle(&mut self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), RedisError> {
+    async fn handle(&mut self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), Failure> {
         if entry.map.is_empty() {
             // XADD needs a field, so an entry without any was removed.
             return self.trimmed(conn, entry).await;
@@ -302,13 +323,14 @@ where
 
     /// Adds the entry, with its reason, to the dead-letter stream, and only
     /// then acknowledges it: a failure in between leaves it pending, to be
-    /// dead-lettered again rather than lost.
+    /// dead-lettered again rather than lost. A dead-letter key that holds
+    /// something else than a stream stops the consumer.
     async fn dead_letter(
         &self,
         conn: &mut MultiplexedConnection,
         entry: &StreamId,
         reason: &str,
-    ) -> Result<(), RedisError> {
+    ) -> Result<(), Failure> {
         let o = self.options;
         let mut cmd = redis::cmd("XADD");
         cmd.arg(&o.dead_letter_stream).arg("*");
@@ -324,7 +346,27 @@ where
             .arg(&o.group)
             .arg(DEAD_SOURCE_FIELD)
             .arg(format!("{} {}", o.stream, entry.id));
-        cmd.query_async::<String>(conn).await?;
-        self.ack(conn, &entry.id).await
+        match cmd.query_async::<String>(conn).await {
+            Ok(_) => {}
+            Err(e) if e.code() == Some("WRONGTYPE") => {
+                let kind: String = redis::cmd("TYPE").arg(&o.dead_letter_stream).query_async(conn).await?;
+                return Err(Failure::Refused(format!(
+                    "dead-lettering entry {} failed ({e}); {}; the entry stays pending until then",
+                    entry.id,
+                    not_a_stream(o, &kind)
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(self.ack(conn, &entry.id).await?)
     }
+}
+
+/// The refusal for a dead-letter key that is not a stream.
+fn not_a_stream(o: &RedisConsumerOptions, kind: &str) -> String {
+    format!(
+        "dead_letter_stream {:?} is a {kind}, not a stream: no entry given up on could be set aside, and it would \
+         come back for ever; remove or rename that key, or name another dead_letter_stream",
+        o.dead_letter_stream
+    )
 }
