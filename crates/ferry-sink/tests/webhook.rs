@@ -319,13 +319,24 @@ async fn check_reports_reachability() {
     let receiver = Receiver::start(&[SECRET]).await;
     let sink = sink(WebhookOptions::default());
     // HEAD on a POST-only path answers 405, and an unknown path 404: both
-    // prove a server is listening.
-    sink.check(&route(&receiver.url("/hook")))
+    // prove a server is listening, but a 404 may mean a wrong path, which
+    // `ferry check` shows on the route's line.
+    let caveats = sink
+        .check_with_caveats(&route(&receiver.url("/hook")))
         .await
         .expect("405 is reachable");
-    sink.check(&route(&receiver.url("/nowhere")))
+    assert!(caveats.is_empty(), "{caveats:?}");
+    let caveats = sink
+        .check_with_caveats(&route(&receiver.url("/nowhere")))
         .await
         .expect("404 is reachable");
+    assert!(
+        caveats.len() == 1 && caveats[0].contains("404") && caveats[0].contains("routes[].destination"),
+        "{caveats:?}"
+    );
+    sink.check(&route(&receiver.url("/nowhere")))
+        .await
+        .expect("a caveat is no failure");
     sink.check(&route("http://{domain}.example/hook"))
         .await
         .expect("templates are not probed");

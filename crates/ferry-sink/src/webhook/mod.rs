@@ -349,11 +349,22 @@ impl Sink for WebhookSink {
     /// (refused, timed out, TLS) fails the check. A template is only checked
     /// for being an http(s) URL, since its host may depend on the event.
     async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        for caveat in self.check_with_caveats(route).await? {
+            tracing::warn!(route = %route.name, "{caveat}");
+        }
+        Ok(())
+    }
+
+    /// Any answer to a `HEAD` proves a server listens, so it passes; a 404
+    /// or 410 also says the path may not exist (a delivery answered so goes
+    /// dead), but many servers answer 404 to `HEAD` on a POST-only path, so
+    /// it is a caveat, not a failure.
+    async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
         let destination = route.destination.as_str();
         if destination.contains('{') {
             let scheme = destination.split("://").next().unwrap_or_default();
             return if matches!(scheme, "http" | "https") {
-                Ok(())
+                Ok(Vec::new())
             } else {
                 Err(SinkError::config(format!(
                     "route {:?}: destination {:?} must start with http:// or https:// \
@@ -378,13 +389,21 @@ impl Sink for WebhookSink {
         }
         match self.client.head(url.clone()).headers(self.headers.clone()).send().await {
             Ok(response) => {
+                let status = response.status();
                 tracing::info!(
                     route = %route.name,
                     url = %message::redact(url.as_str()),
-                    status = %response.status(),
+                    %status,
                     "webhook endpoint reachable (HEAD answered)"
                 );
-                Ok(())
+                Ok(match status.as_u16() {
+                    404 | 410 => vec![format!(
+                        "the endpoint answered HEAD with {status}: the path may not exist, and a delivery \
+                         answered so goes dead; make sure routes[].destination is the receiver's path (some \
+                         servers answer 404 to HEAD on a path that takes only POST)"
+                    )],
+                    _ => Vec::new(),
+                })
             }
             Err(e) => {
                 let err = client::transport_error("HEAD", &url, e, &route.sink);
