@@ -39,25 +39,13 @@ fn command_line() -> String {
         .map_or_else(|| "ferry".to_owned(), |a| basename(&a).to_owned());
     std::iter::once(bin)
         // A URL's password never reaches the report.
-        .chain(args.map(|a| shell_quote(&crate::commands::redact(&a))))
+        .chain(args.map(|a| crate::commands::shell_quote(&crate::commands::redact(&a))))
         .collect::<Vec<_>>()
         .join(" ")
 }
 
 fn basename(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
-}
-
-fn shell_quote(arg: &str) -> String {
-    let plain = !arg.is_empty()
-        && arg
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@%+".contains(c));
-    if plain {
-        arg.to_owned()
-    } else {
-        format!("'{}'", arg.replace('\'', r"'\''"))
-    }
 }
 
 /// The value after `name:` on the first matching line of a /proc file.
@@ -90,6 +78,7 @@ pub(crate) fn reset_peak_rss() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::commands::shell_quote;
 
     #[test]
     fn quoting_and_units() {

@@ -83,6 +83,19 @@ pub(crate) async fn connect(cfg: &Config) -> anyhow::Result<sqlx::PgConnection> 
         .with_context(|| format!("cannot connect to the database ({})", redact(&cfg.database.url)))
 }
 
+/// `arg` as one shell word: as is when it is plain, else single-quoted.
+pub(crate) fn shell_quote(arg: &str) -> String {
+    let plain = !arg.is_empty()
+        && arg
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:=,@%+".contains(c));
+    if plain {
+        arg.to_owned()
+    } else {
+        format!("'{}'", arg.replace('\'', r"'\''"))
+    }
+}
+
 /// A URL without its password, for messages.
 pub(crate) fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {

@@ -87,32 +87,17 @@ pub fn fixes(route: &str) -> String {
          cancel them: `ferry cancel --route {} --state pending --state retrying --state dead --reason \
          \"<why>\"` (it refuses pending deliveries a running relay may hold: run it with the relays \
          stopped)",
-        shell_word(route)
+        super::shell_quote(route)
     )
-}
-
-/// `word` as one shell word: as is when it is plain, else single-quoted.
-fn shell_word(word: &str) -> String {
-    let plain = !word.is_empty()
-        && word
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | ':' | '/' | '@' | '+' | ','));
-    if plain {
-        word.to_owned()
-    } else {
-        format!("'{}'", word.replace('\'', r"'\''"))
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[test]
     fn a_route_name_is_one_shell_word() {
-        assert_eq!(shell_word("rabbit:orders.v2"), "rabbit:orders.v2");
-        assert_eq!(shell_word("my orders"), "'my orders'");
-        assert_eq!(shell_word("it's"), r"'it'\''s'");
-        assert_eq!(shell_word(""), "''");
+        assert_eq!(crate::commands::shell_quote("rabbit:orders.v2"), "rabbit:orders.v2");
+        assert_eq!(crate::commands::shell_quote("my orders"), "'my orders'");
+        assert_eq!(crate::commands::shell_quote("it's"), r"'it'\''s'");
+        assert_eq!(crate::commands::shell_quote(""), "''");
     }
 }
