@@ -406,42 +406,81 @@ impl ExpiredBatch for FailingBatch {
     }
 }
 
+/// A purge of 12 published events in batches of 5, into an archive, whose
+/// second delete fails as `FailingDelete` does; what it left.
+struct FailedRun {
+    o: Outbox,
+    seqs: Vec<i64>,
+    dir: tempfile::TempDir,
+    options: PurgeOptions,
+    err: PurgeError,
+    /// The seqs still in the outbox.
+    left: BTreeSet<i64>,
+}
+
+impl FailedRun {
+    async fn new(commit_answer_lost: bool) -> Self {
+        let o = outbox().await;
+        let seqs = o.produce(12, "x").await;
+        o.settle(&seqs, "orders", "published", 8, 0).await;
+        let dir = tempfile::tempdir().unwrap();
+        let options = PurgeOptions {
+            archive_dir: Some(dir.path().to_owned()),
+            ..PurgeOptions::default()
+        };
+        let failing = FailingDelete {
+            store: o.store.clone(),
+            deletes: Default::default(),
+            fail_at: 2,
+            commit_answer_lost,
+        };
+        let err = purge(&failing, &rules(5), &options, Utc::now()).await.unwrap_err();
+        let left = o.seqs().await;
+        Self {
+            o,
+            seqs,
+            dir,
+            options,
+            err,
+            left,
+        }
+    }
+
+    /// The seqs in the run's archive file, and those deleted.
+    fn archived_and_deleted(&self) -> (BTreeSet<i64>, BTreeSet<i64>) {
+        let file = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        let archived = read_archive(&file).unwrap().into_iter().map(|e| e.seq).collect();
+        let deleted = self.seqs.iter().copied().filter(|s| !self.left.contains(s)).collect();
+        (archived, deleted)
+    }
+}
+
 #[tokio::test]
 async fn a_failed_delete_takes_its_batch_back_out_of_the_archive() {
-    let o = outbox().await;
-    let seqs = o.produce(12, "x").await;
-    o.settle(&seqs, "orders", "published", 8, 0).await;
-    let dir = tempfile::tempdir().unwrap();
-    let options = PurgeOptions {
-        archive_dir: Some(dir.path().to_owned()),
-        ..PurgeOptions::default()
-    };
-    let failing = FailingDelete {
-        store: o.store.clone(),
-        deletes: Default::default(),
-        fail_at: 2,
-        commit_answer_lost: false,
-    };
-    let err = purge(&failing, &rules(5), &options, Utc::now()).await.unwrap_err();
+    let run = FailedRun::new(false).await;
+    let err = &run.err;
     assert!(matches!(err, PurgeError::Store { .. }), "{err}");
     assert_eq!((err.done().events, err.done().archived), (5, 5));
-    let left = o.seqs().await;
-    assert_eq!(left.len(), 7, "only the first batch is gone");
-    let file = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap().path();
-    let archived: BTreeSet<i64> = read_archive(&file).unwrap().into_iter().map(|e| e.seq).collect();
-    let deleted: BTreeSet<i64> = seqs.iter().copied().filter(|s| !left.contains(s)).collect();
+    assert_eq!(run.left.len(), 7, "only the first batch is gone");
+    let (archived, deleted) = run.archived_and_deleted();
     assert_eq!(archived, deleted, "the archive holds exactly what was deleted");
     // The next run picks up where this one failed, in a new file.
-    let report = purge(&o.store, &rules(5), &options, Utc::now()).await.unwrap();
+    let o = &run.o;
+    let report = purge(&o.store, &rules(5), &run.options, Utc::now()).await.unwrap();
     assert_eq!(report.events, 7);
     assert_eq!(o.seqs().await.len(), 0);
     let mut all = BTreeSet::new();
-    for f in std::fs::read_dir(dir.path()).unwrap() {
+    for f in std::fs::read_dir(run.dir.path()).unwrap() {
         for e in read_archive(&f.unwrap().path()).unwrap() {
             assert!(all.insert(e.seq), "seq {} archived twice", e.seq);
         }
     }
-    assert_eq!(all, seqs.into_iter().collect());
+    assert_eq!(all, run.seqs.iter().copied().collect());
 }
 
 /// A commit can reach the database and its answer be lost (the connection
@@ -449,27 +488,11 @@ async fn a_failed_delete_takes_its_batch_back_out_of_the_archive() {
 /// is then its only copy and must keep it.
 #[tokio::test]
 async fn a_delete_whose_commit_answer_was_lost_stays_archived() {
-    let o = outbox().await;
-    let seqs = o.produce(12, "x").await;
-    o.settle(&seqs, "orders", "published", 8, 0).await;
-    let dir = tempfile::tempdir().unwrap();
-    let options = PurgeOptions {
-        archive_dir: Some(dir.path().to_owned()),
-        ..PurgeOptions::default()
-    };
-    let failing = FailingDelete {
-        store: o.store.clone(),
-        deletes: Default::default(),
-        fail_at: 2,
-        commit_answer_lost: true,
-    };
-    let err = purge(&failing, &rules(5), &options, Utc::now()).await.unwrap_err();
+    let run = FailedRun::new(true).await;
+    let err = &run.err;
     assert!(matches!(err, PurgeError::Store { .. }), "{err}");
-    let left = o.seqs().await;
-    assert_eq!(left.len(), 2, "both batches are gone");
-    let file = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap().path();
-    let archived: BTreeSet<i64> = read_archive(&file).unwrap().into_iter().map(|e| e.seq).collect();
-    let deleted: BTreeSet<i64> = seqs.iter().copied().filter(|s| !left.contains(s)).collect();
+    assert_eq!(run.left.len(), 2, "both batches are gone");
+    let (archived, deleted) = run.archived_and_deleted();
     assert_eq!(archived, deleted, "a deleted event is missing from the archive");
 }
 
