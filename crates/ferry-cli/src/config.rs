@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
-use ferry_core::{Glob, RetryPolicy, Route};
+use ferry_core::{Glob, RetryPolicy, Route, redact};
 use figment::Figment;
 use figment::providers::{Format, Toml};
 
@@ -222,7 +222,7 @@ impl Config {
 impl fmt::Debug for DatabaseConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DatabaseConfig")
-            .field("url", &redact_url(&self.url))
+            .field("url", &redact::url(&self.url))
             .field("max_connections", &self.max_connections)
             .finish()
     }
@@ -239,10 +239,10 @@ impl fmt::Debug for SinkSpec {
                 channels,
             } => f
                 .debug_struct("RabbitMq")
-                .field("url", &redact_url(url))
+                .field("url", &redact::url(url))
                 .field("publish_timeout", publish_timeout)
                 .field("max_message_bytes", max_message_bytes)
-                .field("management_url", &management_url.as_deref().map(redact_url))
+                .field("management_url", &management_url.as_deref().map(redact::url))
                 .field("channels", channels)
                 .finish(),
             SinkSpec::Kafka(k) => f.debug_tuple("Kafka").field(k).finish(),
@@ -868,6 +868,18 @@ fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> 
             Some(name) => (name, true),
             None => (format!("{sink}:{destination}"), false),
         };
+        if !explicit && redact::carries_secrets(&without_placeholders(&destination)) {
+            // The name is a metric label, a log field and a column: a token
+            // in the destination would go wherever the name goes.
+            check.problem(
+                field("name"),
+                format!(
+                    "missing; the default name <sink>:<destination> would carry the destination's \
+                     credentials or query ({}) into metrics, logs and the database: set name = \"...\"",
+                    redact::url(&destination)
+                ),
+            );
+        }
         if explicit && name.trim().is_empty() {
             check.problem(
                 field("name"),
@@ -933,6 +945,15 @@ fn sink_names(sinks: &BTreeSet<String>) -> Option<String> {
     (!sinks.is_empty()).then(|| sinks.iter().map(String::as_str).collect::<Vec<_>>().join(", "))
 }
 
+/// `template` with its placeholders taken out: what is literally in it.
+fn without_placeholders(template: &str) -> String {
+    let mut out = template.to_owned();
+    for p in TEMPLATE_PLACEHOLDERS {
+        out = out.replace(&format!("{{{p}}}"), "");
+    }
+    out
+}
+
 /// Catches a misspelt placeholder, which would otherwise send every event to
 /// a destination literally named `{tpye}`.
 fn check_template(check: &mut Checker, field: &str, template: &str) {
@@ -959,22 +980,6 @@ fn check_template(check: &mut Checker, field: &str, template: &str) {
                 known.join(", ")
             ),
         );
-    }
-}
-
-/// `scheme://user:***@host/...`, for Debug output.
-fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_owned();
-    };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    match rest[..authority_end].rsplit_once('@') {
-        Some((userinfo, _)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
-            let hidden = if user.len() < userinfo.len() { ":***" } else { "" };
-            format!("{scheme}://{user}{hidden}@{}", &rest[userinfo.len() + 1..])
-        }
-        None => url.to_owned(),
     }
 }
 

@@ -10,12 +10,14 @@
 //!   every outbox database implements. Both classify their errors with
 //!   [`ErrorKind`] so the relay branches on the kind, never on message text.
 //! - [`Clock`] is injected so lease and retry logic is testable without sleeping.
+//! - [`redact::url`] hides the credentials a URL may carry, for every message.
 //! - `trace` (feature `otel`) carries W3C trace context in event headers.
 
 mod clock;
 mod error;
 mod event;
 mod lifecycle;
+pub mod redact;
 mod route;
 mod sink;
 mod store;

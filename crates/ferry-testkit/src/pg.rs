@@ -73,7 +73,7 @@ impl TestDb {
             panic!(
                 "cannot connect to PostgreSQL at {} ({e}); start it with scripts/test --services-only, \
                  or point {ADMIN_URL_ENV} at a server where this user may create databases",
-                redact(&admin_url)
+                ferry_core::redact::url(&admin_url)
             )
         });
         let mut attempt: u64 = 0;
@@ -265,24 +265,6 @@ fn with_database(url: &str, database: &str) -> String {
     out
 }
 
-/// Hides the password of a URL for messages.
-fn redact(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let authority_end = url[scheme_end..].find(['/', '?']).map_or(url.len(), |i| scheme_end + i);
-    let Some((userinfo, _host)) = url[scheme_end..authority_end].rsplit_once('@') else {
-        return url.to_owned();
-    };
-    match userinfo.split_once(':') {
-        Some((user, _password)) => {
-            let host_start = scheme_end + userinfo.len() + 1;
-            format!("{}{user}:***@{}", &url[..scheme_end], &url[host_start..])
-        }
-        None => url.to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -392,13 +374,6 @@ mod tests {
             with_database("postgres://h?application_name=t", "x"),
             "postgres://h/x?application_name=t"
         );
-    }
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(redact("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
-        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
-        assert_eq!(redact("postgres://h/db"), "postgres://h/db");
     }
 
     #[test]

@@ -8,8 +8,6 @@ use anyhow::Context;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool};
 
-use crate::commands::redact;
-
 const NAME_PREFIX: &str = "ferry_bench_";
 
 /// A database named `ferry_bench_<hex>` with the Ferry schema.
@@ -31,7 +29,7 @@ impl BenchDb {
             .application_name("ferry-bench");
         let mut conn = PgConnection::connect_with(&admin)
             .await
-            .with_context(|| format!("cannot connect to PostgreSQL at {}", redact(admin_url)))?;
+            .with_context(|| format!("cannot connect to PostgreSQL at {}", ferry_core::redact::url(admin_url)))?;
         let name = format!("{NAME_PREFIX}{:016x}", rand::random::<u64>());
         // The name is ours (prefix and hex digits): nothing to quote.
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE DATABASE {name}")))

@@ -39,7 +39,7 @@ fn command_line() -> String {
         .map_or_else(|| "ferry".to_owned(), |a| basename(&a).to_owned());
     std::iter::once(bin)
         // A URL's password never reaches the report.
-        .chain(args.map(|a| crate::commands::shell_quote(&crate::commands::redact(&a))))
+        .chain(args.map(|a| crate::commands::shell_quote(&ferry_core::redact::url(&a))))
         .collect::<Vec<_>>()
         .join(" ")
 }

@@ -141,5 +141,5 @@ pub(crate) async fn connect(amqp_url: &str, name: &str) -> anyhow::Result<Connec
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     Connection::connect(amqp_url, properties)
         .await
-        .with_context(|| format!("cannot connect to RabbitMQ at {}", crate::commands::redact(amqp_url)))
+        .with_context(|| format!("cannot connect to RabbitMQ at {}", ferry_core::redact::url(amqp_url)))
 }

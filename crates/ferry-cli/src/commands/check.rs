@@ -49,7 +49,7 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
             route.name,
             route.sink,
             sink.kind(),
-            super::redact(&route.destination)
+            ferry_core::redact::url(&route.destination)
         );
         findings.push(match sink.check_with_caveats(route).await {
             Ok(caveats) if caveats.is_empty() => Finding {
@@ -121,12 +121,12 @@ async fn check_unserved(cfg: &Config) -> Vec<Finding> {
 }
 
 async fn check_database(cfg: &Config) -> Finding {
-    let what = format!("database {}", super::redact(&cfg.database.url));
+    let what = format!("database {}", ferry_core::redact::url(&cfg.database.url));
     let found = match super::store(cfg) {
         Ok(store) => store.schema_version().await.map_err(|e| {
             format!(
                 "cannot connect to the database ({}): {e}",
-                super::redact(&cfg.database.url)
+                ferry_core::redact::url(&cfg.database.url)
             )
         }),
         Err(e) => Err(format!("{e:#}")),

@@ -6,10 +6,12 @@ use crate::config::Config;
 
 pub async fn run(cfg: &Config) -> anyhow::Result<ExitCode> {
     let store = super::store(cfg)?;
-    let applied = store
-        .migrate()
-        .await
-        .with_context(|| format!("migrating the ferry schema at {}", super::redact(&cfg.database.url)))?;
+    let applied = store.migrate().await.with_context(|| {
+        format!(
+            "migrating the ferry schema at {}",
+            ferry_core::redact::url(&cfg.database.url)
+        )
+    })?;
     if applied.is_empty() {
         println!("ferry schema is up to date");
     } else {

@@ -78,9 +78,12 @@ pub(crate) fn relay_store(cfg: &Config) -> anyhow::Result<AnyStore> {
 
 pub(crate) async fn connect(cfg: &Config) -> anyhow::Result<sqlx::PgConnection> {
     use sqlx::Connection;
-    sqlx::PgConnection::connect(&cfg.database.url)
-        .await
-        .with_context(|| format!("cannot connect to the database ({})", redact(&cfg.database.url)))
+    sqlx::PgConnection::connect(&cfg.database.url).await.with_context(|| {
+        format!(
+            "cannot connect to the database ({})",
+            ferry_core::redact::url(&cfg.database.url)
+        )
+    })
 }
 
 /// `arg` as one shell word: as is when it is plain, else single-quoted.
@@ -93,31 +96,5 @@ pub(crate) fn shell_quote(arg: &str) -> String {
         arg.to_owned()
     } else {
         format!("'{}'", arg.replace('\'', r"'\''"))
-    }
-}
-
-/// A URL without its password, for messages.
-pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => {
-            let creds = &url[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}://{}:***{}", &url[..s], &creds[..c], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn passwords_never_reach_messages() {
-        assert_eq!(
-            super::redact("postgres://u:secret@h:5432/db"),
-            "postgres://u:***@h:5432/db"
-        );
-        assert_eq!(super::redact("postgres://u@h/db"), "postgres://u@h/db");
     }
 }

@@ -315,8 +315,21 @@ fn figment_problem(error: figment::Error, file: &str) -> Problem {
                 expected.join(", ")
             )
         }
+        // The value itself is never echoed: it may be a secret set through
+        // the environment, where every value is a string.
         Kind::InvalidType(actual, expected) => {
-            format!("expected {expected}, found {actual}{}", env_source(&error, path))
+            format!(
+                "expected {expected}, found {}{}",
+                kind_of(actual),
+                env_source(&error, path)
+            )
+        }
+        Kind::InvalidValue(actual, expected) => {
+            format!(
+                "expected {expected}, found {}{}",
+                kind_of(actual),
+                env_source(&error, path)
+            )
         }
         kind => format!("{kind}{}", env_source(&error, path)),
     };
@@ -335,6 +348,23 @@ fn figment_problem(error: figment::Error, file: &str) -> Problem {
 
 /// ` (set by FERRY_X__Y)` when the value came from the environment, which the
 /// field path alone would not reveal.
+/// What kind of value `actual` is, without the value.
+fn kind_of(actual: &figment::error::Actual) -> &'static str {
+    use figment::error::Actual;
+    match actual {
+        Actual::Bool(_) => "a boolean",
+        Actual::Unsigned(_) | Actual::Signed(_) => "an integer",
+        Actual::Float(_) => "a number",
+        Actual::Char(_) | Actual::Str(_) => "a string",
+        Actual::Bytes(_) => "bytes",
+        Actual::Unit => "an empty value",
+        Actual::Option => "an optional value",
+        Actual::Seq => "a list",
+        Actual::Map => "a table",
+        _ => "another kind of value",
+    }
+}
+
 fn env_source(error: &figment::Error, path: &[String]) -> String {
     match &error.metadata {
         Some(md) if md.name == ENV_SOURCE => {

@@ -11,7 +11,9 @@ use std::fmt;
 use std::time::Duration;
 
 use super::raw::RawSink;
-use super::{Checker, SinkSpec, redact_url};
+use ferry_core::redact;
+
+use super::{Checker, SinkSpec};
 
 const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_MAX_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
@@ -147,7 +149,7 @@ impl fmt::Debug for KafkaSpec {
 impl fmt::Debug for NatsSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NatsSpec")
-            .field("url", &redact_token_url(&self.url))
+            .field("url", &redact::url(&self.url))
             .field("publish_timeout", &self.publish_timeout)
             .field("reconnect_max_delay", &self.reconnect_max_delay)
             .field("max_message_bytes", &self.max_message_bytes)
@@ -159,7 +161,7 @@ impl fmt::Debug for NatsSpec {
 impl fmt::Debug for RedisSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisSpec")
-            .field("url", &redact_url(&self.url))
+            .field("url", &redact::url(&self.url))
             .field("publish_timeout", &self.publish_timeout)
             .field("reconnect_max_delay", &self.reconnect_max_delay)
             .field("max_message_bytes", &self.max_message_bytes)
@@ -181,22 +183,6 @@ impl fmt::Debug for WebhookSpec {
             .field("source", &self.source)
             .field("headers", &headers)
             .finish()
-    }
-}
-
-/// Like [`redact_url`], and a user part alone is hidden too: NATS reads
-/// `nats://TOKEN@host` as a token.
-fn redact_token_url(url: &str) -> String {
-    let redacted = redact_url(url);
-    let Some((scheme, rest)) = redacted.split_once("://") else {
-        return redacted;
-    };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    match rest[..authority_end].rsplit_once('@') {
-        Some((userinfo, _)) if !userinfo.contains(':') => {
-            format!("{scheme}://***@{}", &rest[userinfo.len() + 1..])
-        }
-        _ => redacted,
     }
 }
 

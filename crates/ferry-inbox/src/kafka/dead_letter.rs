@@ -17,7 +17,9 @@ pub(super) async fn topic_exists(o: &KafkaConsumerOptions) -> Result<bool, Strin
     let (topic, timeout) = (o.dead_letter_topic.clone(), o.timeout);
     // librdkafka's metadata call blocks.
     tokio::task::spawn_blocking(move || {
-        let client: BaseConsumer = config.create().map_err(|e| format!("creating the Kafka client: {e}"))?;
+        let client: BaseConsumer = config
+            .create()
+            .map_err(|e| format!("creating the Kafka client: {}", super::kafka_config_error(&e)))?;
         let metadata = client
             .fetch_metadata(Some(&topic), timeout)
             .map_err(|e| format!("fetching the metadata of dead_letter_topic {topic:?}: {e}"))?;

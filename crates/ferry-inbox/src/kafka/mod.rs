@@ -126,7 +126,7 @@ impl KafkaConsumerOptions {
     fn consumer(&self) -> Result<StreamConsumer, String> {
         self.consumer_config()
             .create()
-            .map_err(|e| format!("creating the Kafka consumer: {e}"))
+            .map_err(|e| format!("creating the Kafka consumer: {}", kafka_config_error(&e)))
     }
 
     fn consumer_config(&self) -> ClientConfig {
@@ -157,7 +157,19 @@ impl KafkaConsumerOptions {
         }
         config
             .create()
-            .map_err(|e| format!("creating the dead-letter producer: {e}"))
+            .map_err(|e| format!("creating the dead-letter producer: {}", kafka_config_error(&e)))
+    }
+}
+
+/// A client that could not be made, without the property's value, which
+/// librdkafka's own text quotes: `extra` may hold a SASL password under a
+/// misspelt name.
+fn kafka_config_error(err: &rdkafka::error::KafkaError) -> String {
+    match err {
+        rdkafka::error::KafkaError::ClientConfig(_, description, property, _value) => {
+            format!("{description} (property {property:?}; its value is not shown)")
+        }
+        other => other.to_string(),
     }
 }
 

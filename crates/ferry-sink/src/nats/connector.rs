@@ -58,7 +58,7 @@ pub(crate) struct Connector {
 impl Connector {
     pub(crate) fn new(url: String, timeout: Duration, reconnect_max_delay: Duration) -> Self {
         Self {
-            display_url: redact(&url),
+            display_url: ferry_core::redact::url(&url),
             url,
             timeout,
             link: None,
@@ -260,34 +260,9 @@ fn percent_decode(s: &str) -> Result<String, String> {
     String::from_utf8(out).map_err(|_| "credentials that are not UTF-8".to_owned())
 }
 
-/// `url` with any password or token replaced by `***`.
-pub(crate) fn redact(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
-    };
-    match rest[..at].find(':') {
-        Some(colon) => format!("{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..]),
-        // A lone token: hide it all.
-        None => format!("{}***{}", &url[..scheme_end], &rest[at..]),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn redacts_passwords_and_tokens() {
-        assert_eq!(redact("nats://u:p@127.0.0.1:4222"), "nats://u:***@127.0.0.1:4222");
-        assert_eq!(redact("nats://s3cret@host:4222"), "nats://***@host:4222");
-        assert_eq!(redact("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
-        assert_eq!(redact("127.0.0.1:4222"), "127.0.0.1:4222");
-    }
 
     #[test]
     fn credentials_come_from_the_url() {

@@ -41,7 +41,7 @@ impl Connector {
     /// A connector whose links publish over `lanes` channels (at least one).
     pub(crate) fn new(url: String, timeout: Duration, reconnect_max_delay: Duration, lanes: usize) -> Self {
         Self {
-            display_url: redact(&url),
+            display_url: ferry_core::redact::url(&url),
             url,
             timeout,
             link: None,
@@ -223,38 +223,5 @@ impl Connector {
         let delay = self.backoff.failed(now, error.clone());
         warn!(%error, retry_in = ?delay, "RabbitMQ connection failed");
         Err(SinkError::transient(error))
-    }
-}
-
-/// `url` with the password of its user info replaced by `***`.
-pub(crate) fn redact(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
-        return url.to_owned();
-    };
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
-    };
-    match rest[..at].find(':') {
-        Some(colon) => format!("{}{}:***{}", &url[..scheme_end], &rest[..colon], &rest[at..]),
-        None => url.to_owned(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::redact;
-
-    #[test]
-    fn redacts_the_password_only() {
-        assert_eq!(
-            redact("amqp://guest:guest@127.0.0.1:5672/%2f"),
-            "amqp://guest:***@127.0.0.1:5672/%2f"
-        );
-        assert_eq!(redact("amqps://u:p@ss@host/vh?x=1"), "amqps://u:***@host/vh?x=1");
-        assert_eq!(redact("amqp://user@host/"), "amqp://user@host/");
-        assert_eq!(redact("amqp://host:5672"), "amqp://host:5672");
-        assert_eq!(redact("not a url"), "not a url");
     }
 }

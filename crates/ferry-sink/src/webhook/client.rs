@@ -3,11 +3,10 @@
 
 use std::time::Duration;
 
-use ferry_core::{ErrorKind, SinkError};
+use ferry_core::{ErrorKind, SinkError, redact};
 use reqwest::header::{HeaderMap, LOCATION, RETRY_AFTER};
 use reqwest::{Response, Url};
 
-use super::message::redact;
 use super::status::{parse_retry_after, status_kind};
 
 /// How much of an error response's body goes into the error message.
@@ -61,9 +60,9 @@ fn status_error(
     snippet: &[u8],
     kind: ErrorKind,
 ) -> SinkError {
-    let mut message = format!("{method} {}: HTTP {status}", redact(url.as_str()));
+    let mut message = format!("{method} {}: HTTP {status}", redact::url(url.as_str()));
     if status.is_redirection() {
-        let location = headers.get(LOCATION).and_then(|v| v.to_str().ok()).unwrap_or("(none)");
+        let location = location(url, headers);
         message.push_str(&format!(
             "; redirects are not followed: point routes[].destination at the Location, {location:?}"
         ));
@@ -91,6 +90,15 @@ fn status_error(
     }
 }
 
+/// Where a redirect points, resolved against `url` and redacted: the
+/// Location may carry the receiver's token as the destination may.
+pub(crate) fn location(url: &Url, headers: &HeaderMap) -> String {
+    match headers.get(LOCATION).and_then(|v| v.to_str().ok()) {
+        None => "(none)".to_owned(),
+        Some(l) => url.join(l).map_or_else(|_| redact::url(l), |u| redact::url(u.as_str())),
+    }
+}
+
 /// A transport failure: refused, reset, timed out, a TLS error. All are
 /// transient; a timed-out request may still have reached the receiver, which
 /// is why every request carries the event id as `webhook-id`.
@@ -104,7 +112,7 @@ pub(crate) fn transport_error(method: &str, url: &Url, err: reqwest::Error, sink
     };
     SinkError::transient(format!(
         "{method} {} {what}: {}",
-        redact(url.as_str()),
+        redact::url(url.as_str()),
         chain(&err.without_url())
     ))
 }

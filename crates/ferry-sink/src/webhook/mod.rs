@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, redact};
 use futures::future::join_all;
 use reqwest::header::{HeaderMap, HeaderValue};
 use tokio::sync::Semaphore;
@@ -370,7 +370,7 @@ impl Sink for WebhookSink {
                     "route {:?}: destination {:?} must start with http:// or https:// \
                      (routes[].destination)",
                     route.name,
-                    message::redact(destination)
+                    redact::url(destination)
                 )))
             };
         }
@@ -379,7 +379,7 @@ impl Sink for WebhookSink {
                 "route {:?}: destination {:?} {problem}; routes[].destination must be an http:// or \
                  https:// URL",
                 route.name,
-                message::redact(destination)
+                redact::url(destination)
             ))
         })?;
         if url.scheme() == "https" && self.roots == 0 {
@@ -392,7 +392,7 @@ impl Sink for WebhookSink {
                 let status = response.status();
                 tracing::info!(
                     route = %route.name,
-                    url = %message::redact(url.as_str()),
+                    url = %redact::url(url.as_str()),
                     %status,
                     "webhook endpoint reachable (HEAD answered)"
                 );

@@ -252,7 +252,7 @@ async fn status(Path(code): Path<u16>) -> Response {
     match code {
         429 => drop(headers.insert("retry-after", "7".parse().unwrap())),
         503 => drop(headers.insert("retry-after", RETRY_DATE.parse().unwrap())),
-        300..=399 => drop(headers.insert("location", "https://moved.example/hook".parse().unwrap())),
+        300..=399 => drop(headers.insert("location", "https://moved.example/hook?token=s3cret".parse().unwrap())),
         _ => {}
     }
     response
