@@ -169,7 +169,7 @@ async fn wire_format_carries_ids_cloudevents_headers_and_persistence() {
 }
 
 #[tokio::test]
-async fn an_exchange_without_a_queue_fails_every_event_permanently() {
+async fn an_exchange_without_a_queue_fails_every_event_until_one_is_bound() {
     let counts = ferry_testkit::metrics::Counts::by_label("exchange");
     // The test's runtime has one thread, so a thread-local recorder sees all.
     let _recorder = metrics::set_default_local_recorder(&counts);
@@ -184,8 +184,8 @@ async fn an_exchange_without_a_queue_fails_every_event_permanently() {
         "every return counted"
     );
     for outcome in &outcomes {
-        expect_err(outcome, ErrorKind::Permanent, "unroutable");
-        expect_err(outcome, ErrorKind::Permanent, "312 NO_ROUTE");
+        expect_err(outcome, ErrorKind::Transient, "unroutable");
+        expect_err(outcome, ErrorKind::Transient, "312 NO_ROUTE");
     }
     // check() asks the management API and says so before any publish.
     let err = sink
@@ -195,6 +195,55 @@ async fn an_exchange_without_a_queue_fails_every_event_permanently() {
     assert_eq!(err.kind, ErrorKind::Config, "{err}");
     assert!(err.message.contains("reaches nobody"), "{err}");
     assert!(err.message.contains("no queue is bound"), "{err}");
+    sink.close().await;
+    topology.delete().await;
+}
+
+#[tokio::test]
+async fn a_batch_abandoned_before_its_confirms_leaves_no_confirm_to_take_a_later_return() {
+    // A relay bounds a publish and drops it when the bound passes. Confirms
+    // still owed on the channels would take the next batch's returns, and
+    // an unroutable message could pass for delivered: the sink starts over.
+    let counts = ferry_testkit::metrics::Counts::by_label("kind");
+    let _recorder = metrics::set_default_local_recorder(&counts);
+    let topology = TestTopology::create_with_binding("abandoned", "routable.#").await;
+    let sink = sink_at(amqp_url());
+    let routed = route(topology.exchange(), Some("{key}"));
+    let warm = keyed(5, |seq| format!("routable.{seq}"));
+    assert!(sink.publish(&routed, &warm).await.iter().all(Result::is_ok));
+    assert_eq!(counts.get(ferry_sink::CONNECTIONS_METRIC, "rabbitmq"), 1);
+    let mut abandoned = false;
+    for n in [2_000, 10_000, 50_000] {
+        let big = keyed(n, |seq| format!("routable.{seq}"));
+        if tokio::time::timeout(Duration::from_millis(2), sink.publish(&routed, &big))
+            .await
+            .is_err()
+        {
+            abandoned = true;
+            break;
+        }
+    }
+    assert!(abandoned, "every batch finished within 2 ms; nothing was abandoned");
+    let mixed = keyed(300, |seq| {
+        if seq % 2 == 0 {
+            format!("dropped.{seq}")
+        } else {
+            format!("routable.{seq}")
+        }
+    });
+    let outcomes = sink.publish(&routed, &mixed).await;
+    assert_eq!(
+        counts.get(ferry_sink::CONNECTIONS_METRIC, "rabbitmq"),
+        2,
+        "the abandoned batch's connection is not used again"
+    );
+    for (e, outcome) in mixed.iter().zip(&outcomes) {
+        if e.seq % 2 == 0 {
+            expect_err(outcome, ErrorKind::Transient, "unroutable");
+        } else {
+            assert_eq!(outcome, &Ok(()), "event {}", e.seq);
+        }
+    }
     sink.close().await;
     topology.delete().await;
 }
@@ -215,7 +264,7 @@ async fn returns_are_matched_to_their_own_events_in_a_mixed_batch() {
     let mut routable = Vec::new();
     for (e, outcome) in events.iter().zip(&outcomes) {
         if e.seq % 3 == 0 {
-            expect_err(outcome, ErrorKind::Permanent, "unroutable");
+            expect_err(outcome, ErrorKind::Transient, "unroutable");
         } else {
             assert_eq!(outcome, &Ok(()), "event {} ({:?})", e.seq, e.key);
             routable.push(e.clone());

@@ -107,10 +107,12 @@ async fn an_exchange_with_no_bound_queue_is_refused_and_marks_nothing_published(
         .unwrap();
     let cfg = s.config(&Overrides {
         management_url: Some(format!("http://guest:guest@{closed}")),
+        max_attempts: Some(3),
         ..Overrides::default()
     });
     let relay = s.spawn(&cfg, "relay-a");
-    // Each key's first event is dead; the rest of the key waits behind it.
+    // Each key's first event is retried, then dead; the rest of the key
+    // waits behind it.
     let st = s
         .status_until(&cfg, &relay, PATIENCE, |st| {
             let (published_n, _, dead) = published(st, "orders");

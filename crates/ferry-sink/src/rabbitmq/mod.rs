@@ -135,9 +135,29 @@ impl RabbitMqSink {
 impl std::fmt::Debug for RabbitMqSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RabbitMqSink")
-            .field("url", &connector::redact(&self.options.url))
+            .field("url", &ferry_core::redact::url(&self.options.url))
             .field("publish_timeout", &self.options.publish_timeout)
             .finish_non_exhaustive()
+    }
+}
+
+/// The connection while a batch is on it. A batch its caller stopped
+/// awaiting (a relay's bound on a publish) leaves confirms owed on the
+/// channels, and lapin hands a `basic.return` to whichever confirm resolves
+/// next: a later batch's unroutable message could ride on a stale confirm
+/// and pass for delivered. So an unfinished batch drops the connection.
+struct InFlight<'a> {
+    connector: tokio::sync::MutexGuard<'a, Connector>,
+    finished: bool,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.connector.lost(SinkError::transient(
+                "a batch was abandoned before its confirms were in",
+            ));
+        }
     }
 }
 
@@ -167,8 +187,12 @@ impl Sink for RabbitMqSink {
         let prepared = prepare_in_key_order(events, |event| {
             Message::prepare(route, event, &opts.source, opts.max_message_bytes)
         });
-        let mut connector = self.connector.lock().await;
-        let outcomes = publish::publish_batch(&mut connector, events, prepared, opts.publish_timeout).await;
+        let mut batch = InFlight {
+            connector: self.connector.lock().await,
+            finished: false,
+        };
+        let outcomes = publish::publish_batch(&mut batch.connector, events, prepared, opts.publish_timeout).await;
+        batch.finished = true;
         log_published("RabbitMQ", route, events, &outcomes);
         outcomes
     }

@@ -70,7 +70,9 @@ pub(crate) fn from_lapin(context: &str, err: &lapin::Error) -> SinkError {
 /// The outcome for a message RabbitMQ handed back with `basic.return`.
 pub(crate) fn returned(exchange: &str, routing_key: &str, code: u16, text: &str) -> SinkError {
     if code == NO_ROUTE {
-        return SinkError::permanent(format!(
+        // Nobody home may be brief (a consumer's queue redeclared on its
+        // restart): retried, and dead once the attempts are spent.
+        return SinkError::transient(format!(
             "unroutable: exchange {exchange:?} has no queue bound for routing key \
              {routing_key:?} (reply 312 NO_ROUTE)"
         ));
@@ -123,7 +125,7 @@ mod tests {
     #[test]
     fn returns() {
         let err = returned("orders", "order.created", NO_ROUTE, "NO_ROUTE");
-        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert_eq!(err.kind, ErrorKind::Transient);
         assert_eq!(
             err.message,
             "unroutable: exchange \"orders\" has no queue bound for routing key \
