@@ -99,6 +99,10 @@ pub struct RelaySettings {
     /// goes to the table path, so one slow destination cannot hold the
     /// stream up for the others.
     pub wal_publish_timeout: Duration,
+    /// Polling mode: a route's share of a batch published straight from the
+    /// outbox that takes longer counts as failed and goes to the route's
+    /// worker, so one slow destination cannot hold the others up.
+    pub direct_publish_timeout: Duration,
 }
 
 /// How new events reach the relay.
@@ -362,6 +366,7 @@ const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_WAL_NAME: &str = "ferry";
 const DEFAULT_WAL_LAG_BUDGET_MB: i64 = 1024;
 const DEFAULT_WAL_PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_DIRECT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_PUBLISHED_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
 const DEFAULT_RETENTION_BATCH: usize = 1_000;
 const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(50);
@@ -663,6 +668,12 @@ fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
             "relay.wal_publish_timeout",
             raw.wal_publish_timeout,
             DEFAULT_WAL_PUBLISH_TIMEOUT,
+            Duration::from_millis(10),
+        ),
+        direct_publish_timeout: check.duration_at_least(
+            "relay.direct_publish_timeout",
+            raw.direct_publish_timeout,
+            DEFAULT_DIRECT_PUBLISH_TIMEOUT,
             Duration::from_millis(10),
         ),
     }

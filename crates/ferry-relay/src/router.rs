@@ -683,7 +683,19 @@ impl<'a> Direct<'a> {
                 continue;
             }
             let tagged: Vec<(usize, Claimed)> = direct_ix.into_iter().map(|i| (i, events[i].clone())).collect();
-            publishes.push(async move { (route, direct::publish(shared, route, tagged, None, "direct").await) });
+            publishes.push(async move {
+                (
+                    route,
+                    direct::publish(
+                        shared,
+                        route,
+                        tagged,
+                        Some(shared.settings.direct_publish_timeout),
+                        "direct",
+                    )
+                    .await,
+                )
+            });
         }
         let mut down = Vec::new();
         for (route, published) in futures::future::join_all(publishes).await {

@@ -15,6 +15,11 @@ pub struct RelaySettings {
     pub poll_interval: Duration,
     /// On shutdown, how long to wait for in-flight publishes to be confirmed.
     pub shutdown_timeout: Duration,
+    /// The router publishes each route's share of a batch at once and
+    /// settles when all are done; a route's share that takes longer counts
+    /// as failed (its events go to the route's worker, and may arrive
+    /// twice), so one slow destination holds the others up for at most this.
+    pub direct_publish_timeout: Duration,
 }
 
 impl RelaySettings {
@@ -26,6 +31,7 @@ impl RelaySettings {
             retry: RetryPolicy::default(),
             poll_interval: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(10),
+            direct_publish_timeout: Duration::from_secs(5),
         }
     }
 

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, Glob, NO_ROUTE, Route, Sink, SinkError, Store, SystemClock};
@@ -493,6 +494,51 @@ async fn a_failing_route_never_delays_another() {
     .await;
     relay.stop().await;
     assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
+}
+
+#[tokio::test]
+async fn a_slow_route_holds_the_others_up_for_one_bound_at_most() {
+    // A destination that answers, only slowly (a webhook taking nearly its
+    // timeout per request), never looks down. Unbounded, every batch would
+    // wait for it, and every other route's events with it.
+    let e = env().await;
+    let slow = Arc::new(AtomicBool::new(true));
+    let flag = slow.clone();
+    e.other
+        .delay_when(move |_| flag.load(Ordering::SeqCst).then_some(Duration::from_secs(30)));
+    let audit = Route {
+        sink: "other".into(),
+        ..route("audit", "**")
+    };
+    let mut s = settings("a", 4);
+    s.retry.max_attempts = u32::MAX;
+    // The abandoned share is retried by the route's worker after this, by
+    // when the destination is fast again: the test need not wait it out.
+    s.retry.base_delay = Duration::from_secs(2);
+    s.retry.max_delay = Duration::from_secs(2);
+    s.direct_publish_timeout = Duration::from_millis(300);
+    let relay = start_with(&e, s, vec![route("orders", "order.**"), audit]);
+    let mut ids = produce(&e.pool, orders(1, 1)).await;
+    eventually("orders gets the first event", Duration::from_secs(20), || {
+        !e.sink.delivered("orders").is_empty()
+    })
+    .await;
+    ids.extend(produce(&e.pool, orders(1, 1)).await);
+    // Unbounded, the second batch would wait the 30 s out.
+    eventually(
+        "orders gets the second event while audit is still slow",
+        Duration::from_secs(15),
+        || e.sink.delivered("orders").len() >= 2,
+    )
+    .await;
+    slow.store(false, Ordering::SeqCst);
+    eventually("audit gets both", Duration::from_secs(90), || {
+        e.other.delivered("audit").len() >= 2
+    })
+    .await;
+    relay.stop().await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
+    assert_complete_and_ordered(&ids, &e.other.delivered("audit"));
 }
 
 #[tokio::test]

@@ -259,6 +259,7 @@ pub(crate) fn relay_settings(cfg: &Config) -> RelaySettings {
         retry: cfg.retry_policy(),
         poll_interval: cfg.relay.poll_interval,
         shutdown_timeout: cfg.relay.shutdown_timeout,
+        direct_publish_timeout: cfg.relay.direct_publish_timeout,
     }
 }
 

@@ -62,6 +62,7 @@ pub(super) struct RawRelay {
     pub(super) wal_publication: Option<String>,
     pub(super) wal_lag_budget_mb: Option<i64>,
     pub(super) wal_publish_timeout: Option<DurationText>,
+    pub(super) direct_publish_timeout: Option<DurationText>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -38,6 +38,7 @@ fn the_example_file_parses_to_its_documented_values() {
             wal_publication: "ferry".into(),
             wal_lag_budget: 1 << 30,
             wal_publish_timeout: Duration::from_secs(5),
+            direct_publish_timeout: Duration::from_secs(5),
         }
     );
     assert_eq!(c.metrics, Some("127.0.0.1:9464".parse().unwrap()));
