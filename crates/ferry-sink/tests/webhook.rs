@@ -337,6 +337,23 @@ async fn check_reports_reachability() {
     sink.check(&route(&receiver.url("/nowhere")))
         .await
         .expect("a caveat is no failure");
+    // A redirect or a refusal of the caller says deliveries will go dead.
+    for (code, says) in [
+        (301, "redirects are not followed"),
+        (308, "redirects are not followed"),
+        (401, "credentials"),
+        (403, "credentials"),
+    ] {
+        let caveats = sink
+            .check_with_caveats(&route(&receiver.url(&format!("/status/{code}"))))
+            .await
+            .expect("an answer is reachable");
+        assert!(
+            caveats.len() == 1 && caveats[0].contains(&code.to_string()) && caveats[0].contains(says),
+            "{code}: {caveats:?}"
+        );
+        assert!(!caveats[0].contains("s3cret"), "{caveats:?}");
+    }
     sink.check(&route("http://{domain}.example/hook"))
         .await
         .expect("templates are not probed");

@@ -355,10 +355,11 @@ impl Sink for WebhookSink {
         Ok(())
     }
 
-    /// Any answer to a `HEAD` proves a server listens, so it passes; a 404
-    /// or 410 also says the path may not exist (a delivery answered so goes
-    /// dead), but many servers answer 404 to `HEAD` on a POST-only path, so
-    /// it is a caveat, not a failure.
+    /// Any answer to a `HEAD` proves a server listens, so it passes. A 404
+    /// or 410 also says the path may not exist, a 3xx that the endpoint
+    /// moved and a 401 or 403 that it wants credentials (a delivery answered
+    /// so goes dead); but many servers answer `HEAD` on a POST-only path
+    /// differently from `POST`, so these are caveats, not failures.
     async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
         let destination = route.destination.as_str();
         if destination.contains('{') {
@@ -397,6 +398,20 @@ impl Sink for WebhookSink {
                     "webhook endpoint reachable (HEAD answered)"
                 );
                 Ok(match status.as_u16() {
+                    300..=399 => {
+                        let location = client::location(&url, response.headers());
+                        vec![format!(
+                            "the endpoint answered HEAD with {status} to {location:?}: redirects are not \
+                             followed, and a delivery answered so goes dead; point routes[].destination at \
+                             the Location"
+                        )]
+                    }
+                    401 | 403 => vec![format!(
+                        "the endpoint answered HEAD with {status}: it may want credentials, and a delivery \
+                         answered so goes dead; give the receiver's in sinks.{}.headers (an Authorization \
+                         header, say) if it needs them (some servers refuse HEAD alone)",
+                        route.sink
+                    )],
                     404 | 410 => vec![format!(
                         "the endpoint answered HEAD with {status}: the path may not exist, and a delivery \
                          answered so goes dead; make sure routes[].destination is the receiver's path (some \
