@@ -186,6 +186,30 @@ async fn check_names_the_subject_no_stream_captures() {
 }
 
 #[tokio::test]
+async fn check_refuses_a_stream_that_never_acknowledges_and_warns_of_a_short_duplicate_window() {
+    let sink = sink_at(nats_url());
+    // No PubAck ever: every event would wait it out and go dead, stored or not.
+    let silent = TestStream::create_with("noack", json!({ "no_ack": true })).await;
+    let err = sink.check(&route(&silent.subject)).await.expect_err("no_ack");
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    assert!(err.message.contains("no_ack"), "{err}");
+    silent.delete().await;
+    // A retry after a lost PubAck, later than the window, is stored twice.
+    let short = TestStream::create_with("shortdupe", json!({ "duplicate_window": 30_000_000_000u64 })).await;
+    let caveats = sink.check_with_caveats(&route(&short.subject)).await.expect("usable");
+    assert!(
+        caveats.len() == 1 && caveats[0].contains("30s") && caveats[0].contains("--dupe-window"),
+        "{caveats:?}"
+    );
+    short.delete().await;
+    let long = TestStream::create_with("longdupe", json!({ "duplicate_window": 600_000_000_000u64 })).await;
+    let caveats = sink.check_with_caveats(&route(&long.subject)).await.expect("usable");
+    assert!(caveats.is_empty(), "{caveats:?}");
+    long.delete().await;
+    sink.close().await;
+}
+
+#[tokio::test]
 async fn a_message_over_the_streams_max_msg_size_is_permanent_and_holds_nothing_else() {
     let stream = TestStream::create_with("small", json!({ "max_msg_size": 1024 })).await;
     let sink = sink_at(nats_url());

@@ -193,7 +193,7 @@ impl Dest {
                     "discard": "old",
                     "num_replicas": 1,
                     "max_age": 3_600_000_000_000u64,
-                    "duplicate_window": 120_000_000_000u64,
+                    "duplicate_window": 600_000_000_000u64,
                 });
                 let answer = js_api(&client, &format!("$JS.API.STREAM.CREATE.{stream}"), Some(config)).await?;
                 if let Some(error) = answer.get("error") {

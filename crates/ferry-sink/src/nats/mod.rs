@@ -98,7 +98,7 @@ impl NatsOptions {
         if async_nats::ServerAddr::from_str(&self.url).is_err() {
             return Err(format!(
                 "url: {:?} is not a nats:// or tls:// URL",
-                connector::redact(&self.url)
+                ferry_core::redact::url(&self.url)
             ));
         }
         if self.publish_timeout.is_zero() {
@@ -163,6 +163,50 @@ struct StreamNames {
 }
 
 #[derive(Deserialize)]
+struct StreamInfo {
+    config: Option<StreamConfig>,
+    error: Option<ApiError>,
+}
+
+/// What of a stream's config decides whether Ferry's publishes can be
+/// confirmed and deduplicated.
+#[derive(Deserialize, Default)]
+struct StreamConfig {
+    #[serde(default)]
+    no_ack: bool,
+    /// Nanoseconds; 0 when the server did not say (its default is 2 min).
+    #[serde(default)]
+    duplicate_window: u64,
+}
+
+/// The relay's default longest retry delay (`relay.backoff_max`): a stream
+/// that forgets a message id sooner may store a retried publish twice.
+const RECOMMENDED_DUPLICATE_WINDOW: Duration = Duration::from_secs(300);
+
+/// Refuses a stream that never acknowledges (every event would wait out its
+/// PubAck and go dead, stored or not); warns of a duplicate window shorter
+/// than a retry may come.
+fn stream_caveats(route: &Route, stream: &str, config: &StreamConfig) -> Result<Vec<String>, SinkError> {
+    if config.no_ack {
+        return Err(SinkError::config(format!(
+            "route {:?}: stream {stream:?} is set not to acknowledge publishes (no_ack), so no \
+             event sent to it could be confirmed; turn no_ack off (`nats stream edit {stream} \
+             --ack`) or route elsewhere",
+            route.name
+        )));
+    }
+    let window = Duration::from_nanos(config.duplicate_window);
+    if !window.is_zero() && window < RECOMMENDED_DUPLICATE_WINDOW {
+        return Ok(vec![format!(
+            "stream {stream:?} keeps message ids for {window:?} only: an event published again after a \
+             lost PubAck later than that (a retry's delay grows to relay.backoff_max, 5 min by default) \
+             is stored twice; raise it (`nats stream edit {stream} --dupe-window 10m`)"
+        )]);
+    }
+    Ok(Vec::new())
+}
+
+#[derive(Deserialize)]
 struct ApiError {
     #[serde(default)]
     err_code: u16,
@@ -202,10 +246,18 @@ impl Sink for NatsSink {
         outcomes
     }
 
-    /// Connects, and for a plain subject asks JetStream which stream
-    /// captures it. A template names many subjects, known only per event:
-    /// for it, only JetStream's availability is checked.
     async fn check(&self, route: &Route) -> Result<(), SinkError> {
+        for caveat in self.check_with_caveats(route).await? {
+            tracing::warn!(route = %route.name, "{caveat}");
+        }
+        Ok(())
+    }
+
+    /// Connects, and for a plain subject asks JetStream which stream
+    /// captures it and how that stream is set up. A template names many
+    /// subjects, known only per event: for it, only JetStream's
+    /// availability is checked.
+    async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
         let mut connector = self.connector.lock().await;
         let client = connector.handle().await?.client;
         let limit = self.options.publish_timeout;
@@ -240,7 +292,7 @@ impl Sink for NatsSink {
             }
         };
         if templated {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let names: StreamNames = serde_json::from_slice(&answer.payload)
             .map_err(|e| SinkError::transient(format!("unreadable answer to {api}: {e}")))?;
@@ -256,7 +308,25 @@ impl Sink for NatsSink {
         match names.streams.unwrap_or_default().first() {
             Some(stream) => {
                 info!(route = %route.name, subject, stream, "subject is captured by a JetStream stream");
-                Ok(())
+                let api = format!("$JS.API.STREAM.INFO.{stream}");
+                let answer = match timeout(limit, client.request(api.clone(), Bytes::new())).await {
+                    Ok(Ok(answer)) => answer,
+                    Ok(Err(e)) => return Err(SinkError::transient(format!("asking JetStream ({api}): {e}"))),
+                    Err(_) => {
+                        return Err(connector.lost(SinkError::transient(format!(
+                            "asking JetStream ({api}): no answer within {limit:?}"
+                        ))));
+                    }
+                };
+                let info: StreamInfo = serde_json::from_slice(&answer.payload)
+                    .map_err(|e| SinkError::transient(format!("unreadable answer to {api}: {e}")))?;
+                if let Some(err) = info.error {
+                    return Err(codes::error(
+                        api_error_kind(err.err_code),
+                        format!("asking JetStream about stream {stream:?}: {}", err.description),
+                    ));
+                }
+                stream_caveats(route, stream, &info.config.unwrap_or_default())
             }
             None => Err(SinkError::config(format!(
                 "route {:?}: no JetStream stream captures subject {subject:?}; create one whose subjects \

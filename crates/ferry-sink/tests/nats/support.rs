@@ -103,7 +103,7 @@ impl TestStream {
             "retention": "limits",
             "discard": "old",
             "num_replicas": 1,
-            "duplicate_window": 120_000_000_000u64,
+            "duplicate_window": 600_000_000_000u64,
             "allow_direct": true,
         });
         for (k, v) in extra.as_object().unwrap() {
