@@ -95,7 +95,7 @@ pub(super) async fn topic_max_message_bytes(config: &ClientConfig, topic: &str, 
     let admin: AdminClient<DefaultClientContext> = match config.create() {
         Ok(admin) => admin,
         Err(e) => {
-            debug!(error = %e, "no admin client to read the topic's max.message.bytes");
+            debug!(error = %super::config_error(&e), "no admin client to read the topic's max.message.bytes");
             return None;
         }
     };

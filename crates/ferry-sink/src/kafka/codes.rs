@@ -75,6 +75,18 @@ pub(crate) fn from_kafka(context: &str, err: &KafkaError) -> SinkError {
 /// fix it.
 pub(crate) fn delivery_error(topic: &str, err: &KafkaError) -> SinkError {
     match err.rdkafka_error_code() {
+        // The broker refuses a whole record batch, and librdkafka does not
+        // split one it refused: every event packed with an oversized one, or
+        // into a batch over the topic's limit, gets this. Events over a
+        // limit the sink knows are refused before sending; these are
+        // retried (alone or in smaller company, they may pass) and dead
+        // after max_attempts.
+        Some(C::MessageSizeTooLarge | C::MessageBatchTooLarge) => SinkError::transient(format!(
+            "delivering to {topic:?}: the broker refused the record batch carrying this event as too \
+             large ({err}); librdkafka refuses a whole batch, so this event or another sent with it is \
+             over the topic's max.message.bytes: retried, and dead after max_attempts if it is this \
+             event; keep sinks.<kafka>.extra.\"batch.size\" below the topic's max.message.bytes"
+        )),
         Some(C::UnknownTopicOrPartition | C::UnknownTopic) => SinkError::config(format!(
             "topic {topic:?} does not exist; create it or fix routes[].destination ({err})"
         )),

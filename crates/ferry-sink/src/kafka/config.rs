@@ -124,7 +124,9 @@ impl KafkaOptions {
 
     /// The producer's properties: idempotent, `acks=all`, Java-compatible
     /// key partitioning, no topic auto-creation, a 1 ms linger.
-    pub(crate) fn producer_config(&self) -> ClientConfig {
+    /// With `batch_cap`, `batch.size` is at most that: a topic's
+    /// `max.message.bytes`, which a record batch must not exceed.
+    pub(crate) fn producer_config(&self, batch_cap: Option<usize>) -> ClientConfig {
         let mut config = ClientConfig::new();
         config.set("bootstrap.servers", &self.bootstrap_servers);
         config.set("client.id", "ferry");
@@ -141,9 +143,20 @@ impl KafkaOptions {
         config.set("allow.auto.create.topics", "false");
         config.set("message.timeout.ms", self.publish_timeout.as_millis().to_string());
         config.set("message.max.bytes", self.max_record_bytes().to_string());
+        if let Some(cap) = batch_cap {
+            let configured = self
+                .extra
+                .get("batch.size")
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(DEFAULT_BATCH_SIZE);
+            config.set("batch.size", configured.min(cap).max(1).to_string());
+        }
         config
     }
 }
+
+/// librdkafka's default `batch.size`.
+const DEFAULT_BATCH_SIZE: usize = 1_000_000;
 
 #[cfg(test)]
 mod tests {
@@ -158,10 +171,20 @@ mod tests {
     }
 
     #[test]
+    fn batches_stay_under_the_smallest_known_topic_limit() {
+        let o = KafkaOptions::default();
+        assert_eq!(o.producer_config(None).get("batch.size"), None);
+        assert_eq!(o.producer_config(Some(100_000)).get("batch.size"), Some("100000"));
+        assert_eq!(o.producer_config(Some(5_000_000)).get("batch.size"), Some("1000000"));
+        let small = with_extra("batch.size", "16384");
+        assert_eq!(small.producer_config(Some(100_000)).get("batch.size"), Some("16384"));
+    }
+
+    #[test]
     fn defaults_are_valid_and_idempotent() {
         let o = KafkaOptions::default();
         assert_eq!(o.validate(), Ok(()));
-        let c = o.producer_config();
+        let c = o.producer_config(None);
         assert_eq!(c.get("enable.idempotence"), Some("true"));
         assert_eq!(c.get("acks"), Some("all"));
         assert_eq!(c.get("max.in.flight.requests.per.connection"), Some("5"));
@@ -179,7 +202,7 @@ mod tests {
         o.extra.insert("partitioner".into(), "consistent_random".into());
         o.extra.insert("security.protocol".into(), "sasl_plaintext".into());
         assert_eq!(o.validate(), Ok(()));
-        let c = o.producer_config();
+        let c = o.producer_config(None);
         assert_eq!(c.get("linger.ms"), Some("20"));
         assert_eq!(c.get("partitioner"), Some("consistent_random"));
         let admin = o.client_config();
@@ -201,7 +224,7 @@ mod tests {
         for partitioner in KEY_HASHING_PARTITIONERS {
             let o = with_extra("partitioner", partitioner);
             assert_eq!(o.validate(), Ok(()), "{partitioner}");
-            assert_eq!(o.producer_config().get("partitioner"), Some(partitioner));
+            assert_eq!(o.producer_config(None).get("partitioner"), Some(partitioner));
         }
         // `random` ignores the key; the rest are not librdkafka partitioners.
         for partitioner in ["random", "", "Murmur2", "murmur3"] {

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer};
 use tracing::{info, warn};
 
@@ -88,6 +89,9 @@ impl Default for KafkaOptions {
 
 struct Slot {
     producer: Option<FutureProducer>,
+    /// The `batch.size` cap the producer was made with: the smallest
+    /// `max.message.bytes` of the topics known then.
+    batch_cap: Option<usize>,
     backoff: Backoff,
 }
 
@@ -107,10 +111,11 @@ impl KafkaSink {
     /// created while the cluster is down.
     pub fn new(options: KafkaOptions) -> Result<Self, SinkError> {
         options.validate()?;
-        let producer = create_producer(&options)?;
+        let producer = create_producer(&options, None)?;
         Ok(Self {
             slot: Mutex::new(Slot {
                 producer: Some(producer),
+                batch_cap: None,
                 backoff: Backoff::new(Duration::from_secs(30)),
             }),
             options,
@@ -144,7 +149,15 @@ impl KafkaSink {
                 slot.backoff.last_error().unwrap_or("none")
             )));
         }
-        let producer = create_producer(&self.options)?;
+        let batch_cap = self
+            .topic_limits
+            .lock()
+            .expect("the topic limits are never poisoned")
+            .values()
+            .copied()
+            .min();
+        let producer = create_producer(&self.options, batch_cap)?;
+        slot.batch_cap = batch_cap;
         info!(bootstrap = %self.options.bootstrap_servers, "created a new Kafka producer");
         crate::connected("kafka");
         slot.producer = Some(producer.clone());
@@ -169,11 +182,24 @@ impl KafkaSink {
     }
 }
 
-fn create_producer(options: &KafkaOptions) -> Result<FutureProducer, SinkError> {
-    options
-        .producer_config()
-        .create()
-        .map_err(|e| SinkError::config(format!("creating the Kafka producer (check sinks.<kafka>.extra): {e}")))
+fn create_producer(options: &KafkaOptions, batch_cap: Option<usize>) -> Result<FutureProducer, SinkError> {
+    options.producer_config(batch_cap).create().map_err(|e| {
+        SinkError::config(format!(
+            "creating the Kafka producer (check sinks.<kafka>.extra): {}",
+            config_error(&e)
+        ))
+    })
+}
+
+/// `err` without the property's value, which librdkafka's own text quotes:
+/// `extra` may hold a SASL password under a misspelt name.
+pub fn config_error(err: &KafkaError) -> String {
+    match err {
+        KafkaError::ClientConfig(_, description, property, _value) => {
+            format!("{description} (property {property:?}; its value is not shown)")
+        }
+        other => other.to_string(),
+    }
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -267,6 +293,16 @@ impl Sink for KafkaSink {
                 .lock()
                 .expect("the topic limits are never poisoned")
                 .insert(topic.to_owned(), limit);
+            // The broker refuses a whole record batch over the topic's limit,
+            // every event in it: the producer must not build one.
+            let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
+            if slot.batch_cap.is_none_or(|cap| limit < cap) && slot.producer.is_some() {
+                info!(
+                    topic,
+                    limit, "remaking the Kafka producer to keep its batches under the topic's max.message.bytes"
+                );
+                slot.producer = None;
+            }
         }
         Ok(())
     }
@@ -285,5 +321,21 @@ impl Sink for KafkaSink {
             Ok(Err(e)) => warn!(error = %e, "messages were still unacknowledged when the Kafka sink closed"),
             Err(e) => warn!(error = %e, "flushing the Kafka producer"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_property_librdkafka_refuses_is_named_without_its_value() {
+        let mut options = KafkaOptions::default();
+        options.extra.insert("sasl.pasword".into(), "hunter2".into());
+        let Err(err) = create_producer(&options, None) else {
+            panic!("librdkafka took a property it does not have")
+        };
+        assert!(err.message.contains("sasl.pasword"), "{err}");
+        assert!(!err.message.contains("hunter2"), "{err}");
     }
 }

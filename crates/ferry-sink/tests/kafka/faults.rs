@@ -168,3 +168,43 @@ async fn a_broker_lost_mid_batch_loses_nothing_and_keeps_every_key_in_order() {
     eprintln!("{failures} failed deliveries retried over {round} rounds; {duplicates} duplicates");
     sink.close().await;
 }
+
+#[tokio::test]
+async fn a_record_batch_refused_as_too_large_is_retried_not_dead() {
+    // The broker refuses a whole record batch over the topic's limit, and
+    // librdkafka does not split it: every event packed with the one that
+    // tipped it over gets MessageSizeTooLarge, small as each may be.
+    let cluster = MockCluster::new(1).expect("a mock cluster");
+    let topic = unique("batch-too-large");
+    cluster.create_topic(&topic, 1, 1).expect("a topic");
+    let bootstrap = cluster.bootstrap_servers();
+    let reader = TopicReader::new(&bootstrap, &topic).await;
+    let sink = KafkaSink::new(options(&bootstrap)).expect("a sink");
+    let to = route(&topic);
+    let events = keyed(20, |seq| format!("k{}", seq % 4));
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE],
+    );
+    let outcomes = sink.publish(&to, &events).await;
+    assert!(outcomes.iter().any(Result::is_err), "the injected error was not used");
+    for (e, o) in events.iter().zip(&outcomes) {
+        if let Err(err) = o {
+            assert_eq!(err.kind, ErrorKind::Transient, "event {}: {err}", e.seq);
+            assert!(err.message.contains("batch.size"), "{err}");
+        }
+    }
+    // Sent again, as the relay does, they all go through.
+    let failed: Vec<StoredEvent> = events
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| o.is_err())
+        .map(|(e, _)| e.clone())
+        .collect();
+    for (e, o) in failed.iter().zip(sink.publish(&to, &failed).await) {
+        assert_eq!(o, Ok(()), "event {}", e.seq);
+    }
+    let consumed = reader.read_until(&ids(&events), ARRIVAL_TIMEOUT).await;
+    explain_missing(&bootstrap, &topic, &events, &consumed).await;
+    sink.close().await;
+}
