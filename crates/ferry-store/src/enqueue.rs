@@ -18,9 +18,19 @@ pub enum EnqueueError {
     /// the event commits with the business write or not at all.
     #[error(
         "ferry::enqueue must run inside the caller's transaction; \
-         begin one (`let mut tx = pool.begin().await?`) and pass `&mut *tx`"
+         begin one (`let mut tx = pool.begin().await?`, on SQLite \
+         `pool.begin_with(\"BEGIN IMMEDIATE\").await?`) and pass `&mut *tx`"
     )]
     NotInTransaction,
+    /// SQLite ended the caller's transaction itself, undoing its writes (an
+    /// `ON CONFLICT ROLLBACK` clause, `RAISE(ROLLBACK, ...)` in a trigger, a
+    /// full disk). Written now, the event would commit on its own.
+    #[error(
+        "the caller's transaction was rolled back by SQLite (an ON CONFLICT ROLLBACK \
+         clause, RAISE(ROLLBACK) in a trigger, or an I/O error) and its writes are gone; \
+         nothing was written: roll back and run the whole transaction again"
+    )]
+    TransactionEnded,
     #[error("the database refused the event: {0}")]
     Database(#[from] sqlx::Error),
 }

@@ -36,6 +36,9 @@ pub async fn enqueue_batch(conn: &mut SqliteConnection, events: Vec<Event>) -> R
     if !conn.is_in_transaction() {
         return Err(EnqueueError::NotInTransaction);
     }
+    if !in_transaction(conn).await? {
+        return Err(EnqueueError::TransactionEnded);
+    }
     // The producer's span travels with the event (an explicit
     // `traceparent` header wins).
     #[cfg(feature = "otel")]
@@ -48,6 +51,19 @@ pub async fn enqueue_batch(conn: &mut SqliteConnection, events: Vec<Event>) -> R
         out.push(write_one(conn, event).await?);
     }
     Ok(out)
+}
+
+/// Whether SQLite has the connection inside a transaction. sqlx counts the
+/// transactions it began, but SQLite ends one on its own (`ON CONFLICT
+/// ROLLBACK`, `RAISE(ROLLBACK)`, some I/O errors), and each statement after
+/// that commits alone: an event written then would go out without the
+/// business write it was to commit with.
+async fn in_transaction(conn: &mut SqliteConnection) -> Result<bool, sqlx::Error> {
+    let mut handle = conn.lock_handle().await?;
+    // SAFETY: the handle is locked for the call, so no statement runs on the
+    // connection meanwhile, and `sqlite3_get_autocommit` only reads a flag.
+    let autocommit = unsafe { libsqlite3_sys::sqlite3_get_autocommit(handle.as_raw_handle().as_ptr()) };
+    Ok(autocommit == 0)
 }
 
 /// Inserts first and looks for a duplicate only on conflict: the insert takes

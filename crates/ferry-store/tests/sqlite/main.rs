@@ -197,6 +197,39 @@ async fn a_committed_event_is_stored_whole() {
 }
 
 #[tokio::test]
+async fn an_event_after_sqlite_rolled_the_transaction_back_is_refused() {
+    // SQLite ends a transaction on its own (here: ON CONFLICT ROLLBACK) while
+    // sqlx still counts it open; each statement after that would commit
+    // alone, the event without the business write it belongs to.
+    let h = harness().await;
+    sqlx::raw_sql("CREATE TABLE orders (id INTEGER PRIMARY KEY ON CONFLICT ROLLBACK, state TEXT)")
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    let mut tx = h.pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    sqlx::query("INSERT INTO orders VALUES (1, 'new')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO orders VALUES (1, 'again')")
+        .execute(&mut *tx)
+        .await
+        .expect_err("the duplicate rolls the transaction back");
+    let err = enqueue(&mut tx, Event::new("order.created", json!({"id": 1})).key("order-1"))
+        .await
+        .expect_err("the transaction is gone");
+    assert!(matches!(err, EnqueueError::TransactionEnded), "{err}");
+    assert!(err.to_string().contains("run the whole transaction again"), "{err}");
+    let _ = tx.rollback().await;
+    let (orders, events): (i64, i64) =
+        sqlx::query_as("SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM ferry_events)")
+            .fetch_one(&h.pool)
+            .await
+            .unwrap();
+    assert_eq!((orders, events), (0, 0), "neither the order nor an event without it");
+}
+
+#[tokio::test]
 async fn validation_names_the_field_and_a_bad_batch_writes_nothing() {
     let h = harness().await;
     let mut tx = h.pool.begin().await.unwrap();
