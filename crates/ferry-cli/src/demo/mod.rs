@@ -144,14 +144,40 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
+/// The first line of the config the demo writes: what marks a database in
+/// its directory as one the demo may replace.
+const WRITTEN_BY_DEMO: &str = "# Written by `ferry demo`.";
+
 /// Creates `dir`, removes an earlier demo's database, returns the database
-/// path (absolute, so the printed commands work from anywhere).
+/// path (absolute, so the printed commands work from anywhere). A database
+/// the demo did not leave, or one a relay is running on, is never removed.
 fn prepare_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("--dir: cannot create {}", dir.display()))?;
     let dir = dir
         .canonicalize()
         .with_context(|| format!("--dir: cannot resolve {}", dir.display()))?;
+    // The path goes into a `sqlite://` URL, which reads these as syntax.
+    if dir.to_string_lossy().contains(['?', '#', '%']) {
+        return Err(UsageError(format!(
+            "--dir: {} has a '?', '#' or '%' in its path, which a database URL would misread; \
+             choose another directory",
+            dir.display()
+        ))
+        .into());
+    }
     let db = dir.join("ferry.db");
+    if db.exists() {
+        let config = std::fs::read_to_string(dir.join("ferry.toml")).unwrap_or_default();
+        if !config.starts_with(WRITTEN_BY_DEMO) {
+            return Err(UsageError(format!(
+                "--dir: {} holds a database that no earlier `ferry demo` left (no demo ferry.toml \
+                 beside it); the demo replaces the database in its directory, so give it another --dir",
+                dir.display()
+            ))
+            .into());
+        }
+        ensure_no_relay_on(&db)?;
+    }
     for suffix in ["", "-wal", "-shm"] {
         let file = PathBuf::from(format!("{}{suffix}", db.display()));
         match std::fs::remove_file(&file) {
@@ -163,13 +189,36 @@ fn prepare_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(db)
 }
 
+/// Fails while a relay holds the database's relay lock: removing its files
+/// under it would split it across two databases.
+fn ensure_no_relay_on(db: &Path) -> anyhow::Result<()> {
+    let lock = PathBuf::from(format!("{}.relay-lock", db.display()));
+    let file = match std::fs::File::open(&lock) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", lock.display())),
+    };
+    match file.try_lock() {
+        // Released when `file` is dropped, before the demo's relay takes it.
+        Ok(()) => Ok(()),
+        Err(std::fs::TryLockError::WouldBlock) => Err(UsageError(format!(
+            "--dir: a relay is running on the earlier demo's database {} (it holds {}); stop it, \
+             or give the demo another --dir",
+            db.display(),
+            lock.display()
+        ))
+        .into()),
+        Err(std::fs::TryLockError::Error(e)) => Err(e).with_context(|| format!("locking {}", lock.display())),
+    }
+}
+
 /// The demo's configuration: written beside the database, so that `ferry
 /// --config <dir>/ferry.toml status` inspects what the demo left.
 fn config_toml(db: &Path, receiver: std::net::SocketAddr) -> String {
     let url = format!("sqlite://{}", db.display());
     let url = toml::Value::String(url);
     format!(
-        r#"# Written by `ferry demo`. Inspect the demo's database with
+        r#"{WRITTEN_BY_DEMO} Inspect the demo's database with
 # `ferry --config <this file> status`.
 [database]
 url = {url}
@@ -413,4 +462,51 @@ fn next_steps(config: &Path, db: &Path, dead: Option<&str>) -> String {
          {ferry} --config {config} requeue {dead} --dry-run   # once the cause is fixed\n",
         db.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_database_the_demo_did_not_leave_is_never_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("ferry.db"), b"an application's outbox").unwrap();
+        let err = prepare_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("no earlier `ferry demo` left"), "{err}");
+        assert!(err.contains("another --dir"), "{err}");
+        assert!(dir.path().join("ferry.db").exists());
+        // Nor is one beside a config someone else wrote.
+        std::fs::write(dir.path().join("ferry.toml"), "[database]\n").unwrap();
+        assert!(prepare_dir(dir.path()).is_err());
+        assert!(dir.path().join("ferry.db").exists());
+    }
+
+    #[test]
+    fn an_earlier_demos_database_is_replaced_unless_a_relay_runs_on_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("ferry.db");
+        std::fs::write(&db, b"the last demo's").unwrap();
+        std::fs::write(
+            dir.path().join("ferry.toml"),
+            config_toml(&db, "127.0.0.1:9".parse().unwrap()),
+        )
+        .unwrap();
+        let lock = std::fs::File::create(dir.path().join("ferry.db.relay-lock")).unwrap();
+        lock.try_lock().unwrap();
+        let err = prepare_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("a relay is running"), "{err}");
+        assert!(db.exists());
+        drop(lock);
+        let expected = dir.path().canonicalize().unwrap().join("ferry.db");
+        assert_eq!(prepare_dir(dir.path()).unwrap(), expected);
+        assert!(!db.exists());
+    }
+
+    #[test]
+    fn a_directory_a_database_url_would_misread_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = prepare_dir(&dir.path().join("50%off")).unwrap_err().to_string();
+        assert!(err.contains("'%'"), "{err}");
+    }
 }
