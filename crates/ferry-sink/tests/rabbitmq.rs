@@ -249,6 +249,43 @@ async fn a_batch_abandoned_before_its_confirms_leaves_no_confirm_to_take_a_later
 }
 
 #[tokio::test]
+async fn check_refuses_wrong_credentials_and_a_missing_vhost() {
+    // A broken connection string is a start-up error naming the fix, not an
+    // outage the relay would retry every event through.
+    let topology = TestTopology::create("creds").await;
+    let url = amqp_url();
+    let (base, _vhost) = url.rsplit_once('/').expect("a vhost in the URL");
+    let (scheme, rest) = url.split_once("://").expect("a URL");
+    let (userinfo, host_and_vhost) = rest.rsplit_once('@').expect("the test broker's URL has credentials");
+    let user = userinfo.split(':').next().unwrap();
+    let wrong_password = format!("{scheme}://{user}:n0t-the-password@{host_and_vhost}");
+    for (url, says) in [
+        (wrong_password, "ACCESS_REFUSED"),
+        (format!("{base}/ferry-no-such-vhost"), "ferry-no-such-vhost"),
+    ] {
+        let sink = sink_at(url.clone());
+        let err = sink
+            .check(&route(topology.exchange(), None))
+            .await
+            .expect_err("refused");
+        assert_eq!(err.kind, ErrorKind::Config, "{url}: {err}");
+        assert!(err.message.contains(says), "{url}: {err}");
+        assert!(err.message.contains("url"), "names the field: {err}");
+        assert!(!err.message.contains("n0t-the-password"), "{err}");
+        // Publishing is not refused for good: a broker may refuse a user for
+        // a moment (restarting, its user database not yet loaded).
+        let outcomes = sink
+            .publish(&route(topology.exchange(), None), &keyed(2, |s| format!("k{s}")))
+            .await;
+        for outcome in &outcomes {
+            assert_eq!(outcome.as_ref().unwrap_err().kind, ErrorKind::Transient, "{outcome:?}");
+        }
+        sink.close().await;
+    }
+    topology.delete().await;
+}
+
+#[tokio::test]
 async fn returns_are_matched_to_their_own_events_in_a_mixed_batch() {
     let topology = TestTopology::create_with_binding("mixed", "routable.#").await;
     let sink = sink_at(amqp_url());

@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use ferry_core::SinkError;
+use ferry_core::{ErrorKind, SinkError};
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -35,6 +35,8 @@ pub(crate) struct Connector {
     /// How many publishing channels a link holds.
     lanes: usize,
     backoff: Backoff,
+    /// The broker refused the last connect for its credentials or vhost.
+    refused: bool,
 }
 
 impl Connector {
@@ -47,6 +49,7 @@ impl Connector {
             link: None,
             lanes: lanes.max(1),
             backoff: Backoff::new(reconnect_max_delay),
+            refused: false,
         }
     }
 
@@ -185,6 +188,21 @@ impl Connector {
         }
     }
 
+    /// `err` as a configuration error when the broker refused the last
+    /// connect for its credentials or vhost: at start-up that is a broken
+    /// `url`, to fix before a relay runs. Publishing keeps such a refusal
+    /// transient, as a broker restarting may refuse a user for a moment.
+    pub(crate) fn refusal_is_config(&self, err: SinkError) -> SinkError {
+        if self.refused && err.kind == ErrorKind::Transient {
+            SinkError::config(format!(
+                "{}; RabbitMQ refused the user or the vhost: fix sinks.<rabbitmq>.url",
+                err.message
+            ))
+        } else {
+            err
+        }
+    }
+
     async fn connection(&mut self) -> Result<&Connection, SinkError> {
         self.discard_dead();
         if self.link.is_none() {
@@ -209,12 +227,17 @@ impl Connector {
         let properties = ConnectionProperties::default().with_connection_name("ferry".into());
         let error = match timeout(self.timeout, Connection::connect(&self.url, properties)).await {
             Ok(Ok(connection)) => {
+                self.refused = false;
                 self.backoff.succeeded();
                 info!(url = %self.display_url, "connected to RabbitMQ");
                 crate::connected("rabbitmq");
                 return Ok(connection);
             }
-            Ok(Err(e)) => format!("connecting to RabbitMQ at {}: {e}", self.display_url),
+            Ok(Err(e)) => {
+                self.refused =
+                    reply::reply_code(&e).is_some_and(|code| reply::reply_code_kind(code) == ErrorKind::Config);
+                format!("connecting to RabbitMQ at {}: {e}", self.display_url)
+            }
             Err(_) => format!(
                 "connecting to RabbitMQ at {}: no answer within {:?}",
                 self.display_url, self.timeout

@@ -210,9 +210,16 @@ impl Sink for RabbitMqSink {
         // A template names many exchanges, known only per event, and the
         // default exchange always exists: connectivity is all there is to check.
         if exchange.contains('{') || exchange.is_empty() {
-            return connector.confirm_channels().await.map(|_| Vec::new());
+            return match connector.confirm_channels().await {
+                Ok(_) => Ok(Vec::new()),
+                Err(e) => Err(connector.refusal_is_config(e)),
+            };
         }
-        if !connector.exchange_exists(exchange).await? {
+        let exists = match connector.exchange_exists(exchange).await {
+            Ok(exists) => exists,
+            Err(e) => return Err(connector.refusal_is_config(e)),
+        };
+        if !exists {
             return Err(SinkError::config(format!(
                 "route {:?}: exchange {exchange:?} does not exist; declare it or fix \
                  routes[].destination",
