@@ -201,7 +201,7 @@ async fn check_wants_a_stream_a_consumer_group_reads_and_names_what_is_missing()
 }
 
 #[tokio::test]
-async fn a_wrong_type_key_fails_its_events_and_holds_back_their_keys() {
+async fn a_wrong_type_key_fails_its_events_and_what_redis_stored_is_reported_stored() {
     let good = TestStream::new("mixed").await;
     let base = good.key.clone();
     let bad = string_key("mixed-string").await;
@@ -219,9 +219,11 @@ async fn a_wrong_type_key_fails_its_events_and_holds_back_their_keys() {
     let outcomes = sink.publish(&templated, &events).await;
     assert_eq!(outcomes[0], Ok(()));
     expect_err(&outcomes[1], ErrorKind::Config, "not a stream");
-    expect_err(&outcomes[2], ErrorKind::Transient, "held back");
+    // Redis ran the later XADD of key a: it is in the stream ahead of the
+    // failed one, and reporting it failed would hide that (the relay counts
+    // the order break) and add it a second time on retry.
+    assert_eq!(outcomes[2], Ok(()));
     assert_eq!(outcomes[3], Ok(()));
-    // Redis ran the held-back XADD: the retry will add it again.
     let stored: Vec<String> = good.all().await.iter().map(|e| e.id()).collect();
     let want: Vec<String> = [0, 2, 3].iter().map(|&i| events[i].id.to_string()).collect();
     assert_eq!(stored, want);

@@ -254,7 +254,7 @@ impl Sink for RedisSink {
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
-        let published = publish::publish_batch(&mut connection, events, prepared, self.options.publish_timeout).await;
+        let published = publish::publish_batch(&mut connection, prepared, self.options.publish_timeout).await;
         match &published.connection_in_doubt {
             Some(error) => link.failed(error),
             None => link.succeeded(),

@@ -11,12 +11,19 @@
 //! deduplicate); consumers deduplicate by the `id` field. A key's first
 //! occurrences stay in commit order, because the prefix is in order and the
 //! retry starts from the first failed event.
-
-use std::collections::HashMap;
+//!
+//! An error reply in a pipeline that Redis otherwise ran (an `OOM`, a
+//! `WRONGTYPE` on one of several streams) leaves the later events of its
+//! key stored ahead of it. Each is reported as Redis answered: stored is
+//! published, and the relay counts the key's order break
+//! (`ferry_order_breaks_total`), as for any destination that confirms a
+//! later event after refusing an earlier one. Reporting it failed would
+//! not take it back out of the stream; it would only hide the break and
+//! add the entry a second time on retry.
 
 use ::redis::Value;
 use ::redis::aio::ConnectionManager;
-use ferry_core::{PublishOutcome, SinkError, StoredEvent};
+use ferry_core::{PublishOutcome, SinkError};
 use std::time::Duration;
 use tokio::time::timeout;
 
@@ -32,7 +39,6 @@ pub(super) struct Published {
 
 pub(super) async fn publish_batch(
     connection: &mut ConnectionManager,
-    events: &[StoredEvent],
     prepared: Vec<Result<Entry, SinkError>>,
     publish_timeout: Duration,
 ) -> Published {
@@ -84,7 +90,7 @@ pub(super) async fn publish_batch(
         _ => None,
     };
     let mut replies = replies.map(|r| r.into_iter().zip(keys));
-    let mut outcomes: Vec<PublishOutcome> = prepared
+    let outcomes: Vec<PublishOutcome> = prepared
         .into_iter()
         .map(|entry| {
             entry?;
@@ -100,59 +106,8 @@ pub(super) async fn publish_batch(
             }
         })
         .collect();
-    hold_back_after_failures(events, &mut outcomes);
     Published {
         outcomes,
         connection_in_doubt,
-    }
-}
-
-/// Once an event of some key failed, later events of that key in the batch
-/// are reported failed (transient) even if Redis stored them: the relay must
-/// not mark a key's later event delivered while an earlier one is not. The
-/// retry adds those entries again, as duplicates a consumer drops by `id`.
-fn hold_back_after_failures(events: &[StoredEvent], outcomes: &mut [PublishOutcome]) {
-    let mut failed: HashMap<&str, &StoredEvent> = HashMap::new();
-    for (event, outcome) in events.iter().zip(outcomes.iter_mut()) {
-        let Some(key) = event.key.as_deref() else { continue };
-        match (failed.get(key), &outcome) {
-            (Some(first), Ok(())) => {
-                *outcome = Err(SinkError::transient(format!(
-                    "held back: event {} of key {key:?} earlier in this batch failed (this entry may \
-                     be stored and will be added again on retry)",
-                    first.id
-                )));
-            }
-            (None, Err(_)) => {
-                failed.insert(key, event);
-            }
-            _ => {}
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::limits::fixtures::event as ev;
-    use ferry_core::ErrorKind;
-
-    #[test]
-    fn later_events_of_a_failed_key_are_held_back() {
-        let events = [ev(Some("a")), ev(Some("b")), ev(Some("a")), ev(None), ev(Some("b"))];
-        let mut outcomes = vec![
-            Err(SinkError::transient("OOM")),
-            Ok(()),
-            Ok(()),
-            Err(SinkError::transient("OOM")),
-            Ok(()),
-        ];
-        hold_back_after_failures(&events, &mut outcomes);
-        assert_eq!(outcomes[0].as_ref().unwrap_err().message, "OOM");
-        assert_eq!(outcomes[1], Ok(()));
-        let held = outcomes[2].as_ref().unwrap_err();
-        assert_eq!(held.kind, ErrorKind::Transient);
-        assert!(held.message.contains(&events[0].id.to_string()), "{held}");
-        assert_eq!(outcomes[4], Ok(()), "key b never failed; no key means no order");
     }
 }
