@@ -517,6 +517,28 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
     })
 }
 
+/// The query parameters sqlx's PostgreSQL driver reads from a URL.
+const POSTGRES_PARAMETERS: [&str; 18] = [
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
 fn database(check: &mut Checker, raw: RawDatabase, from_file: bool) -> DatabaseConfig {
     let max_connections = check.integer(
         "database.max_connections",
@@ -548,7 +570,25 @@ fn database(check: &mut Checker, raw: RawDatabase, from_file: bool) -> DatabaseC
     };
     match scheme.as_deref() {
         Some("postgres" | "postgresql") => {
-            if let Err(e) = sqlx::postgres::PgConnectOptions::from_str(&url) {
+            // The driver ignores a parameter it does not know, and logs its
+            // value when it connects: a misspelt `password` would be logged.
+            let query = url.split_once('?').map_or("", |(_, query)| query);
+            let unknown: Vec<&str> = query
+                .split('&')
+                .filter_map(|pair| pair.split('=').next())
+                .filter(|key| !key.is_empty() && !POSTGRES_PARAMETERS.contains(key) && !key.starts_with("options["))
+                .collect();
+            if !unknown.is_empty() {
+                check.problem(
+                    "database.url",
+                    format!(
+                        "query parameter {} is not one the PostgreSQL driver knows: it would be ignored, and \
+                         its value written to the log; remove it or use one of: {}",
+                        unknown.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", "),
+                        POSTGRES_PARAMETERS.join(", ")
+                    ),
+                );
+            } else if let Err(e) = sqlx::postgres::PgConnectOptions::from_str(&url) {
                 check.problem(
                     "database.url",
                     format!(

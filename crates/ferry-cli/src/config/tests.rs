@@ -662,6 +662,27 @@ fn environment_errors_name_the_variable() {
 }
 
 #[test]
+fn a_database_parameter_the_driver_would_ignore_and_log_is_refused() {
+    // sqlx logs an unknown parameter's value when it connects.
+    let e = errors("[database]\nurl = \"postgres://ferry@db/app?pasword=s3cret&sslmode=require\"\n");
+    assert!(
+        e.starts_with("database.url: query parameter \"pasword\" is not one"),
+        "{e}"
+    );
+    assert!(!e.contains("s3cret"), "{e}");
+    for fine in [
+        "sslmode=disable&application_name=relay",
+        "password=x",
+        "options[statement_timeout]=5s",
+        "",
+    ] {
+        let url = format!("postgres://ferry@db/app?{fine}");
+        let c = from_toml_str(&format!("[database]\nurl = \"{url}\"\n"));
+        assert!(c.is_ok(), "{fine}: {:?}", c.err().map(|e| e.to_string()));
+    }
+}
+
+#[test]
 fn a_value_of_the_wrong_kind_is_not_echoed() {
     // Secrets are kept out of files by setting them in the environment, where
     // every value is a string: one set on the wrong field must not be printed.
