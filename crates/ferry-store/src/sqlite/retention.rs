@@ -1,18 +1,21 @@
 //! Retention for SQLite.
 //!
 //! Candidates are found by walking the `ferry_events` primary key over a
-//! bounded stretch, then read again inside a `BEGIN IMMEDIATE` transaction
-//! that the batch holds until it is deleted or dropped: SQLite's one write
-//! lock keeps an operator's requeue from slipping in between the archive and
-//! the delete. The relay's writes wait for it (on the busy timeout), so
-//! batches should stay small; [`crate::purge`] pauses between them.
+//! bounded stretch and read whole in one read transaction, which takes no
+//! lock: producers and the relay write on while the batch is archived (a
+//! slow or hung archive disk must not hold SQLite's one write lock, or every
+//! producer's transaction would fail on its busy timeout). The delete then
+//! takes the write lock briefly and asks again which of the batch's events
+//! are still due: one an operator requeued, or a retry delivered, since the
+//! read stays. The archive holds it then though the table keeps it, and a
+//! later archive holds it again: twice, never missing.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use ferry_core::StoreError;
-use sqlx::{Row, Sqlite, SqliteConnection, Transaction};
+use sqlx::{Row, SqliteConnection};
 
 use super::SqliteStore;
 use super::error::store_error;
@@ -73,24 +76,17 @@ impl Retention for SqliteStore {
             Some(&last) if candidates.len() as i64 == limit => last,
             _ => stretch_end,
         };
-        let (Some(&first), Some(&last)) = (candidates.first(), candidates.last()) else {
+        if candidates.is_empty() {
             return Ok(Box::new(SqliteExpired::empty(scanned_to)));
-        };
-        // Again under the write lock: a requeue that committed in between
-        // takes its event out.
-        let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-        let seqs: Vec<i64> = sqlx::query_scalar(sql)
-            .bind(first - 1)
-            .bind(last)
-            .bind(published)
-            .bind(settled)
-            .bind(limit)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        let events = read_events(&mut tx, &seqs).await?;
+        }
+        // A read transaction: one snapshot for the events and their
+        // deliveries, and no write lock.
+        let mut tx = self.pool().begin().await.map_err(store_error)?;
+        let events = read_events(&mut tx, &candidates).await?;
+        tx.rollback().await.map_err(store_error)?;
         Ok(Box::new(SqliteExpired {
-            tx: Some(tx),
+            store: Some(self.clone()),
+            due: Due { published, settled },
             events,
             scanned_to,
         }))
@@ -175,9 +171,16 @@ async fn read_events(conn: &mut SqliteConnection, seqs: &[i64]) -> Result<Vec<Ar
     Ok(events)
 }
 
+/// The cutoffs the batch was taken with, to ask again at the delete.
+struct Due {
+    published: i64,
+    settled: Option<i64>,
+}
+
 struct SqliteExpired {
-    /// Holds the write lock; dropped, it rolls back and deletes nothing.
-    tx: Option<Transaction<'static, Sqlite>>,
+    /// `None` for an empty batch.
+    store: Option<SqliteStore>,
+    due: Due,
     events: Vec<ArchivedEvent>,
     scanned_to: i64,
 }
@@ -185,7 +188,11 @@ struct SqliteExpired {
 impl SqliteExpired {
     fn empty(scanned_to: i64) -> Self {
         Self {
-            tx: None,
+            store: None,
+            due: Due {
+                published: 0,
+                settled: None,
+            },
             events: Vec::new(),
             scanned_to,
         }
@@ -202,11 +209,36 @@ impl ExpiredBatch for SqliteExpired {
         self.scanned_to
     }
 
-    async fn delete(mut self: Box<Self>) -> Result<u64, DeleteFailed> {
-        let Some(mut tx) = self.tx.take() else {
+    async fn delete(self: Box<Self>) -> Result<u64, DeleteFailed> {
+        let first = self.events.iter().map(|e| e.seq).min();
+        let last = self.events.iter().map(|e| e.seq).max();
+        let (Some(store), Some(first), Some(last)) = (&self.store, first, last) else {
             return Ok(0);
         };
-        let seqs: Vec<i64> = self.events.iter().map(|e| e.seq).collect();
+        let mut tx = store
+            .pool()
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(|e| DeleteFailed::before_commit(store_error(e)))?;
+        // Under the write lock: which are still due. An event requeued, or a
+        // delivery retried, since the read stays in the table.
+        let due: Vec<i64> = sqlx::query_scalar(include_str!("sql/retention_expired.sql"))
+            .bind(first - 1)
+            .bind(last)
+            .bind(self.due.published)
+            .bind(self.due.settled)
+            .bind(last - first + 1)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| DeleteFailed::before_commit(store_error(e)))?;
+        let due: HashSet<i64> = due.into_iter().collect();
+        let seqs: Vec<i64> = self.events.iter().map(|e| e.seq).filter(|s| due.contains(s)).collect();
+        if seqs.len() < self.events.len() {
+            tracing::info!(
+                kept = self.events.len() - seqs.len(),
+                "retention: events changed since they were archived stay in the table"
+            );
+        }
         let list = serde_json::to_string(&seqs).expect("integers serialise");
         let mut deleted = [0u64; 3];
         for (i, sql) in [
