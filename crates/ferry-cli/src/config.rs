@@ -366,7 +366,9 @@ const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_WAL_NAME: &str = "ferry";
 const DEFAULT_WAL_LAG_BUDGET_MB: i64 = 1024;
 const DEFAULT_WAL_PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
-const DEFAULT_DIRECT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
+/// At least twice every sink's own timeout, which raises it where one is
+/// longer than 15 s.
+const DEFAULT_DIRECT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
 const DEFAULT_PUBLISHED_WINDOW: Duration = Duration::from_secs(7 * 24 * 3600);
 const DEFAULT_RETENTION_BATCH: usize = 1_000;
 const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(50);
@@ -453,7 +455,8 @@ impl Checker {
 fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
     let mut check = Checker::default();
     let database = database(&mut check, raw.database, from_file);
-    let relay = relay(&mut check, raw.relay);
+    let direct_bound_set = raw.relay.direct_publish_timeout.is_some();
+    let mut relay = relay(&mut check, raw.relay);
     if relay.mode == RelayMode::Wal
         && !(database.url.starts_with("postgres://") || database.url.starts_with("postgresql://"))
     {
@@ -488,6 +491,26 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
         .filter_map(|(name, sink)| Some((name.clone(), sinks::sink_spec(&mut check, &name, sink)?)))
         .collect();
     for (name, sink) in &sinks {
+        // A sink's batch may take its timeout per message write and again
+        // for the confirms: a direct publish bounded at less than twice it
+        // would be abandoned, and sent again, in a merely slow moment.
+        if let Some((field, timeout)) = sink.publish_bound()
+            && relay.direct_publish_timeout < timeout * 2
+        {
+            if direct_bound_set {
+                check.problem(
+                    "relay.direct_publish_timeout",
+                    format!(
+                        "{} is less than twice sinks.{name}.{field} ({}); a batch that merely took the \
+                         sink's time would be abandoned and sent again, so raise it or lower the timeout",
+                        format_duration(relay.direct_publish_timeout),
+                        format_duration(timeout)
+                    ),
+                );
+            } else {
+                relay.direct_publish_timeout = timeout * 2;
+            }
+        }
         if let Some((field, timeout)) = sink.publish_bound()
             && relay.lease <= timeout
         {
@@ -572,18 +595,27 @@ fn database(check: &mut Checker, raw: RawDatabase, from_file: bool) -> DatabaseC
         Some("postgres" | "postgresql") => {
             // The driver ignores a parameter it does not know, and logs its
             // value when it connects: a misspelt `password` would be logged.
+            // Others it ignores are left alone (a pooler's or another
+            // driver's parameters, shared URLs carry them).
             let query = url.split_once('?').map_or("", |(_, query)| query);
             let unknown: Vec<&str> = query
                 .split('&')
                 .filter_map(|pair| pair.split('=').next())
-                .filter(|key| !key.is_empty() && !POSTGRES_PARAMETERS.contains(key) && !key.starts_with("options["))
+                .filter(|key| {
+                    let lower = key.to_ascii_lowercase();
+                    !POSTGRES_PARAMETERS.contains(key)
+                        && !lower.starts_with("options")
+                        && ["pass", "pasw", "pwd", "secret", "token", "key", "auth"]
+                            .iter()
+                            .any(|s| lower.contains(s))
+                })
                 .collect();
             if !unknown.is_empty() {
                 check.problem(
                     "database.url",
                     format!(
-                        "query parameter {} is not one the PostgreSQL driver knows: it would be ignored, and \
-                         its value written to the log; remove it or use one of: {}",
+                        "query parameter {} is not one the PostgreSQL driver reads: it would be ignored, and \
+                         its value, which looks secret, written to the log; remove it or use one of: {}",
                         unknown.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", "),
                         POSTGRES_PARAMETERS.join(", ")
                     ),
@@ -926,7 +958,9 @@ fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> 
                 field("name"),
                 format!(
                     "missing; the default name <sink>:<destination> would carry the destination's \
-                     credentials or query ({}) into metrics, logs and the database: set name = \"...\"",
+                     credentials or query ({}) into metrics, logs and the database: set name = \"...\" \
+                     (a route that already has deliveries under its default name keeps them only \
+                     under that name: write it out as the name, or cancel them after renaming)",
                     redact::url(&destination)
                 ),
             );

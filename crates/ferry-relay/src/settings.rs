@@ -19,6 +19,7 @@ pub struct RelaySettings {
     /// settles when all are done; a route's share that takes longer counts
     /// as failed (its events go to the route's worker, and may arrive
     /// twice), so one slow destination holds the others up for at most this.
+    /// Keep it at least twice every sink's own publish timeout.
     pub direct_publish_timeout: Duration,
 }
 
@@ -31,7 +32,7 @@ impl RelaySettings {
             retry: RetryPolicy::default(),
             poll_interval: Duration::from_secs(60),
             shutdown_timeout: Duration::from_secs(10),
-            direct_publish_timeout: Duration::from_secs(5),
+            direct_publish_timeout: Duration::from_secs(30),
         }
     }
 

@@ -38,7 +38,7 @@ fn the_example_file_parses_to_its_documented_values() {
             wal_publication: "ferry".into(),
             wal_lag_budget: 1 << 30,
             wal_publish_timeout: Duration::from_secs(5),
-            direct_publish_timeout: Duration::from_secs(5),
+            direct_publish_timeout: Duration::from_secs(30),
         }
     );
     assert_eq!(c.metrics, Some("127.0.0.1:9464".parse().unwrap()));
@@ -674,12 +674,41 @@ fn a_database_parameter_the_driver_would_ignore_and_log_is_refused() {
         "sslmode=disable&application_name=relay",
         "password=x",
         "options[statement_timeout]=5s",
+        "options%5Bsearch_path%5D=app",
+        "channel_binding=require&connect_timeout=5&pgbouncer=true",
         "",
     ] {
         let url = format!("postgres://ferry@db/app?{fine}");
         let c = from_toml_str(&format!("[database]\nurl = \"{url}\"\n"));
         assert!(c.is_ok(), "{fine}: {:?}", c.err().map(|e| e.to_string()));
     }
+}
+
+#[test]
+fn the_direct_publish_bound_leaves_room_for_every_sinks_own_timeout() {
+    let hooks = |timeout: &str, bound: Option<&str>| {
+        let bound = bound.map_or(String::new(), |b| format!("direct_publish_timeout = \"{b}\"\n"));
+        format!(
+            "{MINIMAL}[relay]\nlease = \"120s\"\n{bound}[sinks.hooks]\nkind = \"webhook\"\ntimeout = \"{timeout}\"\n\
+             [[routes]]\nmatch = \"a.*\"\nsink = \"hooks\"\ndestination = \"http://h.example/in\"\n"
+        )
+    };
+    // Unset, it grows to twice the longest timeout.
+    assert_eq!(
+        from_toml_str(&hooks("10s", None)).unwrap().relay.direct_publish_timeout,
+        Duration::from_secs(30)
+    );
+    assert_eq!(
+        from_toml_str(&hooks("40s", None)).unwrap().relay.direct_publish_timeout,
+        Duration::from_secs(80)
+    );
+    // Set below it, it is refused.
+    let e = errors(&hooks("10s", Some("15s")));
+    assert!(
+        e.starts_with("relay.direct_publish_timeout: 15s is less than twice sinks.hooks.timeout (10s)"),
+        "{e}"
+    );
+    assert!(from_toml_str(&hooks("10s", Some("20s"))).is_ok());
 }
 
 #[test]
