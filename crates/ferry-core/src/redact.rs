@@ -35,6 +35,9 @@ const PLAIN_PARAMETERS: &[&str] = &[
     "user",
 ];
 
+/// Schemes whose user info is hidden whole, user part and all.
+const HTTP_SCHEMES: &[&str] = &["http", "https"];
+
 /// Schemes whose user part, standing alone, is a user name. Elsewhere it is
 /// a credential: NATS reads `nats://TOKEN@host` as a token, and an HTTP API
 /// key is often sent as the user part of Basic authentication.
@@ -50,15 +53,17 @@ const USER_NAME_SCHEMES: &[&str] = &[
 ];
 
 /// `url` with every credential it may carry replaced by `***`: the
-/// password of its user info, a user part that is a credential (see
-/// [`USER_NAME_SCHEMES`]), the value of every query parameter not known to
-/// be plain, and a fragment. Text without `://` is returned as it is.
+/// password of its user info, a user part that may be a credential (all of
+/// an HTTP URL's; elsewhere see [`USER_NAME_SCHEMES`]), the value of every
+/// query parameter not known to be plain, and a fragment. Text without
+/// `://` is returned as it is.
 ///
 /// ```
 /// use ferry_core::redact;
 /// assert_eq!(redact::url("postgres://app:s3cret@db/app?sslmode=require"), "postgres://app:***@db/app?sslmode=require");
 /// assert_eq!(redact::url("https://hooks.example/in?token=s3cret"), "https://hooks.example/in?token=***");
 /// assert_eq!(redact::url("nats://s3cret@nats:4222"), "nats://***@nats:4222");
+/// assert_eq!(redact::url("https://user:pw@hooks.example/in"), "https://***@hooks.example/in");
 /// ```
 pub fn url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -67,23 +72,30 @@ pub fn url(url: &str) -> String {
     let mut out = String::with_capacity(url.len());
     out.push_str(scheme);
     out.push_str("://");
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, rest) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
+    // The user info ends at the last `@`: a password may hold `/`, `?`, `#`
+    // or `@` unescaped, and hiding too much is the safe side.
+    let rest = match rest.rfind('@') {
+        Some(at) => {
+            let userinfo = &rest[..at];
+            let scheme = scheme.to_ascii_lowercase();
             match userinfo.split_once(':') {
+                // An HTTP user part is as likely an API key as a name.
+                _ if HTTP_SCHEMES.contains(&scheme.as_str()) => out.push_str("***"),
                 Some((user, _password)) => {
                     out.push_str(user);
                     out.push_str(":***");
                 }
-                None if USER_NAME_SCHEMES.contains(&scheme.to_ascii_lowercase().as_str()) => out.push_str(userinfo),
+                None if USER_NAME_SCHEMES.contains(&scheme.as_str()) => out.push_str(userinfo),
                 None => out.push_str("***"),
             }
             out.push('@');
-            out.push_str(host);
+            &rest[at + 1..]
         }
-        None => out.push_str(authority),
-    }
+        None => rest,
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (host, rest) = rest.split_at(authority_end);
+    out.push_str(host);
     let (before_fragment, fragment) = match rest.split_once('#') {
         Some((before, _)) => (before, true),
         None => (rest, false),
@@ -101,6 +113,8 @@ pub fn url(url: &str) -> String {
                         out.push_str(name);
                         out.push_str("=***");
                     }
+                    // A bare `?TOKEN`.
+                    None if !pair.is_empty() => out.push_str("***"),
                     _ => out.push_str(pair),
                 }
             }
@@ -141,7 +155,19 @@ mod tests {
         assert_eq!(url("nats://s3cret@host:4222"), "nats://***@host:4222");
         assert_eq!(url("NATS://s3cret@host:4222"), "NATS://***@host:4222");
         assert_eq!(url("https://sk_live_1@api.example/in"), "https://***@api.example/in");
+        assert_eq!(url("https://sk_live_1:@api.example/in"), "https://***@api.example/in");
+        assert_eq!(
+            url("https://ferry:s3cret@hooks.example/in"),
+            "https://***@hooks.example/in"
+        );
         assert_eq!(url("nats://u:p@127.0.0.1:4222"), "nats://u:***@127.0.0.1:4222");
+    }
+
+    #[test]
+    fn a_password_with_url_syntax_in_it_is_hidden_whole() {
+        assert_eq!(url("postgres://u:p#ss@h/db"), "postgres://u:***@h/db");
+        assert_eq!(url("postgres://u:a/b?c@h:5432/db"), "postgres://u:***@h:5432/db");
+        assert_eq!(url("amqp://u:p@ss@host/vh"), "amqp://u:***@host/vh");
     }
 
     #[test]
@@ -155,8 +181,8 @@ mod tests {
             "https://hooks.example/in?token=***&code=***"
         );
         assert_eq!(
-            url("https://h.example/a?flag&empty="),
-            "https://h.example/a?flag&empty="
+            url("https://h.example/a?T0K3N&empty="),
+            "https://h.example/a?***&empty="
         );
         assert_eq!(url("https://h.example/a#s3cret"), "https://h.example/a#***");
         assert_eq!(url("https://h.example/a?k=v#f"), "https://h.example/a?k=***#***");
@@ -166,11 +192,11 @@ mod tests {
     fn a_url_too_broken_to_parse_is_hidden_all_the_same() {
         assert_eq!(
             url("https://ferry:s3cret@hooks.example:99999/in"),
-            "https://ferry:***@hooks.example:99999/in"
+            "https://***@hooks.example:99999/in"
         );
         assert_eq!(
-            url("https://u:p@{key}.hooks example/in?t=1"),
-            "https://u:***@{key}.hooks example/in?t=***"
+            url("nats://u:p@{key}.nats example/in?t=1"),
+            "nats://u:***@{key}.nats example/in?t=***"
         );
     }
 
