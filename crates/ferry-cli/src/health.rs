@@ -232,8 +232,11 @@ async fn checks_loop(
 ) {
     loop {
         for route in routes {
-            let error = match tokio::time::timeout(PROBE_TIMEOUT, sinks[&route.sink].check(route)).await {
-                Ok(Ok(())) => None,
+            // The caveats were logged at start-up; a probe every 15 s only
+            // asks whether the destination is there.
+            let probe = sinks[&route.sink].check_with_caveats(route);
+            let error = match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
+                Ok(Ok(_caveats)) => None,
                 Ok(Err(e)) => Some(format!("{}: {}", route.sink, e.message)),
                 Err(_) => Some(format!("{}: no answer within {}s", route.sink, PROBE_TIMEOUT.as_secs())),
             };
