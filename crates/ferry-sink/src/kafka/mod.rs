@@ -301,7 +301,11 @@ impl Sink for KafkaSink {
                     topic,
                     limit, "remaking the Kafka producer to keep its batches under the topic's max.message.bytes"
                 );
-                slot.producer = None;
+                // Dropping a producer flushes and joins its thread: not on
+                // the runtime's (publishes in flight hold their own handle).
+                if let Some(old) = slot.producer.take() {
+                    tokio::task::spawn_blocking(move || drop(old));
+                }
             }
         }
         Ok(())

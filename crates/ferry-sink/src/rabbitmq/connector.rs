@@ -238,10 +238,13 @@ impl Connector {
                     reply::reply_code(&e).is_some_and(|code| reply::reply_code_kind(code) == ErrorKind::Config);
                 format!("connecting to RabbitMQ at {}: {e}", self.display_url)
             }
-            Err(_) => format!(
-                "connecting to RabbitMQ at {}: no answer within {:?}",
-                self.display_url, self.timeout
-            ),
+            Err(_) => {
+                self.refused = false;
+                format!(
+                    "connecting to RabbitMQ at {}: no answer within {:?}",
+                    self.display_url, self.timeout
+                )
+            }
         };
         let delay = self.backoff.failed(now, error.clone());
         warn!(%error, retry_in = ?delay, "RabbitMQ connection failed");
