@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, NaiveDateTime, Utc};
 use ferry_core::ErrorKind;
 
 /// How a response with this status should be handled; `None` is success.
@@ -46,7 +46,13 @@ pub fn parse_retry_after(value: &str, now: DateTime<Utc>) -> Option<Duration> {
     if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
         return value.parse().ok().map(Duration::from_secs);
     }
-    let at = DateTime::parse_from_rfc2822(value).ok()?.with_timezone(&Utc);
+    // An HTTP-date: IMF-fixdate (an RFC 2822 date), or one of the two
+    // obsolete forms RFC 9110 (5.6.7) says a recipient must still accept.
+    let at = DateTime::parse_from_rfc2822(value)
+        .map(|at| at.with_timezone(&Utc))
+        .or_else(|_| NaiveDateTime::parse_from_str(value, "%A, %d-%b-%y %H:%M:%S GMT").map(|at| at.and_utc()))
+        .or_else(|_| NaiveDateTime::parse_from_str(value, "%a %b %e %H:%M:%S %Y").map(|at| at.and_utc()))
+        .ok()?;
     Some((at - now).to_std().unwrap_or(Duration::ZERO))
 }
 
@@ -82,6 +88,16 @@ mod tests {
             parse_retry_after("Wed, 21 Oct 2015 07:00:00 GMT", now),
             Some(Duration::ZERO)
         );
+        // RFC 850 and asctime, the obsolete forms.
+        assert_eq!(
+            parse_retry_after("Wednesday, 21-Oct-15 07:28:00 GMT", now),
+            Some(Duration::from_secs(60))
+        );
+        assert_eq!(
+            parse_retry_after("Wed Oct 21 07:28:00 2015", now),
+            Some(Duration::from_secs(60))
+        );
+        assert_eq!(parse_retry_after("Wed Oct  7 07:28:00 2015", now), Some(Duration::ZERO));
         for bad in ["", "-5", "1.5", "soon", "99999999999999999999999"] {
             assert_eq!(parse_retry_after(bad, now), None, "{bad}");
         }
