@@ -504,7 +504,8 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, StoreErro
     };
     // The replication connection speaks plain TCP or a Unix socket: its TLS
     // layer would bring a second crypto provider into the binary.
-    let tls = match params.get("sslmode").map(String::as_str) {
+    let sslmode = params.get("sslmode").or_else(|| params.get("ssl-mode"));
+    let tls = match sslmode.map(String::as_str) {
         None | Some("disable" | "allow" | "prefer") => TlsConfig::disabled(),
         Some(mode @ ("require" | "verify-ca" | "verify-full")) => {
             return Err(bad(&format!(
@@ -514,19 +515,19 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, StoreErro
         }
         Some(other) => return Err(bad(&format!("unknown sslmode {other:?}"))),
     };
+    // As the relay's pool reads it: the URL's port, else `?port=`.
+    let port = match (url.port(), params.get("port")) {
+        (Some(port), _) => port,
+        (None, Some(port)) => port
+            .parse()
+            .map_err(|_| bad(&format!("port={port:?} is not a port number")))?,
+        (None, None) => 5432,
+    };
     let cfg = if host.starts_with('/') {
-        ReplicationConfig::unix(
-            host,
-            url.port().unwrap_or(5432),
-            user,
-            password,
-            database,
-            &config.slot,
-            &*config.publication,
-        )
+        ReplicationConfig::unix(host, port, user, password, database, &config.slot, &*config.publication)
     } else {
         ReplicationConfig::new(host, user, password, database, &config.slot, &*config.publication)
-            .with_port(url.port().unwrap_or(5432))
+            .with_port(port)
             .with_tls(tls)
     };
     Ok(cfg
@@ -638,4 +639,34 @@ pub async fn emit(conn: &mut PgConnection, event: Event) -> Result<EventId, Enqu
         .fetch_one(&mut *conn)
         .await?;
     Ok(EventId(id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(url: &str) -> Result<ReplicationConfig, StoreError> {
+        replication_config(&WalConfig {
+            url: url.into(),
+            slot: "ferry".into(),
+            publication: "ferry".into(),
+        })
+    }
+
+    #[test]
+    fn the_stream_reads_the_url_as_the_relays_pool_does() {
+        // sqlx takes `ssl-mode` for `sslmode`: the stream must refuse TLS it
+        // cannot speak either way, not connect in plain text.
+        for url in [
+            "postgres://u@db/app?sslmode=require",
+            "postgres://u@db/app?ssl-mode=require",
+        ] {
+            let err = config(url).expect_err(url);
+            assert!(err.message.contains("without TLS"), "{url}: {err}");
+        }
+        assert_eq!(config("postgres://u@db:6543/app").unwrap().port, 6543);
+        assert_eq!(config("postgres://u@db/app?port=6543").unwrap().port, 6543);
+        assert_eq!(config("postgres://u@db/app").unwrap().port, 5432);
+        assert!(config("postgres://u@db/app?port=many").is_err());
+    }
 }
