@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use ferry_core::{Event, EventId, RetryPolicy, Sink};
+use ferry_core::{Event, EventId, Sink};
 use ferry_inbox::kafka::{DEAD_GROUP_HEADER, DEAD_REASON_HEADER, KafkaConsumer, KafkaConsumerOptions};
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::kafka::{KafkaOptions, KafkaSink};
@@ -178,14 +178,7 @@ async fn each_effect_happens_once_through_a_lost_offset_commit_and_duplicates() 
 async fn a_poison_event_is_dead_lettered_and_each_key_keeps_its_order() {
     const GOOD: usize = 60;
     let env = Env::new("inbox-kafka-dead").await;
-    let inbox = Inbox::new(env.db.pool.clone(), "billing")
-        .unwrap()
-        .with_retry(RetryPolicy {
-            max_attempts: 3,
-            base_delay: Duration::from_millis(20),
-            max_delay: Duration::from_millis(100),
-            jitter: 0.0,
-        });
+    let inbox = env.db.inbox_giving_up_after(3);
     let consumer = KafkaConsumer::new(inbox.clone(), env.options()).unwrap();
     let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
         if event.event_type == "order.poison.created" {

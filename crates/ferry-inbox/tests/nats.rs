@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use async_nats::jetstream::{self, Context, stream};
-use ferry_core::{Event, EventId, RetryPolicy, Sink};
+use ferry_core::{Event, EventId, Sink};
 use ferry_inbox::nats::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, NatsConsumer, NatsConsumerOptions};
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::nats::{NatsOptions, NatsSink};
@@ -187,14 +187,7 @@ async fn each_effect_happens_once_when_a_client_dies_between_commit_and_ack() {
 async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     const GOOD: usize = 30;
     let env = Env::new("inbox-nats-dead").await;
-    let inbox = Inbox::new(env.db.pool.clone(), "billing")
-        .unwrap()
-        .with_retry(RetryPolicy {
-            max_attempts: 3,
-            base_delay: Duration::from_millis(20),
-            max_delay: Duration::from_millis(100),
-            jitter: 0.0,
-        });
+    let inbox = env.db.inbox_giving_up_after(3);
     let consumer = NatsConsumer::new(inbox.clone(), env.options(nats_url())).unwrap();
     let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
         if event.event_type == "order.poison.created" {

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ferry_core::{Event, EventId, RetryPolicy, Sink};
+use ferry_core::{Event, EventId, Sink};
 use ferry_inbox::rabbitmq::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, RabbitMqConsumer, RabbitMqConsumerOptions};
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
@@ -245,14 +245,7 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     const GOOD: usize = 40;
     const POISON: usize = 3;
     let env = Env::new("inbox-dead").await;
-    let inbox = Inbox::new(env.db.pool.clone(), "billing")
-        .unwrap()
-        .with_retry(RetryPolicy {
-            max_attempts: 3,
-            base_delay: Duration::from_millis(20),
-            max_delay: Duration::from_millis(100),
-            jitter: 0.0,
-        });
+    let inbox = env.db.inbox_giving_up_after(3);
     let consumer = RabbitMqConsumer::new(inbox.clone(), env.options(amqp_url())).unwrap();
     env.declare(&consumer).await;
 
@@ -438,14 +431,7 @@ async fn a_message_the_inbox_cannot_store_is_dead_lettered_as_malformed() {
 #[tokio::test]
 async fn a_panicking_handler_is_dead_lettered_after_its_attempts() {
     let env = Env::new("inbox-panic").await;
-    let inbox = Inbox::new(env.db.pool.clone(), "billing")
-        .unwrap()
-        .with_retry(RetryPolicy {
-            max_attempts: 3,
-            base_delay: Duration::from_millis(20),
-            max_delay: Duration::from_millis(100),
-            jitter: 0.0,
-        });
+    let inbox = env.db.inbox_giving_up_after(3);
     let consumer = RabbitMqConsumer::new(inbox.clone(), env.options(amqp_url())).unwrap();
     env.declare(&consumer).await;
     let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {

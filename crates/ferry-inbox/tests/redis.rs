@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use ferry_core::{Event, EventId, RetryPolicy, Sink};
+use ferry_core::{Event, EventId, Sink};
 use ferry_inbox::redis::{DEAD_GROUP_FIELD, DEAD_REASON_FIELD, DEAD_SOURCE_FIELD, RedisConsumer, RedisConsumerOptions};
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::redis::{RedisOptions, RedisSink};
@@ -234,14 +234,7 @@ async fn each_effect_happens_once_when_a_member_dies_between_commit_and_ack() {
 async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     const GOOD: usize = 30;
     let env = Env::new("inbox-redis-dead").await;
-    let inbox = Inbox::new(env.db.pool.clone(), "billing")
-        .unwrap()
-        .with_retry(RetryPolicy {
-            max_attempts: 3,
-            base_delay: Duration::from_millis(20),
-            max_delay: Duration::from_millis(100),
-            jitter: 0.0,
-        });
+    let inbox = env.db.inbox_giving_up_after(3);
     let consumer = RedisConsumer::new(inbox.clone(), env.options(redis_url(), "only")).unwrap();
     let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
         if event.event_type == "order.poison.created" {

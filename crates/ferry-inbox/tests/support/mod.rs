@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, Glob, RetryPolicy, Route, Sink, SystemClock};
-use ferry_inbox::{HandlerError, ReceivedEvent};
+use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_relay::{Relay, RelaySettings, RunReport};
 use ferry_store::postgres::{PgStore, enqueue_batch, migrate};
 use ferry_testkit::pg::TestDb;
@@ -80,6 +80,19 @@ impl Db {
                 .unwrap()
         });
         RelayRun { stop, handle }
+    }
+
+    /// The `billing` inbox, retrying a failed event quickly and giving up
+    /// (dead-lettering it) after `attempts`.
+    pub fn inbox_giving_up_after(&self, attempts: u32) -> Inbox {
+        Inbox::new(self.pool.clone(), "billing")
+            .unwrap()
+            .with_retry(RetryPolicy {
+                max_attempts: attempts,
+                base_delay: Duration::from_millis(20),
+                max_delay: Duration::from_millis(100),
+                jitter: 0.0,
+            })
     }
 
     pub async fn produce(&self, events: Vec<Event>) -> Vec<EventId> {
