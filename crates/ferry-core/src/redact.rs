@@ -133,9 +133,50 @@ pub fn carries_secrets(text: &str) -> bool {
     url(text) != text
 }
 
+/// Client properties (librdkafka's `extra`) fit to show: the value of one
+/// whose name hints at a secret (a SASL password, key material, a JAAS
+/// config) is `***`.
+pub fn properties<'a>(
+    properties: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> std::collections::BTreeMap<&'a str, &'a str> {
+    properties
+        .into_iter()
+        .map(|(name, value)| {
+            let lower = name.to_ascii_lowercase();
+            let secret = ["password", "secret", "token", "key", "jaas"]
+                .iter()
+                .any(|s| lower.contains(s));
+            (name.as_str(), if secret { "***" } else { value.as_str() })
+        })
+        .collect()
+}
+
+/// Header names with every value shown as `***`: a header is as often a
+/// credential (`Authorization`) as not.
+pub fn header_values<'a>(names: impl IntoIterator<Item = &'a String>) -> std::collections::BTreeMap<&'a str, &'a str> {
+    names.into_iter().map(|name| (name.as_str(), "***")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secret_looking_properties_and_every_header_value_are_hidden() {
+        let extra: std::collections::BTreeMap<String, String> = [
+            ("sasl.password", "pw-1"),
+            ("sasl.jaas.config", "pw-2"),
+            ("ssl.key.pem", "pw-3"),
+            ("linger.ms", "5"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .into();
+        let shown = properties(&extra);
+        assert_eq!(shown["linger.ms"], "5");
+        assert!(shown.values().filter(|v| **v == "***").count() == 3, "{shown:?}");
+        let names = ["Authorization".to_owned()];
+        assert_eq!(header_values(&names)["Authorization"], "***");
+    }
 
     #[test]
     fn passwords_are_hidden_and_user_names_kept() {

@@ -125,17 +125,7 @@ impl SinkSpec {
 // Config is logged at start-up: URLs, secrets and header values stay hidden.
 impl fmt::Debug for KafkaSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let extra: BTreeMap<&str, &str> = self
-            .extra
-            .iter()
-            .map(|(name, value)| {
-                let lower = name.to_ascii_lowercase();
-                let secret = ["password", "secret", "token", "key", "jaas"]
-                    .iter()
-                    .any(|s| lower.contains(s));
-                (name.as_str(), if secret { "***" } else { value.as_str() })
-            })
-            .collect();
+        let extra = redact::properties(&self.extra);
         f.debug_struct("KafkaSpec")
             .field("bootstrap_servers", &self.bootstrap_servers)
             .field("publish_timeout", &self.publish_timeout)

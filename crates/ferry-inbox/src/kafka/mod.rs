@@ -55,7 +55,7 @@ pub const DEAD_GROUP_HEADER: &str = "ferry-dead-group";
 pub const DEAD_SOURCE_HEADER: &str = "ferry-dead-source";
 
 /// How a [`KafkaConsumer`] connects, what it reads, and where dead records go.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct KafkaConsumerOptions {
     /// `host:port[,host:port...]`.
@@ -158,6 +158,24 @@ impl KafkaConsumerOptions {
         config
             .create()
             .map_err(|e| format!("creating the dead-letter producer: {}", kafka_config_error(&e)))
+    }
+}
+
+impl std::fmt::Debug for KafkaConsumerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `extra` may hold SASL passwords and key material: values whose
+        // name hints at a secret are hidden.
+        let extra = ferry_core::redact::properties(&self.extra);
+        f.debug_struct("KafkaConsumerOptions")
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("topic", &self.topic)
+            .field("group", &self.group)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("timeout", &self.timeout)
+            .field("reconnect_max_delay", &self.reconnect_max_delay)
+            .field("database_retry_delay", &self.database_retry_delay)
+            .field("extra", &extra)
+            .finish()
     }
 }
 
@@ -376,5 +394,26 @@ impl KafkaConsumer {
                 Flow::Rewind
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_secret_properties_and_shows_the_rest() {
+        let mut options = KafkaConsumerOptions::new("kafka-host:9092", "orders", "billing", "orders.dead");
+        options.extra.insert("sasl.password".into(), "s3cr3t-pw".into());
+        options
+            .extra
+            .insert("sasl.jaas.config".into(), "password=\"jaas-pw\"".into());
+        options.extra.insert("auto.offset.reset".into(), "latest".into());
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(!shown.contains("jaas-pw"), "{shown}");
+        assert!(shown.contains("sasl.password"), "{shown}");
+        assert!(shown.contains("latest"), "{shown}");
+        assert!(shown.contains("kafka-host:9092"), "{shown}");
     }
 }

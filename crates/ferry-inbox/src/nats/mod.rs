@@ -48,7 +48,7 @@ pub const DEAD_SUBJECT_HEADER: &str = "Ferry-Dead-Subject";
 
 /// How a [`NatsConsumer`] connects, what it consumes, and where dead
 /// messages go.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct NatsConsumerOptions {
     /// `nats://[user:password@]host:port`.
@@ -139,6 +139,24 @@ impl NatsConsumerOptions {
     }
 }
 
+impl std::fmt::Debug for NatsConsumerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConsumerOptions")
+            .field("url", &ferry_core::redact::url(&self.url))
+            .field("stream", &self.stream)
+            .field("durable", &self.durable)
+            .field("filter_subject", &self.filter_subject)
+            .field("dead_letter_subject", &self.dead_letter_subject)
+            .field("max_ack_pending", &self.max_ack_pending)
+            .field("ack_wait", &self.ack_wait)
+            .field("max_deliver", &self.max_deliver)
+            .field("timeout", &self.timeout)
+            .field("reconnect_max_delay", &self.reconnect_max_delay)
+            .field("database_retry_delay", &self.database_retry_delay)
+            .finish()
+    }
+}
+
 /// Consumes one durable JetStream consumer into one [`Inbox`].
 #[derive(Debug, Clone)]
 pub struct NatsConsumer {
@@ -194,5 +212,28 @@ impl NatsConsumer {
         }
         info!(stream = %self.options.stream, durable = %self.options.durable, "consumer stopped");
         Ok(self.report())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_the_password_and_a_token() {
+        let options = NatsConsumerOptions::new(
+            "nats://ferry:s3cr3t-pw@nats-host:4222",
+            "ORDERS",
+            "billing",
+            "billing.dead",
+        );
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(shown.contains("nats-host:4222"), "{shown}");
+        assert!(shown.contains("ack_wait: 30s"), "{shown}");
+        let options = NatsConsumerOptions::new("nats://tok-123@nats-host:4222", "ORDERS", "billing", "billing.dead");
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("tok-123"), "{shown}");
+        assert!(shown.contains("nats-host:4222"), "{shown}");
     }
 }

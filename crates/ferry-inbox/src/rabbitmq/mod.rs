@@ -53,7 +53,7 @@ pub const DEAD_QUEUE_HEADER: &str = "ferry-dead-queue";
 
 /// How a [`RabbitMqConsumer`] connects, what it consumes, and where dead
 /// messages go.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RabbitMqConsumerOptions {
     /// `amqp://` or `amqps://` URL; the vhost is the path (`%2f` for `/`).
@@ -143,6 +143,22 @@ impl RabbitMqConsumerOptions {
     }
 }
 
+impl std::fmt::Debug for RabbitMqConsumerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitMqConsumerOptions")
+            .field("url", &ferry_core::redact::url(&self.url))
+            .field("queue", &self.queue)
+            .field("declare", &self.declare)
+            .field("bindings", &self.bindings)
+            .field("prefetch", &self.prefetch)
+            .field("dead_letter_exchange", &self.dead_letter_exchange)
+            .field("timeout", &self.timeout)
+            .field("reconnect_max_delay", &self.reconnect_max_delay)
+            .field("database_retry_delay", &self.database_retry_delay)
+            .finish()
+    }
+}
+
 /// Consumes one queue into one [`Inbox`].
 #[derive(Debug, Clone)]
 pub struct RabbitMqConsumer {
@@ -199,5 +215,19 @@ impl RabbitMqConsumer {
         }
         info!(queue = %self.options.queue, "consumer stopped");
         Ok(self.report())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_the_password() {
+        let options = RabbitMqConsumerOptions::new("amqp://ferry:s3cr3t-pw@rabbit:5672/%2f", "billing", "billing.dead");
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(shown.contains("rabbit:5672"), "{shown}");
+        assert!(shown.contains("prefetch: 32"), "{shown}");
     }
 }

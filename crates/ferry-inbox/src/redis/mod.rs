@@ -47,7 +47,7 @@ pub const DEAD_GROUP_FIELD: &str = "dead-group";
 pub const DEAD_SOURCE_FIELD: &str = "dead-source";
 
 /// How a [`RedisConsumer`] connects, what it reads, and where dead entries go.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct RedisConsumerOptions {
     /// `redis://[user:password@]host:port[/db]`, or `rediss://` for TLS.
@@ -140,6 +140,25 @@ impl RedisConsumerOptions {
     }
 }
 
+impl std::fmt::Debug for RedisConsumerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisConsumerOptions")
+            .field("url", &ferry_core::redact::url(&self.url))
+            .field("stream", &self.stream)
+            .field("group", &self.group)
+            .field("consumer", &self.consumer)
+            .field("create_group", &self.create_group)
+            .field("batch", &self.batch)
+            .field("block", &self.block)
+            .field("claim_idle", &self.claim_idle)
+            .field("dead_letter_stream", &self.dead_letter_stream)
+            .field("timeout", &self.timeout)
+            .field("reconnect_max_delay", &self.reconnect_max_delay)
+            .field("database_retry_delay", &self.database_retry_delay)
+            .finish()
+    }
+}
+
 /// Consumes one stream, as one member of a group, into one [`Inbox`].
 #[derive(Debug, Clone)]
 pub struct RedisConsumer {
@@ -195,5 +214,25 @@ impl RedisConsumer {
         }
         info!(stream = %self.options.stream, "consumer stopped");
         Ok(self.report())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_the_password() {
+        let options = RedisConsumerOptions::new(
+            "redis://ferry:s3cr3t-pw@redis-host:6379/0",
+            "orders",
+            "billing",
+            "billing-1",
+            "orders.dead",
+        );
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(shown.contains("redis-host:6379"), "{shown}");
+        assert!(shown.contains("claim_idle: 60s"), "{shown}");
     }
 }

@@ -53,7 +53,7 @@ use ferry_core::prepare_in_key_order;
 use message::{Limits, Record};
 
 /// How a [`KafkaSink`] connects and publishes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct KafkaOptions {
     /// `host:port[,host:port...]`. Default `127.0.0.1:9092`.
     pub bootstrap_servers: String,
@@ -84,6 +84,21 @@ impl Default for KafkaOptions {
             source: "ferry".into(),
             extra: BTreeMap::new(),
         }
+    }
+}
+
+impl std::fmt::Debug for KafkaOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // `extra` may hold SASL passwords and key material: values whose
+        // name hints at a secret are hidden.
+        let extra = ferry_core::redact::properties(&self.extra);
+        f.debug_struct("KafkaOptions")
+            .field("bootstrap_servers", &self.bootstrap_servers)
+            .field("publish_timeout", &self.publish_timeout)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("source", &self.source)
+            .field("extra", &extra)
+            .finish()
     }
 }
 
@@ -341,5 +356,24 @@ mod tests {
         };
         assert!(err.message.contains("sasl.pasword"), "{err}");
         assert!(!err.message.contains("hunter2"), "{err}");
+    }
+
+    #[test]
+    fn debug_output_hides_secret_properties_and_shows_the_rest() {
+        let mut options = KafkaOptions {
+            bootstrap_servers: "kafka-host:9092".into(),
+            ..KafkaOptions::default()
+        };
+        options.extra.insert("sasl.password".into(), "s3cr3t-pw".into());
+        options
+            .extra
+            .insert("ssl.key.pem".into(), "-----BEGIN PRIVATE KEY-----".into());
+        options.extra.insert("security.protocol".into(), "sasl_ssl".into());
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(!shown.contains("PRIVATE KEY"), "{shown}");
+        assert!(shown.contains("sasl.password"), "{shown}");
+        assert!(shown.contains("sasl_ssl"), "{shown}");
+        assert!(shown.contains("kafka-host:9092"), "{shown}");
     }
 }

@@ -47,7 +47,7 @@ use message::Message;
 pub const UNROUTABLE_METRIC: &str = "ferry_unroutable_returns_total";
 
 /// How a [`RabbitMqSink`] connects and publishes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct RabbitMqOptions {
     /// `amqp://` or `amqps://` URL; the vhost is the path, URL-encoded
     /// (`%2f` for `/`). Default `amqp://127.0.0.1:5672/%2f`.
@@ -94,6 +94,21 @@ impl Default for RabbitMqOptions {
             management_url: None,
             channels: DEFAULT_CHANNELS,
         }
+    }
+}
+
+impl std::fmt::Debug for RabbitMqOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let management_url = self.management_url.as_deref().map(ferry_core::redact::url);
+        f.debug_struct("RabbitMqOptions")
+            .field("url", &ferry_core::redact::url(&self.url))
+            .field("publish_timeout", &self.publish_timeout)
+            .field("reconnect_max_delay", &self.reconnect_max_delay)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("source", &self.source)
+            .field("management_url", &management_url)
+            .field("channels", &self.channels)
+            .finish()
     }
 }
 
@@ -253,5 +268,25 @@ impl Sink for RabbitMqSink {
 
     async fn close(&self) {
         self.connector.lock().await.close().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_output_hides_the_passwords_of_both_urls() {
+        let options = RabbitMqOptions {
+            url: "amqp://ferry:s3cr3t-pw@rabbit:5672/%2f".into(),
+            management_url: Some("http://ferry:mgmt-pw@rabbit:15672".into()),
+            ..RabbitMqOptions::default()
+        };
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(!shown.contains("mgmt-pw"), "{shown}");
+        assert!(shown.contains("rabbit:5672"), "{shown}");
+        assert!(shown.contains("rabbit:15672"), "{shown}");
+        assert!(shown.contains("publish_timeout: 10s"), "{shown}");
     }
 }

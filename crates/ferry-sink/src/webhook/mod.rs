@@ -56,7 +56,7 @@ const MAX_IDLE_LIMITERS: usize = 1024;
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 
 /// How a [`WebhookSink`] signs and sends.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct WebhookOptions {
     /// Signing secrets as `whsec_<base64>`. Each one adds a signature to
     /// `webhook-signature`, so a receiver can rotate its secret. Empty (the
@@ -87,6 +87,22 @@ impl Default for WebhookOptions {
             source: "ferry".into(),
             headers: BTreeMap::new(),
         }
+    }
+}
+
+impl std::fmt::Debug for WebhookOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Header values are often credentials (`Authorization`), so only
+        // their names are shown.
+        let headers = redact::header_values(self.headers.keys());
+        f.debug_struct("WebhookOptions")
+            .field("secrets", &format_args!("[{} hidden]", self.secrets.len()))
+            .field("timeout", &self.timeout)
+            .field("concurrency", &self.concurrency)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("source", &self.source)
+            .field("headers", &headers)
+            .finish()
     }
 }
 
@@ -492,6 +508,22 @@ mod tests {
         .unwrap_err();
         assert!(err.message.starts_with("headers.bad header"), "{err}");
         assert!(WebhookSink::new(WebhookOptions::default()).is_ok());
+    }
+
+    #[test]
+    fn debug_output_hides_the_signing_secrets_and_the_header_values() {
+        let options = WebhookOptions {
+            secrets: vec!["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw".into()],
+            timeout: Duration::from_secs(7),
+            headers: [("Authorization".to_owned(), "Bearer tok-123".to_owned())].into(),
+            ..WebhookOptions::default()
+        };
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"), "{shown}");
+        assert!(!shown.contains("tok-123"), "{shown}");
+        assert!(shown.contains("[1 hidden]"), "{shown}");
+        assert!(shown.contains("Authorization"), "{shown}");
+        assert!(shown.contains("7s"), "{shown}");
     }
 
     #[test]

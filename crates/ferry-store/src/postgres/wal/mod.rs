@@ -29,7 +29,7 @@ pub use diagnose::{Finding, diagnose};
 pub use settle::{Look, Outcome, Settled, Settlement};
 
 /// Where a relay in WAL mode streams from.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct WalConfig {
     /// The database URL (`postgres://user:password@host:port/db`); the
     /// replication connection uses the same credentials and TLS mode.
@@ -38,6 +38,17 @@ pub struct WalConfig {
     pub slot: String,
     /// The publication on `ferry.events`; created on first use.
     pub publication: String,
+}
+
+// The URL carries the password: the relay's own Debug output hides it.
+impl std::fmt::Debug for WalConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalConfig")
+            .field("url", &ferry_core::redact::url(&self.url))
+            .field("slot", &self.slot)
+            .field("publication", &self.publication)
+            .finish()
+    }
 }
 
 /// A replication slot or publication name PostgreSQL accepts unquoted.
@@ -668,5 +679,17 @@ mod tests {
         assert_eq!(config("postgres://u@db/app?port=6543").unwrap().port, 6543);
         assert_eq!(config("postgres://u@db/app").unwrap().port, 5432);
         assert!(config("postgres://u@db/app?port=many").is_err());
+    }
+
+    #[test]
+    fn debug_output_hides_the_database_password() {
+        let config = WalConfig {
+            url: "postgres://ferry:s3cr3t-pw@db:5432/app".into(),
+            slot: "ferry".into(),
+            publication: "ferry".into(),
+        };
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(shown.contains("db:5432/app"), "{shown}");
     }
 }
