@@ -365,6 +365,7 @@ const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(60);
 const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_WAL_NAME: &str = "ferry";
 const DEFAULT_WAL_LAG_BUDGET_MB: i64 = 1024;
+/// Raised, like the direct bound, to twice every sink's own timeout.
 const DEFAULT_WAL_PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 /// At least twice every sink's own timeout, which raises it where one is
 /// longer than 15 s.
@@ -456,6 +457,7 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
     let mut check = Checker::default();
     let database = database(&mut check, raw.database, from_file);
     let direct_bound_set = raw.relay.direct_publish_timeout.is_some();
+    let wal_bound_set = raw.relay.wal_publish_timeout.is_some();
     let mut relay = relay(&mut check, raw.relay);
     if relay.mode == RelayMode::Wal
         && !(database.url.starts_with("postgres://") || database.url.starts_with("postgresql://"))
@@ -490,25 +492,41 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
         .into_iter()
         .filter_map(|(name, sink)| Some((name.clone(), sinks::sink_spec(&mut check, &name, sink)?)))
         .collect();
+    let wal_mode = relay.mode == RelayMode::Wal;
     for (name, sink) in &sinks {
         // A sink's batch may take its timeout per message write and again
-        // for the confirms: a direct publish bounded at less than twice it
-        // would be abandoned, and sent again, in a merely slow moment.
-        if let Some((field, timeout)) = sink.publish_bound()
-            && relay.direct_publish_timeout < timeout * 2
-        {
-            if direct_bound_set {
-                check.problem(
+        // for the confirms: a publish bounded at less than twice it would be
+        // abandoned, and sent again, in a merely slow moment.
+        if let Some((field, timeout)) = sink.publish_bound() {
+            for (bound_field, bound, set) in [
+                (
                     "relay.direct_publish_timeout",
-                    format!(
-                        "{} is less than twice sinks.{name}.{field} ({}); a batch that merely took the \
-                         sink's time would be abandoned and sent again, so raise it or lower the timeout",
-                        format_duration(relay.direct_publish_timeout),
-                        format_duration(timeout)
-                    ),
-                );
-            } else {
-                relay.direct_publish_timeout = timeout * 2;
+                    &mut relay.direct_publish_timeout,
+                    direct_bound_set,
+                ),
+                // Only WAL mode reads it: a value left in a file while polling is no problem.
+                (
+                    "relay.wal_publish_timeout",
+                    &mut relay.wal_publish_timeout,
+                    wal_bound_set && wal_mode,
+                ),
+            ] {
+                if *bound >= timeout * 2 {
+                    continue;
+                }
+                if set {
+                    check.problem(
+                        bound_field,
+                        format!(
+                            "{} is less than twice sinks.{name}.{field} ({}); a batch that merely took the \
+                             sink's time would be abandoned and sent again, so raise it or lower the timeout",
+                            format_duration(*bound),
+                            format_duration(timeout)
+                        ),
+                    );
+                } else {
+                    *bound = timeout * 2;
+                }
             }
         }
         if let Some((field, timeout)) = sink.publish_bound()

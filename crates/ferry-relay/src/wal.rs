@@ -29,7 +29,9 @@ use crate::metrics;
 pub struct WalOptions {
     /// A route's publish taking longer than this counts as failed: its
     /// events go to the table path (and may arrive twice) rather than hold
-    /// the stream for every other route.
+    /// the stream for every other route. Keep it at least twice each sink's
+    /// own timeout (the default suits the sinks' default 10 s), or a batch
+    /// that merely takes the sink's time is abandoned and sent again.
     pub publish_timeout: Duration,
     /// WAL the slot may hold back before the relay warns, in bytes.
     pub lag_budget: u64,
@@ -40,7 +42,7 @@ pub struct WalOptions {
 impl Default for WalOptions {
     fn default() -> Self {
         Self {
-            publish_timeout: Duration::from_secs(5),
+            publish_timeout: Duration::from_secs(20),
             lag_budget: 1 << 30,
             lag_every: Duration::from_secs(5),
         }

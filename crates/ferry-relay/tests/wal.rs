@@ -380,6 +380,55 @@ async fn a_destination_down_does_not_hold_up_the_others_and_loses_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_route_slower_than_the_bound_is_served_from_the_table_and_loses_nothing() {
+    let e = env().await;
+    // Slower than the stream's 2 s bound, as a webhook near its timeout is:
+    // every batch holding a "slow" event takes 3 s.
+    e.other
+        .delay_when(|ev| (ev.key.as_deref() == Some("slow")).then_some(Duration::from_secs(3)));
+    let relay = start(&e, "wal-a", vec![route("up", "mock"), route("late", "other")]);
+    streaming(&e).await;
+    let mut ids = Vec::new();
+    for t in 0..30 {
+        let mut tx = e.pool.begin().await.unwrap();
+        let keys = ["slow".to_owned(), format!("k{}", t % 3)];
+        let events: Vec<Event> = keys
+            .iter()
+            .map(|k| Event::new("order.placed", json!({ "t": t })).key(k.clone()))
+            .collect();
+        let sent = enqueue_batch(&mut tx, events).await.unwrap();
+        tx.commit().await.unwrap();
+        ids.extend(sent.into_iter().map(|s| s.id).zip(keys));
+    }
+    eventually("every event on both routes", Duration::from_secs(60), || {
+        unique(&e.sink.delivered("up")).len() >= ids.len() && unique(&e.other.delivered("late")).len() >= ids.len()
+    })
+    .await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("up"));
+    assert_complete_and_ordered(&ids, &e.other.delivered("late"));
+    // The slow route's publish was cut off at the bound and its events went
+    // to the table path; the other route's never failed.
+    let attempts = |route: &'static str| {
+        let pool = e.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, Option<i32>>("SELECT max(attempts) FROM ferry.deliveries WHERE route = $1")
+                .bind(route)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                .unwrap_or(0)
+        }
+    };
+    assert!(
+        attempts("late").await >= 2,
+        "the slow route's first batch was not cut off"
+    );
+    assert_eq!(attempts("up").await, 1);
+    relay.stop().await;
+    e.db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they_fail() {
     let e = env().await;
     // Without a slot nobody would read a tableless event: it becomes an

@@ -37,7 +37,7 @@ fn the_example_file_parses_to_its_documented_values() {
             wal_slot: "ferry".into(),
             wal_publication: "ferry".into(),
             wal_lag_budget: 1 << 30,
-            wal_publish_timeout: Duration::from_secs(5),
+            wal_publish_timeout: Duration::from_secs(20),
             direct_publish_timeout: Duration::from_secs(30),
         }
     );
@@ -709,6 +709,35 @@ fn the_direct_publish_bound_leaves_room_for_every_sinks_own_timeout() {
         "{e}"
     );
     assert!(from_toml_str(&hooks("10s", Some("20s"))).is_ok());
+}
+
+#[test]
+fn the_wal_publish_bound_leaves_room_for_every_sinks_own_timeout() {
+    let hooks = |mode: &str, timeout: &str, bound: Option<&str>| {
+        let bound = bound.map_or(String::new(), |b| format!("wal_publish_timeout = \"{b}\"\n"));
+        format!(
+            "{MINIMAL}[relay]\nmode = \"{mode}\"\nlease = \"120s\"\n{bound}[sinks.hooks]\nkind = \"webhook\"\n\
+             timeout = \"{timeout}\"\n[[routes]]\nmatch = \"a.*\"\nsink = \"hooks\"\ndestination = \"http://h.example/in\"\n"
+        )
+    };
+    let wal_bound = |toml: &str| from_toml_str(toml).unwrap().relay.wal_publish_timeout;
+    // Unset, it grows from 5 s to twice the longest timeout: a webhook whose
+    // batch takes 6 s of its 10 s is not abandoned and sent again.
+    assert_eq!(wal_bound(&hooks("wal", "10s", None)), Duration::from_secs(20));
+    assert_eq!(wal_bound(&hooks("wal", "40s", None)), Duration::from_secs(80));
+    assert_eq!(
+        wal_bound(&format!("{MINIMAL}[relay]\nmode = \"wal\"\n")),
+        Duration::from_secs(5)
+    );
+    // Set below it, it is refused in WAL mode...
+    let e = errors(&hooks("wal", "10s", Some("5s")));
+    assert!(
+        e.starts_with("relay.wal_publish_timeout: 5s is less than twice sinks.hooks.timeout (10s)"),
+        "{e}"
+    );
+    assert_eq!(wal_bound(&hooks("wal", "10s", Some("25s"))), Duration::from_secs(25));
+    // ...and raised, not refused, while polling, which never reads it.
+    assert_eq!(wal_bound(&hooks("poll", "10s", Some("5s"))), Duration::from_secs(20));
 }
 
 #[test]
