@@ -4,6 +4,8 @@
 
 #[path = "nats/faults.rs"]
 mod faults;
+#[path = "nats/permissions.rs"]
+mod permissions;
 #[path = "nats/support.rs"]
 mod support;
 

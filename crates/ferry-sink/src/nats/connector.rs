@@ -11,12 +11,13 @@
 //! [`Backoff`]. What reached the server is then always a prefix of what the
 //! connection carried.
 
+use std::collections::VecDeque;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use async_nats::{Client, ConnectOptions, Event};
+use async_nats::{Client, ConnectOptions, Event, ServerError};
 use ferry_core::SinkError;
 use tokio::sync::{oneshot, watch};
 use tokio::time::timeout;
@@ -33,6 +34,8 @@ struct Link {
     client: Client,
     /// Becomes `true` once the connection is lost; it is never reused then.
     broken: watch::Receiver<bool>,
+    /// Every permission the server refused on this connection, in order.
+    denied: watch::Receiver<Denials>,
     /// Dropping it stops the connection's runtime, and with it every queued
     /// publish.
     _stop: oneshot::Sender<()>,
@@ -42,6 +45,94 @@ struct Link {
 pub(crate) struct Handle {
     pub(crate) client: Client,
     pub(crate) broken: watch::Receiver<bool>,
+    pub(crate) denied: watch::Receiver<Denials>,
+}
+
+/// The permissions the server refused a connection, as far as they are
+/// kept: a refused subject earns one `-ERR` per message, for as long as
+/// events are sent to it.
+#[derive(Debug, Default)]
+pub(crate) struct Denials {
+    /// How many there were.
+    pub(crate) total: usize,
+    /// The latest of them.
+    recent: VecDeque<Denial>,
+}
+
+impl Denials {
+    /// More than a batch of one subject's refusals: an inbox refusal among
+    /// them is read before this many more arrive.
+    const KEPT: usize = 1024;
+
+    /// Adds one; `true` if it says something the one before did not.
+    fn push(&mut self, denial: Denial) -> bool {
+        let news = self.recent.back().is_none_or(|last| last.text != denial.text);
+        if self.recent.len() == Self::KEPT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(denial);
+        self.total += 1;
+        news
+    }
+
+    /// Those after the first `seen`, as far as they are kept.
+    pub(crate) fn since(&self, seen: usize) -> impl Iterator<Item = &Denial> {
+        let new = self.total.saturating_sub(seen);
+        self.recent.iter().skip(self.recent.len().saturating_sub(new))
+    }
+}
+
+/// A permission the server refused this connection. The server says so
+/// only in an `-ERR` on the connection: the publish itself is dropped and
+/// its PubAck never comes, so without this a refused subject would look
+/// like a slow JetStream until the publish timed out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Denial {
+    /// The server's words, e.g. `Permissions Violation for Publish to "a.b"`.
+    pub(crate) text: String,
+    /// The subject of a refused publish. `None` for a refused subscription
+    /// (the PubAck inbox) or reply subject: then no PubAck can arrive.
+    pub(crate) publish_to: Option<String>,
+}
+
+impl Denial {
+    /// The denial an `-ERR` describes, if it is one.
+    pub(crate) fn read(error: &str) -> Option<Denial> {
+        const PUBLISH: &str = "permissions violation for publish to ";
+        let lower = error.to_ascii_lowercase();
+        if !lower.starts_with("permissions violation") {
+            return None;
+        }
+        let publish_to = lower
+            .starts_with(PUBLISH)
+            .then(|| error[PUBLISH.len()..].trim().trim_matches('"').to_owned());
+        Some(Denial {
+            text: error.to_owned(),
+            publish_to,
+        })
+    }
+
+    /// Whether it stops what was sent to `subject`: a refused publish to
+    /// that subject, or a refusal (of the inbox) that stops everything.
+    pub(crate) fn stops(&self, subject: &str) -> bool {
+        self.publish_to.as_deref().is_none_or(|refused| refused == subject)
+    }
+
+    /// The error for an event this denial stopped.
+    pub(crate) fn error(&self) -> SinkError {
+        match &self.publish_to {
+            Some(subject) => SinkError::transient(format!(
+                "NATS refused this connection's user to publish to {subject:?} ({}); nothing was stored: \
+                 allow the subject in the user's publish permissions on the server",
+                self.text
+            )),
+            None => SinkError::transient(format!(
+                "NATS refused this connection's user a permission the sink needs ({}), so no PubAck can \
+                 arrive: allow the user to subscribe to _INBOX.> on the server",
+                self.text
+            )),
+        }
+    }
 }
 
 pub(crate) struct Connector {
@@ -89,6 +180,7 @@ impl Connector {
         Ok(Handle {
             client: link.client.clone(),
             broken: link.broken.clone(),
+            denied: link.denied.clone(),
         })
     }
 
@@ -144,6 +236,8 @@ impl Connector {
     async fn spawn_connection(&self) -> Result<Link, SinkError> {
         let (broken_tx, broken) = watch::channel(false);
         let broken_tx = Arc::new(broken_tx);
+        let (denied_tx, denied) = watch::channel(Denials::default());
+        let denied_tx = Arc::new(denied_tx);
         let asked = AtomicBool::new(false);
         // async-nats ignores credentials embedded in the URL; pass them on.
         let options = match credentials(&self.url) {
@@ -165,9 +259,23 @@ impl Connector {
             .subscription_capacity(SUBSCRIPTION_CAPACITY)
             .event_callback(move |event| {
                 let broken_tx = Arc::clone(&broken_tx);
+                let denied_tx = Arc::clone(&denied_tx);
                 async move {
-                    if matches!(event, Event::Disconnected | Event::Closed) {
-                        broken_tx.send_replace(true);
+                    match event {
+                        Event::Disconnected | Event::Closed => {
+                            broken_tx.send_replace(true);
+                        }
+                        Event::ServerError(ServerError::Other(error)) => {
+                            if let Some(denial) = Denial::read(&error) {
+                                let text = denial.text.clone();
+                                let mut news = false;
+                                denied_tx.send_modify(|all| news = all.push(denial));
+                                if news {
+                                    warn!(error = %text, "NATS refused a permission");
+                                }
+                            }
+                        }
+                        _ => {}
                     }
                 }
             })
@@ -219,6 +327,7 @@ impl Connector {
         Ok(Link {
             client,
             broken,
+            denied,
             _stop: stop_tx,
         })
     }
@@ -263,6 +372,40 @@ fn percent_decode(s: &str) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn permission_violations_are_read_from_the_servers_errors() {
+        assert_eq!(
+            Denial::read(r#"Permissions Violation for Publish to "orders.eu""#),
+            Some(Denial {
+                text: r#"Permissions Violation for Publish to "orders.eu""#.into(),
+                publish_to: Some("orders.eu".into()),
+            })
+        );
+        let inbox = Denial::read(r#"Permissions Violation for Subscription to "_INBOX.x.*""#).unwrap();
+        assert_eq!(inbox.publish_to, None);
+        assert!(
+            inbox.error().message.contains("subscribe to _INBOX.>"),
+            "{}",
+            inbox.error()
+        );
+        assert_eq!(Denial::read("Maximum Payload Violation"), None);
+        // Kept in a bounded window; what came since a reading is found.
+        let mut all = Denials::default();
+        let one = |s: &str| Denial::read(&format!("Permissions Violation for Publish to \"{s}\"")).unwrap();
+        assert!(all.push(one("a")));
+        assert!(!all.push(one("a")), "the same refusal again is not news");
+        for _ in 0..Denials::KEPT {
+            all.push(one("b"));
+        }
+        assert!(all.push(one("c")));
+        assert_eq!(all.total, Denials::KEPT + 3);
+        let seen = all.total - 2;
+        let since: Vec<_> = all.since(seen).map(|d| d.publish_to.clone().unwrap()).collect();
+        assert_eq!(since, ["b", "c"]);
+        assert_eq!(all.since(0).count(), Denials::KEPT);
+        assert_eq!(Denial::read("Authorization Violation"), None);
+    }
 
     #[test]
     fn credentials_come_from_the_url() {

@@ -57,12 +57,12 @@ pub use codes::{
 pub use message::{MSG_ID_HEADER, SPEC_VERSION, msg_id};
 
 use crate::batch::log_published;
-use connector::Connector;
+use connector::{Connector, Denial, Handle};
 use ferry_core::prepare_in_key_order;
 use message::{Message, validate_subject};
 
 /// How a [`NatsSink`] connects and publishes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct NatsOptions {
     /// `nats://[user:password@]host:port` (or `tls://`); a token goes in the
     /// user part. Default `nats://127.0.0.1:4222`.
@@ -89,6 +89,18 @@ impl Default for NatsOptions {
             max_message_bytes: 1024 * 1024,
             source: "ferry".into(),
         }
+    }
+}
+
+impl std::fmt::Debug for NatsOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsOptions")
+            .field("url", &ferry_core::redact::url(&self.url))
+            .field("publish_timeout", &self.publish_timeout)
+            .field("reconnect_max_delay", &self.reconnect_max_delay)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("source", &self.source)
+            .finish()
     }
 }
 
@@ -183,6 +195,48 @@ struct StreamConfig {
 /// that forgets a message id sooner may store a retried publish twice.
 const RECOMMENDED_DUPLICATE_WINDOW: Duration = Duration::from_secs(300);
 
+/// What a refusal means for `check`. Without the PubAck inbox no event can
+/// be confirmed: a configuration error. Without the JetStream API only the
+/// check itself is blind; publishing needs no API subject, so the relay
+/// may still start.
+fn refused_in_check(denial: &Denial) -> SinkError {
+    let error = denial.error();
+    match denial.publish_to {
+        None => SinkError::config(error.message),
+        Some(_) => SinkError::transient(format!(
+            "{}; the stream cannot be checked without it, though publishing does not need it",
+            error.message
+        )),
+    }
+}
+
+/// A JetStream API request within `limit`. `Err(None)`: no answer in time;
+/// `Err(Some(_))`: the server refused a permission the request needs (to
+/// publish to the API subject, or to subscribe to the reply inbox), which
+/// it says only on the connection.
+async fn ask(
+    handle: &mut Handle,
+    api: String,
+    body: Bytes,
+    limit: Duration,
+) -> Result<Result<async_nats::Message, async_nats::RequestError>, Option<Denial>> {
+    let Handle { client, denied, .. } = handle;
+    let seen = denied.borrow_and_update().total;
+    // Refusals of other subjects (a route's publishes) are not this request's.
+    let refused = async {
+        while denied.changed().await.is_ok() {
+            if let Some(denial) = denied.borrow_and_update().since(seen).find(|d| d.stops(&api)) {
+                return denial.clone();
+            }
+        }
+        std::future::pending().await
+    };
+    tokio::select! {
+        answer = timeout(limit, client.request(api.clone(), body)) => answer.map_err(|_| None),
+        denial = refused => Err(Some(denial)),
+    }
+}
+
 /// Refuses a stream that never acknowledges (every event would wait out its
 /// PubAck and go dead, stored or not); warns of a duplicate window shorter
 /// than a retry may come.
@@ -259,7 +313,7 @@ impl Sink for NatsSink {
     /// availability is checked.
     async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
         let mut connector = self.connector.lock().await;
-        let client = connector.handle().await?.client;
+        let mut handle = connector.handle().await?;
         let limit = self.options.publish_timeout;
         let subject = route.destination.as_str();
         let templated = subject.contains('{');
@@ -275,7 +329,8 @@ impl Sink for NatsSink {
             let body = serde_json::json!({ "subject": subject }).to_string();
             ("$JS.API.STREAM.NAMES", Bytes::from(body))
         };
-        let answer = match timeout(limit, client.request(api, body)).await {
+        let answer = match ask(&mut handle, api.to_owned(), body, limit).await {
+            Err(Some(denial)) => return Err(refused_in_check(&denial)),
             Ok(Ok(answer)) => answer,
             Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders => {
                 return Err(SinkError::config(format!(
@@ -285,7 +340,7 @@ impl Sink for NatsSink {
                 )));
             }
             Ok(Err(e)) => return Err(SinkError::transient(format!("asking JetStream ({api}): {e}"))),
-            Err(_) => {
+            Err(None) => {
                 return Err(connector.lost(SinkError::transient(format!(
                     "asking JetStream ({api}): no answer within {limit:?}"
                 ))));
@@ -309,10 +364,11 @@ impl Sink for NatsSink {
             Some(stream) => {
                 info!(route = %route.name, subject, stream, "subject is captured by a JetStream stream");
                 let api = format!("$JS.API.STREAM.INFO.{stream}");
-                let answer = match timeout(limit, client.request(api.clone(), Bytes::new())).await {
+                let answer = match ask(&mut handle, api.clone(), Bytes::new(), limit).await {
+                    Err(Some(denial)) => return Err(refused_in_check(&denial)),
                     Ok(Ok(answer)) => answer,
                     Ok(Err(e)) => return Err(SinkError::transient(format!("asking JetStream ({api}): {e}"))),
-                    Err(_) => {
+                    Err(None) => {
                         return Err(connector.lost(SinkError::transient(format!(
                             "asking JetStream ({api}): no answer within {limit:?}"
                         ))));
@@ -370,5 +426,24 @@ mod tests {
             }),
             "max_message_bytes"
         );
+    }
+
+    #[test]
+    fn debug_output_hides_the_password_and_a_token() {
+        let options = NatsOptions {
+            url: "nats://ferry:s3cr3t-pw@nats-host:4222".into(),
+            ..NatsOptions::default()
+        };
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(shown.contains("nats-host:4222"), "{shown}");
+        assert!(shown.contains("publish_timeout: 10s"), "{shown}");
+        let options = NatsOptions {
+            url: "nats://tok-123@nats-host:4222".into(),
+            ..NatsOptions::default()
+        };
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("tok-123"), "{shown}");
+        assert!(shown.contains("nats-host:4222"), "{shown}");
     }
 }

@@ -11,7 +11,7 @@ use tokio::time::{Instant, timeout_at};
 use tracing::debug;
 
 use super::codes;
-use super::connector::{Connector, Handle};
+use super::connector::{Connector, Denial, Denials, Handle};
 use super::message::Message;
 
 /// What happened to one event on the wire.
@@ -27,11 +27,17 @@ pub(super) async fn publish_batch(
     prepared: Vec<Result<Message, SinkError>>,
     publish_timeout: Duration,
 ) -> Vec<PublishOutcome> {
-    let Handle { client, mut broken } = match connector.handle().await {
+    let Handle {
+        client,
+        mut broken,
+        mut denied,
+    } = match connector.handle().await {
         Ok(handle) => handle,
         Err(e) => return prepared.into_iter().map(|p| p.and(Err(e.clone()))).collect(),
     };
     let deadline = Instant::now() + publish_timeout;
+    // Denials before this batch were answered to earlier ones.
+    let seen = denied.borrow_and_update().total;
     let inbox = client.new_inbox();
     let mut acks = match timeout_at(deadline, client.subscribe(format!("{inbox}.*"))).await {
         Ok(Ok(acks)) => acks,
@@ -91,7 +97,7 @@ pub(super) async fn publish_batch(
         });
     }
 
-    let ended = collect_acks(&mut acks, &mut fates, &mut broken, deadline).await;
+    let ended = collect_acks(&mut acks, &mut fates, &mut broken, &mut denied, seen, deadline).await;
     drop(acks);
     let lost = match ended {
         Ended::AllAnswered => None,
@@ -125,16 +131,38 @@ enum Ended {
 
 /// Matches PubAcks to events by the index in their reply subject until every
 /// published event is answered, the connection is lost or the deadline passes.
+/// An event the server refused permission for (its denials after the first
+/// `seen`) is answered by the refusal.
 async fn collect_acks(
     acks: &mut Subscriber,
     fates: &mut [Fate],
     broken: &mut tokio::sync::watch::Receiver<bool>,
+    denied: &mut tokio::sync::watch::Receiver<Denials>,
+    mut seen: usize,
     deadline: Instant,
 ) -> Ended {
     let mut waiting = fates.iter().filter(|f| matches!(f, Fate::Awaiting { .. })).count();
+    let mut denials_open = true;
     while waiting > 0 {
         let next = tokio::select! {
             biased;
+            changed = denied.changed(), if denials_open => {
+                if changed.is_err() {
+                    // The connection's task ended; `broken` says so.
+                    denials_open = false;
+                    continue;
+                }
+                let denials: Vec<Denial> = {
+                    let all = denied.borrow_and_update();
+                    let since = all.since(seen).cloned().collect();
+                    seen = all.total;
+                    since
+                };
+                for denial in &denials {
+                    waiting -= refuse(fates, denial);
+                }
+                continue;
+            }
             next = timeout_at(deadline, acks.next()) => next,
             _ = broken.wait_for(|lost| *lost) => {
                 // Acks that arrived before the loss still count.
@@ -151,6 +179,19 @@ async fn collect_acks(
         }
     }
     Ended::AllAnswered
+}
+
+/// Answers every awaiting event `denial` stopped; returns how many.
+fn refuse(fates: &mut [Fate], denial: &Denial) -> usize {
+    let mut answered = 0;
+    for fate in fates.iter_mut() {
+        let Fate::Awaiting { subject } = fate else { continue };
+        if denial.stops(subject) {
+            *fate = Fate::Decided(Err(denial.error()));
+            answered += 1;
+        }
+    }
+    answered
 }
 
 /// Records one reply; returns 1 if it answered an awaiting event.
