@@ -123,12 +123,37 @@ pub struct WebhookSink {
     limiters: Mutex<HashMap<String, Arc<Endpoint>>>,
 }
 
-/// Per destination URL: the concurrency limit, and the backoff that makes
+/// The longest pause an endpoint's `Retry-After` imposes on the requests
+/// after it; the relay's own retry policy still bounds each event's delay.
+const MAX_QUIET: Duration = Duration::from_secs(600);
+
+/// Per destination URL: the concurrency limit, the backoff that makes
 /// requests to an endpoint that just failed to connect fail fast instead of
-/// each waiting out its own timeout.
+/// each waiting out its own timeout, and the pause its last `Retry-After`
+/// asked for.
 struct Endpoint {
     slots: Semaphore,
     backoff: Mutex<Backoff>,
+    /// Until when the endpoint asked to be left alone, and its answer then.
+    /// A 2xx to a request already in flight does not end it.
+    quiet: Mutex<Option<(Instant, String)>>,
+}
+
+impl Endpoint {
+    /// How much of its pause is left, and why, if any.
+    fn quiet_left(&self, now: Instant) -> Option<(Duration, String)> {
+        let quiet = lock(&self.quiet);
+        let (until, why) = quiet.as_ref()?;
+        (*until > now).then(|| (*until - now, why.clone()))
+    }
+
+    fn keep_quiet(&self, now: Instant, delay: Duration, why: &str) {
+        let until = now + delay.min(MAX_QUIET);
+        let mut quiet = lock(&self.quiet);
+        if quiet.as_ref().is_none_or(|(current, _)| *current < until) {
+            *quiet = Some((until, why.to_owned()));
+        }
+    }
 }
 
 impl WebhookSink {
@@ -190,6 +215,7 @@ impl WebhookSink {
         let limiter = Arc::new(Endpoint {
             slots: Semaphore::new(self.options.concurrency),
             backoff: Mutex::new(Backoff::new(MAX_BACKOFF)),
+            quiet: Mutex::new(None),
         });
         limiters.insert(url.to_owned(), Arc::clone(&limiter));
         limiter
@@ -211,6 +237,16 @@ impl WebhookSink {
                 wait.as_millis()
             )));
         }
+        // A 429 or 503 with Retry-After speaks for the endpoint, not for one
+        // event: the requests after it wait too, rather than each earning
+        // its own refusal from a receiver that is shedding load.
+        if let Some((left, why)) = endpoint.quiet_left(Instant::now()) {
+            return Err(SinkError::transient(format!(
+                "not sent: the endpoint asked to be left alone for {} ms more; it answered: {why}",
+                left.as_millis()
+            ))
+            .with_retry_after(left));
+        }
         let timestamp = chrono::Utc::now().timestamp();
         let mut headers = request.headers.clone();
         headers.insert("webhook-id", header_value(&request.id));
@@ -229,7 +265,13 @@ impl WebhookSink {
         match sent {
             Ok(response) => {
                 lock(&endpoint.backoff).succeeded();
-                client::outcome("POST", &request.url, response).await
+                let outcome = client::outcome("POST", &request.url, response).await;
+                if let Err(e) = &outcome
+                    && let Some(delay) = e.retry_after.filter(|d| !d.is_zero())
+                {
+                    endpoint.keep_quiet(Instant::now(), delay, &e.message);
+                }
+                outcome
             }
             Err(e) => {
                 // A reset on a pooled connection says little about the

@@ -100,3 +100,66 @@ async fn status_503_is_transient_with_a_retry_after_date() {
     expect_err(&outcome, ErrorKind::Transient, &format!("(Retry-After: {RETRY_DATE})"));
     expect_err(&outcome, ErrorKind::Transient, "retry after ");
 }
+
+#[tokio::test]
+async fn a_retry_after_pauses_the_whole_endpoint_not_only_its_own_event() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::http::StatusCode;
+    use axum::response::IntoResponse;
+
+    // Sheds load: 429 with Retry-After: 2 to the first request, 200 after.
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&hits);
+    let app = axum::Router::new().route(
+        "/shedding",
+        axum::routing::post(move || {
+            let n = counted.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n == 0 {
+                    (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "2")], "slow down").into_response()
+                } else {
+                    StatusCode::OK.into_response()
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/shedding", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    // One request at a time, so every other event is decided after the 429.
+    let sink = sink(WebhookOptions {
+        concurrency: 1,
+        ..WebhookOptions::default()
+    });
+    let events = crate::keyed(6, |seq| format!("k{seq}"));
+    let outcomes = sink.publish(&route(&url), &events).await;
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "the receiver was asked to be left alone"
+    );
+    let (paused, refused): (Vec<_>, Vec<_>) = outcomes
+        .iter()
+        .map(|o| o.as_ref().expect_err("nothing is published in the pause"))
+        .partition(|e| e.message.starts_with("not sent"));
+    assert_eq!(refused.len(), 1, "{outcomes:?}");
+    assert!(refused[0].message.contains("HTTP 429"), "{outcomes:?}");
+    assert_eq!(paused.len(), 5, "{outcomes:?}");
+    for e in paused {
+        assert!(e.is_transient() && e.message.contains("asked to be left alone"), "{e}");
+        // The relay's next attempt waits for the end of the pause, no longer.
+        let left = e.retry_after.expect("the pause's remainder");
+        assert!(
+            left > std::time::Duration::ZERO && left <= std::time::Duration::from_secs(2),
+            "{left:?}"
+        );
+    }
+    // After the pause every event goes through.
+    tokio::time::sleep(std::time::Duration::from_millis(2_100)).await;
+    let outcomes = sink.publish(&route(&url), &events).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert_eq!(hits.load(Ordering::SeqCst), 7);
+}
