@@ -4,6 +4,8 @@
 
 #[path = "redis/faults.rs"]
 mod faults;
+#[path = "redis/replicas.rs"]
+mod replicas;
 #[path = "redis/support.rs"]
 mod support;
 

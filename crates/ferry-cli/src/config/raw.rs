@@ -122,6 +122,7 @@ pub(super) struct RawSink {
     pub(super) extra: Option<BTreeMap<String, String>>,
     pub(super) maxlen: Option<i64>,
     pub(super) maxlen_per_route: Option<BTreeMap<String, i64>>,
+    pub(super) wait_replicas: Option<i64>,
     pub(super) secrets: Option<Vec<String>>,
     pub(super) timeout: Option<DurationText>,
     pub(super) concurrency: Option<i64>,

@@ -83,6 +83,8 @@ pub struct RedisSpec {
     /// By route name; `0` turns trimming off for that route.
     pub maxlen_per_route: BTreeMap<String, u64>,
     pub source: String,
+    /// Replicas that must confirm a batch (`WAIT`); 0 for the primary alone.
+    pub wait_replicas: u32,
 }
 
 /// `[sinks.x] kind = "webhook"`.
@@ -158,13 +160,14 @@ impl fmt::Debug for RedisSpec {
             .field("maxlen_default", &self.maxlen_default)
             .field("maxlen_per_route", &self.maxlen_per_route)
             .field("source", &self.source)
+            .field("wait_replicas", &self.wait_replicas)
             .finish()
     }
 }
 
 impl fmt::Debug for WebhookSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let headers: BTreeMap<&str, &str> = self.headers.keys().map(|name| (name.as_str(), "***")).collect();
+        let headers = redact::header_values(self.headers.keys());
         f.debug_struct("WebhookSpec")
             .field("secrets", &format_args!("[{} hidden]", self.secrets.len()))
             .field("timeout", &self.timeout)
@@ -177,7 +180,7 @@ impl fmt::Debug for WebhookSpec {
 }
 
 /// Each kind-specific field and the kinds that take it.
-const KIND_FIELDS: [(&str, &[&str]); 17] = [
+const KIND_FIELDS: [(&str, &[&str]); 18] = [
     ("url", &["rabbitmq", "nats", "redis"]),
     ("management_url", &["rabbitmq"]),
     ("channels", &["rabbitmq"]),
@@ -189,6 +192,7 @@ const KIND_FIELDS: [(&str, &[&str]); 17] = [
     ("extra", &["kafka"]),
     ("maxlen", &["redis"]),
     ("maxlen_per_route", &["redis"]),
+    ("wait_replicas", &["redis"]),
     ("secrets", &["webhook"]),
     ("timeout", &["webhook"]),
     ("concurrency", &["webhook"]),
@@ -210,6 +214,7 @@ fn is_set(raw: &RawSink, field: &str) -> bool {
         "extra" => raw.extra.is_some(),
         "maxlen" => raw.maxlen.is_some(),
         "maxlen_per_route" => raw.maxlen_per_route.is_some(),
+        "wait_replicas" => raw.wait_replicas.is_some(),
         "secrets" => raw.secrets.is_some(),
         "timeout" => raw.timeout.is_some(),
         "concurrency" => raw.concurrency.is_some(),
@@ -429,6 +434,7 @@ pub(super) fn sink_spec(check: &mut Checker, name: &str, raw: RawSink) -> Option
                 maxlen_default,
                 maxlen_per_route,
                 source: source(check),
+                wait_replicas: check.integer(&field("wait_replicas"), raw.wait_replicas, 0, 0, Some(64)),
             })
         }
         "webhook" => SinkSpec::Webhook(WebhookSpec {
@@ -562,6 +568,7 @@ impl RedisSpec {
             maxlen_default: self.maxlen_default,
             maxlen_per_route: self.maxlen_per_route.clone().into_iter().collect(),
             source: self.source.clone(),
+            wait_replicas: self.wait_replicas,
         }
     }
 }

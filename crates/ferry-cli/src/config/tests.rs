@@ -80,6 +80,7 @@ fn the_example_file_parses_to_its_documented_values() {
             maxlen_default: Some(1_000_000),
             maxlen_per_route: [("order-stream".to_owned(), 100_000)].into(),
             source: "ferry".into(),
+            wait_replicas: 0,
         })
     );
     assert_eq!(

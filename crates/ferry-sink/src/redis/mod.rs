@@ -45,7 +45,7 @@ use ferry_core::prepare_in_key_order;
 use message::Entry;
 
 /// How a [`RedisSink`] connects and publishes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct RedisOptions {
     /// `redis://[user:password@]host:port[/db]` or `rediss://` for TLS.
     /// Default `redis://127.0.0.1:6379`.
@@ -70,6 +70,12 @@ pub struct RedisOptions {
     pub maxlen_per_route: HashMap<String, u64>,
     /// The `source` field. Default `"ferry"`.
     pub source: String,
+    /// Replicas that must hold a batch's entries before they count as
+    /// published (`WAIT`, within half of `publish_timeout`). An entry only
+    /// the primary holds is lost if it fails over before replicating. An
+    /// entry that fewer replicas confirm is retried, so the stream may hold
+    /// it twice. Default 0: the primary's answer is enough.
+    pub wait_replicas: u32,
 }
 
 impl Default for RedisOptions {
@@ -82,7 +88,23 @@ impl Default for RedisOptions {
             maxlen_default: None,
             maxlen_per_route: HashMap::new(),
             source: "ferry".into(),
+            wait_replicas: 0,
         }
+    }
+}
+
+impl std::fmt::Debug for RedisOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisOptions")
+            .field("url", &ferry_core::redact::url(&self.url))
+            .field("publish_timeout", &self.publish_timeout)
+            .field("reconnect_max_delay", &self.reconnect_max_delay)
+            .field("max_message_bytes", &self.max_message_bytes)
+            .field("maxlen_default", &self.maxlen_default)
+            .field("maxlen_per_route", &self.maxlen_per_route)
+            .field("source", &self.source)
+            .field("wait_replicas", &self.wait_replicas)
+            .finish()
     }
 }
 
@@ -119,6 +141,14 @@ impl RedisOptions {
         }
         Ok(())
     }
+}
+
+/// `connected_slaves` from `INFO replication`.
+fn connected_replicas(info: &str) -> u32 {
+    info.lines()
+        .find_map(|line| line.trim().strip_prefix("connected_slaves:"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Redis takes a MAXLEN up to `i64::MAX`.
@@ -254,7 +284,13 @@ impl Sink for RedisSink {
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
-        let published = publish::publish_batch(&mut connection, prepared, self.options.publish_timeout).await;
+        let published = publish::publish_batch(
+            &mut connection,
+            prepared,
+            self.options.publish_timeout,
+            self.options.wait_replicas,
+        )
+        .await;
         match &published.connection_in_doubt {
             Some(error) => link.failed(error),
             None => link.succeeded(),
@@ -286,6 +322,54 @@ impl Sink for RedisSink {
                 let error = SinkError::transient(format!("pinging Redis: no answer within {limit:?}"));
                 link.failed(&error);
                 return Err(error);
+            }
+        }
+        if self.options.wait_replicas > 0 {
+            let info = match timeout(
+                limit,
+                ::redis::cmd("INFO")
+                    .arg("replication")
+                    .query_async::<String>(&mut connection),
+            )
+            .await
+            {
+                Ok(Ok(info)) => info,
+                Ok(Err(e)) => return Err(failed("reading the replication state of", e)),
+                Err(_) => {
+                    let error = SinkError::transient(format!("INFO replication: no answer within {limit:?}"));
+                    link.failed(&error);
+                    return Err(error);
+                }
+            };
+            // Transient: a replica reconnecting after a restart must not
+            // stop a relay from starting.
+            let replicas = connected_replicas(&info);
+            if replicas < self.options.wait_replicas {
+                return Err(SinkError::transient(format!(
+                    "wait_replicas is {} but the Redis server has {replicas} connected replica(s): no entry \
+                     can be confirmed until enough are; attach replicas or lower wait_replicas",
+                    self.options.wait_replicas
+                )));
+            }
+            // An ACL without WAIT, or a proxy that lacks it, fails every batch.
+            let waited = timeout(
+                limit,
+                ::redis::cmd("WAIT").arg(0).arg(1).query_async::<i64>(&mut connection),
+            )
+            .await;
+            match waited {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    return Err(SinkError::config(format!(
+                        "wait_replicas is set but Redis refuses WAIT ({e}); allow the user WAIT \
+                         (ACL SETUSER ... +wait) or set wait_replicas = 0"
+                    )));
+                }
+                Err(_) => {
+                    let error = SinkError::transient(format!("WAIT: no answer within {limit:?}"));
+                    link.failed(&error);
+                    return Err(error);
+                }
             }
         }
         let key = route.destination.as_str();
@@ -417,5 +501,17 @@ mod tests {
             })),
             "maxlen_per_route.orders"
         );
+    }
+
+    #[test]
+    fn debug_output_hides_the_password() {
+        let options = RedisOptions {
+            url: "redis://ferry:s3cr3t-pw@redis-host:6379/0".into(),
+            ..RedisOptions::default()
+        };
+        let shown = format!("{options:?}");
+        assert!(!shown.contains("s3cr3t-pw"), "{shown}");
+        assert!(shown.contains("redis-host:6379"), "{shown}");
+        assert!(shown.contains("publish_timeout: 10s"), "{shown}");
     }
 }

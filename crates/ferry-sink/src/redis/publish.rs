@@ -30,6 +30,25 @@ use tokio::time::timeout;
 use super::codes;
 use super::message::Entry;
 
+/// Why WAIT's `reply` does not confirm the batch on `wanted` replicas, if
+/// it does not.
+fn unconfirmed(reply: Option<Value>, wanted: u32, bound: Duration) -> Option<SinkError> {
+    let why = match reply {
+        Some(Value::Int(n)) if n >= i64::from(wanted) => return None,
+        Some(Value::Int(n)) => format!("{n} of {wanted} replicas confirmed it within {bound:?}"),
+        Some(Value::ServerError(e)) => format!(
+            "WAIT failed ({}: {}), so no replica confirmed it",
+            e.code(),
+            e.details().unwrap_or("")
+        ),
+        other => format!("WAIT answered {other:?}, not a replica count"),
+    };
+    Some(SinkError::transient(format!(
+        "stored on the Redis primary, but {why}: a failover could lose it, so it is sent again (the \
+         stream may hold it more than once)"
+    )))
+}
+
 pub(super) struct Published {
     pub(super) outcomes: Vec<PublishOutcome>,
     /// Set when the request itself failed in a way that puts the connection
@@ -41,6 +60,7 @@ pub(super) async fn publish_batch(
     connection: &mut ConnectionManager,
     prepared: Vec<Result<Entry, SinkError>>,
     publish_timeout: Duration,
+    wait_replicas: u32,
 ) -> Published {
     let mut pipe = ::redis::pipe();
     pipe.ignore_errors();
@@ -55,18 +75,31 @@ pub(super) async fn publish_batch(
             })
         })
         .collect();
+    // WAIT answers, within its own bound, how many replicas hold every
+    // write this connection made before it: the whole batch.
+    let wait_for = (wait_replicas > 0 && !keys.is_empty()).then(|| (publish_timeout / 2).max(Duration::from_millis(1)));
+    if let Some(bound) = wait_for {
+        pipe.cmd("WAIT").arg(wait_replicas).arg(bound.as_millis() as u64);
+    }
+    let expected = keys.len() + usize::from(wait_for.is_some());
     let mut in_doubt = false;
+    let mut unreplicated: Option<SinkError> = None;
     let replies: Result<Vec<Value>, SinkError> = if keys.is_empty() {
         Ok(Vec::new())
     } else {
         match timeout(publish_timeout, pipe.query_async::<Vec<Value>>(connection)).await {
-            Ok(Ok(replies)) if replies.len() == keys.len() => Ok(replies),
+            Ok(Ok(mut replies)) if replies.len() == expected => {
+                if let Some(bound) = wait_for {
+                    unreplicated = unconfirmed(replies.pop(), wait_replicas, bound);
+                }
+                Ok(replies)
+            }
             Ok(Ok(replies)) => {
                 in_doubt = true;
                 Err(SinkError::transient(format!(
-                    "Redis answered {} of {} XADDs; part of the batch may be stored",
+                    "Redis answered {} of {} commands; part of the batch may be stored",
                     replies.len(),
-                    keys.len()
+                    expected
                 )))
             }
             Ok(Err(e)) => {
@@ -99,7 +132,7 @@ pub(super) async fn publish_batch(
                     Some((Value::ServerError(e), key)) => {
                         Err(codes::reply_error(&key, e.code(), e.details().unwrap_or("")))
                     }
-                    Some(_) => Ok(()),
+                    Some(_) => unreplicated.clone().map_or(Ok(()), Err),
                     None => Err(SinkError::transient("no reply for this XADD")),
                 },
                 Err(e) => Err(e.clone()),

@@ -55,6 +55,7 @@ fn every_sink_kind_parses_with_its_defaults() {
             maxlen_default: None,
             maxlen_per_route: BTreeMap::new(),
             source: "ferry".into(),
+            wait_replicas: 0,
         })
     );
     assert_eq!(
@@ -136,6 +137,7 @@ reconnect_max_delay = "7s"
 max_message_bytes = 8000
 source = "r-src"
 maxlen = 900
+wait_replicas = 1
 [sinks.r.maxlen_per_route]
 audit = 0
 orders = 50
@@ -194,6 +196,7 @@ destination = "s:audit"
             maxlen_default: Some(900),
             maxlen_per_route: [("audit".to_owned(), 0), ("orders".to_owned(), 50)].into(),
             source: "r-src".into(),
+            wait_replicas: 1,
         })
     );
     assert_eq!(

@@ -1,0 +1,187 @@
+//! `wait_replicas`: a batch counts as delivered only once that many replicas
+//! hold it. Runs a primary and a replica of its own (`redis-server` from
+//! the PATH, or `FERRY_TEST_REDIS_SERVER`), on free ports, without
+//! persistence.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use ::redis::aio::MultiplexedConnection;
+use ferry_core::{ErrorKind, Sink};
+use ferry_sink::redis::RedisOptions;
+
+use crate::support::{expect_err, keyed, route, sink_with};
+
+/// A redis-server process, ended when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+    /// Its working directory: a replica writes the copy it is sent there,
+    /// and a server loads what it finds there when it starts.
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    /// Starts one on a free port. Another process may take the port between
+    /// the probe and the bind: the server is ours only if it answers with
+    /// our child's process id, so a port another listener holds is given up
+    /// and another tried.
+    fn start(extra: &[&str]) -> Server {
+        for _ in 0..5 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let program = std::env::var("FERRY_TEST_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
+            let dir = tempfile::tempdir().unwrap();
+            let child = Command::new(program)
+                .current_dir(dir.path())
+                .args([
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    &port.to_string(),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                // A replica asks for a full copy at once, not after the default 5 s.
+                .args(["--repl-diskless-sync-delay", "0"])
+                .args(["--dir".as_ref(), dir.path().as_os_str()])
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server (set FERRY_TEST_REDIS_SERVER to its path)");
+            let mut server = Server { child, port, _dir: dir };
+            if server.answers_as_itself() {
+                return server;
+            }
+            drop(server);
+        }
+        panic!("no free port for a redis-server in five tries");
+    }
+
+    fn answers_as_itself(&mut self) -> bool {
+        let pid = format!("process_id:{}", self.child.id());
+        for _ in 0..400 {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if let Ok(mut conn) = ::redis::Client::open(self.url()).and_then(|c| c.get_connection())
+                && let Ok(info) = ::redis::cmd("INFO").arg("server").query::<String>(&mut conn)
+            {
+                return info.lines().any(|l| l.trim() == pid);
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        false
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    async fn connect(&self) -> MultiplexedConnection {
+        ::redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connect to the test's redis-server")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn info(conn: &mut MultiplexedConnection, field: &str) -> String {
+    let info: String = ::redis::cmd("INFO").arg("replication").query_async(conn).await.unwrap();
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix(&format!("{field}:")).map(str::to_owned))
+        .unwrap_or_default()
+}
+
+async fn xlen(conn: &mut MultiplexedConnection, key: &str) -> u64 {
+    ::redis::cmd("XLEN").arg(key).query_async(conn).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
+    let primary = Server::start(&[]);
+    let mut admin = primary.connect().await;
+    let key = &crate::support::unique("replicas");
+    let _: () = ::redis::cmd("XGROUP")
+        .arg(&["CREATE", key, "billing", "0", "MKSTREAM"][..])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let sink = |publish_timeout| {
+        sink_with(RedisOptions {
+            url: primary.url(),
+            publish_timeout,
+            wait_replicas: 1,
+            ..RedisOptions::default()
+        })
+    };
+    // No replica will confirm: WAIT waits out half of this.
+    let alone = sink(Duration::from_secs(2));
+    let route = route("orders", key);
+
+    // No replica: check refuses, and a batch the primary alone holds is
+    // reported failed (to be sent again), though it is in the stream.
+    let err = alone.check(&route).await.expect_err("no replica");
+    assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+    assert!(err.message.contains("0 connected replica(s)"), "{err}");
+    let events = keyed(3, |seq| format!("k{seq}"));
+    for outcome in alone.publish(&route, &events).await {
+        expect_err(&outcome, ErrorKind::Transient, "0 of 1 replicas confirmed");
+    }
+    assert_eq!(xlen(&mut admin, key).await, 3);
+
+    // With a replica in sync, the same batch is delivered, and the replica
+    // holds every entry (three copies unconfirmed, three confirmed).
+    let replica = Server::start(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+    let mut copy = replica.connect().await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while info(&mut copy, "master_link_status").await != "up" || info(&mut admin, "connected_slaves").await != "1" {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica did not come in sync"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    alone.close().await;
+
+    // A user Redis does not allow WAIT: check names it, and a batch is not
+    // taken for confirmed.
+    let _: () = ::redis::cmd("ACL")
+        .arg(&["SETUSER", "nowait", "on", "nopass", "~*", "&*", "+@all", "-wait"][..])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let refused = sink_with(RedisOptions {
+        url: format!("redis://nowait:x@127.0.0.1:{}", primary.port),
+        wait_replicas: 1,
+        ..RedisOptions::default()
+    });
+    let err = refused.check(&route).await.expect_err("WAIT is refused");
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    assert!(err.message.contains("refuses WAIT"), "{err}");
+    for outcome in refused.publish(&route, &events).await {
+        expect_err(&outcome, ErrorKind::Transient, "WAIT failed (NOPERM");
+    }
+    refused.close().await;
+    // Room for the replica's confirmation on a loaded machine.
+    let sink = sink(Duration::from_secs(30));
+    sink.check(&route).await.expect("a replica is connected");
+    let outcomes = sink.publish(&route, &events).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert_eq!(xlen(&mut copy, key).await, 9, "the replica holds what was confirmed");
+    sink.close().await;
+}
