@@ -61,7 +61,10 @@ pub(crate) struct Denials {
 
 impl Denials {
     /// More than a batch of one subject's refusals: an inbox refusal among
-    /// them is read before this many more arrive.
+    /// them is read before this many more arrive. async-nats itself keeps
+    /// 128 connection events and drops the rest, so a burst of one
+    /// subject's refusals can hide another's: that batch then waits out
+    /// its publish timeout, as it would without this.
     const KEPT: usize = 1024;
 
     /// Adds one; `true` if it says something the one before did not.
@@ -128,7 +131,8 @@ impl Denial {
             )),
             None => SinkError::transient(format!(
                 "NATS refused this connection's user a permission the sink needs ({}), so no PubAck can \
-                 arrive: allow the user to subscribe to _INBOX.> on the server",
+                 arrive (the message may be stored all the same): allow the user to subscribe to \
+                 _INBOX.> on the server",
                 self.text
             )),
         }

@@ -199,10 +199,14 @@ const RECOMMENDED_DUPLICATE_WINDOW: Duration = Duration::from_secs(300);
 /// be confirmed: a configuration error. Without the JetStream API only the
 /// check itself is blind; publishing needs no API subject, so the relay
 /// may still start.
-fn refused_in_check(denial: &Denial) -> SinkError {
+///
+/// async-nats subscribes its request inbox once per connection, so the
+/// server refuses it once: the connection is dropped then, or the next
+/// check on it would wait out its timeout without hearing why.
+fn refused_in_check(connector: &mut Connector, denial: &Denial) -> SinkError {
     let error = denial.error();
     match denial.publish_to {
-        None => SinkError::config(error.message),
+        None => connector.lost(SinkError::config(error.message)),
         Some(_) => SinkError::transient(format!(
             "{}; the stream cannot be checked without it, though publishing does not need it",
             error.message
@@ -330,7 +334,7 @@ impl Sink for NatsSink {
             ("$JS.API.STREAM.NAMES", Bytes::from(body))
         };
         let answer = match ask(&mut handle, api.to_owned(), body, limit).await {
-            Err(Some(denial)) => return Err(refused_in_check(&denial)),
+            Err(Some(denial)) => return Err(refused_in_check(&mut connector, &denial)),
             Ok(Ok(answer)) => answer,
             Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders => {
                 return Err(SinkError::config(format!(
@@ -365,7 +369,7 @@ impl Sink for NatsSink {
                 info!(route = %route.name, subject, stream, "subject is captured by a JetStream stream");
                 let api = format!("$JS.API.STREAM.INFO.{stream}");
                 let answer = match ask(&mut handle, api.clone(), Bytes::new(), limit).await {
-                    Err(Some(denial)) => return Err(refused_in_check(&denial)),
+                    Err(Some(denial)) => return Err(refused_in_check(&mut connector, &denial)),
                     Ok(Ok(answer)) => answer,
                     Ok(Err(e)) => return Err(SinkError::transient(format!("asking JetStream ({api}): {e}"))),
                     Err(None) => {
