@@ -40,8 +40,12 @@ pub fn build(cfg: &Config) -> Result<HashMap<String, Arc<dyn Sink>>, UsageError>
             SinkSpec::Redis(spec) => Arc::new(ferry_sink::redis::RedisSink::new(spec.options())),
             #[cfg(feature = "webhook")]
             SinkSpec::Webhook(spec) => Arc::new(
-                ferry_sink::webhook::WebhookSink::new(spec.options())
-                    .map_err(|e| UsageError(format!("sinks.{name}: {e}")))?,
+                ferry_sink::webhook::WebhookSink::new(ferry_sink::webhook::WebhookOptions {
+                    // A paused endpoint's events are retried after the pause.
+                    max_pause: cfg.relay.backoff_max,
+                    ..spec.options()
+                })
+                .map_err(|e| UsageError(format!("sinks.{name}: {e}")))?,
             ),
             #[cfg(feature = "file")]
             SinkSpec::File(spec) => Arc::new(

@@ -583,6 +583,7 @@ impl WebhookSpec {
             max_body_bytes: self.max_body_bytes,
             source: self.source.clone(),
             headers: self.headers.clone(),
+            ..ferry_sink::webhook::WebhookOptions::default()
         }
     }
 }

@@ -75,6 +75,13 @@ pub struct WebhookOptions {
     /// Headers sent with every request, e.g. `Authorization`; they win over
     /// an event's header of the same name. Default none.
     pub headers: BTreeMap<String, String>,
+    /// The longest an endpoint's `Retry-After` (on a 408, 429 or 5xx)
+    /// pauses every request to that URL, not only the refused one's. Keep
+    /// it at most the relay's longest retry delay (`relay.backoff_max`,
+    /// which `ferry run` passes): a retry scheduled inside the pause would
+    /// spend an attempt without being sent. Zero turns the pause off.
+    /// Default 5 min, the relay's default longest delay.
+    pub max_pause: Duration,
 }
 
 impl Default for WebhookOptions {
@@ -86,6 +93,7 @@ impl Default for WebhookOptions {
             max_body_bytes: 1024 * 1024,
             source: "ferry".into(),
             headers: BTreeMap::new(),
+            max_pause: Duration::from_secs(300),
         }
     }
 }
@@ -102,6 +110,7 @@ impl std::fmt::Debug for WebhookOptions {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("source", &self.source)
             .field("headers", &headers)
+            .field("max_pause", &self.max_pause)
             .finish()
     }
 }
@@ -122,10 +131,6 @@ pub struct WebhookSink {
     roots: usize,
     limiters: Mutex<HashMap<String, Arc<Endpoint>>>,
 }
-
-/// The longest pause an endpoint's `Retry-After` imposes on the requests
-/// after it; the relay's own retry policy still bounds each event's delay.
-const MAX_QUIET: Duration = Duration::from_secs(600);
 
 /// Per destination URL: the concurrency limit, the backoff that makes
 /// requests to an endpoint that just failed to connect fail fast instead of
@@ -148,7 +153,7 @@ impl Endpoint {
     }
 
     fn keep_quiet(&self, now: Instant, delay: Duration, why: &str) {
-        let until = now + delay.min(MAX_QUIET);
+        let until = now + delay;
         let mut quiet = lock(&self.quiet);
         if quiet.as_ref().is_none_or(|(current, _)| *current < until) {
             *quiet = Some((until, why.to_owned()));
@@ -267,7 +272,8 @@ impl WebhookSink {
                 lock(&endpoint.backoff).succeeded();
                 let outcome = client::outcome("POST", &request.url, response).await;
                 if let Err(e) = &outcome
-                    && let Some(delay) = e.retry_after.filter(|d| !d.is_zero())
+                    && let Some(delay) = e.retry_after.map(|d| d.min(self.options.max_pause))
+                    && !delay.is_zero()
                 {
                     endpoint.keep_quiet(Instant::now(), delay, &e.message);
                 }

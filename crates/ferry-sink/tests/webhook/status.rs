@@ -101,15 +101,15 @@ async fn status_503_is_transient_with_a_retry_after_date() {
     expect_err(&outcome, ErrorKind::Transient, "retry after ");
 }
 
-#[tokio::test]
-async fn a_retry_after_pauses_the_whole_endpoint_not_only_its_own_event() {
+/// A receiver that answers its first request 429 with `Retry-After:
+/// retry_after` and every later one 200; its URL and hit count.
+async fn shedding(retry_after: &'static str) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use axum::http::StatusCode;
     use axum::response::IntoResponse;
 
-    // Sheds load: 429 with Retry-After: 2 to the first request, 200 after.
     let hits = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&hits);
     let app = axum::Router::new().route(
@@ -118,7 +118,12 @@ async fn a_retry_after_pauses_the_whole_endpoint_not_only_its_own_event() {
             let n = counted.fetch_add(1, Ordering::SeqCst);
             async move {
                 if n == 0 {
-                    (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "2")], "slow down").into_response()
+                    (
+                        StatusCode::TOO_MANY_REQUESTS,
+                        [("retry-after", retry_after)],
+                        "slow down",
+                    )
+                        .into_response()
                 } else {
                     StatusCode::OK.into_response()
                 }
@@ -128,7 +133,15 @@ async fn a_retry_after_pauses_the_whole_endpoint_not_only_its_own_event() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}/shedding", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, hits)
+}
 
+#[tokio::test]
+async fn a_retry_after_pauses_the_whole_endpoint_not_only_its_own_event() {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    let (url, hits) = shedding("2").await;
     // One request at a time, so every other event is decided after the 429.
     let sink = sink(WebhookOptions {
         concurrency: 1,
@@ -152,14 +165,51 @@ async fn a_retry_after_pauses_the_whole_endpoint_not_only_its_own_event() {
         assert!(e.is_transient() && e.message.contains("asked to be left alone"), "{e}");
         // The relay's next attempt waits for the end of the pause, no longer.
         let left = e.retry_after.expect("the pause's remainder");
-        assert!(
-            left > std::time::Duration::ZERO && left <= std::time::Duration::from_secs(2),
-            "{left:?}"
-        );
+        assert!(left > Duration::ZERO && left <= Duration::from_secs(2), "{left:?}");
     }
     // After the pause every event goes through.
-    tokio::time::sleep(std::time::Duration::from_millis(2_100)).await;
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
     let outcomes = sink.publish(&route(&url), &events).await;
     assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
     assert_eq!(hits.load(Ordering::SeqCst), 7);
+}
+
+#[tokio::test]
+async fn the_pause_lasts_no_longer_than_max_pause_and_zero_turns_it_off() {
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    // The relay retries no later than backoff_max (which ferry run passes
+    // as max_pause): a pause past it would refuse the retries unsent.
+    let (url, hits) = shedding("120").await;
+    let capped = sink(WebhookOptions {
+        concurrency: 1,
+        max_pause: Duration::from_secs(1),
+        ..WebhookOptions::default()
+    });
+    let events = crate::keyed(3, |seq| format!("k{seq}"));
+    let outcomes = capped.publish(&route(&url), &events).await;
+    let refused = outcomes[0].as_ref().expect_err("429");
+    // The refused event keeps the receiver's ask; the relay caps it.
+    assert_eq!(refused.retry_after, Some(Duration::from_secs(120)), "{refused}");
+    for outcome in &outcomes[1..] {
+        let left = outcome.as_ref().expect_err("paused").retry_after.expect("remainder");
+        assert!(left <= Duration::from_secs(1), "{left:?}");
+    }
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert!(capped.publish(&route(&url), &events).await.iter().all(Result::is_ok));
+    assert_eq!(hits.load(Ordering::SeqCst), 4);
+
+    let (url, hits) = shedding("120").await;
+    let unpaused = sink(WebhookOptions {
+        concurrency: 1,
+        max_pause: Duration::ZERO,
+        ..WebhookOptions::default()
+    });
+    let outcomes = unpaused.publish(&route(&url), &events).await;
+    assert!(
+        outcomes[0].is_err() && outcomes[1..].iter().all(Result::is_ok),
+        "{outcomes:?}"
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 3);
 }
