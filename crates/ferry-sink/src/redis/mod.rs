@@ -191,6 +191,27 @@ impl Link {
     }
 }
 
+/// Forgets the connection of a batch abandoned half-way (the relay's bound
+/// passed, or it stopped): the server still works through what was sent,
+/// a WAIT among it for up to half of `publish_timeout`, and the next batch
+/// would queue behind it on the same connection. The old connection closes
+/// once its answers are in.
+struct Abandoned<'a>(Option<&'a mut Link>);
+
+impl Abandoned<'_> {
+    fn finished(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some(link) = self.0.take() {
+            link.connection = None;
+        }
+    }
+}
+
 impl RedisSink {
     /// Creates the sink without connecting: the connection is made on first
     /// use, so a relay can start while Redis is still down.
@@ -284,6 +305,7 @@ impl Sink for RedisSink {
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
+        let abandoned = Abandoned(Some(&mut link));
         let published = publish::publish_batch(
             &mut connection,
             prepared,
@@ -291,6 +313,7 @@ impl Sink for RedisSink {
             self.options.wait_replicas,
         )
         .await;
+        abandoned.finished();
         match &published.connection_in_doubt {
             Some(error) => link.failed(error),
             None => link.succeeded(),
@@ -324,54 +347,123 @@ impl Sink for RedisSink {
                 return Err(error);
             }
         }
-        if self.options.wait_replicas > 0 {
-            let info = match timeout(
-                limit,
-                ::redis::cmd("INFO")
-                    .arg("replication")
-                    .query_async::<String>(&mut connection),
-            )
-            .await
-            {
-                Ok(Ok(info)) => info,
-                Ok(Err(e)) => return Err(failed("reading the replication state of", e)),
-                Err(_) => {
-                    let error = SinkError::transient(format!("INFO replication: no answer within {limit:?}"));
-                    link.failed(&error);
-                    return Err(error);
-                }
-            };
-            // Transient: a replica reconnecting after a restart must not
-            // stop a relay from starting.
-            let replicas = connected_replicas(&info);
-            if replicas < self.options.wait_replicas {
-                return Err(SinkError::transient(format!(
-                    "wait_replicas is {} but the Redis server has {replicas} connected replica(s): no entry \
-                     can be confirmed until enough are; attach replicas or lower wait_replicas",
-                    self.options.wait_replicas
+        // Too few replicas is reported last: a replica reconnecting must not
+        // hide a route that reaches nobody.
+        let shortfall = match self.options.wait_replicas {
+            0 => None,
+            wanted => self.check_replicas(wanted, &mut link, &mut connection).await?,
+        };
+        self.check_key(route, &mut link, &mut connection).await?;
+        shortfall.map_or(Ok(()), Err)
+    }
+
+    async fn close(&self) {
+        // Dropping the last handle closes the multiplexed connection; nothing
+        // is left unconfirmed between batches.
+        self.link.lock().await.connection.take();
+    }
+}
+
+impl RedisSink {
+    /// For `wait_replicas`: Redis must allow the user WAIT (or every batch
+    /// fails), and should have `wanted` replicas. `Ok(Some(_))` says it has
+    /// fewer, which is transient: a replica reconnecting after a restart
+    /// must not stop a relay from starting.
+    async fn check_replicas(
+        &self,
+        wanted: u32,
+        link: &mut Link,
+        connection: &mut ConnectionManager,
+    ) -> Result<Option<SinkError>, SinkError> {
+        let limit = self.options.publish_timeout;
+        let same = connection.clone();
+        let wait = |replicas: u32, within: Duration| {
+            // A clone of a multiplexed connection is the same connection.
+            let mut connection = same.clone();
+            async move {
+                let mut asked = ::redis::cmd("WAIT");
+                asked.arg(replicas).arg(within.as_millis().max(1) as u64);
+                timeout(limit, asked.query_async::<u32>(&mut connection)).await
+            }
+        };
+        // WAIT for none answers at once: may the user WAIT at all?
+        match wait(0, Duration::from_millis(1)).await {
+            Ok(Ok(_)) => {}
+            // An ACL without WAIT, or a proxy that lacks it, fails every batch.
+            Ok(Err(e)) if e.code().is_some() => {
+                return Err(SinkError::config(format!(
+                    "wait_replicas is set but Redis refuses WAIT ({e}); allow the user WAIT \
+                     (ACL SETUSER ... +wait) or set wait_replicas = 0"
                 )));
             }
-            // An ACL without WAIT, or a proxy that lacks it, fails every batch.
-            let waited = timeout(
-                limit,
-                ::redis::cmd("WAIT").arg(0).arg(1).query_async::<i64>(&mut connection),
-            )
-            .await;
-            match waited {
-                Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                let error = SinkError::transient(format!("WAIT: {e}"));
+                link.failed(&error);
+                return Err(error);
+            }
+            Err(_) => {
+                let error = SinkError::transient(format!("WAIT: no answer within {limit:?}"));
+                link.failed(&error);
+                return Err(error);
+            }
+        };
+        // INFO says how many are connected, but is among the commands a
+        // hardened user (-@dangerous) is denied: then WAIT counts them (WAIT
+        // for none would not: a replica acknowledges only once a second).
+        let info = timeout(
+            limit,
+            ::redis::cmd("INFO")
+                .arg("replication")
+                .query_async::<String>(connection),
+        )
+        .await;
+        let replicas = match info {
+            Ok(Ok(info)) => connected_replicas(&info),
+            // The replicas that confirm within a batch's own WAIT bound.
+            Ok(Err(e)) if e.code().is_some() => match wait(wanted, limit / 2).await {
+                Ok(Ok(n)) => n,
                 Ok(Err(e)) => {
-                    return Err(SinkError::config(format!(
-                        "wait_replicas is set but Redis refuses WAIT ({e}); allow the user WAIT \
-                         (ACL SETUSER ... +wait) or set wait_replicas = 0"
-                    )));
+                    let error = SinkError::transient(format!("WAIT: {e}"));
+                    link.failed(&error);
+                    return Err(error);
                 }
                 Err(_) => {
                     let error = SinkError::transient(format!("WAIT: no answer within {limit:?}"));
                     link.failed(&error);
                     return Err(error);
                 }
+            },
+            Ok(Err(e)) => {
+                let error = SinkError::transient(format!("INFO replication: {e}"));
+                link.failed(&error);
+                return Err(error);
             }
-        }
+            Err(_) => {
+                let error = SinkError::transient(format!("INFO replication: no answer within {limit:?}"));
+                link.failed(&error);
+                return Err(error);
+            }
+        };
+        Ok((replicas < wanted).then(|| {
+            SinkError::transient(format!(
+                "wait_replicas is {wanted} but the Redis server has {replicas} connected replica(s): no \
+                 entry can be confirmed until enough are; attach replicas or lower wait_replicas"
+            ))
+        }))
+    }
+
+    /// For a plain key: it must be a stream with a consumer group. A
+    /// template names many keys, known only per event: it is not checked.
+    async fn check_key(
+        &self,
+        route: &Route,
+        link: &mut Link,
+        connection: &mut ConnectionManager,
+    ) -> Result<(), SinkError> {
+        let limit = self.options.publish_timeout;
+        let failed = |what: &str, e: ::redis::RedisError| {
+            codes::error(codes::redis_error_kind(&e), format!("{what} Redis: {e}"))
+        };
         let key = route.destination.as_str();
         if key.contains('{') {
             return Ok(());
@@ -382,12 +474,7 @@ impl Sink for RedisSink {
                 route.name
             )));
         }
-        let kind = match timeout(
-            limit,
-            ::redis::cmd("TYPE").arg(key).query_async::<String>(&mut connection),
-        )
-        .await
-        {
+        let kind = match timeout(limit, ::redis::cmd("TYPE").arg(key).query_async::<String>(connection)).await {
             Ok(Ok(kind)) => kind,
             Ok(Err(e)) => return Err(failed("asking the type of a key in", e)),
             Err(_) => {
@@ -421,7 +508,7 @@ impl Sink for RedisSink {
             ::redis::cmd("XINFO")
                 .arg("GROUPS")
                 .arg(key)
-                .query_async::<Vec<::redis::Value>>(&mut connection),
+                .query_async::<Vec<::redis::Value>>(connection),
         )
         .await
         {
@@ -442,12 +529,6 @@ impl Sink for RedisSink {
         }
         info!(route = %route.name, key, groups, "stream has consumer groups");
         Ok(())
-    }
-
-    async fn close(&self) {
-        // Dropping the last handle closes the multiplexed connection; nothing
-        // is left unconfirmed between batches.
-        self.link.lock().await.connection.take();
     }
 }
 

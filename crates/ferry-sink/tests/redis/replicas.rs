@@ -130,7 +130,7 @@ async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
         })
     };
     // No replica will confirm: WAIT waits out half of this.
-    let alone = sink(Duration::from_secs(2));
+    let alone = sink(Duration::from_secs(4));
     let route = route("orders", key);
 
     // No replica: check refuses, and a batch the primary alone holds is
@@ -138,6 +138,13 @@ async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
     let err = alone.check(&route).await.expect_err("no replica");
     assert_eq!(err.kind, ErrorKind::Transient, "{err}");
     assert!(err.message.contains("0 connected replica(s)"), "{err}");
+    // The shortfall does not hide a route that reaches nobody.
+    let nobody = alone
+        .check(&crate::support::route("nobody", &crate::support::unique("nobody")))
+        .await
+        .expect_err("no such stream");
+    assert_eq!(nobody.kind, ErrorKind::Config, "{nobody}");
+    assert!(nobody.message.contains("reaches nobody"), "{nobody}");
     let events = keyed(3, |seq| format!("k{seq}"));
     for outcome in alone.publish(&route, &events).await {
         expect_err(&outcome, ErrorKind::Transient, "0 of 1 replicas confirmed");
@@ -145,7 +152,8 @@ async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
     assert_eq!(xlen(&mut admin, key).await, 3);
 
     // With a replica in sync, the same batch is delivered, and the replica
-    // holds every entry (three copies unconfirmed, three confirmed).
+    // holds every entry sent: three unconfirmed, three refused WAIT and
+    // three confirmed.
     let replica = Server::start(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
     let mut copy = replica.connect().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
@@ -177,11 +185,90 @@ async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
         expect_err(&outcome, ErrorKind::Transient, "WAIT failed (NOPERM");
     }
     refused.close().await;
+    // A hardened user (no @dangerous commands, so no INFO) may still WAIT:
+    // check counts the replicas by WAIT's answer instead.
+    let _: () = ::redis::cmd("ACL")
+        .arg(
+            &[
+                "SETUSER",
+                "hardened",
+                "on",
+                "nopass",
+                "~*",
+                "&*",
+                "+@all",
+                "-@dangerous",
+            ][..],
+        )
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let hardened = sink_with(RedisOptions {
+        url: format!("redis://hardened:x@127.0.0.1:{}", primary.port),
+        wait_replicas: 1,
+        ..RedisOptions::default()
+    });
+    hardened
+        .check(&route)
+        .await
+        .expect("INFO refused, WAIT counts one replica");
+    hardened.close().await;
     // Room for the replica's confirmation on a loaded machine.
     let sink = sink(Duration::from_secs(30));
     sink.check(&route).await.expect("a replica is connected");
     let outcomes = sink.publish(&route, &events).await;
     assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
     assert_eq!(xlen(&mut copy, key).await, 9, "the replica holds what was confirmed");
+    sink.close().await;
+}
+
+#[tokio::test]
+async fn an_abandoned_batch_does_not_leave_its_wait_on_the_connection() {
+    let primary = Server::start(&[]);
+    let mut admin = primary.connect().await;
+    let key = &crate::support::unique("abandoned");
+    // No replica: the batch's WAIT blocks its connection for 30 s.
+    let sink = sink_with(RedisOptions {
+        url: primary.url(),
+        publish_timeout: Duration::from_secs(60),
+        wait_replicas: 1,
+        ..RedisOptions::default()
+    });
+    let route = route("orders", key);
+    let events = keyed(2, |seq| format!("k{seq}"));
+    let waiting = |admin: &mut MultiplexedConnection| {
+        let mut admin = admin.clone();
+        async move {
+            let clients: String = ::redis::cmd("CLIENT")
+                .arg("LIST")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+            clients.lines().filter(|l| l.contains("cmd=wait")).count()
+        }
+    };
+    // The relay gives up on the batch (its bound passed, or it stopped).
+    let mut publish = Box::pin(sink.publish(&route, &events));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        tokio::select! {
+            _ = &mut publish => panic!("WAIT returned without a replica"),
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+        }
+        if waiting(&mut admin).await == 1 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the batch's WAIT never blocked");
+    }
+    drop(publish);
+    // The next request goes on a new connection, not behind the abandoned
+    // WAIT's remaining 30 s: check answers (the stream has no group) long
+    // before that.
+    let answered = tokio::time::timeout(Duration::from_secs(15), sink.check(&route)).await;
+    let err = answered
+        .expect("check waited behind the abandoned WAIT")
+        .expect_err("no group");
+    assert!(err.message.contains("reaches nobody"), "{err}");
+    assert_eq!(xlen(&mut admin, key).await, 2, "what was sent is stored");
     sink.close().await;
 }
