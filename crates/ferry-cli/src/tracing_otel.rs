@@ -52,7 +52,12 @@ pub fn layer(
         .with_protocol(Protocol::HttpBinary)
         .with_endpoint(&cfg.traces_url)
         .build()
-        .with_context(|| format!("tracing.otlp_endpoint: cannot export to {}", cfg.traces_url))?;
+        .with_context(|| {
+            format!(
+                "tracing.otlp_endpoint: cannot export to {}",
+                ferry_core::redact::url(&cfg.traces_url)
+            )
+        })?;
     // A relay's publish spans are roots; ParentBased keeps the ratio's
     // decision for anything started beneath them.
     let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(cfg.sample_ratio)));

@@ -193,7 +193,7 @@ fn init_telemetry(cfg: &Config) -> anyhow::Result<Option<crate::tracing_otel::Ex
     };
     let (layer, exporting) = crate::tracing_otel::layer(tracing, cfg.relay.batch_size)?;
     telemetry::init_logs_with(&cfg.log, Some(layer));
-    info!(url = %tracing.traces_url, ratio = tracing.sample_ratio, "exporting spans over OTLP/HTTP");
+    info!(url = %ferry_core::redact::url(&tracing.traces_url), ratio = tracing.sample_ratio, "exporting spans over OTLP/HTTP");
     Ok(Some(exporting))
 }
 

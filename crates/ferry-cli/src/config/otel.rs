@@ -1,11 +1,13 @@
 //! Step two for the `[tracing]` section: OpenTelemetry export, off unless an
 //! endpoint is set.
 
+use ferry_core::redact;
+
 use super::Checker;
 use super::raw::RawTracing;
 
 /// Where `ferry run` sends its spans (OTLP over HTTP, protobuf).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct TracingConfig {
     /// The collector's OTLP/HTTP traces URL: the configured base with
     /// `/v1/traces` appended, unless it already ends so.
@@ -14,6 +16,17 @@ pub struct TracingConfig {
     pub service_name: String,
     /// The share of publish batches traced, 0.0 to 1.0. Default 1.0.
     pub sample_ratio: f64,
+}
+
+// Config is logged at start-up: a collector URL may carry credentials.
+impl std::fmt::Debug for TracingConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TracingConfig")
+            .field("traces_url", &redact::url(&self.traces_url))
+            .field("service_name", &self.service_name)
+            .field("sample_ratio", &self.sample_ratio)
+            .finish()
+    }
 }
 
 const TRACES_PATH: &str = "/v1/traces";
@@ -30,12 +43,13 @@ pub(super) fn tracing(check: &mut Checker, raw: RawTracing) -> Option<TracingCon
         return None;
     };
     let endpoint = endpoint.trim().trim_end_matches('/');
+    let shown = redact::url(endpoint);
     let fix = "write the collector's OTLP/HTTP address, e.g. \"http://127.0.0.1:4318\"";
     if endpoint.starts_with("https://") {
         check.problem(
             "tracing.otlp_endpoint",
             format!(
-                "{endpoint:?} uses https, which ferry's exporter does not speak; \
+                "{shown:?} uses https, which ferry's exporter does not speak; \
                  send to a local OpenTelemetry Collector over http and let it forward over TLS"
             ),
         );
@@ -45,7 +59,7 @@ pub(super) fn tracing(check: &mut Checker, raw: RawTracing) -> Option<TracingCon
     {
         check.problem(
             "tracing.otlp_endpoint",
-            format!("{endpoint:?} is not an http:// URL; {fix}"),
+            format!("{shown:?} is not an http:// URL; {fix}"),
         );
     }
     let service_name = raw.service_name.unwrap_or_else(|| "ferry".to_owned());

@@ -244,6 +244,23 @@ fn tracing_problems_name_the_field() {
     assert!(e.starts_with("tracing.service_name: must be non-empty"), "{e}");
     let e = errors_with("[tracing]\nendpoint = \"http://otel:4318\"\n");
     assert!(e.contains("endpoint"), "{e}");
+    // A collector address may carry credentials: the error hides them.
+    let e = errors_with("[tracing]\notlp_endpoint = \"https://u:otel-pw@otel.example.com?api_key=k-123\"\n");
+    assert!(
+        e.contains("uses https") && !e.contains("otel-pw") && !e.contains("k-123"),
+        "{e}"
+    );
+}
+
+#[test]
+fn debug_output_hides_the_collectors_credentials() {
+    let c = from_toml_str(&format!(
+        "{MINIMAL}[tracing]\notlp_endpoint = \"http://u:otel-pw@otel:4318?api_key=k-123\"\n"
+    ))
+    .unwrap();
+    let debug = format!("{:?}", c.tracing.unwrap());
+    assert!(!debug.contains("otel-pw") && !debug.contains("k-123"), "{debug}");
+    assert!(debug.contains("otel:4318"), "{debug}");
 }
 
 #[test]
