@@ -58,6 +58,9 @@ impl Connector {
     /// at once, so a publish against a down broker returns promptly.
     pub(crate) async fn confirm_channels(&mut self) -> Result<Vec<Channel>, SinkError> {
         self.connection().await?;
+        if self.blocked() {
+            return Err(self.blocked_error("not sent"));
+        }
         let link = self.link.as_mut().expect("connection() leaves a link");
         let mut channels = Vec::with_capacity(link.channels.len());
         for lane in 0..link.channels.len() {
@@ -111,7 +114,11 @@ impl Connector {
             )));
         };
         let limit = self.timeout;
-        let connection = self.connection().await?;
+        self.connection().await?;
+        if self.blocked() {
+            return Err(self.blocked_error(&format!("exchange {exchange:?} not checked")));
+        }
+        let connection = &self.link.as_ref().expect("connection() leaves a link").connection;
         let declared = timeout(limit, async {
             let channel = connection.create_channel().await?;
             let options = ExchangeDeclareOptions {
@@ -158,6 +165,25 @@ impl Connector {
     /// Abandons the link after a failure whose state is unknown (a timeout, an
     /// error mid-handshake) and returns `error` for the caller to report. The
     /// next call reconnects at once: only failed attempts back off.
+    /// Whether the broker blocked the link's connection for a resource
+    /// alarm (memory or disk). It reads nothing from a blocked connection,
+    /// and lapin writes nothing to it, until the alarm clears; a new
+    /// connection would be blocked at its first publish, so it is kept.
+    pub(crate) fn blocked(&self) -> bool {
+        self.link
+            .as_ref()
+            .is_some_and(|link| link.connection.status().blocked())
+    }
+
+    /// `what` happened because the connection is blocked.
+    pub(crate) fn blocked_error(&self, what: &str) -> SinkError {
+        SinkError::transient(format!(
+            "{what}: RabbitMQ at {} has blocked publishing on this connection for a resource alarm \
+             (memory or disk; rabbitmq-diagnostics alarms names it); it resumes when the alarm clears",
+            self.display_url
+        ))
+    }
+
     pub(crate) fn lost(&mut self, error: SinkError) -> SinkError {
         if self.link.take().is_some() {
             warn!(url = %self.display_url, %error, "dropping RabbitMQ connection");

@@ -81,6 +81,7 @@ pub(super) async fn publish_batch(
     let missing = missing_exchanges(connector, &fates, &exchanges).await;
     let doubtful_kind = shared_close_kind(&fates, &exchanges);
     let timed_out = fates.iter().any(|f| matches!(f, Fate::TimedOut));
+    let blocked = connector.blocked();
     let outcomes: Vec<PublishOutcome> = fates
         .into_iter()
         .zip(events)
@@ -97,20 +98,28 @@ pub(super) async fn publish_batch(
                 Fate::Nacked => Err(SinkError::transient(
                     "RabbitMQ nacked the message: it could not be stored",
                 )),
+                Fate::TimedOut if blocked => Err(connector.blocked_error(&format!(
+                    "no publisher confirm within {publish_timeout:?}, and the message may be stored once \
+                     the alarm clears"
+                ))),
                 Fate::TimedOut => Err(SinkError::transient(format!(
                     "no publisher confirm from RabbitMQ within {publish_timeout:?}"
                 ))),
+                Fate::NotSent(_) if blocked => Err(connector.blocked_error("not sent")),
                 Fate::NotSent(cause) => missing_error(exchange.as_deref(), &missing).unwrap_or(Err(cause)),
                 Fate::Failed(e) => classify_failure(&e, exchange.as_deref(), &missing, doubtful_kind),
             }
         })
         .collect();
 
-    if timed_out {
+    if timed_out && !blocked {
         // Confirms still owed on this channel can no longer be matched to
         // events; start over on a fresh connection.
         connector.lost(SinkError::transient("publisher confirms timed out"));
     }
+    // A blocked connection is kept: the next batch is refused at once, not
+    // sent to wait out its own timeout, and once the alarm clears lapin
+    // writes what it holds and the confirms owed go to no one.
     connector.discard_dead();
     outcomes
 }

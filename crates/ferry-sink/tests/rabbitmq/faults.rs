@@ -146,3 +146,62 @@ async fn a_missing_confirm_times_out_transiently_and_the_link_is_replaced() {
     sink.close().await;
     topology.delete().await;
 }
+
+#[tokio::test]
+async fn a_resource_alarm_is_named_refused_at_once_and_loses_nothing() {
+    let topology = TestTopology::create("alarm").await;
+    let (_, upstream) = proxy::redirect(&amqp_url(), "127.0.0.1:1".parse().unwrap());
+    let proxy = FaultProxy::start(upstream).await;
+    let sink = RabbitMqSink::new(RabbitMqOptions {
+        url: proxy::redirect(&amqp_url(), proxy.addr()).0,
+        publish_timeout: Duration::from_secs(2),
+        ..RabbitMqOptions::default()
+    });
+    let to = route(topology.exchange(), None);
+    let warmup = keyed(3, |seq| format!("w{seq}"));
+    assert!(sink.publish(&to, &warmup).await.iter().all(Result::is_ok));
+
+    // The broker runs low on disk with a batch on its way: it blocks the
+    // connection and reads nothing more, so no confirm comes.
+    proxy.block("low on disk");
+    let first = keyed(5, |seq| format!("a{seq}"));
+    for outcome in &sink.publish(&to, &first).await {
+        expect_err(outcome, ErrorKind::Transient, "resource alarm");
+    }
+    // While it lasts, a batch is refused at once, unsent, and check says why.
+    let second = keyed(5, |seq| format!("b{seq}"));
+    for outcome in &sink.publish(&to, &second).await {
+        expect_err(outcome, ErrorKind::Transient, "not sent: RabbitMQ");
+        expect_err(outcome, ErrorKind::Transient, "resource alarm");
+    }
+    let err = sink.check(&to).await.expect_err("blocked");
+    assert!(err.is_transient() && err.message.contains("resource alarm"), "{err}");
+    assert_eq!(proxy.cuts(), 0);
+
+    // The alarm clears: the retries go through on the same connection, and
+    // every event arrives (the first batch's may arrive twice).
+    proxy.unblock();
+    let retried: Vec<StoredEvent> = first.iter().chain(&second).cloned().collect();
+    let deadline = tokio::time::Instant::now() + ARRIVAL_TIMEOUT;
+    loop {
+        let outcomes = sink.publish(&to, &retried).await;
+        if outcomes.iter().all(Result::is_ok) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "still refused: {outcomes:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut wanted = ids(&warmup);
+    wanted.extend(ids(&retried));
+    let mut seen = HashSet::new();
+    while !wanted.is_subset(&seen) {
+        let received = topology.receive(1, ARRIVAL_TIMEOUT).await;
+        assert!(
+            !received.is_empty(),
+            "lost: {:?}",
+            wanted.difference(&seen).collect::<Vec<_>>()
+        );
+        seen.extend(received_ids(&received));
+    }
+    sink.close().await;
+}

@@ -1,7 +1,9 @@
 //! A TCP proxy in front of the test broker that can cut every live connection
 //! once a given number of bytes went upstream (a connection loss in the middle
-//! of a batch) or hold back everything the broker sends (confirms that never
-//! come), without touching other tests' connections.
+//! of a batch), hold back everything the broker sends (confirms that never
+//! come), or play a broker's resource alarm (it tells the client
+//! `connection.blocked` and reads nothing more from it until it sends
+//! `connection.unblocked`), without touching other tests' connections.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -23,6 +25,8 @@ struct Shared {
     cut_done: Notify,
     /// While true, bytes from the broker are held, not forwarded.
     stalled: watch::Sender<bool>,
+    /// The alarm's reason while the broker "blocks" its connections.
+    alarm: watch::Sender<Option<String>>,
 }
 
 impl Shared {
@@ -54,6 +58,7 @@ impl FaultProxy {
             cuts: AtomicUsize::default(),
             cut_done: Notify::new(),
             stalled: watch::Sender::new(false),
+            alarm: watch::Sender::new(None),
         });
         let accept_shared = Arc::clone(&shared);
         let accept = tokio::spawn(async move {
@@ -81,6 +86,19 @@ impl FaultProxy {
     /// Holds (or releases) everything the broker sends on every connection.
     pub fn stall(&self, stalled: bool) {
         self.shared.stalled.send_replace(stalled);
+    }
+
+    /// Plays a resource alarm on every open connection: each is sent
+    /// `connection.blocked` with `reason` (at a frame boundary, once open),
+    /// and nothing more the client sends reaches the broker until
+    /// [`unblock`](Self::unblock).
+    pub fn block(&self, reason: &str) {
+        self.shared.alarm.send_replace(Some(reason.to_owned()));
+    }
+
+    /// Ends the alarm: `connection.unblocked`, and what was held goes on.
+    pub fn unblock(&self) {
+        self.shared.alarm.send_replace(None);
     }
 
     pub fn cuts(&self) -> usize {
@@ -117,12 +135,14 @@ async fn forward(client: TcpStream, upstream: String, shared: Arc<Shared>) {
     let (mut server_read, mut server_write) = server.into_split();
     let up = async {
         let mut buf = vec![0u8; 16 * 1024];
+        let mut alarm = shared.alarm.subscribe();
         loop {
             let n = match client_read.read(&mut buf).await {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
-            if server_write.write_all(&buf[..n]).await.is_err() {
+            // A broker in alarm reads nothing from a blocked connection.
+            if alarm.wait_for(Option::is_none).await.is_err() || server_write.write_all(&buf[..n]).await.is_err() {
                 return;
             }
             let total = shared.upstream_bytes.fetch_add(n as u64, Ordering::SeqCst) + n as u64;
@@ -132,16 +152,42 @@ async fn forward(client: TcpStream, upstream: String, shared: Arc<Shared>) {
             }
         }
     };
+    // Forwards whole AMQP frames, so that a connection.blocked or
+    // connection.unblocked can go between two of them.
     let down = async {
         let mut buf = vec![0u8; 16 * 1024];
+        let mut pending: Vec<u8> = Vec::new();
         let mut stalled = shared.stalled.subscribe();
+        let mut alarm = shared.alarm.subscribe();
+        let mut open = false;
+        let mut told: Option<String> = None;
         loop {
-            let n = match server_read.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            };
-            if stalled.wait_for(|stalled| !stalled).await.is_err() || client_write.write_all(&buf[..n]).await.is_err() {
-                return;
+            tokio::select! {
+                read = server_read.read(&mut buf) => match read {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => pending.extend_from_slice(&buf[..n]),
+                },
+                changed = alarm.changed() => if changed.is_err() { return },
+            }
+            let whole = whole_frames(&pending, &mut open);
+            if whole > 0 {
+                if stalled.wait_for(|stalled| !stalled).await.is_err()
+                    || client_write.write_all(&pending[..whole]).await.is_err()
+                {
+                    return;
+                }
+                pending.drain(..whole);
+            }
+            let wanted = alarm.borrow_and_update().clone();
+            if open && wanted != told {
+                let frame = match &wanted {
+                    Some(reason) => blocked_frame(reason),
+                    None => method_frame(&[0, 10, 0, 61]),
+                };
+                if client_write.write_all(&frame).await.is_err() {
+                    return;
+                }
+                told = wanted;
             }
         }
     };
@@ -163,4 +209,39 @@ pub fn redirect(url: &str, addr: SocketAddr) -> (String, String) {
     }
     let redirected = format!("{}{}{addr}{}", &url[..start], &rest[..host_start], &rest[end..]);
     (redirected, upstream)
+}
+
+/// How many bytes of `bytes` are whole frames; sets `open` once the broker
+/// has sent connection.open-ok (class 10, method 41).
+fn whole_frames(bytes: &[u8], open: &mut bool) -> usize {
+    let mut at = 0;
+    while bytes.len() >= at + 7 {
+        let size = u32::from_be_bytes(bytes[at + 3..at + 7].try_into().unwrap()) as usize;
+        let end = at + 7 + size + 1;
+        if bytes.len() < end {
+            break;
+        }
+        let payload = &bytes[at + 7..end - 1];
+        if bytes[at] == 1 && payload.len() >= 4 && payload[..4] == [0, 10, 0, 41] {
+            *open = true;
+        }
+        at = end;
+    }
+    at
+}
+
+/// A method frame on channel 0 with `payload` (class, method, arguments).
+fn method_frame(payload: &[u8]) -> Vec<u8> {
+    let mut frame = vec![1, 0, 0];
+    frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame.push(0xCE);
+    frame
+}
+
+/// connection.blocked (class 10, method 60) with its reason.
+fn blocked_frame(reason: &str) -> Vec<u8> {
+    let mut payload = vec![0, 10, 0, 60, reason.len() as u8];
+    payload.extend_from_slice(reason.as_bytes());
+    method_frame(&payload)
 }
