@@ -107,7 +107,13 @@ struct Slot {
     /// The `batch.size` cap the producer was made with: the smallest
     /// `max.message.bytes` of the topics known then.
     batch_cap: Option<usize>,
+    /// Paces replacements of producers that fail fatally before delivering.
     backoff: Backoff,
+    /// Whether the producer delivered since it was made: the first fatal
+    /// error after that is replaced at once, so the batch that finds it
+    /// goes out on the new producer; only a replacement that fails again
+    /// before it delivers waits out the backoff.
+    delivered: bool,
 }
 
 /// Publishes to Kafka topics through one idempotent producer shared by all
@@ -132,6 +138,7 @@ impl KafkaSink {
                 producer: Some(producer),
                 batch_cap: None,
                 backoff: Backoff::new(Duration::from_secs(30)),
+                delivered: true,
             }),
             options,
             topic_limits: Mutex::new(HashMap::new()),
@@ -153,8 +160,10 @@ impl KafkaSink {
                 Some((code, reason)) => {
                     warn!(%code, %reason, "Kafka producer hit a fatal error; replacing it");
                     slot.producer = None;
-                    slot.backoff
-                        .failed(Instant::now(), format!("fatal producer error {code}: {reason}"));
+                    if !std::mem::replace(&mut slot.delivered, false) {
+                        slot.backoff
+                            .failed(Instant::now(), format!("fatal producer error {code}: {reason}"));
+                    }
                 }
             }
         }
@@ -257,13 +266,11 @@ impl Sink for KafkaSink {
         let outcomes = publish::publish_batch(&producer, events, prepared, self.options.publish_timeout).await;
         log_published("Kafka", route, events, &outcomes);
         if outcomes.iter().any(Result::is_ok) {
-            // A producer that delivers is healthy: a later fatal error starts
-            // the replacement backoff from its base delay again.
-            self.slot
-                .lock()
-                .expect("the producer slot is never poisoned")
-                .backoff
-                .succeeded();
+            // A producer that delivers is healthy: a later fatal error is
+            // replaced at once, and the backoff starts from its base again.
+            let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
+            slot.delivered = true;
+            slot.backoff.succeeded();
         }
         outcomes
     }
@@ -346,6 +353,66 @@ impl Sink for KafkaSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Raises a fatal error in the sink's current producer, as librdkafka
+    /// does after an unrecoverable idempotence failure.
+    fn fail_fatally(sink: &KafkaSink) {
+        let slot = sink.slot.lock().unwrap();
+        let producer = slot.producer.as_ref().expect("a producer");
+        let reason = c"injected by a test";
+        // SAFETY: the client pointer is live while `producer` is borrowed,
+        // and the reason is a NUL-terminated string.
+        let raised = unsafe {
+            rdkafka::bindings::rd_kafka_test_fatal_error(
+                producer.client().native_ptr(),
+                rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER,
+                reason.as_ptr(),
+            )
+        };
+        assert_eq!(raised, rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR);
+        assert!(producer.client().fatal_error().is_some());
+    }
+
+    #[tokio::test]
+    async fn a_fatal_error_is_replaced_at_once_and_a_replacement_failing_again_waits() {
+        let cluster = rdkafka::mocking::MockCluster::new(1).expect("a mock cluster");
+        cluster.create_topic("fatal", 1, 1).expect("a topic");
+        let sink = KafkaSink::new(KafkaOptions {
+            bootstrap_servers: cluster.bootstrap_servers(),
+            ..KafkaOptions::default()
+        })
+        .unwrap();
+        let route = Route {
+            name: "fatal".into(),
+            matcher: ferry_core::Glob::new("**").unwrap(),
+            sink: "kafka".into(),
+            destination: "fatal".into(),
+            routing_key: None,
+        };
+        let events: Vec<StoredEvent> = (0..3)
+            .map(|seq| {
+                ferry_testkit::sink_suite::event(seq, "test.item.created", Some("k"), serde_json::json!({ "seq": seq }))
+            })
+            .collect();
+        let delivered = |outcomes: Vec<PublishOutcome>| outcomes.iter().all(Result::is_ok);
+        assert!(delivered(sink.publish(&route, &events).await));
+        // A producer that delivered fails fatally: the batch that finds it
+        // goes out on a new one, not refused for a pause.
+        fail_fatally(&sink);
+        assert!(delivered(sink.publish(&route, &events).await));
+        fail_fatally(&sink);
+        assert!(delivered(sink.publish(&route, &events).await));
+        // A replacement that fails before it delivers is not remade at once
+        // again: producers failing as they are made would loop.
+        fail_fatally(&sink);
+        drop(sink.producer().expect("replaced at once"));
+        fail_fatally(&sink);
+        let outcomes = sink.publish(&route, &events).await;
+        for outcome in &outcomes {
+            let err = outcome.as_ref().expect_err("waiting to replace");
+            assert!(err.is_transient() && err.message.contains("being replaced"), "{err}");
+        }
+    }
 
     #[test]
     fn a_property_librdkafka_refuses_is_named_without_its_value() {
