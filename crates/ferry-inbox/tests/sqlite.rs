@@ -433,3 +433,63 @@ async fn every_outcome_is_counted_per_consumer() {
     // Dead at the third attempt, and again when redelivered after that.
     assert_eq!(get(DEAD), 2);
 }
+
+/// A handler that ends the inbox's transaction itself: its writes after
+/// that commit one by one, outside it. As with PostgreSQL, a COMMIT is dead
+/// at once (a retry would apply the writes before it again) and a ROLLBACK
+/// a counted failure; neither is reported processed, nor left to retry for
+/// ever as an outage.
+#[tokio::test]
+async fn a_handler_that_ends_the_transaction_itself_is_caught() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(5));
+
+    let committed = event();
+    let outcome = inbox
+        .process(&committed, async |tx, ev| {
+            effect(tx, ev, "billing").await?;
+            sqlx::query("COMMIT").execute(&mut *tx).await?;
+            effect(tx, ev, "billing").await
+        })
+        .await
+        .unwrap();
+    match &outcome {
+        Outcome::Dead { attempts: 1, reason } => assert!(reason.contains("COMMIT inside the handler"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, committed.id).await, 2, "both writes committed");
+    let r = inbox.record(committed.id).await.unwrap().unwrap();
+    assert_eq!(r.state, "dead");
+    // A redelivery does not apply it a third time.
+    let again = inbox
+        .process(&committed, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert!(matches!(again, Outcome::Duplicate | Outcome::Dead { .. }), "{again:?}");
+    assert_eq!(effects(&e.pool, committed.id).await, 2);
+
+    let rolled_back = event();
+    let outcome = inbox
+        .process(&rolled_back, async |tx, ev| {
+            effect(tx, ev, "billing").await?;
+            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    match &outcome {
+        Outcome::Retry { attempts: 1, error, .. } => assert!(error.contains("ROLLBACK inside the handler"), "{error}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, rolled_back.id).await, 0);
+    let r = inbox.record(rolled_back.id).await.unwrap().unwrap();
+    assert_eq!((r.state.as_str(), r.attempts), ("failing", 1));
+    // The pool is healthy afterwards: the next event goes through.
+    let next = event();
+    let outcome = inbox
+        .process(&next, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed);
+    assert_eq!(effects(&e.pool, next.id).await, 1);
+}

@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use chrono::DateTime;
 use ferry_core::{EventId, RetryPolicy};
-use sqlx::{SqliteConnection, SqlitePool};
+use sqlx::{Connection, SqliteConnection, SqlitePool};
+use tracing::error;
 
 use crate::inbox::{
     already_recorded, checked_consumer, count_processed, decide_failure, default_retry, run_handler, stored_type,
@@ -96,22 +97,31 @@ impl Inbox {
         handler: impl AsyncFnOnce(&mut SqliteConnection, &ReceivedEvent) -> Result<(), HandlerError>,
     ) -> Result<Outcome, InboxError> {
         let id = event.id.to_string();
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let mut conn = self.pool.acquire().await?;
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
         // Inserts the row, or takes over a failing one; a done or dead row
         // returns nothing.
-        let claimed: Option<i32> = sqlx::query_scalar(CLAIM)
+        let claimed: Option<(i32, i64)> = sqlx::query_as(CLAIM)
             .bind(&self.consumer)
             .bind(&id)
             .bind(stored_type(&event.event_type))
             .fetch_optional(&mut *tx)
             .await?;
-        let Some(attempts) = claimed else {
+        let Some((attempts, stamp)) = claimed else {
             // Read under the same lock, so the row cannot change in between.
             let record = read(&mut tx, &self.consumer, event.id).await?;
             tx.rollback().await?;
             return Ok(already_recorded(&self.consumer, event.id, record));
         };
-        let error = match run_handler(handler(&mut tx, event), &self.consumer, event.id).await {
+        let result = run_handler(handler(&mut tx, event), &self.consumer, event.id).await;
+        if !in_transaction(&mut tx).await? {
+            // sqlx still counts the transaction SQLite ended: the connection
+            // is closed, not handed back to the pool so counting.
+            drop(tx);
+            let _ = conn.close().await;
+            return self.ended_by_handler(event, result.err(), stamp).await;
+        }
+        let error = match result {
             Ok(()) => match tx.commit().await {
                 Ok(()) => {
                     count_processed(&self.consumer, event.id, attempts);
@@ -130,6 +140,55 @@ impl Inbox {
                 error
             }
         };
+        self.failed(event, &error).await
+    }
+
+    /// The handler's transaction ended before the inbox could commit it,
+    /// and each statement after that committed alone: the handler ran
+    /// `COMMIT` or `ROLLBACK` itself, or SQLite rolled back on its own after
+    /// an error the handler went on from (`SQLITE_FULL`, an I/O error, a
+    /// `RAISE(ROLLBACK)` trigger). As the PostgreSQL inbox does: if this
+    /// attempt's claim committed, the event is recorded dead (a retry would
+    /// apply the writes before the COMMIT again); otherwise the attempt
+    /// failed, counted and retried.
+    async fn ended_by_handler(
+        &self,
+        event: &ReceivedEvent,
+        failure: Option<HandlerError>,
+        stamp: i64,
+    ) -> Result<Outcome, InboxError> {
+        let then = failure.map_or_else(String::new, |e| format!(" and then failed ({e})"));
+        let reason = format!(
+            "the handler committed the inbox's transaction itself (COMMIT inside the handler){then}: its writes \
+             before that COMMIT are committed with the event's inbox row, those after it are outside the inbox's \
+             transaction; not retried, since a retry would apply the first writes again: let the inbox commit, \
+             check the event's effects, and release it only if it must run again"
+        );
+        // This attempt's own claim, committed: done, with its stamp.
+        let committed: Option<i32> = sqlx::query_scalar(
+            "UPDATE ferry_inbox SET state = 'dead', last_error = ?3 \
+             WHERE consumer = ?1 AND event_id = ?2 AND state = 'done' AND processed_at = ?4 RETURNING attempts",
+        )
+        .bind(&self.consumer)
+        .bind(event.id.to_string())
+        .bind(&reason)
+        .bind(stamp)
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(attempts) = committed {
+            crate::metrics::dead(&self.consumer);
+            error!(consumer = %self.consumer, event = %event.id, attempts, %reason, "handler bug: dead");
+            return Ok(Outcome::Dead {
+                attempts: u32::try_from(attempts).unwrap_or(0),
+                reason,
+            });
+        }
+        let error = HandlerError::transient(
+            "the handler's transaction ended before the inbox committed it (ROLLBACK inside the handler, or \
+             SQLite rolled it back after an error the handler did not return); the handler's writes after that \
+             committed on their own and are not recorded with the event: return the error, and let the inbox \
+             commit",
+        );
         self.failed(event, &error).await
     }
 
@@ -209,6 +268,17 @@ impl Inbox {
             }
         }
     }
+}
+
+/// Whether SQLite has the connection inside a transaction: sqlx counts the
+/// transactions it began, but SQLite ends one on its own, or at the
+/// handler's `COMMIT` or `ROLLBACK`.
+async fn in_transaction(conn: &mut SqliteConnection) -> Result<bool, InboxError> {
+    let mut handle = conn.lock_handle().await?;
+    // SAFETY: the handle is locked for the call, so no statement runs on the
+    // connection meanwhile, and `sqlite3_get_autocommit` only reads a flag.
+    let autocommit = unsafe { libsqlite3_sys::sqlite3_get_autocommit(handle.as_raw_handle().as_ptr()) };
+    Ok(autocommit == 0)
 }
 
 async fn read(conn: &mut SqliteConnection, consumer: &str, id: EventId) -> Result<Option<InboxRecord>, InboxError> {
