@@ -23,6 +23,11 @@ struct Link {
     /// The publishing channels, in confirm mode, one per lane; `None` where
     /// the broker closed it.
     channels: Vec<Option<Channel>>,
+    /// A batch timed out on the channels while the broker blocked the
+    /// connection: its publishes go out once the alarm clears, and their
+    /// confirms and returns must come in before another batch's, or lapin
+    /// could hand one of their returns to the new batch's confirm.
+    owed: bool,
 }
 
 pub(crate) struct Connector {
@@ -61,6 +66,7 @@ impl Connector {
         if self.blocked() {
             return Err(self.blocked_error("not sent"));
         }
+        self.settle_owed().await?;
         let link = self.link.as_mut().expect("connection() leaves a link");
         let mut channels = Vec::with_capacity(link.channels.len());
         for lane in 0..link.channels.len() {
@@ -97,6 +103,8 @@ impl Connector {
                     break;
                 }
                 Ok(Err(e)) => return Err(self.lost(reply::from_lapin("opening a confirm channel", &e))),
+                // Blocked meanwhile: lapin writes nothing until the alarm clears.
+                Err(_) if self.blocked() => return Err(self.blocked_error("not sent")),
                 Err(_) => return Err(self.lost(self.timed_out("opening a confirm channel"))),
             }
         }
@@ -141,6 +149,7 @@ impl Connector {
                 self.discard_dead();
                 Err(reply::from_lapin(&format!("checking exchange {exchange:?}"), &e))
             }
+            Err(_) if self.blocked() => Err(self.blocked_error(&format!("exchange {exchange:?} not checked"))),
             Err(_) => Err(self.lost(self.timed_out(&format!("checking exchange {exchange:?}")))),
         }
     }
@@ -173,6 +182,38 @@ impl Connector {
         self.link
             .as_ref()
             .is_some_and(|link| link.connection.status().blocked())
+    }
+
+    /// Keeps a blocked connection whose batch timed out: see [`Link::owed`].
+    pub(crate) fn keep_blocked(&mut self) {
+        if let Some(link) = &mut self.link {
+            link.owed = true;
+        }
+    }
+
+    /// Waits for the confirms a batch left owed while the connection was
+    /// blocked (its returns are drained with them), or gives the connection
+    /// up if they do not come.
+    async fn settle_owed(&mut self) -> Result<(), SinkError> {
+        let Some(link) = self.link.as_mut().filter(|link| link.owed) else {
+            return Ok(());
+        };
+        let channels: Vec<Channel> = link.channels.iter().flatten().cloned().collect();
+        let settled = timeout(self.timeout, async {
+            for channel in &channels {
+                channel.wait_for_confirms().await?;
+            }
+            Ok::<_, lapin::Error>(())
+        })
+        .await;
+        match settled {
+            Ok(Ok(())) => {
+                link.owed = false;
+                Ok(())
+            }
+            Ok(Err(e)) => Err(self.lost(reply::from_lapin("settling confirms owed since the alarm", &e))),
+            Err(_) => Err(self.lost(self.timed_out("settling confirms owed since the alarm"))),
+        }
     }
 
     /// `what` happened because the connection is blocked.
@@ -236,6 +277,7 @@ impl Connector {
             self.link = Some(Link {
                 connection,
                 channels: vec![None; self.lanes],
+                owed: false,
             });
         }
         Ok(&self.link.as_ref().expect("just set").connection)

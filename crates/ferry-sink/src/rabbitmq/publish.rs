@@ -116,10 +116,12 @@ pub(super) async fn publish_batch(
         // Confirms still owed on this channel can no longer be matched to
         // events; start over on a fresh connection.
         connector.lost(SinkError::transient("publisher confirms timed out"));
+    } else if timed_out {
+        connector.keep_blocked();
     }
     // A blocked connection is kept: the next batch is refused at once, not
-    // sent to wait out its own timeout, and once the alarm clears lapin
-    // writes what it holds and the confirms owed go to no one.
+    // sent to wait out its own timeout. Once the alarm clears lapin writes
+    // what it holds, and the next batch waits for those confirms first.
     connector.discard_dead();
     outcomes
 }

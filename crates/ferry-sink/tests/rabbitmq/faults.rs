@@ -176,7 +176,7 @@ async fn a_resource_alarm_is_named_refused_at_once_and_loses_nothing() {
     }
     let err = sink.check(&to).await.expect_err("blocked");
     assert!(err.is_transient() && err.message.contains("resource alarm"), "{err}");
-    assert_eq!(proxy.cuts(), 0);
+    assert_eq!(proxy.accepted(), 1, "the blocked connection was given up for a new one");
 
     // The alarm clears: the retries go through on the same connection, and
     // every event arrives (the first batch's may arrive twice).
@@ -191,6 +191,7 @@ async fn a_resource_alarm_is_named_refused_at_once_and_loses_nothing() {
         assert!(tokio::time::Instant::now() < deadline, "still refused: {outcomes:?}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    assert_eq!(proxy.accepted(), 1, "the connection was not kept through the alarm");
     let mut wanted = ids(&warmup);
     wanted.extend(ids(&retried));
     let mut seen = HashSet::new();

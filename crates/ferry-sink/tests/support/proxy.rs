@@ -22,6 +22,8 @@ struct Shared {
     upstream_bytes: AtomicU64,
     cut_at: AtomicU64,
     cuts: AtomicUsize,
+    /// Connections accepted so far.
+    accepted: AtomicUsize,
     cut_done: Notify,
     /// While true, bytes from the broker are held, not forwarded.
     stalled: watch::Sender<bool>,
@@ -56,6 +58,7 @@ impl FaultProxy {
             upstream_bytes: AtomicU64::default(),
             cut_at: AtomicU64::new(DISARMED),
             cuts: AtomicUsize::default(),
+            accepted: AtomicUsize::default(),
             cut_done: Notify::new(),
             stalled: watch::Sender::new(false),
             alarm: watch::Sender::new(None),
@@ -63,6 +66,7 @@ impl FaultProxy {
         let accept_shared = Arc::clone(&shared);
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                accept_shared.accepted.fetch_add(1, Ordering::SeqCst);
                 let shared = Arc::clone(&accept_shared);
                 let upstream = upstream.clone();
                 let mut live = accept_shared.live.lock().unwrap();
@@ -99,6 +103,11 @@ impl FaultProxy {
     /// Ends the alarm: `connection.unblocked`, and what was held goes on.
     pub fn unblock(&self) {
         self.shared.alarm.send_replace(None);
+    }
+
+    /// Connections the proxy has accepted since it started.
+    pub fn accepted(&self) -> usize {
+        self.shared.accepted.load(Ordering::SeqCst)
     }
 
     pub fn cuts(&self) -> usize {
