@@ -114,6 +114,9 @@ struct Slot {
     /// goes out on the new producer; only a replacement that fails again
     /// before it delivers waits out the backoff.
     delivered: bool,
+    /// Counts the producers made, so that a batch finishing on a replaced
+    /// one does not vouch for its successor.
+    generation: u64,
 }
 
 /// Publishes to Kafka topics through one idempotent producer shared by all
@@ -139,6 +142,7 @@ impl KafkaSink {
                 batch_cap: None,
                 backoff: Backoff::new(Duration::from_secs(30)),
                 delivered: true,
+                generation: 0,
             }),
             options,
             topic_limits: Mutex::new(HashMap::new()),
@@ -152,11 +156,12 @@ impl KafkaSink {
     /// The producer, replaced first if librdkafka raised a fatal error
     /// (possible with idempotence, e.g. after an unrecoverable sequence gap):
     /// a producer in that state refuses everything until it is recreated.
-    fn producer(&self) -> Result<FutureProducer, SinkError> {
+    /// With it, its generation.
+    fn producer(&self) -> Result<(FutureProducer, u64), SinkError> {
         let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
         if let Some(producer) = &slot.producer {
             match producer.client().fatal_error() {
-                None => return Ok(producer.clone()),
+                None => return Ok((producer.clone(), slot.generation)),
                 Some((code, reason)) => {
                     warn!(%code, %reason, "Kafka producer hit a fatal error; replacing it");
                     slot.producer = None;
@@ -185,7 +190,8 @@ impl KafkaSink {
         info!(bootstrap = %self.options.bootstrap_servers, "created a new Kafka producer");
         crate::connected("kafka");
         slot.producer = Some(producer.clone());
-        Ok(producer)
+        slot.generation += 1;
+        Ok((producer, slot.generation))
     }
 
     fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Record, SinkError> {
@@ -256,8 +262,8 @@ impl Sink for KafkaSink {
         if events.is_empty() {
             return Vec::new();
         }
-        let producer = match self.producer() {
-            Ok(producer) => producer,
+        let (producer, generation) = match self.producer() {
+            Ok(made) => made,
             Err(e) => return vec![Err(e); events.len()],
         };
         // The relay admits events first; checking again keeps a direct caller
@@ -269,8 +275,10 @@ impl Sink for KafkaSink {
             // A producer that delivers is healthy: a later fatal error is
             // replaced at once, and the backoff starts from its base again.
             let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
-            slot.delivered = true;
-            slot.backoff.succeeded();
+            if slot.generation == generation {
+                slot.delivered = true;
+                slot.backoff.succeeded();
+            }
         }
         outcomes
     }
@@ -283,7 +291,7 @@ impl Sink for KafkaSink {
                 route.name
             )));
         }
-        let producer = self.producer()?;
+        let (producer, _) = self.producer()?;
         let opts = &self.options;
         let topic = route.destination.as_str();
         // A template names many topics, known only per event: connectivity
