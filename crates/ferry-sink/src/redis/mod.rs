@@ -419,8 +419,9 @@ impl RedisSink {
         .await;
         let replicas = match info {
             Ok(Ok(info)) => connected_replicas(&info),
-            // The replicas that confirm within a batch's own WAIT bound.
-            Ok(Err(e)) if e.code().is_some() => match wait(wanted, limit / 2).await {
+            // The replicas that confirm within a second.
+            // Within a second: the health probe gives a check 4 s.
+            Ok(Err(e)) if e.code().is_some() => match wait(wanted, (limit / 2).min(Duration::from_secs(1))).await {
                 Ok(Ok(n)) => n,
                 Ok(Err(e)) => {
                     let error = SinkError::transient(format!("WAIT: {e}"));
