@@ -310,6 +310,54 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     env.cleanup().await;
 }
 
+/// Entries that wait (a backoff, or the inbox down) stay in the group's
+/// pending list, not in the member's memory: it stops reading new ones
+/// while a batch waits, so an outage of any length holds a batch or two.
+#[tokio::test]
+async fn a_member_reads_no_more_while_a_batch_of_entries_waits() {
+    let env = Env::new("inbox-redis-bound").await;
+    env.create_group().await;
+    for _ in 0..100 {
+        env.add(None).await;
+    }
+    // Every attempt fails and waits a minute: as good as an outage.
+    let inbox = Inbox::new(env.db.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(ferry_core::RetryPolicy {
+            max_attempts: 100,
+            base_delay: Duration::from_secs(60),
+            max_delay: Duration::from_secs(60),
+            jitter: 0.0,
+        });
+    let options = env.options(redis_url(), "only");
+    let batch = options.batch as i64;
+    let consumer = RedisConsumer::new(inbox, options).unwrap();
+    let handler = async |_: &mut PgConnection, _: &ReceivedEvent| Err(HandlerError::transient("down"));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("a batch waiting", || async {
+            consumer.report().retried >= batch as u64
+        })
+        .await;
+        // Many block and claim rounds (200 ms and 250 ms); each would read
+        // another batch, and claim back the idle ones, without the bound.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let pending = env.pending().await;
+        let _ = stop.send(());
+        pending
+    };
+    let (report, pending) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert!(pending < 2 * batch, "{pending} entries read while {batch} waited");
+    assert_eq!(report.retried, pending as u64, "each entry attempted once: {report:?}");
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn bad_options_name_the_field() {
     let db = Db::new().await;

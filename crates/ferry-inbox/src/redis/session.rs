@@ -110,8 +110,11 @@ where
         self.report_trimmed(&mut conn, true).await?;
         // This member's own pending entries first: read before a restart,
         // never acknowledged.
+        // While the inbox is down every entry waits in `later`: past a
+        // batch of them the rest stay in the pending list, where XAUTOCLAIM
+        // hands them back once idle.
         let mut cursor = "0".to_owned();
-        loop {
+        while !self.full() {
             let entries = self.read(&mut conn, &cursor, None).await?;
             let Some(last) = entries.last() else { break };
             cursor = last.id.clone();
@@ -131,7 +134,9 @@ where
                 self.handle(&mut conn, l.entry).await?;
             }
             if Instant::now() >= next_claim {
-                claim_cursor = self.claim(&mut conn, &claim_cursor).await?;
+                if !self.full() {
+                    claim_cursor = self.claim(&mut conn, &claim_cursor).await?;
+                }
                 self.report_trimmed(&mut conn, false).await?;
                 next_claim = Instant::now() + claim_every;
             }
@@ -146,14 +151,38 @@ where
                 .saturating_duration_since(Instant::now())
                 .min(o.block)
                 .max(Duration::from_millis(1));
-            let entries = tokio::select! {
-                biased;
-                () = shutdown.as_mut() => return Ok(()),
-                read = self.read(&mut conn, ">", Some(block)) => read?,
+            // Reads no new entries while a batch waits: they would only
+            // wait too, in this process's memory, for as long as an outage.
+            let entries = if self.full() {
+                tokio::select! {
+                    biased;
+                    () = shutdown.as_mut() => return Ok(()),
+                    () = tokio::time::sleep(block) => Vec::new(),
+                }
+            } else {
+                tokio::select! {
+                    biased;
+                    () = shutdown.as_mut() => return Ok(()),
+                    read = self.read(&mut conn, ">", Some(block)) => read?,
+                }
             };
             for entry in entries {
                 self.handle(&mut conn, entry).await?;
             }
+        }
+    }
+
+    /// Whether a batch of entries waits out a backoff or an outage.
+    fn full(&self) -> bool {
+        self.later.len() >= self.options.batch
+    }
+
+    /// Keeps `entry` until `due`, once: XAUTOCLAIM hands a waiting entry
+    /// back to this member when it has been idle long enough.
+    fn defer(&mut self, entry: StreamId, due: Instant) {
+        match self.later.iter_mut().find(|l| l.entry.id == entry.id) {
+            Some(waiting) => waiting.due = waiting.due.max(due),
+            None => self.later.push(Later { due, entry }),
         }
     }
 
@@ -208,6 +237,11 @@ where
             self.trimmed(conn, gone).await?;
         }
         for entry in reply.claimed {
+            // One this member keeps for a backoff comes back idle: it is
+            // handled when its backoff ends, not twice.
+            if self.later.iter().any(|l| l.entry.id == entry.id) {
+                continue;
+            }
             self.handle(conn, entry).await?;
         }
         Ok(reply.next_stream_id)
@@ -290,10 +324,7 @@ where
             }
             Ok(Outcome::Retry { delay, .. }) => {
                 Counters::bump(&self.counters.retried);
-                self.later.push(Later {
-                    due: Instant::now() + delay,
-                    entry,
-                });
+                self.defer(entry, Instant::now() + delay);
             }
             Ok(Outcome::Dead { reason, .. }) => {
                 Counters::bump(&self.counters.dead);
@@ -302,10 +333,7 @@ where
             Err(e) => {
                 Counters::bump(&self.counters.inbox_unavailable);
                 warn!(consumer, event = %event.id, error = %e, "inbox unavailable; the entry waits");
-                self.later.push(Later {
-                    due: Instant::now() + self.options.database_retry_delay,
-                    entry,
-                });
+                self.defer(entry, Instant::now() + self.options.database_retry_delay);
             }
         }
         Ok(())
