@@ -281,6 +281,9 @@ where
     /// Holds the message through its backoff, then hands it back; other
     /// deliveries flow meanwhile, within the prefetch window.
     fn requeue_after(&mut self, acker: Acker, delay: Duration) {
+        // A finished task stays in the set until joined: reap them here, or
+        // a long outage's requeues would pile up for the connection's life.
+        while self.later.try_join_next().is_some() {}
         self.later.spawn(async move {
             tokio::time::sleep(delay).await;
             let requeue = BasicNackOptions {
