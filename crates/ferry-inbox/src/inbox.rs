@@ -365,19 +365,24 @@ impl Inbox {
             return self.already_recorded(event.id).await;
         };
         let result = run_handler(handler(&mut tx), &self.consumer, event.id).await;
-        let error = match (result, left(&mut tx, &self.consumer, event.id, xid).await?) {
+        let left = match left(&mut tx, &self.consumer, event.id, xid).await {
+            Ok(left) => left,
+            Err(lost) => return self.lost_mid_attempt(event, lost).await,
+        };
+        let error = match (result, left) {
             (result, Left::Committed) => {
                 // Ends whatever the handler began after its COMMIT; after a
                 // bare COMMIT there is nothing to end (PostgreSQL warns).
                 tx.rollback().await?;
                 return self.committed_by_handler(event, result.err()).await;
             }
-            (Ok(()), Left::Open) => match commit(tx).await? {
-                None => {
+            (Ok(()), Left::Open) => match commit(tx).await {
+                Ok(None) => {
                     count_processed(&self.consumer, event.id, attempts);
                     return Ok(Outcome::Processed);
                 }
-                Some(error) => error,
+                Ok(Some(error)) => error,
+                Err(lost) => return self.lost_mid_attempt(event, lost).await,
             },
             (Ok(()), Left::Aborted(e)) => {
                 tx.rollback().await?;
@@ -399,6 +404,26 @@ impl Inbox {
             }
         };
         self.failed(event, &error).await
+    }
+
+    /// The connection failed after the claim, the handler's transaction
+    /// open: the server ended the session (`idle_in_transaction_session_timeout`
+    /// under a slow handler, a terminated backend, a failover) or the
+    /// network dropped. If the transaction committed all the same, its row
+    /// is done and this is a duplicate; if not, the attempt is counted, on
+    /// another connection, so that a handler that always outlasts its
+    /// session goes dead after its attempts rather than being put back for
+    /// ever, uncounted, as an outage. Only when the database cannot be
+    /// reached for that either is it one.
+    async fn lost_mid_attempt(&self, event: &ReceivedEvent, lost: InboxError) -> Result<Outcome, InboxError> {
+        let error = HandlerError::transient(format!(
+            "the database connection failed during the attempt ({lost}); the handler's writes, uncommitted, \
+             are gone"
+        ));
+        match self.failed(event, &error).await {
+            Ok(outcome) => Ok(outcome),
+            Err(_) => Err(lost),
+        }
     }
 
     /// The handler ran `COMMIT` itself, so the event's inbox row committed

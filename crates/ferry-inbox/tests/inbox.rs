@@ -428,6 +428,40 @@ async fn a_commit_refused_for_a_deferred_constraint_is_a_counted_failure() {
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
 }
 
+/// The server ends the session while the handler's transaction is open (a
+/// terminated backend here; `idle_in_transaction_session_timeout` under a
+/// slow handler in production): an attempt that failed, counted, and dead
+/// after the last one, not an outage put back for ever uncounted.
+#[tokio::test]
+async fn a_session_ended_mid_attempt_is_a_counted_failure() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(2));
+    let ev = event();
+    let pool = e.pool.clone();
+    let handler = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            .fetch_one(&mut *tx)
+            .await?;
+        sqlx::query("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .execute(&pool)
+            .await
+            .expect("terminate the handler's session");
+        Ok(())
+    };
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Retry { attempts: 1, error, .. } => assert!(error.contains("connection failed"), "{error}"),
+        other => panic!("{other:?}"),
+    }
+    match inbox.process(&ev, handler).await.unwrap() {
+        Outcome::Dead { attempts: 2, .. } => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+}
+
 /// PostgreSQL cannot store a NUL byte in text (SQLSTATE 22021). A handler
 /// error whose text has one must still be recorded and counted: otherwise
 /// the attempt is lost to an error the inbox reports as an outage, and the
