@@ -68,9 +68,12 @@ pub struct NatsConsumerOptions {
     /// acknowledged.
     pub dead_letter_subject: String,
     /// Unacknowledged messages the server may hand over at once. Default 32.
+    /// They wait in the runner for one handler at a time, each with its
+    /// `ack_wait` running: lower it for slow handlers.
     pub max_ack_pending: i64,
-    /// Redelivery after this long without an ack. Default 30 s; keep it above
-    /// the longest handler run.
+    /// Redelivery after this long without an ack, from when the server hands
+    /// the message over. Default 30 s; keep it above `max_ack_pending` times
+    /// the longest handler run, since a message may wait behind that many.
     pub ack_wait: Duration,
     /// The server stops delivering a message after this many deliveries,
     /// silently; so it is off (`-1`) by default and, when set, must stay
