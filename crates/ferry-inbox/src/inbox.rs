@@ -171,6 +171,18 @@ fn refused_by_server(e: &sqlx::Error) -> bool {
         .any(|class| code.starts_with(class))
 }
 
+/// The dead letter's reason for an event whose handler ran `COMMIT` itself
+/// (and then returned `failure`, if it did), in either inbox.
+pub(crate) fn committed_by_handler(failure: Option<HandlerError>) -> String {
+    let then = failure.map_or_else(String::new, |e| format!(" and then failed ({e})"));
+    format!(
+        "the handler committed the inbox's transaction itself (COMMIT inside the handler){then}: its writes \
+         before that COMMIT are committed with the event's inbox row, those after it are outside the inbox's \
+         transaction; not retried, since a retry would apply the first writes again: let the inbox commit, \
+         check the event's effects, and release it only if it must run again"
+    )
+}
+
 /// Runs a handler's future, turning a panic into a failed attempt: left to
 /// unwind, it would take the consumer down before the attempt is counted,
 /// and on restart the broker hands the same message out first again (the
@@ -438,13 +450,7 @@ impl Inbox {
         event: &ReceivedEvent,
         failure: Option<HandlerError>,
     ) -> Result<Outcome, InboxError> {
-        let then = failure.map_or_else(String::new, |e| format!(" and then failed ({e})"));
-        let reason = format!(
-            "the handler committed the inbox's transaction itself (COMMIT inside the handler){then}: its writes \
-             before that COMMIT are committed with the event's inbox row, those after it are outside the inbox's \
-             transaction; not retried, since a retry would apply the first writes again: let the inbox commit, \
-             check the event's effects, and release it only if it must run again"
-        );
+        let reason = committed_by_handler(failure);
         let attempts: Option<i32> = sqlx::query_scalar(
             "UPDATE ferry.inbox SET state = 'dead', last_error = $3, processed_at = now() \
              WHERE consumer = $1 AND event_id = $2 AND state = 'done' RETURNING attempts",

@@ -21,7 +21,8 @@ use sqlx::{Connection, SqliteConnection, SqlitePool};
 use tracing::error;
 
 use crate::inbox::{
-    already_recorded, checked_consumer, count_processed, decide_failure, default_retry, run_handler, stored_type,
+    already_recorded, checked_consumer, committed_by_handler, count_processed, decide_failure, default_retry,
+    run_handler, stored_type,
 };
 use crate::{HandlerError, InboxError, InboxRecord, Outcome, ReceivedEvent};
 
@@ -157,13 +158,7 @@ impl Inbox {
         failure: Option<HandlerError>,
         stamp: i64,
     ) -> Result<Outcome, InboxError> {
-        let then = failure.map_or_else(String::new, |e| format!(" and then failed ({e})"));
-        let reason = format!(
-            "the handler committed the inbox's transaction itself (COMMIT inside the handler){then}: its writes \
-             before that COMMIT are committed with the event's inbox row, those after it are outside the inbox's \
-             transaction; not retried, since a retry would apply the first writes again: let the inbox commit, \
-             check the event's effects, and release it only if it must run again"
-        );
+        let reason = committed_by_handler(failure);
         // This attempt's own claim, committed: done, with its stamp.
         let committed: Option<i32> = sqlx::query_scalar(
             "UPDATE ferry_inbox SET state = 'dead', last_error = ?3 \

@@ -143,6 +143,23 @@ impl RedisOptions {
     }
 }
 
+/// The answer to a request bounded by `limit`; a failed or unanswered one
+/// is transient and gives the connection up.
+fn answered<T>(
+    link: &mut Link,
+    what: &str,
+    limit: Duration,
+    answer: Result<Result<T, ::redis::RedisError>, tokio::time::error::Elapsed>,
+) -> Result<T, SinkError> {
+    let error = match answer {
+        Ok(Ok(value)) => return Ok(value),
+        Ok(Err(e)) => SinkError::transient(format!("{what}: {e}")),
+        Err(_) => SinkError::transient(format!("{what}: no answer within {limit:?}")),
+    };
+    link.failed(&error);
+    Err(error)
+}
+
 /// `connected_slaves` from `INFO replication`.
 fn connected_replicas(info: &str) -> u32 {
     info.lines()
@@ -388,7 +405,6 @@ impl RedisSink {
         };
         // WAIT for none answers at once: may the user WAIT at all?
         match wait(0, Duration::from_millis(1)).await {
-            Ok(Ok(_)) => {}
             // An ACL without WAIT, or a proxy that lacks it, fails every batch.
             Ok(Err(e)) if e.code().is_some() => {
                 return Err(SinkError::config(format!(
@@ -396,20 +412,12 @@ impl RedisSink {
                      (ACL SETUSER ... +wait) or set wait_replicas = 0"
                 )));
             }
-            Ok(Err(e)) => {
-                let error = SinkError::transient(format!("WAIT: {e}"));
-                link.failed(&error);
-                return Err(error);
-            }
-            Err(_) => {
-                let error = SinkError::transient(format!("WAIT: no answer within {limit:?}"));
-                link.failed(&error);
-                return Err(error);
-            }
+            other => answered(link, "WAIT", limit, other)?,
         };
         // INFO says how many are connected, but is among the commands a
         // hardened user (-@dangerous) is denied: then WAIT counts them (WAIT
-        // for none would not: a replica acknowledges only once a second).
+        // for none would not: a replica acknowledges only once a second),
+        // within a second, as the health probe gives a check 4 s.
         let info = timeout(
             limit,
             ::redis::cmd("INFO")
@@ -418,32 +426,11 @@ impl RedisSink {
         )
         .await;
         let replicas = match info {
-            Ok(Ok(info)) => connected_replicas(&info),
-            // The replicas that confirm within a second.
-            // Within a second: the health probe gives a check 4 s.
-            Ok(Err(e)) if e.code().is_some() => match wait(wanted, (limit / 2).min(Duration::from_secs(1))).await {
-                Ok(Ok(n)) => n,
-                Ok(Err(e)) => {
-                    let error = SinkError::transient(format!("WAIT: {e}"));
-                    link.failed(&error);
-                    return Err(error);
-                }
-                Err(_) => {
-                    let error = SinkError::transient(format!("WAIT: no answer within {limit:?}"));
-                    link.failed(&error);
-                    return Err(error);
-                }
-            },
-            Ok(Err(e)) => {
-                let error = SinkError::transient(format!("INFO replication: {e}"));
-                link.failed(&error);
-                return Err(error);
+            Ok(Err(e)) if e.code().is_some() => {
+                let within = (limit / 2).min(Duration::from_secs(1));
+                answered(link, "WAIT", limit, wait(wanted, within).await)?
             }
-            Err(_) => {
-                let error = SinkError::transient(format!("INFO replication: no answer within {limit:?}"));
-                link.failed(&error);
-                return Err(error);
-            }
+            other => connected_replicas(&answered(link, "INFO replication", limit, other)?),
         };
         Ok((replicas < wanted).then(|| {
             SinkError::transient(format!(
