@@ -484,6 +484,19 @@ async fn a_handler_that_ends_the_transaction_itself_is_caught() {
     assert_eq!(effects(&e.pool, rolled_back.id).await, 0);
     let r = inbox.record(rolled_back.id).await.unwrap().unwrap();
     assert_eq!((r.state.as_str(), r.attempts), ("failing", 1));
+    // A ROLLBACK and a transaction of the handler's own after it: the claim
+    // is not in that one, so committing it would record nothing.
+    let begun_again = event();
+    let outcome = inbox
+        .process(&begun_again, async |tx, ev| {
+            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+            sqlx::query("BEGIN").execute(&mut *tx).await?;
+            effect(tx, ev, "billing").await
+        })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 1, .. }), "{outcome:?}");
+    assert_eq!(effects(&e.pool, begun_again.id).await, 0);
     // The pool is healthy afterwards: the next event goes through.
     let next = event();
     let outcome = inbox

@@ -30,6 +30,9 @@ const CLAIM: &str = include_str!("sql/claim.sql");
 const FAIL: &str = include_str!("sql/fail.sql");
 const DEAD: &str = include_str!("sql/dead.sql");
 const PURGE: &str = include_str!("sql/purge.sql");
+/// This attempt's claim, by its stamp.
+const HELD: &str =
+    "SELECT 1 FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2 AND state = 'done' AND processed_at = ?3";
 const RECORD: &str =
     "SELECT state, attempts, last_error, processed_at FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2";
 
@@ -120,6 +123,18 @@ impl Inbox {
             // is closed, not handed back to the pool so counting.
             drop(tx);
             let _ = conn.close().await;
+            return self.ended_by_handler(event, result.err(), stamp).await;
+        }
+        // Open, but perhaps a transaction the handler began after ending the
+        // inbox's: then the claim is not in it.
+        let held: Option<i32> = sqlx::query_scalar(HELD)
+            .bind(&self.consumer)
+            .bind(&id)
+            .bind(stamp)
+            .fetch_optional(&mut *tx)
+            .await?;
+        if held.is_none() {
+            tx.rollback().await?;
             return self.ended_by_handler(event, result.err(), stamp).await;
         }
         let error = match result {
