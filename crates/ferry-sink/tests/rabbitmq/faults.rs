@@ -206,3 +206,66 @@ async fn a_resource_alarm_is_named_refused_at_once_and_loses_nothing() {
     }
     sink.close().await;
 }
+
+#[tokio::test]
+async fn after_an_alarm_no_confirm_owed_from_before_it_takes_a_later_return() {
+    // A batch times out while the broker blocks the connection; the sink
+    // keeps the connection, and lapin sends that batch once the alarm
+    // clears. Were the next batch sent before those confirms came in, lapin
+    // could hand one of its returns to an old, unread confirm, and an
+    // unroutable event would pass for delivered. (That race needs the
+    // broker's acks for the old batch to come after the new batch's
+    // returns; it did not show here without the fix. What this checks is
+    // that the owed confirms settle on the same connection and the next
+    // batch's outcomes are each right.)
+    let topology = TestTopology::create_with_binding("alarm-returns", "routable.#").await;
+    let (_, upstream) = proxy::redirect(&amqp_url(), "127.0.0.1:1".parse().unwrap());
+    let proxy = FaultProxy::start(upstream).await;
+    let sink = RabbitMqSink::new(RabbitMqOptions {
+        url: proxy::redirect(&amqp_url(), proxy.addr()).0,
+        publish_timeout: Duration::from_secs(2),
+        ..RabbitMqOptions::default()
+    });
+    let routed = route(topology.exchange(), Some("{key}"));
+    let warm = keyed(5, |seq| format!("routable.{seq}"));
+    assert!(sink.publish(&routed, &warm).await.iter().all(Result::is_ok));
+
+    proxy.block("low on memory");
+    let held = keyed(3000, |seq| format!("routable.{seq}"));
+    for outcome in &sink.publish(&routed, &held).await {
+        expect_err(outcome, ErrorKind::Transient, "resource alarm");
+    }
+    proxy.unblock();
+    let mixed = keyed(300, |seq| {
+        if seq % 2 == 0 {
+            format!("dropped.{seq}")
+        } else {
+            format!("routable.{seq}")
+        }
+    });
+    let deadline = tokio::time::Instant::now() + ARRIVAL_TIMEOUT;
+    let outcomes = loop {
+        let outcomes = sink.publish(&routed, &mixed).await;
+        // Refused while lapin still reads the broker's unblock.
+        if !outcomes
+            .iter()
+            .any(|o| o.as_ref().is_err_and(|e| e.message.contains("resource alarm")))
+        {
+            break outcomes;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "still blocked");
+        // At once, as a relay's next batch would, while the held batch's
+        // answers are still coming in.
+        tokio::task::yield_now().await;
+    };
+    for (e, outcome) in mixed.iter().zip(&outcomes) {
+        if e.seq % 2 == 0 {
+            expect_err(outcome, ErrorKind::Transient, "unroutable");
+        } else {
+            assert_eq!(outcome, &Ok(()), "event {}", e.seq);
+        }
+    }
+    assert_eq!(proxy.accepted(), 1);
+    sink.close().await;
+    topology.delete().await;
+}
