@@ -114,16 +114,22 @@ async fn reconnects_after_the_connection_is_cut_mid_batch() {
     topology.delete().await;
 }
 
-#[tokio::test]
-async fn a_missing_confirm_times_out_transiently_and_the_link_is_replaced() {
-    let topology = TestTopology::create("stall").await;
+/// A sink that reaches the test broker through a [`FaultProxy`].
+async fn behind_a_proxy(publish_timeout: Duration) -> (FaultProxy, RabbitMqSink) {
     let (_, upstream) = proxy::redirect(&amqp_url(), "127.0.0.1:1".parse().unwrap());
     let proxy = FaultProxy::start(upstream).await;
     let sink = RabbitMqSink::new(RabbitMqOptions {
         url: proxy::redirect(&amqp_url(), proxy.addr()).0,
-        publish_timeout: Duration::from_millis(500),
+        publish_timeout,
         ..RabbitMqOptions::default()
     });
+    (proxy, sink)
+}
+
+#[tokio::test]
+async fn a_missing_confirm_times_out_transiently_and_the_link_is_replaced() {
+    let topology = TestTopology::create("stall").await;
+    let (proxy, sink) = behind_a_proxy(Duration::from_millis(500)).await;
     let to = route(topology.exchange(), None);
     let warmup = keyed(3, |seq| format!("w{seq}"));
     assert!(sink.publish(&to, &warmup).await.iter().all(Result::is_ok));
@@ -150,13 +156,7 @@ async fn a_missing_confirm_times_out_transiently_and_the_link_is_replaced() {
 #[tokio::test]
 async fn a_resource_alarm_is_named_refused_at_once_and_loses_nothing() {
     let topology = TestTopology::create("alarm").await;
-    let (_, upstream) = proxy::redirect(&amqp_url(), "127.0.0.1:1".parse().unwrap());
-    let proxy = FaultProxy::start(upstream).await;
-    let sink = RabbitMqSink::new(RabbitMqOptions {
-        url: proxy::redirect(&amqp_url(), proxy.addr()).0,
-        publish_timeout: Duration::from_secs(2),
-        ..RabbitMqOptions::default()
-    });
+    let (proxy, sink) = behind_a_proxy(Duration::from_secs(2)).await;
     let to = route(topology.exchange(), None);
     let warmup = keyed(3, |seq| format!("w{seq}"));
     assert!(sink.publish(&to, &warmup).await.iter().all(Result::is_ok));
@@ -219,13 +219,7 @@ async fn after_an_alarm_no_confirm_owed_from_before_it_takes_a_later_return() {
     // that the owed confirms settle on the same connection and the next
     // batch's outcomes are each right.)
     let topology = TestTopology::create_with_binding("alarm-returns", "routable.#").await;
-    let (_, upstream) = proxy::redirect(&amqp_url(), "127.0.0.1:1".parse().unwrap());
-    let proxy = FaultProxy::start(upstream).await;
-    let sink = RabbitMqSink::new(RabbitMqOptions {
-        url: proxy::redirect(&amqp_url(), proxy.addr()).0,
-        publish_timeout: Duration::from_secs(2),
-        ..RabbitMqOptions::default()
-    });
+    let (proxy, sink) = behind_a_proxy(Duration::from_secs(2)).await;
     let routed = route(topology.exchange(), Some("{key}"));
     let warm = keyed(5, |seq| format!("routable.{seq}"));
     assert!(sink.publish(&routed, &warm).await.iter().all(Result::is_ok));
