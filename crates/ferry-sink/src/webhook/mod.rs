@@ -213,9 +213,13 @@ impl WebhookSink {
         if let Some(limiter) = limiters.get(url) {
             return Arc::clone(limiter);
         }
-        // Templated URLs can name endless destinations; forget idle ones.
+        // Templated URLs can name endless destinations; forget idle ones,
+        // but not the pause or the backoff of one that asked for it.
         if limiters.len() >= MAX_IDLE_LIMITERS {
-            limiters.retain(|_, l| Arc::strong_count(l) > 1);
+            let now = Instant::now();
+            limiters.retain(|_, l| {
+                Arc::strong_count(l) > 1 || l.quiet_left(now).is_some() || lock(&l.backoff).ready(now).is_err()
+            });
         }
         let limiter = Arc::new(Endpoint {
             slots: Semaphore::new(self.options.concurrency),
@@ -585,6 +589,16 @@ mod tests {
         assert!(
             Arc::ptr_eq(&held, &sink.limiter("http://h/held")),
             "a limiter in use was dropped"
+        );
+        // One that asked for a pause keeps it, idle or not.
+        sink.limiter("http://h/paused")
+            .keep_quiet(Instant::now(), Duration::from_secs(60), "HTTP 429");
+        for i in 0..2 * MAX_IDLE_LIMITERS {
+            sink.limiter(&format!("http://h/more/{i}"));
+        }
+        assert!(
+            sink.limiter("http://h/paused").quiet_left(Instant::now()).is_some(),
+            "a paused endpoint was forgotten, and its pause with it"
         );
     }
 }
