@@ -455,3 +455,30 @@ async fn a_missing_dead_letter_topic_is_refused_at_start() {
     );
     assert!(err.contains("create the topic"), "{err}");
 }
+
+/// A dead letter the topic refuses for good (too large for it here; a user
+/// without Write the same) would be refused on every try: the consumer
+/// stops, naming it, its record uncommitted, rather than rejoin for ever.
+#[tokio::test]
+async fn a_dead_letter_the_topic_refuses_for_good_stops_the_consumer() {
+    let env = Env::new("inbox-kafka-dlq-refused").await;
+    let relay = env.relay(&["orders"]);
+    env.db
+        .produce(vec![Event::new("order.poison.created", json!({ "n": 1 })).key("k1")])
+        .await;
+    env.db.all_published(1).await;
+    relay.stop().await;
+    // Every produce from now on, the dead letter's, is refused as too large.
+    env.cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE; 50],
+    );
+    let consumer = KafkaConsumer::new(env.db.inbox_giving_up_after(1), env.options()).unwrap();
+    let handler = async |_: &mut PgConnection, _: &ReceivedEvent| Err(HandlerError::transient("the poison pill"));
+    let err = match tokio::time::timeout(WITHIN, consumer.run(handler, std::future::pending())).await {
+        Ok(result) => result.unwrap_err().to_string(),
+        Err(_) => panic!("the consumer kept trying a dead letter the topic refuses for good"),
+    };
+    assert!(err.contains("refuses this record for good"), "{err}");
+    assert!(err.contains("max.message.bytes"), "{err}");
+}

@@ -4,6 +4,7 @@
 //! a dead-letter produce fails, to say so rather than rejoin for ever.
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaRespErr;
@@ -62,6 +63,7 @@ pub(super) async fn produce(
         }
     }
     let source = format!("{} {} {}", message.topic(), message.partition(), message.offset());
+    let reason = bounded(reason);
     for (key, value) in [
         (DEAD_REASON_HEADER, reason),
         (DEAD_GROUP_HEADER, o.group.as_str()),
@@ -82,11 +84,57 @@ pub(super) async fn produce(
         return Ok(());
     };
     let failed = format!("dead-lettering {source} to {:?}: {e}", o.dead_letter_topic);
+    // Refused for good: sent again it would be refused again, and the
+    // consumer would rejoin for ever with its partition stopped.
+    if let Some(code) = e.rdkafka_error_code().filter(|code| refused_for_good(*code)) {
+        return Err(Failure::Refused(format!(
+            "{failed}; the dead-letter topic refuses this record for good ({code:?}): raise the topic's \
+             max.message.bytes, or grant the consumer's user Write on it; the record stays uncommitted until then"
+        )));
+    }
     match topic_exists(o).await {
         Ok(false) => Err(Failure::Refused(format!(
             "{failed}; {}; the record stays uncommitted until then",
             missing(o)
         ))),
         _ => Err(Failure::Lost(failed)),
+    }
+}
+
+/// The longest reason header sent: a handler's error text can be long, and
+/// the dead letter must fit the topic's message size.
+const MAX_REASON_BYTES: usize = 4096;
+
+/// `reason`, cut at a character boundary to [`MAX_REASON_BYTES`].
+fn bounded(reason: &str) -> &str {
+    let mut end = reason.len().min(MAX_REASON_BYTES);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
+/// Whether a produce refused with `code` would be refused again.
+fn refused_for_good(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::MessageSizeTooLarge
+            | RDKafkaErrorCode::InvalidMessageSize
+            | RDKafkaErrorCode::InvalidRecord
+            | RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_reason_is_cut_at_a_character_boundary() {
+        let long = "é".repeat(MAX_REASON_BYTES);
+        let cut = bounded(&long);
+        assert!(cut.len() <= MAX_REASON_BYTES && cut.len() >= MAX_REASON_BYTES - 1);
+        assert_eq!(bounded("short"), "short");
     }
 }
