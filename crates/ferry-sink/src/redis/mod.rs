@@ -143,6 +143,11 @@ impl RedisOptions {
     }
 }
 
+/// A check's request Redis answered with an error, classified.
+fn refused(what: &str, e: ::redis::RedisError) -> SinkError {
+    codes::error(codes::redis_error_kind(&e), format!("{what} Redis: {e}"))
+}
+
 /// The answer to a request bounded by `limit`; a failed or unanswered one
 /// is transient and gives the connection up.
 fn answered<T>(
@@ -346,13 +351,10 @@ impl Sink for RedisSink {
         let mut link = self.link.lock().await;
         let mut connection = self.connection(&mut link)?;
         let limit = self.options.publish_timeout;
-        let failed = |what: &str, e: ::redis::RedisError| {
-            codes::error(codes::redis_error_kind(&e), format!("{what} Redis: {e}"))
-        };
         match timeout(limit, ::redis::cmd("PING").query_async::<String>(&mut connection)).await {
             Ok(Ok(_)) => link.succeeded(),
             Ok(Err(e)) => {
-                let error = failed("pinging", e);
+                let error = refused("pinging", e);
                 if error.is_transient() {
                     link.failed(&error);
                 }
@@ -449,9 +451,6 @@ impl RedisSink {
         connection: &mut ConnectionManager,
     ) -> Result<(), SinkError> {
         let limit = self.options.publish_timeout;
-        let failed = |what: &str, e: ::redis::RedisError| {
-            codes::error(codes::redis_error_kind(&e), format!("{what} Redis: {e}"))
-        };
         let key = route.destination.as_str();
         if key.contains('{') {
             return Ok(());
@@ -464,7 +463,7 @@ impl RedisSink {
         }
         let kind = match timeout(limit, ::redis::cmd("TYPE").arg(key).query_async::<String>(connection)).await {
             Ok(Ok(kind)) => kind,
-            Ok(Err(e)) => return Err(failed("asking the type of a key in", e)),
+            Ok(Err(e)) => return Err(refused("asking the type of a key in", e)),
             Err(_) => {
                 let error = SinkError::transient(format!("TYPE {key:?}: no answer within {limit:?}"));
                 link.failed(&error);
@@ -501,7 +500,7 @@ impl RedisSink {
         .await
         {
             Ok(Ok(groups)) => groups.len(),
-            Ok(Err(e)) => return Err(failed("listing the consumer groups of a stream in", e)),
+            Ok(Err(e)) => return Err(refused("listing the consumer groups of a stream in", e)),
             Err(_) => {
                 let error = SinkError::transient(format!("XINFO GROUPS {key:?}: no answer within {limit:?}"));
                 link.failed(&error);
