@@ -11,20 +11,20 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use ferry_core::{Event, EventId, Sink};
+use ferry_core::{Event, EventId, RetryPolicy, Sink};
 use ferry_inbox::kafka::{DEAD_GROUP_HEADER, DEAD_REASON_HEADER, KafkaConsumer, KafkaConsumerOptions};
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::kafka::{KafkaOptions, KafkaSink};
 use ferry_testkit::rabbit::unique_name;
-use rdkafka::ClientConfig;
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use rdkafka::mocking::MockCluster;
+use rdkafka::mocking::{MockCluster, MockCoordinator};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use serde_json::json;
 use sqlx::PgConnection;
-use support::{Db, RelayRun, WITHIN, effect, wait};
+use support::{Db, RelayRun, WITHIN, effect, number, wait};
 use tokio::sync::oneshot;
 
 const PARTITIONS: i32 = 4;
@@ -38,7 +38,11 @@ struct Env<'c> {
 
 impl Env<'_> {
     async fn new(prefix: &str) -> Self {
-        let cluster = MockCluster::new(1).expect("a mock cluster");
+        Self::with_brokers(prefix, 1).await
+    }
+
+    async fn with_brokers(prefix: &str, brokers: i32) -> Self {
+        let cluster = MockCluster::new(brokers).expect("a mock cluster");
         let topic = unique_name(prefix);
         let dead_topic = format!("{topic}.dead");
         cluster.create_topic(&topic, PARTITIONS, 1).unwrap();
@@ -81,6 +85,37 @@ impl Env<'_> {
         self.db.relay(Arc::new(sink) as Arc<dyn Sink>, routes, &self.topic)
     }
 
+    /// Asserts that group `billing` has committed every partition of the
+    /// topic up to its end.
+    async fn assert_all_committed(&self) {
+        let (servers, topic) = (self.cluster.bootstrap_servers(), self.topic.clone());
+        tokio::task::spawn_blocking(move || {
+            let reader: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", servers)
+                .set("group.id", "billing")
+                .create()
+                .unwrap();
+            let mut partitions = TopicPartitionList::new();
+            for p in 0..PARTITIONS {
+                partitions.add_partition(&topic, p);
+            }
+            let committed = reader.committed_offsets(partitions, WITHIN).unwrap();
+            for p in 0..PARTITIONS {
+                let (_, high) = reader.fetch_watermarks(&topic, p, WITHIN).unwrap();
+                let at = committed.find_partition(&topic, p).unwrap().offset();
+                // A partition no key hashed to has nothing to commit.
+                let end = if high == 0 {
+                    Offset::Invalid
+                } else {
+                    Offset::Offset(high)
+                };
+                assert_eq!(at, end, "partition {p}: committed {at:?}, its end {high}");
+            }
+        })
+        .await
+        .unwrap();
+    }
+
     /// Every record on the dead-letter topic, read by a group of its own.
     async fn dead_letters(&self, n: usize) -> Vec<(HashMap<String, String>, Vec<u8>)> {
         let reader: StreamConsumer = ClientConfig::new()
@@ -119,21 +154,21 @@ fn keyed(n: usize) -> Vec<Event> {
 }
 
 #[tokio::test]
-async fn each_effect_happens_once_through_a_lost_offset_commit_and_duplicates() {
+async fn each_effect_happens_once_through_refused_offset_commits_and_duplicates() {
     const N: usize = 200;
     let env = Env::new("inbox-kafka").await;
     let consumer = KafkaConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), env.options()).unwrap();
 
-    // The tenth handler run makes the coordinator refuse the next offset
-    // commit: that event's inbox row commits, its offset does not, and the
-    // consumer seeks back and reads it once more.
+    // From the tenth handler run on, the coordinator refuses every offset
+    // commit: the inbox rows commit, the offsets do not; they are made again
+    // once the coordinator takes commits again.
     let handled = AtomicU32::new(0);
     let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
         effect(tx, event).await?;
         if handled.fetch_add(1, Ordering::SeqCst) == 9 {
             env.cluster.request_errors(
                 RDKafkaApiKey::OffsetCommit,
-                &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_COMMIT_OFFSET_SIZE],
+                &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_COMMIT_OFFSET_SIZE; 100_000],
             );
         }
         Ok(())
@@ -155,9 +190,10 @@ async fn each_effect_happens_once_through_a_lost_offset_commit_and_duplicates() 
         let copies = 2 * N as u64 + replayed;
         wait("every copy consumed", || async {
             let r = consumer.report();
-            r.processed == N as u64 && r.duplicates > copies - N as u64
+            r.processed == N as u64 && r.duplicates >= copies - N as u64
         })
         .await;
+        env.cluster.clear_request_errors(RDKafkaApiKey::OffsetCommit);
         let _ = stop.send(());
         copies
     };
@@ -169,9 +205,116 @@ async fn each_effect_happens_once_through_a_lost_offset_commit_and_duplicates() 
     );
     let report = report.unwrap();
     assert_eq!(report.processed, N as u64);
-    // Every copy, plus the record whose offset commit was lost.
-    assert!(report.duplicates > copies - N as u64, "{report:?}");
+    assert!(report.duplicates >= copies - N as u64, "{report:?}");
     env.db.assert_effects_once(N).await;
+    // The commits refused were made again as the consumer left.
+    env.assert_all_committed().await;
+}
+
+/// A record waiting out a retry longer than `max.poll.interval.ms` keeps
+/// the consumer in its group: it polls through the wait. It used to stop
+/// polling, be dropped from the group, and rejoin.
+#[tokio::test]
+async fn a_retry_longer_than_the_poll_interval_keeps_the_group_membership() {
+    const N: usize = 20;
+    let env = Env::new("inbox-kafka-poll").await;
+    let mut options = env.options();
+    for (k, v) in [
+        ("session.timeout.ms", "6000"),
+        ("heartbeat.interval.ms", "500"),
+        ("max.poll.interval.ms", "6000"),
+    ] {
+        options.extra.insert(k.into(), v.into());
+    }
+    let inbox = Inbox::new(env.db.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(RetryPolicy {
+            max_attempts: 5,
+            base_delay: Duration::from_secs(9),
+            max_delay: Duration::from_secs(9),
+            jitter: 0.0,
+        });
+    let consumer = KafkaConsumer::new(inbox, options).unwrap();
+    let failed = AtomicU32::new(0);
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if number(event) == 3 && failed.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(HandlerError::transient("not yet"));
+        }
+        effect(tx, event).await
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        env.db.produce(keyed(N)).await;
+        env.db.all_published(N as i64).await;
+        relay.stop().await;
+        wait("every record consumed", || async {
+            consumer.report().processed == N as u64
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!((report.processed, report.retried), (N as u64, 1), "{report:?}");
+    assert_eq!(
+        report.reconnects, 0,
+        "the member left its group during the wait: {report:?}"
+    );
+    env.db.assert_effects_once(N).await;
+    env.assert_all_committed().await;
+}
+
+/// The group's coordinator away (its broker down) holds back no record:
+/// offsets are committed without waiting for it, and made once it is back.
+/// A commit that waited held each record up to `session.timeout.ms`.
+#[tokio::test]
+async fn a_coordinator_away_holds_back_no_record() {
+    const N: usize = 40;
+    let env = Env::with_brokers("inbox-kafka-coord", 2).await;
+    // Partitions led by broker 1; the group coordinated by broker 2.
+    for p in 0..PARTITIONS {
+        env.cluster.partition_leader(&env.topic, p, Some(1)).unwrap();
+    }
+    env.cluster.partition_leader(&env.dead_topic, 0, Some(1)).unwrap();
+    env.cluster
+        .coordinator(MockCoordinator::Group("billing".into()), 2)
+        .unwrap();
+    let consumer = KafkaConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), env.options()).unwrap();
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| effect(tx, event).await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        let events = keyed(N);
+        env.db.produce(events[..N / 2].to_vec()).await;
+        wait("the first half consumed", || async {
+            consumer.report().processed == N as u64 / 2
+        })
+        .await;
+        env.cluster.broker_down(2).unwrap();
+        env.db.produce(events[N / 2..].to_vec()).await;
+        wait("the second half consumed, the coordinator away", || async {
+            consumer.report().processed == N as u64
+        })
+        .await;
+        env.cluster.broker_up(2).unwrap();
+        relay.stop().await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    assert_eq!(report.unwrap().processed, N as u64);
+    env.db.assert_effects_once(N).await;
+    env.assert_all_committed().await;
 }
 
 #[tokio::test]

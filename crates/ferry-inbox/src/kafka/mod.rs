@@ -20,25 +20,35 @@
 //!
 //! A record whose handler fails is retried in place after its backoff:
 //! Kafka has no per-record redelivery, and skipping ahead would break the
-//! partition's order. While it waits, the records behind it wait too; after
-//! the inbox's last attempt it is dead-lettered and the partition moves on.
-//! If an offset commit fails, the consumer seeks back to the record and reads
-//! it again; the inbox finds it done, and its offset is committed then. A
-//! consumer that dies leaves its partitions to the group, which reads again
-//! from the last committed offsets, and the inbox skips what was done.
+//! partition's order. While it waits, the records behind it wait too, its
+//! partitions paused, and the consumer goes on polling the group, so a
+//! backoff longer than `max.poll.interval.ms` does not cost it its
+//! membership; after the inbox's last attempt the record is dead-lettered and
+//! the partition moves on. (A single handler run must still end within
+//! `max.poll.interval.ms`, 300 s unless `extra` says otherwise.)
+//!
+//! Offsets are committed without waiting for the group's coordinator: a
+//! coordinator that is away holds back no record (a commit waiting for it
+//! took up to `session.timeout.ms` per record, on a runtime thread). A
+//! commit that fails is logged and made again with the next one. A consumer
+//! that dies, or a partition that moves to another member before its offset
+//! is committed, is read again from the last committed offset, and the inbox
+//! skips what was done.
 
 mod dead_letter;
 mod decode;
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::FutureProducer;
-use rdkafka::{ClientConfig, Offset};
+use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use sqlx::PgConnection;
 use tracing::{error, info, warn};
 
@@ -66,7 +76,8 @@ pub struct KafkaConsumerOptions {
     /// Where dead and malformed records are produced (acks from all
     /// replicas, idempotent) before their offset is committed.
     pub dead_letter_topic: String,
-    /// Bounds each offset commit and dead-letter produce. Default 10 s.
+    /// Bounds each dead-letter produce and each seek back to a record set
+    /// aside during a retry. Default 10 s.
     pub timeout: Duration,
     /// The longest pause between reconnection attempts. Default 10 s.
     pub reconnect_max_delay: Duration,
@@ -123,9 +134,9 @@ impl KafkaConsumerOptions {
         Ok(())
     }
 
-    fn consumer(&self) -> Result<StreamConsumer, String> {
+    fn consumer(&self) -> Result<Member, String> {
         self.consumer_config()
-            .create()
+            .create_with_context(Commits)
             .map_err(|e| format!("creating the Kafka consumer: {}", kafka_config_error(&e)))
     }
 
@@ -199,6 +210,31 @@ pub struct KafkaConsumer {
     counters: Arc<Counters>,
 }
 
+/// The group member: a consumer whose offset commits report back.
+type Member = StreamConsumer<Commits>;
+
+/// Logs offset commits that failed. Commits are asynchronous; their
+/// results come back while the consumer polls.
+struct Commits;
+
+impl ClientContext for Commits {}
+
+impl ConsumerContext for Commits {
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        match result {
+            Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+            Err(e) => {
+                let offsets: Vec<String> = offsets
+                    .elements()
+                    .iter()
+                    .map(|p| format!("{}/{}@{:?}", p.topic(), p.partition(), p.offset()))
+                    .collect();
+                warn!(error = %e, offsets = %offsets.join(","), "offset commit failed; the next commit makes it again, and until one lands these records are read again after a restart or rebalance (the inbox skips them)");
+            }
+        }
+    }
+}
+
 /// Why a session ended, other than by shutdown.
 enum Failure {
     /// The cluster could not be reached or a call failed: join again.
@@ -211,13 +247,6 @@ impl From<String> for Failure {
     fn from(error: String) -> Self {
         Failure::Lost(error)
     }
-}
-
-enum Flow {
-    Next,
-    /// The offset commit failed: read the record again.
-    Rewind,
-    Shutdown,
 }
 
 impl KafkaConsumer {
@@ -292,49 +321,41 @@ impl KafkaConsumer {
     async fn consume(
         &self,
         handler: &impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
-        consumer: &StreamConsumer,
+        consumer: &Member,
         producer: &FutureProducer,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
     ) -> Result<(), Failure> {
         loop {
             let message = tokio::select! {
                 biased;
-                () = shutdown.as_mut() => return Ok(()),
-                m = consumer.recv() => m.map_err(|e| format!("reading: {e}"))?,
+                () = shutdown.as_mut() => break,
+                m = consumer.recv() => match received(m)? {
+                    Some(message) => message,
+                    None => continue,
+                },
             };
-            match self
+            if self
                 .handle(handler, consumer, producer, &message, shutdown.as_mut())
                 .await?
+                .is_break()
             {
-                Flow::Next => {}
-                Flow::Rewind => {
-                    // Seeking drops what was fetched behind the record, so
-                    // the partition resumes at it, in order; the inbox then
-                    // finds it done and its offset is committed again.
-                    let (partition, offset) = (message.partition(), message.offset());
-                    drop(message);
-                    consumer
-                        .seek(
-                            &self.options.topic,
-                            partition,
-                            Offset::Offset(offset),
-                            self.options.timeout,
-                        )
-                        .map_err(|e| format!("rewinding partition {partition} to offset {offset}: {e}"))?;
-                }
-                Flow::Shutdown => return Ok(()),
+                break;
             }
         }
+        // Offer again what failed to commit before; it goes out as the
+        // consumer leaves the group.
+        commit_stored(consumer);
+        Ok(())
     }
 
     async fn handle(
         &self,
         handler: &impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
-        consumer: &StreamConsumer,
+        consumer: &Member,
         producer: &FutureProducer,
         message: &BorrowedMessage<'_>,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
-    ) -> Result<Flow, Failure> {
+    ) -> Result<ControlFlow<()>, Failure> {
         let name = self.inbox.consumer();
         let headers = message
             .headers()
@@ -348,23 +369,27 @@ impl KafkaConsumer {
                 metrics::malformed(name);
                 warn!(consumer = name, offset = message.offset(), error = %e, "malformed record");
                 dead_letter::produce(&self.options, producer, message, &e.to_string()).await?;
-                return Ok(self.commit(consumer, message));
+                commit(consumer, message);
+                return Ok(ControlFlow::Continue(()));
             }
         };
         loop {
             let wait = match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
                 Ok(Outcome::Processed) => {
                     Counters::bump(&self.counters.processed);
-                    return Ok(self.commit(consumer, message));
+                    commit(consumer, message);
+                    return Ok(ControlFlow::Continue(()));
                 }
                 Ok(Outcome::Duplicate) => {
                     Counters::bump(&self.counters.duplicates);
-                    return Ok(self.commit(consumer, message));
+                    commit(consumer, message);
+                    return Ok(ControlFlow::Continue(()));
                 }
                 Ok(Outcome::Dead { reason, .. }) => {
                     Counters::bump(&self.counters.dead);
                     dead_letter::produce(&self.options, producer, message, &reason).await?;
-                    return Ok(self.commit(consumer, message));
+                    commit(consumer, message);
+                    return Ok(ControlFlow::Continue(()));
                 }
                 Ok(Outcome::Retry { delay, .. }) => {
                     Counters::bump(&self.counters.retried);
@@ -376,24 +401,97 @@ impl KafkaConsumer {
                     self.options.database_retry_delay
                 }
             };
-            tokio::select! {
-                biased;
-                () = shutdown.as_mut() => return Ok(Flow::Shutdown),
-                () = tokio::time::sleep(wait) => {}
+            if self.wait(consumer, wait, shutdown.as_mut()).await?.is_break() {
+                return Ok(ControlFlow::Break(()));
             }
         }
     }
 
-    /// Commits the offset after `message`, waiting for the coordinator; a
-    /// refused commit rewinds to the record rather than skip past it.
-    fn commit(&self, consumer: &StreamConsumer, message: &BorrowedMessage<'_>) -> Flow {
-        match consumer.commit_message(message, CommitMode::Sync) {
-            Ok(()) => Flow::Next,
-            Err(e) => {
-                warn!(partition = message.partition(), offset = message.offset(), error = %e, "offset commit failed; reading the record again");
-                Flow::Rewind
+    /// Waits out `delay` before a record is tried again, polling the group
+    /// all the while with the assigned partitions paused. A record that
+    /// arrives anyway (fetched before the pause, or from a partition a
+    /// rebalance assigned meanwhile) is set aside, and its partition sought
+    /// back to it once the wait is over, so nothing is skipped.
+    async fn wait(
+        &self,
+        consumer: &Member,
+        delay: Duration,
+        mut shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<ControlFlow<()>, Failure> {
+        let paused = consumer
+            .assignment()
+            .map_err(|e| format!("reading the assignment: {e}"))?;
+        consumer
+            .pause(&paused)
+            .map_err(|e| format!("pausing the assigned partitions: {e}"))?;
+        let mut set_aside: BTreeMap<(String, i32), i64> = BTreeMap::new();
+        let sleep = tokio::time::sleep(delay);
+        let mut sleep = pin!(sleep);
+        let flow = loop {
+            tokio::select! {
+                biased;
+                () = shutdown.as_mut() => break ControlFlow::Break(()),
+                () = sleep.as_mut() => break ControlFlow::Continue(()),
+                m = consumer.recv() => {
+                    if let Some(m) = received(m)? {
+                        set_aside.entry((m.topic().to_owned(), m.partition())).or_insert(m.offset());
+                    }
+                }
             }
+        };
+        if flow.is_break() {
+            // What was set aside is read again by whoever reads next.
+            return Ok(flow);
         }
+        consumer
+            .resume(&paused)
+            .map_err(|e| format!("resuming the assigned partitions: {e}"))?;
+        for ((topic, partition), offset) in set_aside {
+            consumer
+                .seek(&topic, partition, Offset::Offset(offset), self.options.timeout)
+                .map_err(|e| format!("seeking partition {partition} back to offset {offset}: {e}"))?;
+        }
+        Ok(flow)
+    }
+}
+
+/// What the consumer read: a record, or an error librdkafka recovers from
+/// itself (a broker of the cluster disconnected or restarting, every broker
+/// down for a while), logged and read past, or the end of the membership:
+/// a fatal error, or the poll interval exceeded (the group has taken the
+/// partitions back), for which the session starts over.
+fn received(read: KafkaResult<BorrowedMessage<'_>>) -> Result<Option<BorrowedMessage<'_>>, Failure> {
+    match read {
+        Ok(message) => Ok(Some(message)),
+        Err(
+            e @ (KafkaError::MessageConsumptionFatal(_)
+            | KafkaError::MessageConsumption(RDKafkaErrorCode::PollExceeded)),
+        ) => Err(Failure::Lost(format!("reading: {e}"))),
+        Err(e) => {
+            warn!(error = %e, "reading: librdkafka reconnects by itself; the consumer keeps its partitions");
+            Ok(None)
+        }
+    }
+}
+
+/// Stores the offset after `message` and commits it without waiting (see
+/// [`Commits`]). A partition no longer assigned (a rebalance moved it while
+/// the handler ran) cannot be committed: its new owner reads the record
+/// again and the inbox finds it done.
+fn commit(consumer: &Member, message: &BorrowedMessage<'_>) {
+    match consumer.store_offset_from_message(message) {
+        Ok(()) => commit_stored(consumer),
+        Err(e) => {
+            warn!(partition = message.partition(), offset = message.offset(), error = %e, "offset not stored; the record's new owner reads it again");
+        }
+    }
+}
+
+/// Commits every stored offset not yet committed, without waiting.
+fn commit_stored(consumer: &Member) {
+    match consumer.commit_consumer_state(CommitMode::Async) {
+        Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+        Err(e) => warn!(error = %e, "offset commit not sent; the next commit makes it again"),
     }
 }
 
