@@ -171,6 +171,12 @@ fn refused_by_server(e: &sqlx::Error) -> bool {
         .any(|class| code.starts_with(class))
 }
 
+/// A statement cancelled (`pg_cancel_backend`; SQLSTATE 57014).
+#[cfg(feature = "postgres")]
+fn cancelled(e: &sqlx::Error) -> bool {
+    e.as_database_error().and_then(|d| d.code()).as_deref() == Some("57014")
+}
+
 /// The dead letter's reason for an event whose handler ran `COMMIT` itself
 /// (and then returned `failure`, if it did), in either inbox.
 pub(crate) fn committed_by_handler(failure: Option<HandlerError>) -> String {
@@ -192,13 +198,47 @@ pub(crate) async fn run_handler(
     handler: impl Future<Output = Result<(), HandlerError>>,
     consumer: &str,
     id: EventId,
-) -> Result<(), HandlerError> {
-    match AssertUnwindSafe(handler).catch_unwind().await {
-        Ok(result) => result,
+    limit: Option<Duration>,
+) -> Ran {
+    let caught = AssertUnwindSafe(handler).catch_unwind();
+    let outcome = match limit {
+        None => caught.await,
+        Some(limit) => match tokio::time::timeout(limit, caught).await {
+            Ok(outcome) => outcome,
+            Err(_) => {
+                let error = HandlerError::transient(format!(
+                    "the handler ran longer than the inbox's handler_timeout ({limit:?}) and was stopped; its \
+                     transaction is rolled back: make the handler faster, or raise the timeout"
+                ));
+                warn!(consumer = %consumer, event = %id, %error, "handler timed out");
+                return Ran::TimedOut(error);
+            }
+        },
+    };
+    match outcome {
+        Ok(result) => Ran::Returned(result),
         Err(panic) => {
             let error = HandlerError::panicked(panic);
             warn!(consumer = %consumer, event = %id, %error, "handler panicked; its transaction is rolled back");
-            Err(error)
+            Ran::Returned(Err(error))
+        }
+    }
+}
+
+/// How a handler run ended.
+pub(crate) enum Ran {
+    /// It returned (or panicked: an error).
+    Returned(Result<(), HandlerError>),
+    /// It outlasted the inbox's handler timeout and was dropped where it
+    /// stood, perhaps in the middle of a statement.
+    TimedOut(HandlerError),
+}
+
+impl Ran {
+    pub(crate) fn into_result(self) -> Result<(), HandlerError> {
+        match self {
+            Ran::Returned(result) => result,
+            Ran::TimedOut(error) => Err(error),
         }
     }
 }
@@ -299,6 +339,7 @@ pub struct Inbox {
     pool: PgPool,
     consumer: String,
     retry: RetryPolicy,
+    handler_timeout: Option<Duration>,
 }
 
 #[cfg(feature = "postgres")]
@@ -310,12 +351,25 @@ impl Inbox {
             pool,
             consumer: checked_consumer(consumer.into())?,
             retry: default_retry(),
+            handler_timeout: None,
         })
     }
 
     /// How failed handlers are retried; default 5 attempts, 1 s doubling to 60 s.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
+        self
+    }
+
+    /// Stops a handler run that takes longer than `limit`: the attempt
+    /// fails (counted and retried like any failure), its transaction rolled
+    /// back, a statement it was waiting on cancelled, so that a handler
+    /// hung on a lock or a remote call does not hold its consumer, and the
+    /// event's row lock, for ever. Off by default. An effect outside the
+    /// database the handler had started may still happen: like any retried
+    /// attempt, such effects must be idempotent.
+    pub fn with_handler_timeout(mut self, limit: Duration) -> Self {
+        self.handler_timeout = Some(limit);
         self
     }
 
@@ -366,18 +420,30 @@ impl Inbox {
         // Inserts the row, or takes over a failing one; a done or dead row
         // (committed, or committed while this statement waited on its lock)
         // returns nothing. Concurrent deliveries of one event serialise here.
-        let claimed: Option<(i32, i64)> = sqlx::query_as(CLAIM)
+        let claimed: Option<(i32, i64, i32)> = sqlx::query_as(CLAIM)
             .bind(&self.consumer)
             .bind(event.id.0)
             .bind(stored_type(&event.event_type))
             .fetch_optional(&mut *tx)
             .await?;
-        let Some((attempts, xid)) = claimed else {
+        let Some((attempts, xid, backend)) = claimed else {
             drop(tx);
             return self.already_recorded(event.id).await;
         };
-        let result = run_handler(handler(&mut tx), &self.consumer, event.id).await;
+        let ran = run_handler(handler(&mut tx), &self.consumer, event.id, self.handler_timeout).await;
+        let timed_out = matches!(ran, Ran::TimedOut(_));
+        if timed_out {
+            self.cancel_statement(backend, event.id).await;
+        }
+        let result = ran.into_result();
         let left = match left(&mut tx, &self.consumer, event.id, xid).await {
+            // The cancelled statement's answer, read first: ask again.
+            Err(InboxError::Database(e)) if timed_out && cancelled(&e) => {
+                left(&mut tx, &self.consumer, event.id, xid).await
+            }
+            left => left,
+        };
+        let left = match left {
             Ok(left) => left,
             Err(lost) => return self.lost_mid_attempt(event, lost).await,
         };
@@ -416,6 +482,20 @@ impl Inbox {
             }
         };
         self.failed(event, &error).await
+    }
+
+    /// Cancels the statement, if any, that a handler stopped at its timeout
+    /// left running on `backend`, the attempt's session: without that, the
+    /// next statement on the connection (the inbox's own) would wait for it.
+    /// A session between statements ignores the cancel.
+    async fn cancel_statement(&self, backend: i32, id: EventId) {
+        if let Err(e) = sqlx::query("SELECT pg_cancel_backend($1)")
+            .bind(backend)
+            .execute(&self.pool)
+            .await
+        {
+            warn!(consumer = %self.consumer, event = %id, backend, error = %e, "could not cancel the timed-out handler's statement; the inbox waits for it to end");
+        }
     }
 
     /// The connection failed after the claim, the handler's transaction

@@ -28,6 +28,9 @@ async fn env() -> Env {
     Env { pool, _db: db }
 }
 
+/// How long a test waits for what must happen before failing.
+const WITHIN: Duration = Duration::from_secs(60);
+
 fn policy(max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         max_attempts,
@@ -460,6 +463,56 @@ async fn a_session_ended_mid_attempt_is_a_counted_failure() {
     }
     assert_eq!(effects(&e.pool, ev.id).await, 0);
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+}
+
+/// A handler that hangs, in a statement or outside the database, is stopped
+/// at the inbox's handler timeout: a counted failure, its writes rolled
+/// back, the statement it waited on cancelled, the event's row free for the
+/// next attempt. Without the cancel the inbox waited for the statement.
+#[tokio::test]
+async fn a_handler_hung_in_a_statement_or_outside_is_stopped_at_its_timeout() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(policy(5))
+        .with_handler_timeout(Duration::from_millis(300));
+    let ev = event();
+    let in_a_statement = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        sqlx::query("SELECT pg_sleep(600)").execute(&mut *tx).await?;
+        Ok(())
+    };
+    let outside = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        std::future::pending::<()>().await;
+        Ok(())
+    };
+    for (attempt, outcome) in [
+        (
+            1,
+            tokio::time::timeout(WITHIN, inbox.process(&ev, in_a_statement)).await,
+        ),
+        (2, tokio::time::timeout(WITHIN, inbox.process(&ev, outside)).await),
+    ] {
+        match outcome.expect("the inbox waited for the hung handler").unwrap() {
+            Outcome::Retry { attempts, error, .. } => {
+                assert_eq!(attempts, attempt);
+                assert!(error.contains("handler_timeout (300ms)"), "{error}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(effects(&e.pool, ev.id).await, 0);
+    }
+    let sleeping: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(600)' AND state = 'active'",
+    )
+    .fetch_one(&e.pool)
+    .await
+    .unwrap();
+    assert_eq!(sleeping, 0, "the hung statement still runs");
+    let quick = async |tx: &mut PgConnection, ev: &ReceivedEvent| effect(tx, ev, "billing").await;
+    assert_eq!(inbox.process(&ev, quick).await.unwrap(), Outcome::Processed);
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
 }
 
 /// PostgreSQL cannot store a NUL byte in text (SQLSTATE 22021). A handler

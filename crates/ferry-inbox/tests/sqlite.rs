@@ -356,6 +356,43 @@ async fn a_commit_refused_for_a_deferred_constraint_is_a_counted_failure() {
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
 }
 
+/// A handler hung outside the database is stopped at the inbox's handler
+/// timeout: a counted failure, its writes rolled back, and the database's
+/// write lock (`BEGIN IMMEDIATE`) free for other writers again.
+#[tokio::test]
+async fn a_hung_handler_is_stopped_at_its_timeout_and_frees_the_write_lock() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(policy(5))
+        .with_handler_timeout(Duration::from_millis(300));
+    let ev = event();
+    let hung = async |tx: &mut SqliteConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        std::future::pending::<()>().await;
+        Ok(())
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(60), inbox.process(&ev, hung))
+        .await
+        .expect("the inbox waited for the hung handler")
+        .unwrap();
+    match outcome {
+        Outcome::Retry { attempts: 1, error, .. } => {
+            assert!(error.contains("handler_timeout (300ms)"), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    // Another writer gets the lock; the next attempt succeeds.
+    sqlx::query("INSERT INTO effects (event_id, consumer) VALUES ('other', 'billing')")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    let quick = async |tx: &mut SqliteConnection, ev: &ReceivedEvent| effect(tx, ev, "billing").await;
+    assert_eq!(inbox.process(&ev, quick).await.unwrap(), Outcome::Processed);
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+}
+
 #[tokio::test]
 async fn purge_removes_old_done_rows_in_batches_and_keeps_the_rest() {
     let e = env().await;

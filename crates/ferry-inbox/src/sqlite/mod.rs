@@ -56,6 +56,7 @@ pub struct Inbox {
     pool: SqlitePool,
     consumer: String,
     retry: RetryPolicy,
+    handler_timeout: Option<Duration>,
 }
 
 impl Inbox {
@@ -66,12 +67,26 @@ impl Inbox {
             pool,
             consumer: checked_consumer(consumer.into())?,
             retry: default_retry(),
+            handler_timeout: None,
         })
     }
 
     /// How failed handlers are retried; default 5 attempts, 1 s doubling to 60 s.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
+        self
+    }
+
+    /// Stops a handler run that takes longer than `limit`: the attempt
+    /// fails (counted and retried like any failure) and its transaction is
+    /// rolled back, so that a handler hung on a remote call does not hold
+    /// its consumer, and the database's write lock, for ever. Off by
+    /// default. A statement already running finishes first (SQLite bounds
+    /// a wait for a lock by the pool's `busy_timeout`). An effect outside
+    /// the database the handler had started may still happen: like any
+    /// retried attempt, such effects must be idempotent.
+    pub fn with_handler_timeout(mut self, limit: Duration) -> Self {
+        self.handler_timeout = Some(limit);
         self
     }
 
@@ -117,7 +132,9 @@ impl Inbox {
             tx.rollback().await?;
             return Ok(already_recorded(&self.consumer, event.id, record));
         };
-        let result = run_handler(handler(&mut tx, event), &self.consumer, event.id).await;
+        let result = run_handler(handler(&mut tx, event), &self.consumer, event.id, self.handler_timeout)
+            .await
+            .into_result();
         if !in_transaction(&mut tx).await? {
             // sqlx still counts the transaction SQLite ended: the connection
             // is closed, not handed back to the pool so counting.
