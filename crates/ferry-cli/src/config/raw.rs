@@ -128,6 +128,7 @@ pub(super) struct RawSink {
     pub(super) concurrency: Option<i64>,
     pub(super) channels: Option<i64>,
     pub(super) max_body_bytes: Option<i64>,
+    pub(super) error_response_bytes: Option<i64>,
     pub(super) headers: Option<BTreeMap<String, String>>,
     pub(super) max_file_bytes: Option<i64>,
 }

@@ -34,6 +34,9 @@ const REDIS_DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 const WEBHOOK_DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 const WEBHOOK_DEFAULT_CONCURRENCY: usize = 8;
 const WEBHOOK_DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
+const WEBHOOK_DEFAULT_ERROR_RESPONSE_BYTES: usize = 256;
+/// The sink reads at most 64 KiB of an error response.
+const WEBHOOK_MAX_ERROR_RESPONSE_BYTES: i64 = 64 * 1024;
 const FILE_DEFAULT_MAX_FILE_BYTES: u64 = 100 * 1024 * 1024;
 
 /// Every sink kind, and whether this binary was built with it.
@@ -100,6 +103,8 @@ pub struct WebhookSpec {
     pub source: String,
     /// Sent with every request (e.g. `Authorization`).
     pub headers: BTreeMap<String, String>,
+    /// Bytes of an error response's body quoted in the delivery's error.
+    pub error_response_bytes: usize,
 }
 
 /// `[sinks.x] kind = "file"`: JSON lines appended to files.
@@ -175,12 +180,13 @@ impl fmt::Debug for WebhookSpec {
             .field("max_body_bytes", &self.max_body_bytes)
             .field("source", &self.source)
             .field("headers", &headers)
+            .field("error_response_bytes", &self.error_response_bytes)
             .finish()
     }
 }
 
 /// Each kind-specific field and the kinds that take it.
-const KIND_FIELDS: [(&str, &[&str]); 18] = [
+const KIND_FIELDS: [(&str, &[&str]); 19] = [
     ("url", &["rabbitmq", "nats", "redis"]),
     ("management_url", &["rabbitmq"]),
     ("channels", &["rabbitmq"]),
@@ -198,6 +204,7 @@ const KIND_FIELDS: [(&str, &[&str]); 18] = [
     ("concurrency", &["webhook"]),
     ("max_body_bytes", &["webhook"]),
     ("headers", &["webhook"]),
+    ("error_response_bytes", &["webhook"]),
     ("max_file_bytes", &["file"]),
 ];
 
@@ -220,6 +227,7 @@ fn is_set(raw: &RawSink, field: &str) -> bool {
         "concurrency" => raw.concurrency.is_some(),
         "max_body_bytes" => raw.max_body_bytes.is_some(),
         "headers" => raw.headers.is_some(),
+        "error_response_bytes" => raw.error_response_bytes.is_some(),
         "max_file_bytes" => raw.max_file_bytes.is_some(),
         _ => false,
     }
@@ -456,6 +464,13 @@ pub(super) fn sink_spec(check: &mut Checker, name: &str, raw: RawSink) -> Option
             ),
             source: source(check),
             headers: raw.headers.unwrap_or_default(),
+            error_response_bytes: check.integer(
+                &field("error_response_bytes"),
+                raw.error_response_bytes,
+                WEBHOOK_DEFAULT_ERROR_RESPONSE_BYTES,
+                0,
+                Some(WEBHOOK_MAX_ERROR_RESPONSE_BYTES),
+            ),
         }),
         "file" => SinkSpec::File(FileSpec {
             max_file_bytes: check.integer(
@@ -583,6 +598,7 @@ impl WebhookSpec {
             max_body_bytes: self.max_body_bytes,
             source: self.source.clone(),
             headers: self.headers.clone(),
+            error_response_bytes: self.error_response_bytes,
             ..ferry_sink::webhook::WebhookOptions::default()
         }
     }

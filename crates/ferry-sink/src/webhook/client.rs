@@ -9,8 +9,6 @@ use reqwest::{Response, Url};
 
 use super::status::{parse_retry_after, status_kind};
 
-/// How much of an error response's body goes into the error message.
-const SNIPPET_BYTES: usize = 256;
 /// Response bodies are read up to this much so the connection can be reused;
 /// a longer body is dropped with its connection.
 const DRAIN_BYTES: usize = 64 * 1024;
@@ -20,29 +18,30 @@ pub(crate) fn build(timeout: Duration) -> Result<(reqwest::Client, usize), SinkE
     crate::http::client(timeout, "webhook")
 }
 
-/// Turns a response into an outcome, reading a little of an error body for
-/// the message and the rest (up to a bound) so the connection is reused.
-pub(crate) async fn outcome(method: &str, url: &Url, mut response: Response) -> Result<(), SinkError> {
+/// Turns a response into an outcome, quoting the first `quote` bytes of an
+/// error body in the message and reading the rest (up to a bound) so the
+/// connection is reused.
+pub(crate) async fn outcome(method: &str, url: &Url, mut response: Response, quote: usize) -> Result<(), SinkError> {
     let status = response.status();
     let Some(kind) = status_kind(status.as_u16()) else {
-        drain(&mut response).await;
+        drain(&mut response, 0).await;
         return Ok(());
     };
     // Only a failure reads its headers (Location, Retry-After) again.
     let headers = response.headers().clone();
-    let snippet = drain(&mut response).await;
+    let snippet = drain(&mut response, quote).await;
     Err(status_error(method, url, status, &headers, &snippet, kind))
 }
 
-/// Reads the body up to [`DRAIN_BYTES`]; returns its first [`SNIPPET_BYTES`].
-async fn drain(response: &mut Response) -> Vec<u8> {
+/// Reads the body up to [`DRAIN_BYTES`]; returns its first `quote` bytes.
+async fn drain(response: &mut Response, quote: usize) -> Vec<u8> {
     let mut snippet = Vec::new();
     let mut read = 0;
     while read < DRAIN_BYTES {
         match response.chunk().await {
             Ok(Some(chunk)) => {
                 read += chunk.len();
-                let room = SNIPPET_BYTES.saturating_sub(snippet.len());
+                let room = quote.saturating_sub(snippet.len());
                 snippet.extend_from_slice(&chunk[..chunk.len().min(room)]);
             }
             // The status is what counts; a broken error body only shortens the message.

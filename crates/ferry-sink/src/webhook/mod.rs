@@ -82,6 +82,11 @@ pub struct WebhookOptions {
     /// spend an attempt without being sent. Zero turns the pause off.
     /// Default 5 min, the relay's default longest delay.
     pub max_pause: Duration,
+    /// How many bytes of an error response's body the failure's message
+    /// quotes (it becomes the delivery's last error, in the outbox table and
+    /// the logs). Zero quotes none, for receivers whose error bodies may
+    /// echo personal data. Default 256.
+    pub error_response_bytes: usize,
 }
 
 impl Default for WebhookOptions {
@@ -94,6 +99,7 @@ impl Default for WebhookOptions {
             source: "ferry".into(),
             headers: BTreeMap::new(),
             max_pause: Duration::from_secs(300),
+            error_response_bytes: 256,
         }
     }
 }
@@ -111,6 +117,7 @@ impl std::fmt::Debug for WebhookOptions {
             .field("source", &self.source)
             .field("headers", &headers)
             .field("max_pause", &self.max_pause)
+            .field("error_response_bytes", &self.error_response_bytes)
             .finish()
     }
 }
@@ -274,7 +281,7 @@ impl WebhookSink {
         match sent {
             Ok(response) => {
                 lock(&endpoint.backoff).succeeded();
-                let outcome = client::outcome("POST", &request.url, response).await;
+                let outcome = client::outcome("POST", &request.url, response, self.options.error_response_bytes).await;
                 if let Err(e) = &outcome
                     && let Some(delay) = e.retry_after.map(|d| d.min(self.options.max_pause))
                     && !delay.is_zero()

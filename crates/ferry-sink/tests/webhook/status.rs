@@ -213,3 +213,35 @@ async fn the_pause_lasts_no_longer_than_max_pause_and_zero_turns_it_off() {
     );
     assert_eq!(hits.load(Ordering::SeqCst), 3);
 }
+
+/// An error response's body is quoted in the delivery's error up to
+/// `error_response_bytes`, and not at all with 0: some receivers echo the
+/// request, personal data included, into their error bodies.
+#[tokio::test]
+async fn an_error_body_is_quoted_up_to_error_response_bytes_and_zero_quotes_none() {
+    let receiver = Receiver::start(&[SECRET]).await;
+    let event = ferry_testkit::sink_suite::event(0, "test.item.created", None, json!({ "seq": 0 }));
+    let route = route(&receiver.url("/status/400"));
+    for (bytes, quoted) in [
+        (256, "; response: \"answered 400 on purpose\""),
+        (8, "; response: \"answered\""),
+    ] {
+        let sink = sink(WebhookOptions {
+            error_response_bytes: bytes,
+            ..WebhookOptions::default()
+        });
+        let outcome = sink.publish(&route, std::slice::from_ref(&event)).await.remove(0);
+        expect_err(&outcome, ErrorKind::Permanent, quoted);
+    }
+    let sink = sink(WebhookOptions {
+        error_response_bytes: 0,
+        ..WebhookOptions::default()
+    });
+    let outcome = sink.publish(&route, std::slice::from_ref(&event)).await.remove(0);
+    expect_err(&outcome, ErrorKind::Permanent, "HTTP 400");
+    let message = outcome.unwrap_err().message;
+    assert!(
+        !message.contains("response:") && !message.contains("on purpose"),
+        "{message}"
+    );
+}

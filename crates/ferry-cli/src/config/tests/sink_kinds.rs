@@ -67,6 +67,7 @@ fn every_sink_kind_parses_with_its_defaults() {
             max_body_bytes: 1024 * 1024,
             source: "ferry".into(),
             headers: BTreeMap::new(),
+            error_response_bytes: 256,
         })
     );
     assert_eq!(
@@ -148,6 +149,7 @@ timeout = "2s"
 concurrency = 3
 max_body_bytes = 4096
 source = "w-src"
+error_response_bytes = 0
 [sinks.w.headers]
 Authorization = "Bearer t"
 [sinks.f]
@@ -208,6 +210,7 @@ destination = "s:audit"
             max_body_bytes: 4096,
             source: "w-src".into(),
             headers: [("Authorization".to_owned(), "Bearer t".to_owned())].into(),
+            error_response_bytes: 0,
         })
     );
     assert_eq!(c.sinks["f"], SinkSpec::File(FileSpec { max_file_bytes: 1234 }));
@@ -238,7 +241,7 @@ fn rabbitmq_config_defaults_are_the_sink_options_defaults() {
 
 #[test]
 fn invalid_fields_of_the_new_kinds_are_named() {
-    let cases: [(&str, &str); 16] = [
+    let cases: [(&str, &str); 18] = [
         (
             "kind = \"rabbitmq\"\nurl = \"amqp://h\"\nchannels = 0",
             "sinks.s.channels: must be between 1 and 64, got 0",
@@ -291,6 +294,14 @@ fn invalid_fields_of_the_new_kinds_are_named() {
         (
             "kind = \"webhook\"\nmax_body_bytes = 0",
             "sinks.s.max_body_bytes: must be at least 1, got 0",
+        ),
+        (
+            "kind = \"webhook\"\nerror_response_bytes = -1",
+            "sinks.s.error_response_bytes: must be between 0 and 65536, got -1",
+        ),
+        (
+            "kind = \"webhook\"\nerror_response_bytes = 100000",
+            "sinks.s.error_response_bytes: must be between 0 and 65536, got 100000",
         ),
         (
             "kind = \"file\"\nmax_file_bytes = 0",
