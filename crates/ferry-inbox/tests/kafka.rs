@@ -270,6 +270,81 @@ async fn a_retry_longer_than_the_poll_interval_keeps_the_group_membership() {
     env.assert_all_committed().await;
 }
 
+/// A member joining while another waits out a retry starts a rebalance
+/// that revokes the waiting member's partitions mid-wait: it polls through
+/// the rebalance, leaves the record to the group if its partition is no
+/// longer its own, and neither member restarts its session; each effect
+/// happens once and every offset is committed. (librdkafka's mock
+/// coordinator decides who ends up with which partition.)
+#[tokio::test]
+async fn a_rebalance_during_a_retry_wait_loses_nothing_and_restarts_no_session() {
+    const N: usize = 40;
+    let env = Env::new("inbox-kafka-rebalance").await;
+    let inbox = Inbox::new(env.db.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(RetryPolicy {
+            max_attempts: 5,
+            base_delay: Duration::from_secs(10),
+            max_delay: Duration::from_secs(10),
+            jitter: 0.0,
+        });
+    let mut o = env.options();
+    // The mock coordinator waits a session timeout for a joining member.
+    for (k, v) in [("session.timeout.ms", "6000"), ("heartbeat.interval.ms", "500")] {
+        o.extra.insert(k.into(), v.into());
+    }
+    let first = KafkaConsumer::new(inbox.clone(), o.clone()).unwrap();
+    let second = KafkaConsumer::new(inbox, o).unwrap();
+    let failed = AtomicU32::new(0);
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if number(event) == 3 && failed.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(HandlerError::transient("not yet"));
+        }
+        effect(tx, event).await
+    };
+    let (stop_first, first_stopped) = oneshot::channel::<()>();
+    let (start_second, second_started) = oneshot::channel::<()>();
+    let (stop_second, second_stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        env.db.produce(keyed(N)).await;
+        env.db.all_published(N as i64).await;
+        relay.stop().await;
+        wait("the first member waiting out a retry", || async {
+            first.report().retried == 1
+        })
+        .await;
+        let _ = start_second.send(());
+        wait("every record consumed", || async {
+            first.report().processed + second.report().processed == N as u64
+        })
+        .await;
+        let _ = stop_first.send(());
+        let _ = stop_second.send(());
+    };
+    let (a, b, ()) = tokio::join!(
+        first.run(handler, async {
+            let _ = first_stopped.await;
+        }),
+        async {
+            if second_started.await.is_err() {
+                return Ok(second.report());
+            }
+            second
+                .run(handler, async {
+                    let _ = second_stopped.await;
+                })
+                .await
+        },
+        scenario
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.processed + b.processed, N as u64, "{a:?} {b:?}");
+    assert_eq!((a.reconnects, b.reconnects), (0, 0), "{a:?} {b:?}");
+    env.db.assert_effects_once(N).await;
+    env.assert_all_committed().await;
+}
+
 /// The group's coordinator away (its broker down) holds back no record:
 /// offsets are committed without waiting for it, and made once it is back.
 /// A commit that waited held each record up to `session.timeout.ms`.

@@ -312,9 +312,17 @@ impl KafkaConsumer {
             .subscribe(&[o.topic.as_str()])
             .map_err(|e| format!("subscribing to {:?}: {e}", o.topic))?;
         let result = self.consume(handler, &consumer, &producer, shutdown).await;
+        // Offer again what failed to commit before; it goes out as the
+        // consumer leaves the group.
+        commit_stored(&consumer);
         // Leave the group now rather than when the coordinator's session
         // timeout expires, so the partitions move on at once.
         consumer.unsubscribe();
+        // Closing waits for the commits in flight (for as long as
+        // `session.timeout.ms` with the coordinator away): off the runtime.
+        if let Err(e) = tokio::task::spawn_blocking(move || drop(consumer)).await {
+            warn!(error = %e, "closing the Kafka consumer failed");
+        }
         result
     }
 
@@ -342,9 +350,6 @@ impl KafkaConsumer {
                 break;
             }
         }
-        // Offer again what failed to commit before; it goes out as the
-        // consumer leaves the group.
-        commit_stored(consumer);
         Ok(())
     }
 
@@ -404,21 +409,33 @@ impl KafkaConsumer {
             if self.wait(consumer, wait, shutdown.as_mut()).await?.is_break() {
                 return Ok(ControlFlow::Break(()));
             }
+            if !Self::owns(consumer, message)? {
+                // A rebalance moved the partition during the wait: its new
+                // owner reads the record again from the committed offset.
+                info!(
+                    consumer = name,
+                    partition = message.partition(),
+                    offset = message.offset(),
+                    "the partition moved to another member during the retry wait; the record is left to it"
+                );
+                return Ok(ControlFlow::Continue(()));
+            }
         }
     }
 
     /// Waits out `delay` before a record is tried again, polling the group
     /// all the while with the assigned partitions paused. A record that
-    /// arrives anyway (fetched before the pause, or from a partition a
-    /// rebalance assigned meanwhile) is set aside, and its partition sought
-    /// back to it once the wait is over, so nothing is skipped.
+    /// arrives anyway (from a partition a rebalance assigned meanwhile; a
+    /// pause drops what was fetched before it) is set aside, its partition
+    /// paused too, and sought back to it once the wait is over, so nothing
+    /// is skipped. `Break` on shutdown.
     async fn wait(
         &self,
         consumer: &Member,
         delay: Duration,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
     ) -> Result<ControlFlow<()>, Failure> {
-        let paused = consumer
+        let mut paused = consumer
             .assignment()
             .map_err(|e| format!("reading the assignment: {e}"))?;
         consumer
@@ -433,8 +450,16 @@ impl KafkaConsumer {
                 () = shutdown.as_mut() => break ControlFlow::Break(()),
                 () = sleep.as_mut() => break ControlFlow::Continue(()),
                 m = consumer.recv() => {
-                    if let Some(m) = received(m)? {
-                        set_aside.entry((m.topic().to_owned(), m.partition())).or_insert(m.offset());
+                    let Some(m) = received(m)? else { continue };
+                    let (topic, partition) = (m.topic().to_owned(), m.partition());
+                    if let std::collections::btree_map::Entry::Vacant(entry) = set_aside.entry((topic, partition)) {
+                        entry.insert(m.offset());
+                        let mut one = TopicPartitionList::new();
+                        one.add_partition(m.topic(), partition);
+                        consumer
+                            .pause(&one)
+                            .map_err(|e| format!("pausing partition {partition}: {e}"))?;
+                        paused.add_partition(m.topic(), partition);
                     }
                 }
             }
@@ -446,31 +471,57 @@ impl KafkaConsumer {
         consumer
             .resume(&paused)
             .map_err(|e| format!("resuming the assigned partitions: {e}"))?;
+        // A partition a later rebalance took away is its new owner's to read.
+        let assigned = consumer
+            .assignment()
+            .map_err(|e| format!("reading the assignment: {e}"))?;
         for ((topic, partition), offset) in set_aside {
+            if assigned.find_partition(&topic, partition).is_none() {
+                continue;
+            }
             consumer
                 .seek(&topic, partition, Offset::Offset(offset), self.options.timeout)
                 .map_err(|e| format!("seeking partition {partition} back to offset {offset}: {e}"))?;
         }
         Ok(flow)
     }
+
+    /// Whether `message`'s partition is still this member's.
+    fn owns(consumer: &Member, message: &BorrowedMessage<'_>) -> Result<bool, Failure> {
+        let assigned = consumer
+            .assignment()
+            .map_err(|e| format!("reading the assignment: {e}"))?;
+        Ok(assigned.find_partition(message.topic(), message.partition()).is_some())
+    }
 }
 
-/// What the consumer read: a record, or an error librdkafka recovers from
+/// What the consumer read: a record; an error librdkafka recovers from
 /// itself (a broker of the cluster disconnected or restarting, every broker
-/// down for a while), logged and read past, or the end of the membership:
-/// a fatal error, or the poll interval exceeded (the group has taken the
-/// partitions back), for which the session starts over.
+/// down for a while, a coordinator being looked up), logged and read past
+/// with the partitions kept; or any other error (fatal, the poll interval
+/// exceeded, a record batch that failed its checks, authorization), which
+/// starts the session over from the committed offsets, so that nothing
+/// librdkafka skipped past is skipped by the consumer.
 fn received(read: KafkaResult<BorrowedMessage<'_>>) -> Result<Option<BorrowedMessage<'_>>, Failure> {
+    use RDKafkaErrorCode as C;
     match read {
         Ok(message) => Ok(Some(message)),
+        // Only with `extra."enable.partition.eof"`: nothing to act on.
+        Err(KafkaError::PartitionEOF(_)) => Ok(None),
         Err(
-            e @ (KafkaError::MessageConsumptionFatal(_)
-            | KafkaError::MessageConsumption(RDKafkaErrorCode::PollExceeded)),
-        ) => Err(Failure::Lost(format!("reading: {e}"))),
-        Err(e) => {
+            e @ KafkaError::MessageConsumption(
+                C::BrokerTransportFailure
+                | C::AllBrokersDown
+                | C::Resolve
+                | C::OperationTimedOut
+                | C::TimedOutQueue
+                | C::WaitingForCoordinator,
+            ),
+        ) => {
             warn!(error = %e, "reading: librdkafka reconnects by itself; the consumer keeps its partitions");
             Ok(None)
         }
+        Err(e) => Err(Failure::Lost(format!("reading: {e}"))),
     }
 }
 
@@ -489,15 +540,48 @@ fn commit(consumer: &Member, message: &BorrowedMessage<'_>) {
 
 /// Commits every stored offset not yet committed, without waiting.
 fn commit_stored(consumer: &Member) {
-    match consumer.commit_consumer_state(CommitMode::Async) {
-        Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
-        Err(e) => warn!(error = %e, "offset commit not sent; the next commit makes it again"),
+    // Its outcome, even "nothing to commit", comes back to [`Commits`].
+    if let Err(e) = consumer.commit_consumer_state(CommitMode::Async) {
+        warn!(error = %e, "offset commit not sent; the next commit makes it again");
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_errors_librdkafka_recovers_from_are_read_past() {
+        use RDKafkaErrorCode as C;
+        for code in [
+            C::BrokerTransportFailure,
+            C::AllBrokersDown,
+            C::Resolve,
+            C::WaitingForCoordinator,
+        ] {
+            assert!(
+                matches!(received(Err(KafkaError::MessageConsumption(code))), Ok(None)),
+                "{code:?}"
+            );
+        }
+        assert!(matches!(received(Err(KafkaError::PartitionEOF(2))), Ok(None)));
+        // A batch that failed its CRC check, one in a format librdkafka does
+        // not read (both skipped by librdkafka), a refusal, the poll
+        // interval exceeded, and a fatal error: read again from the
+        // committed offsets.
+        for error in [
+            KafkaError::MessageConsumption(C::BadMessage),
+            KafkaError::MessageConsumption(C::NotImplemented),
+            KafkaError::MessageConsumption(C::TopicAuthorizationFailed),
+            KafkaError::MessageConsumption(C::PollExceeded),
+            KafkaError::MessageConsumptionFatal(C::Fatal),
+        ] {
+            assert!(
+                matches!(received(Err(error.clone())), Err(Failure::Lost(_))),
+                "{error:?}"
+            );
+        }
+    }
 
     #[test]
     fn debug_output_hides_secret_properties_and_shows_the_rest() {
