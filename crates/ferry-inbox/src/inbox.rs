@@ -16,7 +16,7 @@ use chrono::{DateTime, Utc};
 use ferry_core::{EventId, RetryPolicy};
 use futures::FutureExt;
 #[cfg(feature = "postgres")]
-use sqlx::{PgConnection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 use tracing::{debug, error, warn};
 
 use crate::HandlerError;
@@ -365,9 +365,11 @@ impl Inbox {
     /// fails (counted and retried like any failure), its transaction rolled
     /// back, a statement it was waiting on cancelled, so that a handler
     /// hung on a lock or a remote call does not hold its consumer, and the
-    /// event's row lock, for ever. Off by default. An effect outside the
-    /// database the handler had started may still happen: like any retried
-    /// attempt, such effects must be idempotent.
+    /// event's row lock, for ever. The attempt's transaction also runs with
+    /// `statement_timeout` = `limit` (a handler may set its own). Off by
+    /// default. An effect outside the database the handler had started may
+    /// still happen: like any retried attempt, such effects must be
+    /// idempotent.
     pub fn with_handler_timeout(mut self, limit: Duration) -> Self {
         self.handler_timeout = Some(limit);
         self
@@ -430,6 +432,15 @@ impl Inbox {
             drop(tx);
             return self.already_recorded(event.id).await;
         };
+        if let Some(limit) = self.handler_timeout {
+            // The backstop to the cancel below: no statement of the attempt
+            // outlives the handler's own limit, even if the cancel cannot
+            // be delivered.
+            sqlx::query("SELECT set_config('statement_timeout', $1, true)")
+                .bind(format!("{}ms", limit.as_millis().max(1)))
+                .execute(&mut *tx)
+                .await?;
+        }
         let ran = run_handler(handler(&mut tx), &self.consumer, event.id, self.handler_timeout).await;
         let timed_out = matches!(ran, Ran::TimedOut(_));
         if timed_out {
@@ -487,15 +498,29 @@ impl Inbox {
     /// Cancels the statement, if any, that a handler stopped at its timeout
     /// left running on `backend`, the attempt's session: without that, the
     /// next statement on the connection (the inbox's own) would wait for it.
-    /// A session between statements ignores the cancel.
+    /// A session between statements ignores the cancel. It is sent on a
+    /// connection of its own, not one of the pool's (hung handlers may hold
+    /// them all), within a bound; should it not arrive, the attempt's
+    /// `statement_timeout` ends the statement.
     async fn cancel_statement(&self, backend: i32, id: EventId) {
-        if let Err(e) = sqlx::query("SELECT pg_cancel_backend($1)")
-            .bind(backend)
-            .execute(&self.pool)
-            .await
-        {
-            warn!(consumer = %self.consumer, event = %id, backend, error = %e, "could not cancel the timed-out handler's statement; the inbox waits for it to end");
-        }
+        const BOUND: Duration = Duration::from_secs(5);
+        let options = self.pool.connect_options();
+        let cancel = async {
+            let mut conn = options.connect().await?;
+            let sent: bool = sqlx::query_scalar("SELECT pg_cancel_backend($1)")
+                .bind(backend)
+                .fetch_one(&mut conn)
+                .await?;
+            let _ = conn.close().await;
+            Ok::<_, sqlx::Error>(sent)
+        };
+        let why = match tokio::time::timeout(BOUND, cancel).await {
+            Ok(Ok(true)) => return,
+            Ok(Ok(false)) => "PostgreSQL found no such session of this user".to_owned(),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {BOUND:?}"),
+        };
+        warn!(consumer = %self.consumer, event = %id, backend, %why, "could not cancel the timed-out handler's statement; it ends at the attempt's statement_timeout");
     }
 
     /// The connection failed after the claim, the handler's transaction

@@ -510,9 +510,17 @@ async fn a_handler_hung_in_a_statement_or_outside_is_stopped_at_its_timeout() {
     .await
     .unwrap();
     assert_eq!(sleeping, 0, "the hung statement still runs");
-    let quick = async |tx: &mut PgConnection, ev: &ReceivedEvent| effect(tx, ev, "billing").await;
+    // Should the cancel not arrive, no statement outlives the limit either.
+    let limit = std::sync::Mutex::new(String::new());
+    let quick = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        *limit.lock().unwrap() = sqlx::query_scalar("SELECT current_setting('statement_timeout')")
+            .fetch_one(&mut *tx)
+            .await?;
+        effect(tx, ev, "billing").await
+    };
     assert_eq!(inbox.process(&ev, quick).await.unwrap(), Outcome::Processed);
     assert_eq!(effects(&e.pool, ev.id).await, 1);
+    assert_eq!(*limit.lock().unwrap(), "300ms");
 }
 
 /// PostgreSQL cannot store a NUL byte in text (SQLSTATE 22021). A handler
