@@ -85,7 +85,8 @@ pub struct WebhookOptions {
     /// How many bytes of an error response's body the failure's message
     /// quotes (it becomes the delivery's last error, in the outbox table and
     /// the logs). Zero quotes none, for receivers whose error bodies may
-    /// echo personal data. Default 256.
+    /// echo personal data. Default 256; at most the first 64 KiB of a body
+    /// are read.
     pub error_response_bytes: usize,
 }
 
