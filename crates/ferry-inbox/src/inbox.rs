@@ -24,6 +24,10 @@ use crate::HandlerError;
 use crate::ReceivedEvent;
 use crate::metrics;
 
+/// How much longer than the handler's timeout a statement of its attempt
+/// may run before PostgreSQL ends it.
+#[cfg(feature = "postgres")]
+const STATEMENT_MARGIN: Duration = Duration::from_secs(1);
 #[cfg(feature = "postgres")]
 const CLAIM: &str = include_str!("sql/claim.sql");
 #[cfg(feature = "postgres")]
@@ -366,7 +370,8 @@ impl Inbox {
     /// back, a statement it was waiting on cancelled, so that a handler
     /// hung on a lock or a remote call does not hold its consumer, and the
     /// event's row lock, for ever. The attempt's transaction also runs with
-    /// `statement_timeout` = `limit` (a handler may set its own). Off by
+    /// `statement_timeout` a second above `limit` (a handler may set its
+    /// own). Off by
     /// default. An effect outside the database the handler had started may
     /// still happen: like any retried attempt, such effects must be
     /// idempotent.
@@ -434,10 +439,11 @@ impl Inbox {
         };
         if let Some(limit) = self.handler_timeout {
             // The backstop to the cancel below: no statement of the attempt
-            // outlives the handler's own limit, even if the cancel cannot
-            // be delivered.
+            // outlives the handler's own limit by much, even if the cancel
+            // cannot be delivered. The second's margin lets the handler's
+            // timeout, which names itself, come first.
             sqlx::query("SELECT set_config('statement_timeout', $1, true)")
-                .bind(format!("{}ms", limit.as_millis().max(1)))
+                .bind(format!("{}ms", (limit + STATEMENT_MARGIN).as_millis()))
                 .execute(&mut *tx)
                 .await?;
         }

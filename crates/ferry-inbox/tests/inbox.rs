@@ -520,7 +520,7 @@ async fn a_handler_hung_in_a_statement_or_outside_is_stopped_at_its_timeout() {
     };
     assert_eq!(inbox.process(&ev, quick).await.unwrap(), Outcome::Processed);
     assert_eq!(effects(&e.pool, ev.id).await, 1);
-    assert_eq!(*limit.lock().unwrap(), "300ms");
+    assert_eq!(*limit.lock().unwrap(), "1300ms");
 }
 
 /// PostgreSQL cannot store a NUL byte in text (SQLSTATE 22021). A handler
