@@ -85,6 +85,18 @@ impl Env<'_> {
         self.db.relay(Arc::new(sink) as Arc<dyn Sink>, routes, &self.topic)
     }
 
+    /// The inbox, retrying a failed record after exactly `delay`.
+    fn inbox_retrying_after(&self, delay: Duration) -> Inbox {
+        Inbox::new(self.db.pool.clone(), "billing")
+            .unwrap()
+            .with_retry(RetryPolicy {
+                max_attempts: 5,
+                base_delay: delay,
+                max_delay: delay,
+                jitter: 0.0,
+            })
+    }
+
     /// Asserts that group `billing` has committed every partition of the
     /// topic up to its end.
     async fn assert_all_committed(&self) {
@@ -226,14 +238,7 @@ async fn a_retry_longer_than_the_poll_interval_keeps_the_group_membership() {
     ] {
         options.extra.insert(k.into(), v.into());
     }
-    let inbox = Inbox::new(env.db.pool.clone(), "billing")
-        .unwrap()
-        .with_retry(RetryPolicy {
-            max_attempts: 5,
-            base_delay: Duration::from_secs(9),
-            max_delay: Duration::from_secs(9),
-            jitter: 0.0,
-        });
+    let inbox = env.inbox_retrying_after(Duration::from_secs(9));
     let consumer = KafkaConsumer::new(inbox, options).unwrap();
     let failed = AtomicU32::new(0);
     let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
@@ -280,14 +285,7 @@ async fn a_retry_longer_than_the_poll_interval_keeps_the_group_membership() {
 async fn a_rebalance_during_a_retry_wait_loses_nothing_and_restarts_no_session() {
     const N: usize = 40;
     let env = Env::new("inbox-kafka-rebalance").await;
-    let inbox = Inbox::new(env.db.pool.clone(), "billing")
-        .unwrap()
-        .with_retry(RetryPolicy {
-            max_attempts: 5,
-            base_delay: Duration::from_secs(10),
-            max_delay: Duration::from_secs(10),
-            jitter: 0.0,
-        });
+    let inbox = env.inbox_retrying_after(Duration::from_secs(10));
     let mut o = env.options();
     // The mock coordinator waits a session timeout for a joining member.
     for (k, v) in [("session.timeout.ms", "6000"), ("heartbeat.interval.ms", "500")] {
