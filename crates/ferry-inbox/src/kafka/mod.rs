@@ -406,19 +406,20 @@ impl KafkaConsumer {
                     self.options.database_retry_delay
                 }
             };
-            if self.wait(consumer, wait, shutdown.as_mut()).await?.is_break() {
-                return Ok(ControlFlow::Break(()));
-            }
-            if !Self::owns(consumer, message)? {
-                // A rebalance moved the partition during the wait: its new
-                // owner reads the record again from the committed offset.
-                info!(
-                    consumer = name,
-                    partition = message.partition(),
-                    offset = message.offset(),
-                    "the partition moved to another member during the retry wait; the record is left to it"
-                );
-                return Ok(ControlFlow::Continue(()));
+            match self.wait(consumer, message, wait, shutdown.as_mut()).await? {
+                Waited::Over => {}
+                Waited::Shutdown => return Ok(ControlFlow::Break(())),
+                Waited::Moved => {
+                    // Its new owner reads the record again from the
+                    // committed offset.
+                    info!(
+                        consumer = name,
+                        partition = message.partition(),
+                        offset = message.offset(),
+                        "the partition moved to another member during the retry wait; the record is left to it"
+                    );
+                    return Ok(ControlFlow::Continue(()));
+                }
             }
         }
     }
@@ -428,27 +429,27 @@ impl KafkaConsumer {
     /// arrives anyway (from a partition a rebalance assigned meanwhile; a
     /// pause drops what was fetched before it) is set aside, its partition
     /// paused too, and sought back to it once the wait is over, so nothing
-    /// is skipped. `Break` on shutdown.
+    /// is skipped. Says whether `message`, the record waiting, is still
+    /// this member's to try again.
     async fn wait(
         &self,
         consumer: &Member,
+        message: &BorrowedMessage<'_>,
         delay: Duration,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
-    ) -> Result<ControlFlow<()>, Failure> {
-        let mut paused = consumer
-            .assignment()
-            .map_err(|e| format!("reading the assignment: {e}"))?;
+    ) -> Result<Waited, Failure> {
+        let mut paused = assignment(consumer)?;
         consumer
             .pause(&paused)
             .map_err(|e| format!("pausing the assigned partitions: {e}"))?;
         let mut set_aside: BTreeMap<(String, i32), i64> = BTreeMap::new();
         let sleep = tokio::time::sleep(delay);
         let mut sleep = pin!(sleep);
-        let flow = loop {
+        let over = loop {
             tokio::select! {
                 biased;
-                () = shutdown.as_mut() => break ControlFlow::Break(()),
-                () = sleep.as_mut() => break ControlFlow::Continue(()),
+                () = shutdown.as_mut() => break false,
+                () = sleep.as_mut() => break true,
                 m = consumer.recv() => {
                     let Some(m) = received(m)? else { continue };
                     let (topic, partition) = (m.topic().to_owned(), m.partition());
@@ -464,17 +465,15 @@ impl KafkaConsumer {
                 }
             }
         };
-        if flow.is_break() {
+        if !over {
             // What was set aside is read again by whoever reads next.
-            return Ok(flow);
+            return Ok(Waited::Shutdown);
         }
         consumer
             .resume(&paused)
             .map_err(|e| format!("resuming the assigned partitions: {e}"))?;
         // A partition a later rebalance took away is its new owner's to read.
-        let assigned = consumer
-            .assignment()
-            .map_err(|e| format!("reading the assignment: {e}"))?;
+        let assigned = assignment(consumer)?;
         for ((topic, partition), offset) in set_aside {
             if assigned.find_partition(&topic, partition).is_none() {
                 continue;
@@ -483,16 +482,27 @@ impl KafkaConsumer {
                 .seek(&topic, partition, Offset::Offset(offset), self.options.timeout)
                 .map_err(|e| format!("seeking partition {partition} back to offset {offset}: {e}"))?;
         }
-        Ok(flow)
+        if assigned.find_partition(message.topic(), message.partition()).is_none() {
+            return Ok(Waited::Moved);
+        }
+        Ok(Waited::Over)
     }
+}
 
-    /// Whether `message`'s partition is still this member's.
-    fn owns(consumer: &Member, message: &BorrowedMessage<'_>) -> Result<bool, Failure> {
-        let assigned = consumer
-            .assignment()
-            .map_err(|e| format!("reading the assignment: {e}"))?;
-        Ok(assigned.find_partition(message.topic(), message.partition()).is_some())
-    }
+/// How a retry wait ended.
+enum Waited {
+    /// The record is to be tried again.
+    Over,
+    /// A rebalance gave its partition to another member.
+    Moved,
+    Shutdown,
+}
+
+/// The partitions assigned to this member now.
+fn assignment(consumer: &Member) -> Result<TopicPartitionList, Failure> {
+    consumer
+        .assignment()
+        .map_err(|e| Failure::Lost(format!("reading the assignment: {e}")))
 }
 
 /// What the consumer read: a record; an error librdkafka recovers from
