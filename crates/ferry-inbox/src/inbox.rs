@@ -371,10 +371,9 @@ impl Inbox {
     /// hung on a lock or a remote call does not hold its consumer, and the
     /// event's row lock, for ever. The attempt's transaction also runs with
     /// `statement_timeout` a second above `limit` (a handler may set its
-    /// own). Off by
-    /// default. An effect outside the database the handler had started may
-    /// still happen: like any retried attempt, such effects must be
-    /// idempotent.
+    /// own). Off by default. An effect outside the database the handler had
+    /// started may still happen: like any retried attempt, such effects
+    /// must be idempotent.
     pub fn with_handler_timeout(mut self, limit: Duration) -> Self {
         self.handler_timeout = Some(limit);
         self
