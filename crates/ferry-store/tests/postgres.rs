@@ -53,6 +53,42 @@ async fn the_sql_door_agrees_on_dispatch_keys() {
     assert_eq!(n, 1);
 }
 
+/// In one batch, an event is a repeat when another of the batch or an
+/// earlier transaction wrote its dispatch key, also when it is the very
+/// same event (same id).
+#[tokio::test]
+async fn a_batch_reports_each_repeat_whoever_wrote_it_first() {
+    let h = harness().await;
+    let stored = Event::new("order.created", json!({"n": 0})).dispatch_key("dk-0");
+    let mut tx = h.pool.begin().await.unwrap();
+    enqueue(&mut tx, stored.clone()).await.unwrap();
+    tx.commit().await.unwrap();
+
+    let new = Event::new("order.created", json!({"n": 1})).dispatch_key("dk-1");
+    let same_key = Event::new("order.created", json!({"n": 2})).dispatch_key("dk-1");
+    let unkeyed = Event::new("order.created", json!({"n": 3}));
+    let batch = vec![stored.clone(), new.clone(), same_key, new.clone(), unkeyed.clone()];
+    let mut tx = h.pool.begin().await.unwrap();
+    let out = enqueue_batch(&mut tx, batch).await.unwrap();
+    tx.commit().await.unwrap();
+    let got: Vec<_> = out.iter().map(|e| (e.id, e.duplicate)).collect();
+    assert_eq!(
+        got,
+        [
+            (stored.id(), true),
+            (new.id(), false),
+            (new.id(), true),
+            (new.id(), true),
+            (unkeyed.id(), false),
+        ]
+    );
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 3);
+}
+
 #[tokio::test]
 async fn the_sql_door_validates_and_returns_v7_ids() {
     let h = harness().await;

@@ -88,6 +88,16 @@ pub async fn dispatch_keys_make_repeats_a_reported_no_op<H: ProducerHarness>(h: 
     assert!(later[0].duplicate);
     assert_eq!(later[0].id, first.id);
     assert_eq!(h.counts().await, (1, 1));
+
+    // The same event (same id) again, as a caller retries after a commit
+    // whose outcome it did not learn: in the same transaction and later.
+    let event = Event::new("order.created", json!({"n": 4})).dispatch_key("stripe:evt_2");
+    let twice = enqueue_each(h, vec![event.clone(), event.clone()], true).await;
+    assert_eq!(twice.iter().map(|e| e.duplicate).collect::<Vec<_>>(), [false, true]);
+    let retried = enqueue_each(h, vec![event.clone()], true).await;
+    assert!(retried[0].duplicate, "a retried event is a duplicate");
+    assert_eq!((retried[0].id, twice[1].id), (event.id(), event.id()));
+    assert_eq!(h.counts().await, (2, 2));
 }
 
 /// A second producer of a key waits for the first one's commit (the key's

@@ -57,22 +57,49 @@ pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<Event>) -> Resul
         headers.push(serde_json::to_value(event.headers()).expect("string map serialises"));
         dks.push(event.get_dispatch_key().map(str::to_owned));
     }
-    let stored: Vec<Uuid> = sqlx::query_scalar("SELECT ferry._enqueue_batch($1, $2, $3, $4, $5, $6, $7)")
+    // An event with a dispatch key may come back with its own id and still
+    // be a repeat: the same `Event` retried after a commit whose outcome
+    // the caller did not learn. So for those ids, read which were stored
+    // before the call: the scalar subquery sees the statement's snapshot,
+    // which does not include what `_enqueue_batch` writes.
+    let keyed: Vec<Uuid> = events
+        .iter()
+        .filter(|e| e.get_dispatch_key().is_some())
+        .map(|e| e.id().0)
+        .collect();
+    let query = if keyed.is_empty() {
+        "SELECT ferry._enqueue_batch($1, $2, $3, $4, $5, $6, $7), '{}'::uuid[]"
+    } else {
+        "SELECT ferry._enqueue_batch($1, $2, $3, $4, $5, $6, $7), \
+                ARRAY(SELECT e.id FROM ferry.events e WHERE e.id = ANY($8))"
+    };
+    let mut query = sqlx::query_as(query)
         .bind(&ids)
         .bind(&types)
         .bind(&keys)
         .bind(&payloads)
         .bind(&cts)
         .bind(&headers)
-        .bind(&dks)
-        .fetch_one(&mut *conn)
-        .await?;
-    Ok(ids
-        .iter()
+        .bind(&dks);
+    if !keyed.is_empty() {
+        query = query.bind(&keyed);
+    }
+    let (stored, before): (Vec<Uuid>, Vec<Uuid>) = query.fetch_one(&mut *conn).await?;
+    Ok(flag_repeats(&ids, &stored, &before))
+}
+
+/// Each event's outcome: a repeat when the stored event is another one,
+/// was there `before` the call, or an earlier event of the batch wrote it.
+fn flag_repeats(mine: &[Uuid], stored: &[Uuid], before: &[Uuid]) -> Vec<Enqueued> {
+    let mut written = std::collections::HashSet::new();
+    mine.iter()
         .zip(stored)
-        .map(|(mine, got)| Enqueued {
-            id: EventId(got),
-            duplicate: *mine != got,
+        .map(|(mine, got)| {
+            let first_in_batch = written.insert(*got);
+            Enqueued {
+                id: EventId(*got),
+                duplicate: mine != got || before.contains(got) || !first_in_batch,
+            }
         })
-        .collect())
+        .collect()
 }
