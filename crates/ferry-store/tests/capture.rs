@@ -265,6 +265,116 @@ async fn a_schema_change_is_drift_until_refreshed() {
     );
 }
 
+/// Writes `sql` in a session of its own with `settings` applied first.
+async fn exec_in_session(pool: &PgPool, settings: &str, sql: &str) {
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("{settings}; {sql}")))
+        .execute(&mut *conn)
+        .await
+        .unwrap_or_else(|e| panic!("{settings}; {sql}: {e}"));
+    // Back to the defaults before the connection returns to the pool.
+    sqlx::raw_sql("RESET ALL").execute(&mut *conn).await.unwrap();
+}
+
+/// Session settings that change how values print as text.
+const LOCAL: &str = "SET TimeZone = 'Asia/Tokyo'; SET DateStyle = 'SQL, DMY'; \
+                     SET IntervalStyle = 'iso_8601'; SET extra_float_digits = -3; SET bytea_output = 'escape'";
+const UTC: &str = "SET TimeZone = 'UTC'; SET DateStyle = 'ISO, MDY'";
+
+#[tokio::test]
+async fn a_key_is_the_same_text_whatever_the_writers_session_settings() {
+    // Key column types whose text form depends on a session setting, with
+    // the text every session's events must carry.
+    let cases = [
+        ("timestamptz", "'2026-01-01 12:00:00+00'", "2026-01-01 12:00:00+00"),
+        ("date", "'2026-03-04'", "2026-03-04"),
+        ("interval", "'1 day 02:00:00'", "1 day 02:00:00"),
+        ("float8", "0.1::float8 + 0.2", "0.30000000000000004"),
+        ("bytea", "'\\x41ff'::bytea", "\\x41ff"),
+        ("instant", "'2026-01-01 12:00:00+00'", "2026-01-01 12:00:00+00"),
+        (
+            "timestamptz[]",
+            "ARRAY['2026-01-01 12:00:00+00'::timestamptz]",
+            "{\"2026-01-01 12:00:00+00\"}",
+        ),
+    ];
+    let (_db, pool) = database("CREATE DOMAIN instant AS timestamptz").await;
+    for (i, (column_type, value, _)) in cases.into_iter().enumerate() {
+        let table = format!("t{i}");
+        exec(
+            &pool,
+            &format!("CREATE TABLE {table} (k {column_type} NOT NULL, v int)"),
+        )
+        .await;
+        add(&pool, CaptureSpec::new(table.as_str(), format!("t.n{i}"), "k"))
+            .await
+            .unwrap();
+        exec_in_session(&pool, LOCAL, &format!("INSERT INTO {table} VALUES ({value}, 1)")).await;
+        exec_in_session(&pool, UTC, &format!("UPDATE {table} SET v = 2")).await;
+        exec_in_session(&pool, LOCAL, &format!("DELETE FROM {table}")).await;
+    }
+    let got = events(&pool).await;
+    assert_eq!(got.len(), 3 * cases.len());
+    for (i, (column_type, _, key)) in cases.into_iter().enumerate() {
+        let keys: Vec<_> = got
+            .iter()
+            .filter(|e| e.event_type.starts_with(&format!("t.n{i}.")))
+            .map(|e| e.key.as_deref())
+            .collect();
+        assert_eq!(keys, [Some(key); 3], "{column_type}");
+    }
+    assert!(
+        capture::check(&mut pool.acquire().await.unwrap())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn a_key_written_per_session_before_the_upgrade_is_reported_until_refreshed() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate_up_to(&pool, 13).await;
+    exec(
+        &pool,
+        "CREATE TABLE visits (at timestamptz PRIMARY KEY, n int); CREATE TABLE notes (id int PRIMARY KEY)",
+    )
+    .await;
+    add(&pool, CaptureSpec::new("visits", "web.visit", "at")).await.unwrap();
+    add(&pool, CaptureSpec::new("notes", "crm.note", "id")).await.unwrap();
+
+    let mut conn = pool.acquire().await.unwrap();
+    assert_eq!(migrate(&mut conn).await.unwrap(), [14]);
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    assert_eq!(drift[0].table, "public.visits");
+    assert!(
+        drift[0]
+            .problem
+            .contains("its key column at (timestamp with time zone)"),
+        "{}",
+        drift[0].problem
+    );
+    assert_eq!(drift[0].fix, "ferry capture refresh public.visits");
+    // Until refreshed, the key is each session's own text.
+    exec_in_session(&pool, LOCAL, "INSERT INTO visits VALUES ('2026-01-01 12:00:00+00', 1)").await;
+
+    capture::refresh(&mut conn, Tables::One("public.visits")).await.unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec_in_session(&pool, LOCAL, "UPDATE visits SET n = 2").await;
+    exec_in_session(&pool, UTC, "UPDATE visits SET n = 3").await;
+    let keys: Vec<_> = events(&pool).await.into_iter().map(|e| e.key).collect();
+    assert_eq!(
+        keys,
+        [
+            Some("01/01/2026 21:00:00 JST".to_owned()),
+            Some("2026-01-01 12:00:00+00".to_owned()),
+            Some("2026-01-01 12:00:00+00".to_owned()),
+        ]
+    );
+}
+
 /// An event over the outbox's 1 MiB payload limit cannot be written.
 const HUGE_INSERT: &str = "INSERT INTO orders (id, status) VALUES (1, repeat('x', 1100000))";
 
@@ -816,22 +926,7 @@ async fn tables_captured_before_the_upgrade_fire_always_and_are_guarded() {
     let db = TestDb::create().await;
     let pool = db.pool().await;
     // The schema as it was before the TRUNCATE guard.
-    exec(
-        &pool,
-        "CREATE SCHEMA ferry;
-         CREATE TABLE ferry.schema_migrations (version int PRIMARY KEY, name text NOT NULL,
-                                               applied_at timestamptz NOT NULL DEFAULT now());",
-    )
-    .await;
-    for &(version, name, sql) in MIGRATIONS.iter().filter(|m| m.0 < 13) {
-        sqlx::raw_sql(sql).execute(&pool).await.unwrap();
-        sqlx::query("INSERT INTO ferry.schema_migrations (version, name) VALUES ($1, $2)")
-            .bind(version)
-            .bind(name)
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
+    migrate_up_to(&pool, 12).await;
     exec(
         &pool,
         &format!("{ORDERS}; CREATE TABLE notes (id int PRIMARY KEY, body text)"),
@@ -869,4 +964,24 @@ async fn tables_captured_before_the_upgrade_fire_always_and_are_guarded() {
     let drift = capture::check(&mut conn).await.unwrap();
     assert_eq!(drift.len(), 1, "{drift:?}");
     assert_eq!(drift[0].table, "public.notes");
+}
+
+/// Ferry's schema as migration `last` left it.
+async fn migrate_up_to(pool: &PgPool, last: i32) {
+    exec(
+        pool,
+        "CREATE SCHEMA ferry;
+         CREATE TABLE ferry.schema_migrations (version int PRIMARY KEY, name text NOT NULL,
+                                               applied_at timestamptz NOT NULL DEFAULT now());",
+    )
+    .await;
+    for &(version, name, sql) in MIGRATIONS.iter().filter(|m| m.0 <= last) {
+        sqlx::raw_sql(sql).execute(pool).await.unwrap();
+        sqlx::query("INSERT INTO ferry.schema_migrations (version, name) VALUES ($1, $2)")
+            .bind(version)
+            .bind(name)
+            .execute(pool)
+            .await
+            .unwrap();
+    }
 }

@@ -23,6 +23,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("migrations/0012_producer_limits.sql"),
     ),
     (13, "capture_guard", include_str!("migrations/0013_capture_guard.sql")),
+    (14, "capture_key", include_str!("migrations/0014_capture_key.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
