@@ -590,13 +590,15 @@ impl<'a> Direct<'a> {
         }
         if !previous_settled {
             // This batch, and the one fetched ahead, were planned behind the
-            // batch that could not be written: a key's events it failed or
-            // parked held theirs back only through the carry. Written now,
-            // their rows would let those later events out ahead of the
-            // earlier ones, still unrouted, or past a dead one. Neither is
-            // written: all their events stay unrouted and are fetched again,
-            // in order, once the database is back (published again: the
-            // duplicates of an outage).
+            // batch that could not be written (the database was away, or
+            // the fence refused it: this relay lost the lease it published
+            // under, and may hold the partition again under a new token): a
+            // key's events it failed or parked held theirs back only
+            // through the carry. Written now, their rows would let those
+            // later events out ahead of the earlier ones, still unrouted,
+            // or past a dead one. Neither is written: all their events stay
+            // unrouted and are fetched again, in order (published again:
+            // the duplicates of an outage or a lost lease).
             warn!(
                 events = published.seqs.len(),
                 "not settling a batch planned behind one that could not be settled; it will be published again"
@@ -719,9 +721,12 @@ impl<'a> Direct<'a> {
 /// Writes a published batch's delivery rows, retrying while the lease
 /// lasts (a write that fails costs a duplicate publish later, never an
 /// event); then wakes the route workers of what it parked. False when it
-/// gave up: the batch's events stay unrouted.
+/// gave up, or when the fence refused some of its events (a lease lost,
+/// perhaps taken again since under a new token): those events stay
+/// unrouted, and a batch planned behind this one must not be written.
 async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool {
     let mut backoff = Duration::from_millis(20);
+    let mut whole = true;
     loop {
         let started = Instant::now();
         match shared.store.settle(&u.owned, &u.seqs, &u.records, u.now).await {
@@ -736,6 +741,7 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool
                     );
                     shared.counters.refused.fetch_add(refused, Ordering::Relaxed);
                     ::metrics::counter!(metrics::REFUSED, "route" => DIRECT_REFUSED).increment(refused);
+                    whole = false;
                 }
                 break;
             }
@@ -762,7 +768,7 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool
     for name in parked {
         shared.wake_route(name);
     }
-    true
+    whole
 }
 
 #[cfg(test)]

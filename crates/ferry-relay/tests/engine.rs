@@ -792,6 +792,94 @@ async fn a_batch_planned_behind_one_that_could_not_be_settled_is_not_settled_eit
     assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
 }
 
+/// The same as above when the settle of batch n is refused rather than
+/// failed: the relay lost its leases while it published n and took them
+/// again, under new tokens, before it planned n + 1. The settle of n
+/// (under the old tokens) puts its events back; the settle of n + 1 (under
+/// the new ones) would be accepted, and with it a later event of a key
+/// that failed in n, held back only by the plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_batch_planned_behind_one_whose_settle_was_refused_is_not_settled_either() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+    let e = env().await;
+    let event = |key: &str, n: u32| Event::new("order.item.created", json!({ "n": n })).key(key);
+    // Batches of two: [early, other], then [late, last].
+    let ids = produce(
+        &e.pool,
+        vec![event("k", 0), event("other", 1), event("k", 2), event("last", 3)],
+    )
+    .await;
+    let (early, other, late) = (ids[0], ids[1], ids[2]);
+    let early_attempts = Arc::new(AtomicU32::new(0));
+    let other_attempts = Arc::new(AtomicU32::new(0));
+    // Set while batch one publishes: the next renewal finds the leases lost.
+    let lose_leases = Arc::new(AtomicBool::new(false));
+    let early_seen = Arc::new(AtomicU32::new(0));
+    {
+        let early_attempts = early_attempts.clone();
+        e.sink.fail_when(move |ev| {
+            (ev.id == early && early_attempts.fetch_add(1, Ordering::SeqCst) == 0)
+                .then(|| SinkError::transient("refused"))
+        });
+        let (other_attempts, early_seen, lose_leases) =
+            (other_attempts.clone(), early_seen.clone(), lose_leases.clone());
+        e.sink.delay_when(move |ev| {
+            if ev.id == other && other_attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+                // Batch one stays in flight across a renewal (a third of
+                // the 3 s lease).
+                lose_leases.store(true, Ordering::SeqCst);
+                return Some(Duration::from_millis(2_500));
+            }
+            // The early event's second attempt is slow, so that a route
+            // worker given the later one has time to deliver it first.
+            (ev.id == early && early_seen.fetch_add(1, Ordering::SeqCst) == 1).then_some(Duration::from_secs(2))
+        });
+    }
+    // Another relay took the partitions and handed them back: the renewal
+    // takes them again, each under a new token.
+    let pool = e.pool.clone();
+    let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
+        let (pool, lose_leases) = (pool.clone(), lose_leases.clone());
+        Box::pin(async move {
+            if called == "tick" && lose_leases.swap(false, Ordering::SeqCst) {
+                sqlx::query("UPDATE ferry.partitions SET owner = NULL, expires_at = NULL")
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+            }
+            Ok(())
+        })
+    });
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let relay = start_on(
+        &e,
+        store,
+        RelaySettings {
+            batch_size: 2,
+            ..settings("regained", 6)
+        },
+        vec![route("orders", "order.**")],
+    );
+    eventually("every event", Duration::from_secs(60), || {
+        let got = e.sink.delivered_ids("orders");
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+    let report = relay.stop().await;
+    assert!(
+        report.refused > 0,
+        "the settle of batch one was not refused: {report:?}"
+    );
+    let got = e.sink.delivered_ids("orders");
+    let at = |id| got.iter().position(|g| *g == id).unwrap();
+    assert!(
+        at(early) < at(late),
+        "the later event of key k arrived first: {got:?} (early {early}, late {late})"
+    );
+    assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
+}
+
 /// A database that stops answering (a partition, not a refusal) must not
 /// hold the relay's exit: SIGTERM ends it within its shutdown timeout and
 /// the farewell's bound, and no delivery is lost (what it could not record
