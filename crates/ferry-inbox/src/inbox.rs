@@ -17,7 +17,9 @@ use ferry_core::{EventId, RetryPolicy};
 use futures::FutureExt;
 #[cfg(feature = "postgres")]
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
-use tracing::{debug, error, warn};
+#[cfg(feature = "postgres")]
+use tracing::error;
+use tracing::{debug, warn};
 
 use crate::HandlerError;
 #[cfg(feature = "postgres")]
