@@ -28,8 +28,9 @@ struct Unrecorded {
 /// Recording a batch overlaps claiming and publishing the next one, so the
 /// store's write is off the publish path. The next batch is claimed without
 /// the deliveries being recorded, and is published only after the previous
-/// batch was confirmed, so a key's events still reach the destination in
-/// order; keys that failed in the unrecorded batch are left out of it.
+/// batch was confirmed and its outcomes all written, so a key's events
+/// still reach the destination in order; keys that failed in the
+/// unrecorded batch are left out of it.
 pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Route) {
     let sink = shared.sinks[&route.sink].clone();
     let wake = &shared.route_wake[&route.name];
@@ -70,10 +71,11 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
         };
         let recording = async {
             let started = Instant::now();
-            if let Some(u) = previous {
-                record(&shared, &route, u).await;
-            }
-            started.elapsed()
+            let whole = match previous {
+                Some(u) => record(&shared, &route, u).await,
+                None => true,
+            };
+            (started.elapsed(), whole)
         };
         let now = shared.clock.now();
         let claim_started = Instant::now();
@@ -84,7 +86,16 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 .await;
             (claimed, claim_started.elapsed())
         };
-        let ((claimed, claim_took), record_took) = tokio::join!(claiming, recording);
+        let ((claimed, claim_took), (record_took, recorded_whole)) = tokio::join!(claiming, recording);
+        if !recorded_whole {
+            // Claimed past deliveries whose outcomes were not all written
+            // (the lease they were published under was lost, and may be
+            // held again under a new token): those stay pending, and this
+            // claim would publish later events of their keys ahead of
+            // their next attempt. Claim again; it only read.
+            drop(gate);
+            continue;
+        }
         let claimed = match claimed {
             Ok(c) => c,
             Err(e) => {
@@ -219,13 +230,15 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
 }
 
 /// Records outcomes, retrying while the lease lasts: a failed write only
-/// costs a duplicate publish later, but retrying spares it.
-async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch: Unrecorded) {
+/// costs a duplicate publish later, but retrying spares it. False unless
+/// every outcome was written: some were refused (lease lost, delivery
+/// moved on) or the lease ran out first.
+async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch: Unrecorded) -> bool {
     let Unrecorded {
         owned, recorded, now, ..
     } = batch;
     if recorded.is_empty() {
-        return;
+        return true;
     }
     let owned = &owned;
     let recorded = &recorded[..];
@@ -239,13 +252,13 @@ async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch:
                     shared.counters.refused.fetch_add(refused, Ordering::Relaxed);
                     ::metrics::counter!(metrics::REFUSED, "route" => route.name.clone()).increment(refused);
                 }
-                return;
+                return refused == 0;
             }
             Err(e) => {
                 ::metrics::counter!(metrics::STORE_ERRORS, "op" => "record").increment(1);
                 if shared.valid_ownership().is_none() {
                     warn!(route = %route.name, events = recorded.len(), error = %e, "could not record outcomes before the lease ran out; they will be published again");
-                    return;
+                    return false;
                 }
                 debug!(route = %route.name, events = recorded.len(), error = %e, "recording outcomes failed; retrying");
                 tokio::time::sleep(backoff).await;

@@ -836,22 +836,10 @@ async fn a_batch_planned_behind_one_whose_settle_was_refused_is_not_settled_eith
             (ev.id == early && early_seen.fetch_add(1, Ordering::SeqCst) == 1).then_some(Duration::from_secs(2))
         });
     }
-    // Another relay took the partitions and handed them back: the renewal
-    // takes them again, each under a new token.
-    let pool = e.pool.clone();
-    let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
-        let (pool, lose_leases) = (pool.clone(), lose_leases.clone());
-        Box::pin(async move {
-            if called == "tick" && lose_leases.swap(false, Ordering::SeqCst) {
-                sqlx::query("UPDATE ferry.partitions SET owner = NULL, expires_at = NULL")
-                    .execute(&pool)
-                    .await
-                    .unwrap();
-            }
-            Ok(())
-        })
-    });
-    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let store = Hooked::new(
+        PgStore::new(e.pool.clone()),
+        lose_leases_at_next_tick(&e.pool, lose_leases),
+    );
     let relay = start_on(
         &e,
         store,
@@ -878,6 +866,73 @@ async fn a_batch_planned_behind_one_whose_settle_was_refused_is_not_settled_eith
         "the later event of key k arrived first: {got:?} (early {early}, late {late})"
     );
     assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
+}
+
+/// A route worker records batch n while it claims batch n + 1. If the
+/// relay lost its leases while it published n and took them again under
+/// new tokens, the record of n is refused and n's deliveries stay pending;
+/// n + 1, claimed past them, must not be published, or a key's later event
+/// goes out before its earlier one is published again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_publishes_nothing_claimed_behind_a_refused_record() {
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+    let e = env().await;
+    let event = |n: u32| Event::new("order.item.created", json!({ "n": n })).key("k");
+    let ids = produce(&e.pool, vec![event(0), event(1)]).await;
+    let (early, late) = (ids[0], ids[1]);
+    // Both wait for the route worker, as parked events do.
+    sqlx::raw_sql(
+        "INSERT INTO ferry.deliveries (seq, route, partition, key)
+         SELECT u.seq, 'orders', u.partition, ev.key FROM ferry.unrouted u JOIN ferry.events ev USING (seq);
+         DELETE FROM ferry.unrouted",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let early_seen = Arc::new(AtomicU32::new(0));
+    let lose_leases = Arc::new(AtomicBool::new(false));
+    {
+        let (early_seen, lose_leases) = (early_seen.clone(), lose_leases.clone());
+        e.sink.delay_when(move |ev| {
+            // In flight across a renewal (a third of the 3 s lease).
+            (ev.id == early && early_seen.fetch_add(1, Ordering::SeqCst) == 0).then(|| {
+                lose_leases.store(true, Ordering::SeqCst);
+                Duration::from_millis(2_500)
+            })
+        });
+    }
+    let store = Hooked::new(
+        PgStore::new(e.pool.clone()),
+        lose_leases_at_next_tick(&e.pool, lose_leases),
+    );
+    let relay = start_on(
+        &e,
+        store,
+        RelaySettings {
+            batch_size: 1,
+            ..settings("regained", 6)
+        },
+        vec![route("orders", "order.**")],
+    );
+    eventually("both events", Duration::from_secs(60), || {
+        let got = e.sink.delivered_ids("orders");
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+    // Whatever else is published again, long enough to arrive.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let report = relay.stop().await;
+    assert!(
+        report.refused > 0,
+        "the record of batch one was not refused: {report:?}"
+    );
+    let got = e.sink.delivered_ids("orders");
+    let first_late = got.iter().position(|g| *g == late).unwrap();
+    assert!(
+        !got[first_late..].contains(&early),
+        "the earlier event of key k went out again after the later one: {got:?} (early {early}, late {late})"
+    );
 }
 
 /// A database that stops answering (a partition, not a refusal) must not
@@ -1034,4 +1089,23 @@ async fn a_failure_holds_its_key_back_in_a_batch_fetched_before_the_failure_was_
         "k's later event went out before its retried one"
     );
     assert_eq!(report.order_breaks, 0);
+}
+
+/// A store hook for which, once `armed` is set, the next renewal finds the
+/// relay's partitions free, as if another relay had taken them and handed
+/// them back: it takes them again, each under a new token.
+fn lose_leases_at_next_tick(pool: &PgPool, armed: Arc<std::sync::atomic::AtomicBool>) -> ferry_testkit::hooked::Hook {
+    let pool = pool.clone();
+    Arc::new(move |called| {
+        let (pool, armed) = (pool.clone(), armed.clone());
+        Box::pin(async move {
+            if called == "tick" && armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                sqlx::query("UPDATE ferry.partitions SET owner = NULL, expires_at = NULL")
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+            }
+            Ok(())
+        })
+    })
 }
