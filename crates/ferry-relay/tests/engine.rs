@@ -783,12 +783,7 @@ async fn a_batch_planned_behind_one_that_could_not_be_settled_is_not_settled_eit
     .await;
     relay.stop().await;
     assert!(slow_attempts.load(Ordering::SeqCst) >= 1 && early_attempts.load(Ordering::SeqCst) >= 3);
-    let got = e.sink.delivered_ids("orders");
-    let at = |id| got.iter().position(|g| *g == id).unwrap();
-    assert!(
-        at(early) < at(late),
-        "the later event of key k arrived first: {got:?} (early {early}, late {late})"
-    );
+    assert_arrived_first(&e, early, late);
     assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
 }
 
@@ -859,12 +854,7 @@ async fn a_batch_planned_behind_one_whose_settle_was_refused_is_not_settled_eith
         report.refused > 0,
         "the settle of batch one was not refused: {report:?}"
     );
-    let got = e.sink.delivered_ids("orders");
-    let at = |id| got.iter().position(|g| *g == id).unwrap();
-    assert!(
-        at(early) < at(late),
-        "the later event of key k arrived first: {got:?} (early {early}, late {late})"
-    );
+    assert_arrived_first(&e, early, late);
     assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
 }
 
@@ -1089,6 +1079,16 @@ async fn a_failure_holds_its_key_back_in_a_batch_fetched_before_the_failure_was_
         "k's later event went out before its retried one"
     );
     assert_eq!(report.order_breaks, 0);
+}
+
+/// `early` reached the route before `late` did.
+fn assert_arrived_first(e: &Env, early: EventId, late: EventId) {
+    let got = e.sink.delivered_ids("orders");
+    let at = |id| got.iter().position(|g| *g == id).unwrap();
+    assert!(
+        at(early) < at(late),
+        "the later event of key k arrived first: {got:?} (early {early}, late {late})"
+    );
 }
 
 /// A store hook for which, once `armed` is set, the next renewal finds the
