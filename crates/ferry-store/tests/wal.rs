@@ -200,7 +200,20 @@ async fn a_loss_is_reported_by_whichever_relay_replaces_the_slot_after_an_attemp
 /// were routed already, or the relay would skip its events for good.
 #[tokio::test]
 async fn look_reports_transactions_not_yet_visible() {
-    let db = TestDb::create().await;
+    look_tells_open_from_committed(TestDb::create().await).await;
+}
+
+/// The same on a server past its first 2³² transactions, where the slot's
+/// 32-bit xid must be placed in the right epoch. The newest transaction of
+/// a quiet server is at or above its snapshots' `xmax`: placed an epoch too
+/// early, it read as long committed, and its events were skipped.
+#[tokio::test]
+async fn look_reports_transactions_not_yet_visible_past_the_first_epoch() {
+    let server = PgServer::start_in_epoch(1).await;
+    look_tells_open_from_committed(TestDb::create_on(&server.admin_url()).await).await;
+}
+
+async fn look_tells_open_from_committed(db: TestDb) {
     let pool = db.pool().await;
     migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
     let source = source_of(&db, &pool);
@@ -213,6 +226,16 @@ async fn look_reports_transactions_not_yet_visible() {
     let xid = (xid & 0xffff_ffff) as u32;
     let look = source.look(&[], &[], &[], &[xid]).await.unwrap();
     assert!(look.invisible.contains(&xid), "an open transaction counts as visible");
+    // Still open once later transactions have completed (its xid now below
+    // the snapshots' xmax).
+    for _ in 0..3 {
+        sqlx::query("SELECT pg_current_xact_id()").execute(&pool).await.unwrap();
+    }
+    let look = source.look(&[], &[], &[], &[xid]).await.unwrap();
+    assert!(
+        look.invisible.contains(&xid),
+        "an open transaction older than others counts as visible"
+    );
     tx.commit().await.unwrap();
     let look = source.look(&[], &[], &[], &[xid]).await.unwrap();
     assert!(

@@ -68,6 +68,17 @@ impl PgServer {
     /// When the binaries are missing or the server does not start; the
     /// message says what to install or set.
     pub async fn start() -> PgServer {
+        Self::start_in_epoch(0).await
+    }
+
+    /// Creates a cluster whose transaction ids are in `epoch` (the upper 32
+    /// bits of every `xid8`), as on a server that has used more than 2³²
+    /// transaction ids since it began, and starts it.
+    ///
+    /// # Panics
+    ///
+    /// As [`start`](PgServer::start), and when `pg_resetwal` fails.
+    pub async fn start_in_epoch(epoch: u32) -> PgServer {
         let bin = find_bin();
         // SAFETY: geteuid(2) has no preconditions and cannot fail.
         let as_root = unsafe { libc::geteuid() } == 0;
@@ -118,6 +129,22 @@ impl PgServer {
             String::from_utf8_lossy(&initdb.stdout),
             String::from_utf8_lossy(&initdb.stderr)
         );
+        if epoch > 0 {
+            let reset = server
+                .command("pg_resetwal")
+                .arg("--epoch")
+                .arg(epoch.to_string())
+                .arg("--pgdata")
+                .arg(server.data())
+                .output()
+                .expect("run pg_resetwal");
+            assert!(
+                reset.status.success(),
+                "pg_resetwal --epoch {epoch} failed: {}{}",
+                String::from_utf8_lossy(&reset.stdout),
+                String::from_utf8_lossy(&reset.stderr)
+            );
+        }
         // A free port can be taken by another process before the server
         // binds it: try a few.
         for attempt in 1..=5 {

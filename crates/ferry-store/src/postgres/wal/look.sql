@@ -8,7 +8,10 @@
 -- can be a moment before other sessions see it (and much longer with
 -- synchronous replication). Until its xid is visible, "not in unrouted"
 -- would wrongly read as "routed before": the relay waits instead. The
--- 32-bit xid gets its epoch from the snapshot's xmax, which is above it.
+-- 32-bit xid is placed within 2^31 of the snapshot's xmax, on either side:
+-- a transaction whose commit is in the WAL but not yet in the snapshots'
+-- view can be at or above xmax (the newest of all), and one from long ago
+-- below it, in the epoch before xmax's or in its own.
 WITH snap AS (
     SELECT pg_current_snapshot() AS s, pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS xmax
 )
@@ -26,8 +29,9 @@ SELECT DISTINCT 2, NULL::bigint, d.route, d.key
 UNION ALL
 SELECT 3, x.xid, NULL, NULL
   FROM unnest($4::bigint[]) AS x(xid), snap
+ CROSS JOIN LATERAL (SELECT x.xid - (snap.xmax & 4294967295) AS d) AS diff
  WHERE NOT pg_visible_in_snapshot(
-           (CASE WHEN ((snap.xmax >> 32) << 32 | x.xid) >= snap.xmax
-                 THEN (((snap.xmax >> 32) - 1) << 32 | x.xid)
-                 ELSE ((snap.xmax >> 32) << 32 | x.xid) END)::text::xid8,
+           (snap.xmax + CASE WHEN diff.d >= 2147483648 THEN diff.d - 4294967296
+                             WHEN diff.d < -2147483648 THEN diff.d + 4294967296
+                             ELSE diff.d END)::text::xid8,
            snap.s)
