@@ -158,9 +158,17 @@ pub trait ExpiredBatch: Send {
     fn events(&self) -> &[ArchivedEvent];
     /// Where the next batch starts; at or past `upto` the run is done.
     fn scanned_to(&self) -> i64;
-    /// Deletes exactly [`events`](ExpiredBatch::events), their deliveries
-    /// and failures, and commits. Returns the deliveries deleted.
-    async fn delete(self: Box<Self>) -> Result<u64, DeleteFailed>;
+    /// Deletes [`events`](ExpiredBatch::events) that are still due, with
+    /// their deliveries and failures, and commits. An event requeued or
+    /// retried since it was read stays. Returns what was deleted.
+    async fn delete(self: Box<Self>) -> Result<Deleted, DeleteFailed>;
+}
+
+/// What one [`ExpiredBatch::delete`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Deleted {
+    pub events: u64,
+    pub deliveries: u64,
 }
 
 /// A delete that failed, and whether its rows may be gone all the same.
@@ -298,9 +306,9 @@ pub async fn purge<R: Retention + ?Sized>(
             }
         }
         match batch.delete().await {
-            Ok(deliveries) => {
-                report.events += events;
-                report.deliveries += deliveries;
+            Ok(deleted) => {
+                report.events += deleted.events;
+                report.deliveries += deleted.deliveries;
                 if undo.is_some() {
                     report.archived += events;
                     report.archive_file = archive.as_ref().map(|a| a.path.clone());

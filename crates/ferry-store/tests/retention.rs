@@ -389,7 +389,7 @@ impl ExpiredBatch for FailingBatch {
         self.inner.scanned_to()
     }
 
-    async fn delete(self: Box<Self>) -> Result<u64, DeleteFailed> {
+    async fn delete(self: Box<Self>) -> Result<ferry_store::Deleted, DeleteFailed> {
         if !self.fail {
             return self.inner.delete().await;
         }

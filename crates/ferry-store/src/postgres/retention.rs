@@ -15,7 +15,9 @@ use sqlx::{Postgres, Row, Transaction};
 
 use super::PgStore;
 use super::error::store_error;
-use crate::retention::{ArchivedDelivery, ArchivedEvent, DeleteFailed, ExpiredBatch, Retention, RetentionRules};
+use crate::retention::{
+    ArchivedDelivery, ArchivedEvent, DeleteFailed, Deleted, ExpiredBatch, Retention, RetentionRules,
+};
 
 /// Stretches of the outbox scanned per batch, in batches: bounds the work of
 /// one query when most old events must be kept (dead, or still pending).
@@ -159,9 +161,9 @@ impl ExpiredBatch for PgExpired {
         self.scanned_to
     }
 
-    async fn delete(mut self: Box<Self>) -> Result<u64, DeleteFailed> {
+    async fn delete(mut self: Box<Self>) -> Result<Deleted, DeleteFailed> {
         let Some(mut tx) = self.tx.take() else {
-            return Ok(0);
+            return Ok(Deleted::default());
         };
         let seqs: Vec<i64> = self.events.iter().map(|e| e.seq).collect();
         let (deliveries, events): (i64, i64) = sqlx::query_as(include_str!("sql/retention_delete.sql"))
@@ -178,6 +180,9 @@ impl ExpiredBatch for PgExpired {
             ))));
         }
         tx.commit().await.map_err(|e| DeleteFailed::at_commit(e, store_error))?;
-        Ok(deliveries as u64)
+        Ok(Deleted {
+            events: events as u64,
+            deliveries: deliveries as u64,
+        })
     }
 }

@@ -21,7 +21,7 @@ use super::SqliteStore;
 use super::error::store_error;
 use super::store::{from_micros, micros};
 use crate::retention::{
-    ArchivedDelivery, ArchivedEvent, ArchivedFailure, DeleteFailed, ExpiredBatch, Retention, RetentionRules,
+    ArchivedDelivery, ArchivedEvent, ArchivedFailure, DeleteFailed, Deleted, ExpiredBatch, Retention, RetentionRules,
 };
 
 /// Stretches of the outbox scanned per batch, in batches: bounds the work of
@@ -209,11 +209,11 @@ impl ExpiredBatch for SqliteExpired {
         self.scanned_to
     }
 
-    async fn delete(self: Box<Self>) -> Result<u64, DeleteFailed> {
+    async fn delete(self: Box<Self>) -> Result<Deleted, DeleteFailed> {
         let first = self.events.iter().map(|e| e.seq).min();
         let last = self.events.iter().map(|e| e.seq).max();
         let (Some(store), Some(first), Some(last)) = (&self.store, first, last) else {
-            return Ok(0);
+            return Ok(Deleted::default());
         };
         let mut tx = store
             .pool()
@@ -266,6 +266,9 @@ impl ExpiredBatch for SqliteExpired {
             ))));
         }
         tx.commit().await.map_err(|e| DeleteFailed::at_commit(e, store_error))?;
-        Ok(deleted[1])
+        Ok(Deleted {
+            events: deleted[2],
+            deliveries: deleted[1],
+        })
     }
 }
