@@ -285,6 +285,7 @@ async fn settle_and_confirm<S: Store, C: Clock>(
                 .map(|(i, route, outcome)| (&p.events[*i], route.clone(), outcome.clone()))
                 .collect(),
             through: p.confirm,
+            generation: stream.generation(),
         };
         let now = shared.clock.now();
         let Some(settled) = persist(shared, "settle", || wal.source.settle(&settlement, now)).await else {

@@ -883,6 +883,7 @@ async fn a_failed_tableless_event_is_written_once_with_its_reserved_seq() {
             (&with_seq, "all".to_owned(), failed),
         ],
         through: 0,
+        generation: 0,
     };
     let first = source.settle(&settlement, now).await.unwrap();
     assert_eq!((first.written, first.deliveries), (2, 2));

@@ -393,3 +393,71 @@ async fn a_sweep_of_a_slot_since_replaced_does_not_mark_the_new_slot_swept() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// A settle still under way when its slot is replaced (lost, or gone with a
+/// failover) must not record its position for the new slot: a position of
+/// the old slot can lie ahead of what a promoted server's new slot has yet
+/// to stream, and the next session would start past it.
+#[tokio::test]
+async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
+    use ferry_core::{EventId, StoredEvent};
+    use ferry_store::postgres::wal::{Outcome, Settlement, WalEvent};
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let old = source_of(&db, &pool);
+    let before = old.prepare().await.unwrap().generation;
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(db.name())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let now_made = source_of(&db, &pool).prepare().await.unwrap().generation;
+    assert_ne!(before, now_made, "the replaced slot kept its generation");
+    // A tableless event the old session could not publish: its settle
+    // records a position.
+    let event = WalEvent {
+        event: StoredEvent {
+            id: EventId::new(),
+            seq: 0,
+            event_type: "order.paid".into(),
+            key: Some("k".into()),
+            payload: b"{}".to_vec().into(),
+            content_type: "application/json".into(),
+            headers: Default::default(),
+            created_at: chrono::Utc::now(),
+        },
+        partition: None,
+    };
+    let now = chrono::Utc::now();
+    let settle = |generation: i64| Settlement {
+        outcomes: vec![(
+            &event,
+            "all".to_owned(),
+            Outcome::Retry {
+                next_at: now,
+                error: "down".into(),
+            },
+        )],
+        through: 1 << 40,
+        generation,
+    };
+    let position = async || -> Option<i64> {
+        sqlx::query_scalar("SELECT settled_lsn FROM ferry.wal_slots WHERE slot = $1")
+            .bind(db.name())
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let written = old.settle(&settle(before), now).await.unwrap();
+    assert_eq!(written.written, 1, "the failed event was not written to the outbox");
+    assert_eq!(
+        position().await,
+        None,
+        "a settle of the old slot set the new one's start"
+    );
+    old.settle(&settle(now_made), now).await.unwrap();
+    assert_eq!(position().await, Some(1 << 40));
+    pool.close().await;
+    db.drop_db().await;
+}

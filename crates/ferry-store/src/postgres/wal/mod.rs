@@ -360,13 +360,14 @@ impl WalSource {
     /// from it (this one is then a standby).
     pub async fn open(&self) -> Result<WalStream, StoreError> {
         let mut cfg = replication_config(&self.config)?;
-        let settled: Option<Option<i64>> =
-            sqlx::query_scalar("SELECT settled_lsn FROM ferry.wal_slots WHERE slot = $1")
+        let record: Option<(Option<i64>, i64)> =
+            sqlx::query_as("SELECT settled_lsn, generation FROM ferry.wal_slots WHERE slot = $1")
                 .bind(&self.config.slot)
                 .fetch_optional(&self.pool)
                 .await
                 .map_err(store_error)?;
-        if let Some(lsn) = settled.flatten() {
+        let (settled, generation) = record.unwrap_or_default();
+        if let Some(lsn) = settled {
             cfg = cfg.with_start_lsn(Lsn::from_u64(lsn as u64));
         }
         let mut client = ReplicationClient::connect(cfg)
@@ -382,6 +383,7 @@ impl WalSource {
         Ok(WalStream {
             client,
             decoder: decode::Decoder::default(),
+            generation,
         })
     }
 
@@ -567,9 +569,16 @@ pub enum WalItem {
 pub struct WalStream {
     client: ReplicationClient,
     decoder: decode::Decoder,
+    generation: i64,
 }
 
 impl WalStream {
+    /// The generation of the slot record this session started from, for
+    /// [`Settlement::generation`].
+    pub fn generation(&self) -> i64 {
+        self.generation
+    }
+
     /// The next committed transaction or idle position.
     pub async fn next(&mut self) -> Result<WalItem, StoreError> {
         loop {

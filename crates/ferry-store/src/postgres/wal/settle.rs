@@ -46,6 +46,14 @@ pub struct Settlement<'a> {
     /// that the next session starts after them even when a crash of the
     /// server took the slot's position back.
     pub through: u64,
+    /// The slot record's generation when the stream opened
+    /// ([`WalStream::generation`](super::WalStream::generation)). The
+    /// position is recorded only while it is still that generation: a
+    /// settle that outlived its slot (lost and replaced, or gone with a
+    /// failover) must not set the new slot's start to a position of the
+    /// old one, which on a promoted server can lie ahead of transactions
+    /// the new slot has yet to stream.
+    pub generation: i64,
 }
 
 /// What a settlement wrote.
@@ -259,11 +267,12 @@ impl WalSource {
         if s.through > 0 && s.outcomes.iter().any(|(e, _, _)| e.tableless()) {
             sqlx::query(
                 "UPDATE ferry.wal_slots SET settled_lsn = $2 \
-                  WHERE slot = $1 AND (settled_lsn IS NULL OR settled_lsn < $2)",
+                  WHERE slot = $1 AND generation = $3 AND (settled_lsn IS NULL OR settled_lsn < $2)",
             )
             .bind(&self.config.slot)
             // The same 64 bits: WAL positions stay far below 2^63.
             .bind(s.through as i64)
+            .bind(s.generation)
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;
