@@ -173,7 +173,11 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
             sweep_requeued(shared, source).await;
         }
         let first = if unsettled.is_some() {
-            match stream.try_next()? {
+            let next = match stream.try_next() {
+                Ok(next) => next,
+                Err(e) => return Err(settle_then_fail(shared, wal, &stream, unsettled.take(), e).await),
+            };
+            match next {
                 Some(item) => item,
                 None => {
                     // Nothing more has arrived: settle what is published.
@@ -201,9 +205,11 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
         batch.take(first);
         // Whatever else has arrived joins the batch, up to its size.
         while batch.events < shared.settings.batch_size {
-            match stream.try_next()? {
-                Some(item) => batch.take(item),
-                None => break,
+            match stream.try_next() {
+                Ok(Some(item)) => batch.take(item),
+                Ok(None) => break,
+                // What this batch read so far is replayed by the next session.
+                Err(e) => return Err(settle_then_fail(shared, wal, &stream, unsettled.take(), e).await),
             }
         }
         let carry = unsettled.as_ref().map(Carry::of).unwrap_or_default();
@@ -267,6 +273,23 @@ impl Carry {
         }
         carry
     }
+}
+
+/// The stream failed with a batch published but not yet settled: settle it
+/// first (the write goes through the pool, not the stream), so that the next
+/// session skips its events rather than publish them all again, then pass
+/// the failure on.
+async fn settle_then_fail<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    wal: &Wal,
+    stream: &WalStream,
+    unsettled: Option<Published>,
+    failure: StoreError,
+) -> StoreError {
+    if let Some(p) = unsettled {
+        settle_and_confirm(shared, wal, stream, p).await;
+    }
+    failure
 }
 
 /// Writes a published batch's outcomes, then confirms its position. `false`
