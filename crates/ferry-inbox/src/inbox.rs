@@ -658,17 +658,17 @@ impl Inbox {
     /// [`Inbox`]): its retention, for a consumer that starts from the
     /// beginning; a shorter one lets the handler run twice for one event.
     pub async fn purge(&self, window: Duration, batch: u32) -> Result<u64, InboxError> {
-        let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
-        // A window longer than all time purges nothing (and must not panic).
-        let cutoff = Utc::now()
-            .checked_sub_signed(window)
-            .unwrap_or(DateTime::<Utc>::UNIX_EPOCH);
+        // The cutoff is taken from the database's clock, which wrote
+        // `processed_at`: a consumer host whose clock runs ahead must not
+        // purge rows still inside the window. Past 300 years the window
+        // reaches before any row (and within PostgreSQL's range).
+        let window = window.as_secs_f64().min(1e10);
         let batch = i64::from(batch.max(1));
         let mut total = 0;
         loop {
             let deleted = sqlx::query(PURGE)
                 .bind(&self.consumer)
-                .bind(cutoff)
+                .bind(window)
                 .bind(batch)
                 .execute(&self.pool)
                 .await?
