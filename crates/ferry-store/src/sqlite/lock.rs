@@ -1,10 +1,10 @@
 use std::ffi::OsString;
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, Write};
-use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::path::PathBuf;
 
 use ferry_core::StoreError;
+use sqlx::SqlitePool;
 
 /// One relay per database file. SQLite has no leases that another host could
 /// see, and its single writer gains nothing from a second relay, so a second
@@ -13,48 +13,54 @@ use ferry_core::StoreError;
 /// The lock is an advisory exclusive lock on a file beside the database,
 /// taken once and held until the store is dropped; the operating system
 /// releases it when the process dies, so a crashed relay never blocks the
-/// next one.
-#[derive(Debug)]
+/// next one. Which file the database is comes from SQLite itself, not from
+/// the URL, so every spelling of one file (a relative path, `sqlite://`,
+/// a `file:` URI) takes the same lock.
+#[derive(Debug, Default)]
 pub(super) struct RelayLock {
-    database: PathBuf,
-    /// `None` for an in-memory database, which no other process can open.
-    path: Option<PathBuf>,
-    held: Mutex<Option<File>>,
+    /// Held across the first acquisition's query, so that two ticks of one
+    /// store never open the lock file twice (a second open file would find
+    /// the first one's lock).
+    held: tokio::sync::Mutex<Option<Held>>,
+}
+
+#[derive(Debug)]
+enum Held {
+    /// An in-memory database, which no other process can open.
+    InMemory,
+    /// The lock file, open: the lock lasts as long as it does.
+    File(#[expect(dead_code, reason = "held for its lock, never read")] File),
 }
 
 impl RelayLock {
-    pub(super) fn for_database(database: &Path) -> Self {
-        let name = database.to_string_lossy();
-        let in_memory = name.is_empty() || name == ":memory:" || name.starts_with("file:");
-        let path = (!in_memory).then(|| {
-            let mut p = OsString::from(database.as_os_str());
-            p.push(".relay-lock");
-            PathBuf::from(p)
-        });
-        Self {
-            database: database.to_owned(),
-            path,
-            held: Mutex::new(None),
-        }
-    }
-
     /// Takes the lock unless this store already holds it.
-    pub(super) fn acquire(&self) -> Result<(), StoreError> {
-        let Some(path) = &self.path else {
-            return Ok(());
-        };
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+    pub(super) async fn acquire(&self, pool: &SqlitePool) -> Result<(), StoreError> {
+        let mut held = self.held.lock().await;
         if held.is_some() {
             return Ok(());
         }
-        let db = self.database.display();
+        // Empty for an in-memory or temporary database; otherwise the
+        // file's absolute path, however the URL named it.
+        let file: String = sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
+            .fetch_one(pool)
+            .await
+            .map_err(|e| StoreError::transient(format!("cannot read which file the SQLite database is: {e}")))?;
+        if file.is_empty() {
+            *held = Some(Held::InMemory);
+            return Ok(());
+        }
+        let database = PathBuf::from(file);
+        let mut path = OsString::from(database.as_os_str());
+        path.push(".relay-lock");
+        let path = PathBuf::from(path);
+        let db = database.display();
         let lock = path.display();
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
-            .open(path)
+            .open(&path)
             .map_err(|e| {
                 StoreError::config(format!(
                     "cannot open the relay lock file {lock} beside the SQLite database {db}: {e}; \
@@ -87,7 +93,7 @@ impl RelayLock {
         let _ = file.set_len(0);
         let _ = file.rewind();
         let _ = write!(file, "{}", std::process::id());
-        *held = Some(file);
+        *held = Some(Held::File(file));
         Ok(())
     }
 }

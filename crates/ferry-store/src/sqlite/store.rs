@@ -55,10 +55,9 @@ impl SqliteStore {
     /// Uses `pool`; build it from [`connect_options`] to get WAL and a busy
     /// timeout.
     pub fn new(pool: SqlitePool) -> Self {
-        let lock = RelayLock::for_database(pool.connect_options().get_filename());
         Self {
             pool,
-            lock: Arc::new(lock),
+            lock: Arc::new(RelayLock::default()),
         }
     }
 
@@ -152,7 +151,7 @@ fn json_strings(text: &str) -> Result<Vec<String>, StoreError> {
 #[async_trait]
 impl Store for SqliteStore {
     async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
-        self.lock.acquire()?;
+        self.lock.acquire(&self.pool).await?;
         let lease = lease_micros(lease);
         // IMMEDIATE: take the write lock first, so the reads below cannot go
         // stale before the writes.

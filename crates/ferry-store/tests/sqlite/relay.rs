@@ -35,6 +35,23 @@ async fn a_second_relay_on_the_same_file_is_refused() {
     for needle in [h.path.as_str(), "stop the other relay", "PostgreSQL"] {
         assert!(err.message.contains(needle), "missing {needle:?} in: {err}");
     }
+    // However the URL spells the file: a `file:` URI names it too.
+    for spelling in [
+        format!("sqlite:file:{}", h.path),
+        format!("sqlite://{}?mode=rwc", h.path),
+    ] {
+        let again = SqliteStore::open(&spelling).await.unwrap();
+        let err = again.tick(&RelayId("b".into()), lease, &[]).await.unwrap_err();
+        assert!(err.message.contains("stop the other relay"), "{spelling}: {err}");
+    }
+    // In-memory databases are private to their store: no lock to take.
+    for _ in 0..2 {
+        let memory = SqliteStore::open("sqlite::memory:").await.unwrap();
+        ferry_store::sqlite::migrate(&mut memory.pool().acquire().await.unwrap())
+            .await
+            .unwrap();
+        memory.tick(&RelayId("m".into()), lease, &[]).await.unwrap();
+    }
     // The relay engine refuses to start on it, publishing nothing.
     let sink = Arc::new(MockSink::new());
     let relay = Relay::new(other.clone(), SystemClock, settings("b"), vec![route()], sinks(&sink)).unwrap();
