@@ -76,4 +76,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Manage the WAL streaming slot: `retire` takes it out of use without
+    /// losing a tableless event (to leave WAL mode or change the slot).
+    #[cfg(feature = "postgres")]
+    Wal(crate::commands::wal::WalArgs),
 }

@@ -596,6 +596,57 @@ async fn a_standby_relay_shows_the_slot_lag_while_the_streaming_relay_hangs() {
     ops.pool.close().await;
 }
 
+/// Leaving WAL mode: a relay polling while `ferry.emit` still writes
+/// tableless events for the slot would never deliver them, so `ferry run`
+/// refuses with the fix and `ferry check` fails; `ferry wal retire` (with
+/// the streaming relay still running) takes the slot out of use, after
+/// which polling is allowed.
+#[tokio::test]
+async fn polling_is_refused_beside_a_ready_slot_until_it_is_retired() {
+    let ops = Ops::new().await;
+    let wal = ops.config(&Settings {
+        wal: true,
+        ..Settings::default()
+    });
+    let poll = ops.config(&Settings::default());
+    let streaming = ops.spawn(&wal);
+    eventually(
+        "the relay streaming",
+        || streaming.log(),
+        async || {
+            ferry_store::postgres::wal::streaming(&ops.pool, ops.db.name())
+                .await
+                .unwrap()
+                .then_some(())
+        },
+    )
+    .await;
+    let refused = ops.ferry(&poll, &["run"]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{err}");
+    for needle in [
+        format!("WAL slot {}", ops.db.name()),
+        format!("ferry wal retire --slot {}", ops.db.name()),
+    ] {
+        assert!(err.contains(&needle), "missing {needle:?} in: {err}");
+    }
+    let check = ops.ferry(&poll, &["check"]);
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(!check.status.success() && out.contains("ferry wal retire"), "{out}");
+
+    let retired = ops.ferry(&wal, &["wal", "retire"]);
+    let out = String::from_utf8_lossy(&retired.stdout);
+    assert!(
+        retired.status.success() && out.contains("is retired"),
+        "{out}\n{}",
+        String::from_utf8_lossy(&retired.stderr)
+    );
+    assert!(streaming.terminate().success());
+    let check = ops.ferry(&poll, &["check"]);
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stdout));
+    ops.pool.close().await;
+}
+
 #[tokio::test]
 async fn readyz_fails_while_the_database_is_unreachable_and_recovers() {
     let ops = Ops::new().await;

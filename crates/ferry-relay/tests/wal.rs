@@ -58,6 +58,11 @@ fn route(name: &str, sink: &str) -> Route {
 }
 
 fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
+    start_in(e, id, routes, true)
+}
+
+/// A relay streaming from the WAL (`stream`), or polling the table.
+fn start_in(e: &Env, id: &str, routes: Vec<Route>, stream: bool) -> Running {
     let sinks: HashMap<String, Arc<dyn Sink>> = [
         ("mock".to_string(), e.sink.clone() as Arc<dyn Sink>),
         ("other".to_string(), e.other.clone() as Arc<dyn Sink>),
@@ -86,8 +91,8 @@ fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
         routes,
         sinks,
     )
-    .unwrap()
-    .with_wal(wal);
+    .unwrap();
+    let relay = if stream { relay.with_wal(wal) } else { relay };
     let (stop, rx) = oneshot::channel();
     let handle = tokio::spawn(async move {
         relay
@@ -1048,5 +1053,101 @@ async fn a_requeued_event_that_had_no_route_is_delivered_in_wal_mode() {
     .await;
     assert!(e.sink.delivered("orders").is_empty());
     relay.stop().await;
+    e.db.drop_db().await;
+}
+
+/// Leaving WAL mode: `retire` stops `ferry.emit` writing tableless events
+/// for the slot and returns only once the streaming relay has delivered
+/// every one written before, including one whose transaction was open when
+/// the slot was marked. After that the slot can be dropped and the relays
+/// can poll: every event, tableless or row, arrives, in order per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retired_slot_has_delivered_every_tableless_event_and_polling_delivers_the_rest() {
+    use ferry_store::postgres::wal::retire;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let e = env().await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    // Open when the slot is marked: it read the slot as ready and emitted
+    // for it.
+    let mut open = e.pool.begin().await.unwrap();
+    let early = emit(
+        &mut open,
+        Event::new("order.placed", json!({ "early": true })).key("early"),
+    )
+    .await
+    .unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let producer = {
+        let (pool, done) = (e.pool.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut ids = Vec::new();
+            let mut i = 0;
+            while !done.load(Ordering::SeqCst) {
+                ids.extend(emit_events(&pool, &format!("p{i}"), 1).await);
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            ids
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let retiring = {
+        let (pool, slot) = (e.pool.clone(), e.slot.clone());
+        tokio::spawn(async move { retire(&pool, &slot, |_| {}).await })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !retiring.is_finished(),
+        "retire returned while a transaction that emitted for the slot was open"
+    );
+    open.commit().await.unwrap();
+    retiring.await.unwrap().expect("retire");
+    // Everything written as a tableless event has been delivered by now;
+    // what the producer writes from here on are rows.
+    let delivered: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+    done.store(true, Ordering::SeqCst);
+    let mut ids = vec![(early, "early".to_owned())];
+    ids.extend(producer.await.unwrap());
+    let rows: std::collections::HashSet<String> = sqlx::query_scalar("SELECT id::text FROM ferry.events")
+        .fetch_all(&e.pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    assert!(
+        !rows.is_empty(),
+        "ferry.emit still wrote tableless events after the slot was retired"
+    );
+    let tableless: Vec<_> = ids.iter().filter(|(id, _)| !rows.contains(&id.0.to_string())).collect();
+    assert!(tableless.len() > 1, "no event was tableless: the test proves nothing");
+    assert!(
+        delivered.contains(&early),
+        "the event of the open transaction was not delivered"
+    );
+    assert!(
+        tableless.iter().all(|(id, _)| delivered.contains(id)),
+        "a tableless event was still undelivered when retire returned"
+    );
+    // Leave WAL mode: stop, drop the slot, poll.
+    relay.stop().await;
+    // The walsender may take a moment to let the slot go.
+    eventually_async("the slot dropped", Duration::from_secs(20), async || {
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(&e.slot)
+            .execute(&e.pool)
+            .await
+            .is_ok()
+    })
+    .await;
+    let more = emit_events(&e.pool, "polled", 20).await;
+    ids.extend(more);
+    let polling = start_in(&e, "poll-a", vec![route("all", "mock")], false);
+    eventually("every event", Duration::from_secs(60), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len()
+    })
+    .await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
+    polling.stop().await;
     e.db.drop_db().await;
 }

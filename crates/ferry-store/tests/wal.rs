@@ -461,3 +461,66 @@ async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// `ferry.emit` writes tableless events for the ready slot; a relay
+/// configured with another slot name would never read them, so it is
+/// refused with the fix, until the first slot is retired (or gone).
+#[tokio::test]
+async fn a_relay_on_another_slot_is_refused_while_emit_writes_for_the_first() {
+    use ferry_store::postgres::wal::emit_slots;
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let first = source_of(&db, &pool);
+    let prepared = first.prepare().await.unwrap();
+    first.mark_swept(&prepared).await.unwrap();
+    assert_eq!(emit_slots(&pool, None).await.unwrap(), vec![db.name().to_owned()]);
+    assert!(emit_slots(&pool, Some(db.name())).await.unwrap().is_empty());
+
+    let other_name = format!("{}_b", db.name());
+    let other = WalSource::new(
+        pool.clone(),
+        WalConfig {
+            slot: other_name.clone(),
+            ..config_of(&db)
+        },
+    )
+    .unwrap();
+    let err = other.prepare().await.unwrap_err();
+    assert_eq!(err.kind, ferry_core::ErrorKind::Config, "{err}");
+    for needle in [format!("wal_slot = \"{}\"", db.name()), "ferry wal retire".to_owned()] {
+        assert!(err.message.contains(&needle), "missing {needle:?} in: {err}");
+    }
+    let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)")
+        .bind(&other_name)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(!exists, "the refused relay made its slot anyway");
+
+    // Marked not ready, as `retire` does first: ferry.emit writes rows, and
+    // the other slot may start.
+    sqlx::query("UPDATE ferry.wal_slots SET ready = false WHERE slot = $1")
+        .bind(db.name())
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(emit_slots(&pool, None).await.unwrap().is_empty());
+    assert!(
+        emit_one(&pool).await,
+        "ferry.emit wrote a tableless event for a slot not ready"
+    );
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(db.name())
+        .execute(&pool)
+        .await
+        .unwrap();
+    other.prepare().await.unwrap();
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(&other_name)
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    db.drop_db().await;
+}

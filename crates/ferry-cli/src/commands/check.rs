@@ -26,6 +26,8 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
         #[cfg(feature = "postgres")]
         if cfg.relay.mode == crate::config::RelayMode::Wal {
             findings.extend(check_wal(cfg).await);
+        } else {
+            findings.extend(check_no_slot_unread(cfg).await);
         }
     }
     // Loading a config without routes is fine (migrate, status, capture
@@ -172,6 +174,29 @@ async fn check_wal(cfg: &Config) -> Vec<Finding> {
             ..Finding::default()
         })
         .collect()
+}
+
+#[cfg(feature = "postgres")]
+/// Polling: a WAL slot that `ferry.emit` still writes tableless events for
+/// would have them read by nobody. Silent when there is none.
+async fn check_no_slot_unread(cfg: &Config) -> Vec<Finding> {
+    let Ok(crate::store::AnyStore::Postgres(pg)) = super::store(cfg) else {
+        return Vec::new();
+    };
+    match ferry_store::postgres::wal::emit_slots(pg.pool(), None).await {
+        Ok(slots) => slots
+            .first()
+            .map(|slot| Finding {
+                what: format!("WAL slot {slot}"),
+                ok: false,
+                detail: super::run::poll_beside_slot(slot),
+                ..Finding::default()
+            })
+            .into_iter()
+            .collect(),
+        // No schema, no database: already findings of their own.
+        Err(_) => Vec::new(),
+    }
 }
 
 /// A finding per captured table: its trigger matches the table, or is out

@@ -10,6 +10,8 @@ pub mod show;
 mod status;
 pub mod tail;
 mod unserved;
+#[cfg(feature = "postgres")]
+pub mod wal;
 
 use std::process::ExitCode;
 
@@ -52,6 +54,8 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Capture(args) => capture::run(&cfg, args).await,
         Command::Check { json } => check::run(&cfg, json).await,
         Command::Purge { dry_run, json } => purge::run(&cfg, dry_run, json).await,
+        #[cfg(feature = "postgres")]
+        Command::Wal(args) => wal::run(&cfg, args).await,
     }
 }
 

@@ -85,7 +85,11 @@ async fn start(cfg: Config) -> anyhow::Result<Started> {
     )
     .map_err(|e| UsageError(e.to_string()))?;
     let relay = match cfg.relay.mode {
-        RelayMode::Poll => relay,
+        RelayMode::Poll => {
+            #[cfg(feature = "postgres")]
+            refuse_unread_slot(&store).await?;
+            relay
+        }
         #[cfg(feature = "postgres")]
         RelayMode::Wal => relay.with_wal(wal(&cfg, &store).await?),
         // Refused with the fix when the config is read.
@@ -209,6 +213,37 @@ fn init_telemetry(cfg: &Config) -> anyhow::Result<()> {
     }
     telemetry::init_logs(&cfg.log);
     Ok(())
+}
+
+#[cfg(feature = "postgres")]
+/// A relay polling while `ferry.emit` writes tableless events for a WAL
+/// slot would never deliver them: refused with the fix. A database not
+/// reachable yet is let through (the relay retries it), with a warning.
+async fn refuse_unread_slot(store: &crate::store::AnyStore) -> anyhow::Result<()> {
+    #[cfg_attr(not(feature = "sqlite"), allow(irrefutable_let_patterns))]
+    let crate::store::AnyStore::Postgres(pg) = store else {
+        return Ok(());
+    };
+    match ferry_store::postgres::wal::emit_slots(pg.pool(), None).await {
+        Ok(slots) => match slots.first() {
+            None => Ok(()),
+            Some(slot) => Err(UsageError(poll_beside_slot(slot)).into()),
+        },
+        Err(e) => {
+            warn!(error = %e, "could not check whether ferry.emit writes tableless events for a WAL slot");
+            Ok(())
+        }
+    }
+}
+
+/// Why polling is refused while `ferry.emit` writes for `slot`, and the fix.
+#[cfg(feature = "postgres")]
+pub(crate) fn poll_beside_slot(slot: &str) -> String {
+    format!(
+        "relay.mode = \"poll\", but ferry.emit writes tableless events for WAL slot {slot}, which only a relay \
+         in WAL mode reads: set relay.mode = \"wal\" (relay.wal_slot = \"{slot}\"), or, to leave WAL mode, \
+         retire the slot first with `ferry wal retire --slot {slot}`"
+    )
 }
 
 #[cfg(feature = "postgres")]

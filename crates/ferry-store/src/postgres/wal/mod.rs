@@ -178,6 +178,13 @@ impl WalSource {
             )));
         }
         let WalConfig { slot, publication, .. } = &self.config;
+        if let Some(other) = emit_slots(&self.pool, Some(slot)).await?.first() {
+            return Err(StoreError::config(format!(
+                "replication slot {other} is this database's WAL slot: ferry.emit writes tableless events \
+                 for it, which a relay on slot {slot} would never read; set [relay] wal_slot = \"{other}\", \
+                 or retire slot {other} first (`ferry wal retire {other}`, see the operations guide)"
+            )));
+        }
         let has_publication: bool =
             sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
                 .bind(publication)
@@ -402,6 +409,136 @@ fn already_exists(e: &sqlx::Error) -> bool {
 /// Whether the object was gone already (another relay dropped it first).
 fn undefined_object(e: &sqlx::Error) -> bool {
     e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42704")
+}
+
+/// The slots of this database, other than `except`, that `ferry.emit`
+/// writes tableless events for: marked ready and kept by the server, as
+/// `ferry._emit` checks. Only a relay streaming from such a slot reads
+/// those events, so a relay polling, or streaming from another slot, must
+/// not start while one exists: what `ferry.emit` writes would be lost.
+pub async fn emit_slots(pool: &PgPool, except: Option<&str>) -> Result<Vec<String>, StoreError> {
+    sqlx::query_scalar(
+        "SELECT w.slot FROM ferry.wal_slots w JOIN pg_replication_slots s ON s.slot_name = w.slot \
+          WHERE w.ready AND s.database = current_database() AND s.wal_status IN ('reserved', 'extended') \
+            AND w.slot IS DISTINCT FROM $1 \
+          ORDER BY 1",
+    )
+    .bind(except)
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)
+}
+
+/// Where [`retire`] is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Retiring {
+    /// The slot is marked not ready: new `ferry.emit` calls write outbox
+    /// rows. Waiting for transactions that may still emit for the slot.
+    Marked,
+    /// Every such transaction has ended; waiting for the streaming relay to
+    /// settle the WAL through `through` (bytes still to go: `behind`).
+    Draining { through: u64, behind: u64 },
+    /// No relay streams from the slot: nothing moves until one does.
+    NoRelay,
+}
+
+/// Takes `slot` out of use without losing a tableless event: marks it not
+/// ready, so that `ferry.emit` writes outbox rows from then on, waits until
+/// every transaction that may have seen it ready has ended, then until the
+/// relay streaming from it has settled the WAL through that point. Returns
+/// that position. Afterwards the slot holds no event the relay has not
+/// settled: stop the relays in WAL mode and drop it (`SELECT
+/// pg_drop_replication_slot(...)`), then start them polling, or on another
+/// slot. A relay in WAL mode that restarts meanwhile sweeps and marks the
+/// slot ready again; that fails the retirement, which can be run again.
+///
+/// `report` hears each step (and every second while waiting); the wait
+/// ends only when the slot has caught up, or fails on a database error.
+pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring)) -> Result<u64, StoreError> {
+    let marked: Option<i64> = sqlx::query_scalar(
+        "UPDATE ferry.wal_slots SET ready = false, generation = generation + 1 WHERE slot = $1 \
+         RETURNING generation",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .map_err(store_error)?;
+    let Some(generation) = marked else {
+        return Err(StoreError::config(format!(
+            "no WAL slot {slot} is recorded in ferry.wal_slots: no relay has streamed from it, so it holds \
+             no tableless event; check the slot's name ([relay] wal_slot)"
+        )));
+    };
+    report(Retiring::Marked);
+    // A transaction running when the marking committed may have read the
+    // slot as ready and emit for it still; one begun after cannot. Every
+    // transaction holds the lock on its virtual id until it ends (readable
+    // whatever the role, unlike pg_stat_activity's transaction columns).
+    let running: Vec<String> = sqlx::query_scalar(
+        "SELECT l.virtualxid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+          WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_backend_pid() \
+            AND a.datname = current_database() AND a.backend_type = 'client backend'",
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(store_error)?;
+    loop {
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'virtualxid' AND virtualxid = ANY($1)")
+                .bind(&running)
+                .fetch_one(pool)
+                .await
+                .map_err(store_error)?;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let through: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(pool)
+        .await
+        .map_err(store_error)?;
+    let mut said = tokio::time::Instant::now() - Duration::from_secs(1);
+    loop {
+        type Row = (Option<i64>, bool, bool, i64);
+        let row: Option<Row> = sqlx::query_as(
+            "SELECT (s.confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, s.active, w.ready, w.generation \
+               FROM pg_replication_slots s JOIN ferry.wal_slots w ON w.slot = s.slot_name \
+              WHERE s.slot_name = $1",
+        )
+        .bind(slot)
+        .fetch_optional(pool)
+        .await
+        .map_err(store_error)?;
+        let Some((confirmed, active, ready, now_generation)) = row else {
+            return Err(StoreError::config(format!(
+                "replication slot {slot} is gone: tableless events it had not handed over are lost, as after a \
+                 failover; ferry.emit writes outbox rows while no ready slot exists"
+            )));
+        };
+        if ready || now_generation != generation {
+            return Err(StoreError::config(format!(
+                "a relay in WAL mode restarted and took slot {slot} up again while it was being retired; \
+                 retire it again, and do not restart the relays until it is done"
+            )));
+        }
+        let confirmed = confirmed.unwrap_or(0);
+        if confirmed >= through {
+            return Ok(through as u64);
+        }
+        if said.elapsed() >= Duration::from_secs(1) {
+            said = tokio::time::Instant::now();
+            report(if active {
+                Retiring::Draining {
+                    through: through as u64,
+                    behind: (through - confirmed) as u64,
+                }
+            } else {
+                Retiring::NoRelay
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Whether a relay streams from `slot` and has swept what was committed
