@@ -159,8 +159,18 @@ impl<S: Store, C: Clock> Shared<S, C> {
         (!view.owned.is_empty() && Instant::now() < view.valid_until).then(|| view.owned.clone())
     }
 
+    /// Waits for a new lease view (or the next renewal's time), for a
+    /// caller that found no valid lease.
     pub async fn wait_for_lease(&self) {
         let mut rx = self.lease.clone();
+        // A clone starts from the shared receiver's seen version, which
+        // never advances: without this, every view ever sent counts as new
+        // and the caller spins for as long as it holds no valid lease.
+        rx.borrow_and_update();
+        // A view that came between the caller's look and the line above.
+        if self.valid_ownership().is_some() {
+            return;
+        }
         tokio::select! {
             _ = rx.changed() => {}
             _ = tokio::time::sleep(self.settings.renew_every()) => {}

@@ -1109,3 +1109,71 @@ fn lose_leases_at_next_tick(pool: &PgPool, armed: Arc<std::sync::atomic::AtomicB
         })
     })
 }
+
+/// A relay whose lease ran out (its renewals failing, as while the database
+/// is unreachable) waits for a new one without spinning: the router and the
+/// workers used to take every lease view ever sent for a new one and loop
+/// at once, a core each, for as long as the outage lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_without_a_lease_waits_for_one_without_spinning() {
+    let e = env().await;
+    let unreachable = Arc::new(AtomicBool::new(false));
+    let hook: ferry_testkit::hooked::Hook = {
+        let unreachable = unreachable.clone();
+        Arc::new(move |called| {
+            let fail = called == "tick" && unreachable.load(Ordering::SeqCst);
+            Box::pin(async move {
+                if fail {
+                    Err(ferry_core::StoreError::transient("the database is unreachable"))
+                } else {
+                    Ok(())
+                }
+            })
+        })
+    };
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let relay = start_on(
+        &e,
+        store,
+        settings("leaseless", 4),
+        vec![route("orders", "order.**"), route("audit", "order.**")],
+    );
+    let first = produce(&e.pool, orders(5, 2)).await;
+    eventually("the first events", Duration::from_secs(30), || {
+        let got = e.sink.delivered_ids("orders");
+        first.iter().all(|id| got.contains(id))
+    })
+    .await;
+    unreachable.store(true, Ordering::SeqCst);
+    // Past the 3 s lease: no valid lease from here on. A commit wakes the
+    // relay, which finds no lease and must wait for one.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut ids = first;
+    ids.extend(produce(&e.pool, orders(5, 2)).await);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let before = cpu_seconds();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let used = cpu_seconds() - before;
+    assert!(
+        used < 0.5,
+        "the relay used {used:.2} s of CPU in 2 s while it waited for a lease"
+    );
+    unreachable.store(false, Ordering::SeqCst);
+    ids.extend(produce(&e.pool, orders(5, 2)).await);
+    eventually("every event after the outage", Duration::from_secs(30), || {
+        let got = e.sink.delivered_ids("orders");
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+    relay.stop().await;
+}
+
+/// This process's CPU time, user and system, in seconds (Linux).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+    // Fields after the command name: state (3) first, utime (14) and stime
+    // (15) in clock ticks, 100 a second.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / 100.0
+}
