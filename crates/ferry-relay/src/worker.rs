@@ -129,15 +129,26 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 drop(gate);
                 continue;
             }
-            let next = shared.store.next_due(&owned, &route.name, now).await.ok().flatten();
+            let next = shared.store.next_due(&owned, &route.name, now).await;
             drop(gate);
             // The router wakes this worker when it creates deliveries, the
             // lease keeper when partitions arrive, the timer when a retry is
             // due; the slow poll only guards against a missed wake-up.
             let mut wait = shared.settings.poll_interval * 4;
-            if let Some(at) = next {
-                let until = (at - shared.clock.now()).to_std().unwrap_or_default();
-                wait = wait.min(until + Duration::from_millis(1));
+            match next {
+                Ok(Some(at)) => {
+                    let until = (at - shared.clock.now()).to_std().unwrap_or_default();
+                    wait = wait.min(until + Duration::from_millis(1));
+                }
+                Ok(None) => {}
+                // Not knowing when the next retry is due, look again as
+                // soon as a failed claim would, not at the slow poll.
+                Err(e) => {
+                    warn!(route = %route.name, error = %e, "reading the next retry's time failed; retrying");
+                    ::metrics::counter!(metrics::STORE_ERRORS, "op" => "next_due").increment(1);
+                    wait = wait.min(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
             }
             let _idle = shared.progress.idle_guard();
             tokio::select! {

@@ -1177,3 +1177,48 @@ fn cpu_seconds() -> f64 {
     let fields: Vec<&str> = rest.split_whitespace().collect();
     (fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap()) / 100.0
 }
+
+/// A worker that cannot read when its next retry is due looks again soon,
+/// not at the slow poll (four poll intervals: four minutes here) while the
+/// retry waits. Nothing else would wake it: no new event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_read_of_the_next_retry_time_does_not_leave_the_retry_to_the_slow_poll() {
+    use std::sync::atomic::AtomicUsize;
+    let e = env().await;
+    let failed_reads = Arc::new(AtomicUsize::new(0));
+    let hook: ferry_testkit::hooked::Hook = {
+        let failed_reads = failed_reads.clone();
+        Arc::new(move |called| {
+            let fail = called == "next_due" && failed_reads.fetch_add(1, Ordering::SeqCst) < 3;
+            Box::pin(async move {
+                if fail {
+                    Err(ferry_core::StoreError::transient("the database is unreachable"))
+                } else {
+                    Ok(())
+                }
+            })
+        })
+    };
+    // Each event's first attempt fails.
+    let tried = std::sync::Mutex::new(std::collections::HashSet::new());
+    e.sink.fail_when(move |ev| {
+        tried
+            .lock()
+            .unwrap()
+            .insert(ev.id)
+            .then(|| SinkError::transient("timed out"))
+    });
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let relay = start_on(&e, store, settings("next-due", 4), vec![route("orders", "order.**")]);
+    let ids = produce(&e.pool, orders(3, 1)).await;
+    eventually("every event, on its retry", Duration::from_secs(30), || {
+        let got = e.sink.delivered_ids("orders");
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+    assert!(
+        failed_reads.load(Ordering::SeqCst) >= 1,
+        "the next retry's time was never read: the test proves nothing"
+    );
+    relay.stop().await;
+}
