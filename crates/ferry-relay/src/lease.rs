@@ -44,8 +44,14 @@ pub(crate) async fn keep<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, tx: watc
             Ok(mut owned) => {
                 owned.relay = settings.id.clone();
                 let fair = owned.fair_share();
-                let before = tx.borrow().owned.partitions();
-                let gained = owned.partitions().iter().any(|p| !before.contains(p));
+                let (before, held) = {
+                    let view = tx.borrow();
+                    (view.owned.partitions(), view.owned.leases.clone())
+                };
+                // A partition taken again under a new token counts too:
+                // another relay may have left work there meanwhile, which
+                // workers idle since before would not see until their poll.
+                let gained = owned.leases.iter().any(|l| !held.contains(l));
                 if owned.partitions() != before {
                     info!(
                         partitions = owned.leases.len(),
