@@ -259,6 +259,69 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     env.cleanup().await;
 }
 
+/// Two durable consumers of one stream that give up on the same message
+/// both dead-letter it into a shared dead-letter stream: the second copy is
+/// not dropped as a duplicate of the first (JetStream's duplicate window is
+/// per stream, two minutes by default), which would ack a message whose
+/// dead letter exists nowhere.
+#[tokio::test]
+async fn two_durables_giving_up_on_one_message_each_keep_their_dead_letter() {
+    let env = Env::new("inbox-nats-dead-shared").await;
+    let mut dead = env
+        .js
+        .get_stream(&env.dead_stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    dead.duplicate_window = Duration::from_secs(120);
+    env.js.update_stream(&dead).await.unwrap();
+    let billing = NatsConsumer::new(env.db.inbox_giving_up_after(3), env.options(nats_url())).unwrap();
+    let mut options = env.options(nats_url());
+    options.durable = "shipping".into();
+    let shipping_inbox = Inbox::new(env.db.pool.clone(), "shipping").unwrap();
+    let shipping = NatsConsumer::new(shipping_inbox, options).unwrap();
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| effect(tx, event).await;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let scenario = async {
+        // A message no Ferry sink wrote: both consumers give up on it at once.
+        env.js
+            .publish(env.subject.clone(), "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        wait("both consumers dead-lettered it", || async {
+            billing.report().malformed == 1 && shipping.report().malformed == 1
+        })
+        .await;
+        let _ = stop.send(true);
+    };
+    let until = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stopped| *stopped).await;
+    };
+    let (a, b, ()) = tokio::join!(
+        billing.run(handler, until(stopped.clone())),
+        shipping.run(handler, until(stopped.clone())),
+        scenario
+    );
+    a.unwrap();
+    b.unwrap();
+    let mut by: Vec<String> = env
+        .dead_letters()
+        .await
+        .iter()
+        .map(|m| {
+            let headers = m.message.headers.as_ref().unwrap();
+            headers.get(DEAD_CONSUMER_HEADER).unwrap().as_str().to_owned()
+        })
+        .collect();
+    by.sort();
+    assert_eq!(by, ["billing", "shipping"], "a dead letter was dropped as a duplicate");
+    env.cleanup().await;
+}
+
 /// A stream that captures the consumer's own dead-letter subject hands every
 /// dead letter back to the consumer, which dead-letters it again, without
 /// end, growing the stream. The consumer refuses to start on such a stream

@@ -177,8 +177,11 @@ where
     async fn dead_letter(&self, js: &Context, message: &jetstream::Message, reason: &str) -> Result<(), String> {
         let o = self.options;
         let mut headers = message.message.headers.clone().unwrap_or_default();
-        // A copy must not be dropped as a duplicate of the original.
-        headers.insert("Nats-Msg-Id", format!("dead-{}", message_id(message)).as_str());
+        // A copy must not be dropped as a duplicate of the original, nor of
+        // the copy another durable made of the same message into a shared
+        // dead-letter stream; this durable's own retries of it may be.
+        let copy_id = format!("dead-{}-{}", o.durable, message_id(message));
+        headers.insert("Nats-Msg-Id", copy_id.as_str());
         headers.insert(DEAD_REASON_HEADER, reason);
         headers.insert(DEAD_CONSUMER_HEADER, o.durable.as_str());
         headers.insert(DEAD_SUBJECT_HEADER, message.message.subject.as_str());
