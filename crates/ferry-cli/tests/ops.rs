@@ -601,6 +601,7 @@ async fn a_standby_relay_shows_the_slot_lag_while_the_streaming_relay_hangs() {
 /// refuses with the fix and `ferry check` fails; `ferry wal retire` (with
 /// the streaming relay still running) takes the slot out of use, after
 /// which polling is allowed.
+#[cfg(feature = "postgres")]
 #[tokio::test]
 async fn polling_is_refused_beside_a_ready_slot_until_it_is_retired() {
     let ops = Ops::new().await;

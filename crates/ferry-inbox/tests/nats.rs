@@ -106,6 +106,17 @@ impl Env {
         got
     }
 
+    /// Publishes a message no Ferry sink wrote: no headers at all, so every
+    /// consumer takes it for malformed.
+    async fn publish_headerless(&self) {
+        self.js
+            .publish(self.subject.clone(), "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
     async fn cleanup(self) {
         let _ = self.js.delete_stream(&self.stream).await;
         let _ = self.js.delete_stream(&self.dead_stream).await;
@@ -206,13 +217,7 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
             }
         }
         let ids = env.db.produce(events).await;
-        // A message no Ferry sink wrote: no headers at all.
-        env.js
-            .publish(env.subject.clone(), "{}".into())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        env.publish_headerless().await;
         wait("every message consumed", || async {
             let r = consumer.report();
             r.processed == GOOD as u64 && r.dead == 3 && r.malformed == 1 && env.outstanding().await == 0
@@ -285,13 +290,8 @@ async fn two_durables_giving_up_on_one_message_each_keep_their_dead_letter() {
     let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| effect(tx, event).await;
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let scenario = async {
-        // A message no Ferry sink wrote: both consumers give up on it at once.
-        env.js
-            .publish(env.subject.clone(), "{}".into())
-            .await
-            .unwrap()
-            .await
-            .unwrap();
+        // Malformed for both consumers: they give up on it at once.
+        env.publish_headerless().await;
         wait("both consumers dead-lettered it", || async {
             billing.report().malformed == 1 && shipping.report().malformed == 1
         })

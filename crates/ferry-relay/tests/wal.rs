@@ -269,20 +269,7 @@ async fn a_relay_killed_mid_stream_loses_nothing() {
                 // Outbox rows survive in the table whatever the slot says;
                 // tableless events live only in the WAL, so they are what
                 // a position confirmed too early would lose.
-                let sent: Vec<EventId> = if t % 2 == 0 {
-                    enqueue_batch(&mut tx, events)
-                        .await
-                        .unwrap()
-                        .into_iter()
-                        .map(|s| s.id)
-                        .collect()
-                } else {
-                    let mut sent = Vec::new();
-                    for ev in events {
-                        sent.push(emit(&mut tx, ev).await.unwrap());
-                    }
-                    sent
-                };
+                let sent = write(&mut tx, t % 2 == 0, events).await;
                 tx.commit().await.unwrap();
                 ids.extend(sent.into_iter().zip(keys));
                 tokio::time::sleep(Duration::from_millis(2)).await;
@@ -350,16 +337,7 @@ async fn a_stream_cut_after_a_publish_loses_nothing_and_sends_nothing_twice() {
                 let keys: Vec<String> = events.iter().map(|ev| ev.get_key().unwrap().to_owned()).collect();
                 // Outbox rows are skipped on replay once settled; tableless
                 // events by the settled position: both must be recorded.
-                let sent: Vec<EventId> = if t % 2 == 0 {
-                    let sent = enqueue_batch(&mut tx, events).await.unwrap();
-                    sent.into_iter().map(|s| s.id).collect()
-                } else {
-                    let mut sent = Vec::new();
-                    for ev in events {
-                        sent.push(emit(&mut tx, ev).await.unwrap());
-                    }
-                    sent
-                };
+                let sent = write(&mut tx, t % 2 == 0, events).await;
                 tx.commit().await.unwrap();
                 ids.extend(sent.into_iter().zip(keys));
                 t += 1;
@@ -588,6 +566,20 @@ async fn tableless_events_are_delivered_and_written_to_the_outbox_only_when_they
     assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
     relay.stop().await;
     e.db.drop_db().await;
+}
+
+/// Writes `events` in `tx`, as outbox rows when `rows`, else as tableless
+/// events; their ids in order.
+async fn write(tx: &mut sqlx::PgConnection, rows: bool, events: Vec<Event>) -> Vec<EventId> {
+    if rows {
+        let sent = enqueue_batch(tx, events).await.unwrap();
+        return sent.into_iter().map(|s| s.id).collect();
+    }
+    let mut sent = Vec::new();
+    for ev in events {
+        sent.push(emit(tx, ev).await.unwrap());
+    }
+    sent
 }
 
 /// Commits `n` outbox rows over seven keys, 10 per transaction.
