@@ -435,8 +435,7 @@ impl Inbox {
             .fetch_optional(&mut *tx)
             .await?;
         let Some((attempts, xid, backend)) = claimed else {
-            drop(tx);
-            return self.already_recorded(event.id).await;
+            return self.recorded_in(tx, event.id).await;
         };
         if let Some(limit) = self.handler_timeout {
             // The backstop to the cancel below: no statement of the attempt
@@ -585,7 +584,24 @@ impl Inbox {
 
     /// A row exists and is done or dead.
     async fn already_recorded(&self, id: EventId) -> Result<Outcome, InboxError> {
-        let record = self.record(id).await?;
+        let record = record_on(&self.pool, &self.consumer, id).await?;
+        Ok(already_recorded(&self.consumer, id, record))
+    }
+
+    /// [`already_recorded`](Self::already_recorded) for a claim (or a
+    /// failure count) that found the row done or dead, read in its own
+    /// transaction: the statement locked the row (`ON CONFLICT DO UPDATE`
+    /// locks it even when its `WHERE` refuses the update), so a `release`
+    /// cannot delete it before it is read. Read afterwards, a row released
+    /// meanwhile looked like a purged one: a duplicate, acknowledged
+    /// without ever running the handler.
+    async fn recorded_in(
+        &self,
+        mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+        id: EventId,
+    ) -> Result<Outcome, InboxError> {
+        let record = record_on(&mut *tx, &self.consumer, id).await?;
+        drop(tx);
         Ok(already_recorded(&self.consumer, id, record))
     }
 
@@ -602,8 +618,7 @@ impl Inbox {
             .await?;
         let Some(attempts) = counted else {
             // Another delivery of the same event finished it meanwhile.
-            drop(tx);
-            return self.already_recorded(event.id).await;
+            return self.recorded_in(tx, event.id).await;
         };
         let outcome = decide_failure(&self.consumer, event.id, attempts, error, &self.retry);
         if let Outcome::Dead { reason, .. } = &outcome {
@@ -623,19 +638,7 @@ impl Inbox {
 
     /// The inbox row for `id`, if any.
     pub async fn record(&self, id: EventId) -> Result<Option<InboxRecord>, InboxError> {
-        let row: Option<(String, i32, Option<String>, DateTime<Utc>)> = sqlx::query_as(
-            "SELECT state, attempts, last_error, processed_at FROM ferry.inbox WHERE consumer = $1 AND event_id = $2",
-        )
-        .bind(&self.consumer)
-        .bind(id.0)
-        .fetch_optional(&self.pool)
-        .await?;
-        Ok(row.map(|(state, attempts, last_error, processed_at)| InboxRecord {
-            state,
-            attempts,
-            last_error,
-            processed_at,
-        }))
+        record_on(&self.pool, &self.consumer, id).await
     }
 
     /// Forgets a dead or failing event so that a replay (from the dead-letter
@@ -679,6 +682,28 @@ impl Inbox {
             }
         }
     }
+}
+
+/// `consumer`'s inbox row for `id`, read through `conn`.
+#[cfg(feature = "postgres")]
+async fn record_on<'c>(
+    conn: impl sqlx::PgExecutor<'c>,
+    consumer: &str,
+    id: EventId,
+) -> Result<Option<InboxRecord>, InboxError> {
+    let row: Option<(String, i32, Option<String>, DateTime<Utc>)> = sqlx::query_as(
+        "SELECT state, attempts, last_error, processed_at FROM ferry.inbox WHERE consumer = $1 AND event_id = $2",
+    )
+    .bind(consumer)
+    .bind(id.0)
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.map(|(state, attempts, last_error, processed_at)| InboxRecord {
+        state,
+        attempts,
+        last_error,
+        processed_at,
+    }))
 }
 
 #[cfg(test)]
