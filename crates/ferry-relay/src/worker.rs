@@ -35,6 +35,8 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
     let sink = shared.sinks[&route.sink].clone();
     let wake = &shared.route_wake[&route.name];
     let mut backoff = Duration::from_millis(50);
+    // For reads of the next retry's time that fail.
+    let mut due_backoff = Duration::from_millis(50);
     let mut unrecorded: Option<Unrecorded> = None;
     // Held from a batch's publish until its outcomes are recorded, across
     // iterations: the lease keeper hands partitions back only while no
@@ -135,19 +137,23 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             // lease keeper when partitions arrive, the timer when a retry is
             // due; the slow poll only guards against a missed wake-up.
             let mut wait = shared.settings.poll_interval * 4;
+            if next.is_ok() {
+                due_backoff = Duration::from_millis(50);
+            }
             match next {
                 Ok(Some(at)) => {
                     let until = (at - shared.clock.now()).to_std().unwrap_or_default();
                     wait = wait.min(until + Duration::from_millis(1));
                 }
                 Ok(None) => {}
-                // Not knowing when the next retry is due, look again as
-                // soon as a failed claim would, not at the slow poll.
+                // Not knowing when the next retry is due, look again soon
+                // (backing off apart from the claim's, which a successful
+                // claim resets), not at the slow poll.
                 Err(e) => {
                     warn!(route = %route.name, error = %e, "reading the next retry's time failed; retrying");
                     ::metrics::counter!(metrics::STORE_ERRORS, "op" => "next_due").increment(1);
-                    wait = wait.min(backoff);
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    wait = wait.min(due_backoff);
+                    due_backoff = (due_backoff * 2).min(Duration::from_secs(5));
                 }
             }
             let _idle = shared.progress.idle_guard();
