@@ -149,7 +149,13 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     // order with the tableless events around it.
     if unswept {
         sweep(shared, source, Sweep::Unrouted).await?;
-        source.mark_swept(&prepared).await?;
+        if !source.mark_swept(&prepared).await? {
+            warn!(
+                slot = %source.config().slot,
+                "the slot is retired (ferry wal retire): ferry.emit writes outbox rows, which this relay streams; \
+                 to finish leaving it, stop the relays, drop the slot and start them polling or on the new slot"
+            );
+        }
     }
     let mut lag_at = Instant::now();
     read_lag(source, &wal.options).await;

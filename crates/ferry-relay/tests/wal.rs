@@ -1121,6 +1121,29 @@ async fn a_retired_slot_has_delivered_every_tableless_event_and_polling_delivers
         tableless.iter().all(|(id, _)| delivered.contains(id)),
         "a tableless event was still undelivered when retire returned"
     );
+    // The stream drops and the relay reconnects (as a standby would take
+    // over): it streams on, but the slot stays retired.
+    sqlx::query("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(&e.slot)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    let reconnected = enqueue_rows(&e.pool, "reconnected", 10).await;
+    eventually("the rows after the reconnect", Duration::from_secs(30), || {
+        let got = e.sink.delivered_ids("all");
+        reconnected.iter().all(|(id, _)| got.contains(id))
+    })
+    .await;
+    ids.extend(reconnected);
+    // The sweep that delivered them comes just before the slot is marked.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        ferry_store::postgres::wal::emit_slots(&e.pool, None)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a relay that reconnected marked the retired slot ready again"
+    );
     // Leave WAL mode: stop, drop the slot, poll.
     relay.stop().await;
     // The walsender may take a moment to let the slot go.

@@ -73,7 +73,7 @@ pub async fn run(cfg: &Config, args: WalArgs) -> anyhow::Result<ExitCode> {
         "slot {slot} is retired: the relay has settled every tableless event written for it (through WAL \
          position {through}), and ferry.emit writes outbox rows. Now stop the relays in WAL mode, drop the \
          slot (SELECT pg_drop_replication_slot('{slot}')) and start them with relay.mode = \"poll\" or another \
-         relay.wal_slot. A relay in WAL mode on this slot that starts before the drop takes it up again."
+         relay.wal_slot. Until then, relays in WAL mode stream outbox rows through it but never take it up again."
     );
     Ok(ExitCode::SUCCESS)
 }

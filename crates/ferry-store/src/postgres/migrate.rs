@@ -24,6 +24,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
     (13, "capture_guard", include_str!("migrations/0013_capture_guard.sql")),
     (14, "capture_key", include_str!("migrations/0014_capture_key.sql")),
+    (
+        15,
+        "wal_slot_retired",
+        include_str!("migrations/0015_wal_slot_retired.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -182,7 +182,7 @@ impl WalSource {
             return Err(StoreError::config(format!(
                 "replication slot {other} is this database's WAL slot: ferry.emit writes tableless events \
                  for it, which a relay on slot {slot} would never read; set [relay] wal_slot = \"{other}\", \
-                 or retire slot {other} first (`ferry wal retire {other}`, see the operations guide)"
+                 or retire slot {other} first (`ferry wal retire --slot {other}`, see the operations guide)"
             )));
         }
         let has_publication: bool =
@@ -230,8 +230,8 @@ impl WalSource {
                 // still the lost one: another relay may have replaced it
                 // meanwhile, and its new slot must survive.
                 sqlx::query(
-                    "UPDATE ferry.wal_slots SET ready = false, settled_lsn = NULL, generation = generation + 1, \
-                            lost = coalesce(lost, 'lost') \
+                    "UPDATE ferry.wal_slots SET ready = false, retired = false, settled_lsn = NULL, \
+                            generation = generation + 1, lost = coalesce(lost, 'lost') \
                       WHERE slot = $1 AND EXISTS (SELECT 1 FROM pg_replication_slots \
                                                    WHERE slot_name = $1 AND wal_status = 'lost')",
                 )
@@ -273,7 +273,7 @@ impl WalSource {
             sqlx::query(
                 "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
                  ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
-                 settled_lsn = NULL, generation = ferry.wal_slots.generation + 1, \
+                 retired = false, settled_lsn = NULL, generation = ferry.wal_slots.generation + 1, \
                  lost = coalesce(ferry.wal_slots.lost, CASE WHEN ferry.wal_slots.ready THEN 'vanished' END) \
                  WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots s \
                                     WHERE s.slot_name = EXCLUDED.slot AND s.wal_status IS DISTINCT FROM 'lost')",
@@ -342,20 +342,20 @@ impl WalSource {
     /// the slot, and ferry.emit may write tableless events. Only for the
     /// slot `prepared` found: if the slot was replaced during the sweep, the
     /// new one is not swept yet, and this fails (transient) so that the
-    /// relay starts over with it.
-    pub async fn mark_swept(&self, prepared: &Prepared) -> Result<(), StoreError> {
-        let marked = sqlx::query("UPDATE ferry.wal_slots SET ready = true WHERE slot = $1 AND generation = $2")
-            .bind(&self.config.slot)
-            .bind(prepared.generation)
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        if marked.rows_affected() == 0 {
-            return Err(StoreError::transient(
-                "the replication slot was replaced during the sweep; starting over with the new slot",
-            ));
-        }
-        Ok(())
+    /// relay starts over with it. A slot [`retire`]d stays not ready:
+    /// returns `false`, and the relay streams on without tableless events.
+    pub async fn mark_swept(&self, prepared: &Prepared) -> Result<bool, StoreError> {
+        let marked: Option<bool> = sqlx::query_scalar(
+            "UPDATE ferry.wal_slots SET ready = NOT retired WHERE slot = $1 AND generation = $2 RETURNING ready",
+        )
+        .bind(&self.config.slot)
+        .bind(prepared.generation)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)?;
+        marked.ok_or_else(|| {
+            StoreError::transient("the replication slot was replaced during the sweep; starting over with the new slot")
+        })
     }
 
     /// Starts streaming after the last settled transaction: from the
@@ -442,22 +442,23 @@ pub enum Retiring {
     NoRelay,
 }
 
-/// Takes `slot` out of use without losing a tableless event: marks it not
-/// ready, so that `ferry.emit` writes outbox rows from then on, waits until
-/// every transaction that may have seen it ready has ended, then until the
-/// relay streaming from it has settled the WAL through that point. Returns
-/// that position. Afterwards the slot holds no event the relay has not
-/// settled: stop the relays in WAL mode and drop it (`SELECT
-/// pg_drop_replication_slot(...)`), then start them polling, or on another
-/// slot. A relay in WAL mode that restarts meanwhile sweeps and marks the
-/// slot ready again; that fails the retirement, which can be run again.
+/// Takes `slot` out of use without losing a tableless event: marks it
+/// retired and not ready, so that `ferry.emit` writes outbox rows from then
+/// on, waits until every transaction that may have seen it ready has ended
+/// (prepared ones included), then until the relay streaming from it has
+/// settled the WAL through that point. Returns that position. Afterwards
+/// the slot holds no event the relay has not settled: stop the relays in
+/// WAL mode and drop it (`SELECT pg_drop_replication_slot(...)`), then
+/// start them polling, or on another slot. Relays in WAL mode may stream,
+/// reconnect and restart meanwhile: they never mark a retired slot ready
+/// again ([`WalSource::mark_swept`]). A new slot of the same name starts
+/// afresh.
 ///
 /// `report` hears each step (and every second while waiting); the wait
 /// ends only when the slot has caught up, or fails on a database error.
 pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring)) -> Result<u64, StoreError> {
     let marked: Option<i64> = sqlx::query_scalar(
-        "UPDATE ferry.wal_slots SET ready = false, generation = generation + 1 WHERE slot = $1 \
-         RETURNING generation",
+        "UPDATE ferry.wal_slots SET ready = false, retired = true WHERE slot = $1 RETURNING generation",
     )
     .bind(slot)
     .fetch_optional(pool)
@@ -472,29 +473,42 @@ pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring))
     report(Retiring::Marked);
     // A transaction running when the marking committed may have read the
     // slot as ready and emit for it still; one begun after cannot. Every
-    // transaction holds the lock on its virtual id until it ends (readable
-    // whatever the role, unlike pg_stat_activity's transaction columns).
+    // transaction holds the lock on its virtual id until it ends; both that
+    // lock and the session's database are visible to any role (unlike
+    // pg_stat_activity's other columns, `backend_type` among them). The
+    // walsender streaming from the slot is left out: it runs for good.
     let running: Vec<String> = sqlx::query_scalar(
         "SELECT l.virtualxid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
           WHERE l.locktype = 'virtualxid' AND l.granted AND l.pid <> pg_backend_pid() \
-            AND a.datname = current_database() AND a.backend_type = 'client backend'",
+            AND a.datname = current_database() \
+            AND l.pid IS DISTINCT FROM (SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1)",
     )
+    .bind(slot)
     .fetch_all(pool)
     .await
     .map_err(store_error)?;
-    loop {
-        let left: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM pg_locks WHERE locktype = 'virtualxid' AND virtualxid = ANY($1)")
-                .bind(&running)
-                .fetch_one(pool)
-                .await
-                .map_err(store_error)?;
-        if left == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let through: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+    wait_until_none(
+        pool,
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'virtualxid' AND virtualxid = ANY($1)",
+        &running,
+    )
+    .await?;
+    // A transaction prepared for two-phase commit has let its virtual id go
+    // but commits later: wait for those of this database too.
+    let prepared: Vec<String> =
+        sqlx::query_scalar("SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
+            .fetch_all(pool)
+            .await
+            .map_err(store_error)?;
+    wait_until_none(
+        pool,
+        "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database() AND gid = ANY($1)",
+        &prepared,
+    )
+    .await?;
+    // The insert position, not the write position: a transaction committed
+    // with synchronous_commit off may not have its commit record written yet.
+    let through: i64 = sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
         .fetch_one(pool)
         .await
         .map_err(store_error)?;
@@ -518,8 +532,9 @@ pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring))
         };
         if ready || now_generation != generation {
             return Err(StoreError::config(format!(
-                "a relay in WAL mode restarted and took slot {slot} up again while it was being retired; \
-                 retire it again, and do not restart the relays until it is done"
+                "slot {slot} was replaced by a new one while it was being retired (it was lost, or dropped \
+                 and made anew); tableless events the old one had not handed over are lost, as after a failover; \
+                 retire the new one if you still mean to"
             )));
         }
         let confirmed = confirmed.unwrap_or(0);
@@ -536,6 +551,24 @@ pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring))
             } else {
                 Retiring::NoRelay
             });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Polls `count` (a query counting which of `$1` remain) until none does.
+async fn wait_until_none(pool: &PgPool, count: &'static str, of: &[String]) -> Result<(), StoreError> {
+    if of.is_empty() {
+        return Ok(());
+    }
+    loop {
+        let left: i64 = sqlx::query_scalar(count)
+            .bind(of)
+            .fetch_one(pool)
+            .await
+            .map_err(store_error)?;
+        if left == 0 {
+            return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
