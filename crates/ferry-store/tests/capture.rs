@@ -345,7 +345,8 @@ async fn a_key_written_per_session_before_the_upgrade_is_reported_until_refreshe
     add(&pool, CaptureSpec::new("notes", "crm.note", "id")).await.unwrap();
 
     let mut conn = pool.acquire().await.unwrap();
-    assert_eq!(migrate(&mut conn).await.unwrap(), [14]);
+    // 14 and whatever came after it.
+    assert_eq!(migrate(&mut conn).await.unwrap().first(), Some(&14));
     let drift = capture::check(&mut conn).await.unwrap();
     assert_eq!(drift.len(), 1, "{drift:?}");
     assert_eq!(drift[0].table, "public.visits");
