@@ -462,6 +462,43 @@ async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
     db.drop_db().await;
 }
 
+/// Two relays configured with different slot names that start at once both
+/// pass `prepare` (neither slot is ready yet); only the first to finish its
+/// sweep may mark its slot ready, or every tableless event would be read by
+/// both and delivered twice.
+#[tokio::test]
+async fn of_two_slots_prepared_at_once_only_the_first_is_marked_ready() {
+    use ferry_store::postgres::wal::emit_slots;
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let first = source_of(&db, &pool);
+    let other_name = format!("{}_b", db.name());
+    let other = WalSource::new(
+        pool.clone(),
+        WalConfig {
+            slot: other_name.clone(),
+            ..config_of(&db)
+        },
+    )
+    .unwrap();
+    let (a, b) = (first.prepare().await.unwrap(), other.prepare().await.unwrap());
+    assert!(first.mark_swept(&a).await.unwrap());
+    let err = other.mark_swept(&b).await.unwrap_err();
+    assert_eq!(err.kind, ferry_core::ErrorKind::Config, "{err}");
+    assert!(err.message.contains("ferry wal retire --slot"), "{err}");
+    assert_eq!(emit_slots(&pool, None).await.unwrap(), vec![db.name().to_owned()]);
+    for slot in [db.name(), other_name.as_str()] {
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(slot)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    pool.close().await;
+    db.drop_db().await;
+}
+
 /// `ferry.emit` writes tableless events for the ready slot; a relay
 /// configured with another slot name would never read them, so it is
 /// refused with the fix, until the first slot is retired (or gone).

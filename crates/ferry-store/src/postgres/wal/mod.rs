@@ -179,11 +179,7 @@ impl WalSource {
         }
         let WalConfig { slot, publication, .. } = &self.config;
         if let Some(other) = emit_slots(&self.pool, Some(slot)).await?.first() {
-            return Err(StoreError::config(format!(
-                "replication slot {other} is this database's WAL slot: ferry.emit writes tableless events \
-                 for it, which a relay on slot {slot} would never read; set [relay] wal_slot = \"{other}\", \
-                 or retire slot {other} first (`ferry wal retire --slot {other}`, see the operations guide)"
-            )));
+            return Err(StoreError::config(another_slot(other, slot)));
         }
         let has_publication: bool =
             sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
@@ -344,15 +340,29 @@ impl WalSource {
     /// new one is not swept yet, and this fails (transient) so that the
     /// relay starts over with it. A slot [`retire`]d stays not ready:
     /// returns `false`, and the relay streams on without tableless events.
+    ///
+    /// Two relays configured with different slot names that start at once
+    /// both pass [`prepare`](Self::prepare)'s check; markings are taken one
+    /// at a time, and the second is refused as `prepare` would refuse it.
     pub async fn mark_swept(&self, prepared: &Prepared) -> Result<bool, StoreError> {
+        let slot = &self.config.slot;
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('ferry.wal_slots: mark ready'))")
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        if let Some(other) = emit_slots(&mut *tx, Some(slot)).await?.first() {
+            return Err(StoreError::config(another_slot(other, slot)));
+        }
         let marked: Option<bool> = sqlx::query_scalar(
             "UPDATE ferry.wal_slots SET ready = NOT retired WHERE slot = $1 AND generation = $2 RETURNING ready",
         )
-        .bind(&self.config.slot)
+        .bind(slot)
         .bind(prepared.generation)
-        .fetch_optional(&self.pool)
+        .fetch_optional(&mut *tx)
         .await
         .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
         marked.ok_or_else(|| {
             StoreError::transient("the replication slot was replaced during the sweep; starting over with the new slot")
         })
@@ -387,6 +397,21 @@ impl WalSource {
             .wait_started()
             .await
             .map_err(|e| StoreError::transient(format!("replication stream: {e}")))?;
+        // The start position read above belongs to the slot of that
+        // generation: if another relay replaced the slot meanwhile, it would
+        // be a position of the old one (after a failover, possibly ahead of
+        // what the new slot has to stream). Start over instead.
+        let now: Option<i64> = sqlx::query_scalar("SELECT generation FROM ferry.wal_slots WHERE slot = $1")
+            .bind(&self.config.slot)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_error)?;
+        if now.unwrap_or_default() != generation {
+            client.abort();
+            return Err(StoreError::transient(
+                "the replication slot was replaced while the stream opened; starting over with the new slot",
+            ));
+        }
         Ok(WalStream {
             client,
             decoder: decode::Decoder::default(),
@@ -416,7 +441,7 @@ fn undefined_object(e: &sqlx::Error) -> bool {
 /// `ferry._emit` checks. Only a relay streaming from such a slot reads
 /// those events, so a relay polling, or streaming from another slot, must
 /// not start while one exists: what `ferry.emit` writes would be lost.
-pub async fn emit_slots(pool: &PgPool, except: Option<&str>) -> Result<Vec<String>, StoreError> {
+pub async fn emit_slots<'c>(conn: impl sqlx::PgExecutor<'c>, except: Option<&str>) -> Result<Vec<String>, StoreError> {
     sqlx::query_scalar(
         "SELECT w.slot FROM ferry.wal_slots w JOIN pg_replication_slots s ON s.slot_name = w.slot \
           WHERE w.ready AND s.database = current_database() AND s.wal_status IN ('reserved', 'extended') \
@@ -424,9 +449,18 @@ pub async fn emit_slots(pool: &PgPool, except: Option<&str>) -> Result<Vec<Strin
           ORDER BY 1",
     )
     .bind(except)
-    .fetch_all(pool)
+    .fetch_all(conn)
     .await
     .map_err(store_error)
+}
+
+/// Why a relay on `slot` is refused while `other` is ready, and the fix.
+fn another_slot(other: &str, slot: &str) -> String {
+    format!(
+        "replication slot {other} is this database's WAL slot: ferry.emit writes tableless events for it, \
+         which a relay on slot {slot} would never read; set [relay] wal_slot = \"{other}\", or retire slot \
+         {other} first (`ferry wal retire --slot {other}`, see the operations guide)"
+    )
 }
 
 /// Where [`retire`] is.
