@@ -27,6 +27,28 @@ fn source_of(db: &TestDb, pool: &PgPool) -> WalSource {
     WalSource::new(pool.clone(), config_of(db)).unwrap()
 }
 
+/// A source on a second slot of the test database, and that slot's name.
+fn other_source(db: &TestDb, pool: &PgPool) -> (String, WalSource) {
+    let name = format!("{}_b", db.name());
+    let source = WalSource::new(
+        pool.clone(),
+        WalConfig {
+            slot: name.clone(),
+            ..config_of(db)
+        },
+    )
+    .unwrap();
+    (name, source)
+}
+
+async fn drop_slot(pool: &PgPool, slot: &str) {
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(slot)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 /// Emits one event in a transaction of its own; says whether it became an
 /// outbox row instead of a tableless event.
 async fn emit_one(pool: &PgPool) -> bool {
@@ -129,20 +151,12 @@ async fn a_lost_slot_is_replaced_and_meanwhile_emit_writes_outbox_rows() {
         "a slot not lost is kept"
     );
 
-    sqlx::query("SELECT pg_drop_replication_slot($1)")
-        .bind(slot)
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_slot(&pool, slot).await;
     let check = slot_check(&db, &pool).await;
     assert!(check.ok && check.detail.starts_with("gone though"), "{check:?}");
     assert_eq!(seen(source.prepare().await.unwrap()), (true, Some(SlotLoss::Vanished)));
     // A slot that never streamed is not reported when it goes.
-    sqlx::query("SELECT pg_drop_replication_slot($1)")
-        .bind(slot)
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_slot(&pool, slot).await;
     assert_eq!(seen(source.prepare().await.unwrap()), fresh);
     pool.close().await;
     db.drop_db().await;
@@ -369,11 +383,7 @@ async fn a_sweep_of_a_slot_since_replaced_does_not_mark_the_new_slot_swept() {
     let swept = sweeping.prepare().await.unwrap();
     assert_eq!(seen(swept), (true, None));
     // While it sweeps, its slot goes and another relay makes a new one.
-    sqlx::query("SELECT pg_drop_replication_slot($1)")
-        .bind(db.name())
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_slot(&pool, db.name()).await;
     let replacing = source_of(&db, &pool);
     let made = replacing.prepare().await.unwrap();
     assert_eq!(seen(made), (true, None));
@@ -407,11 +417,7 @@ async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
     migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
     let old = source_of(&db, &pool);
     let before = old.prepare().await.unwrap().generation;
-    sqlx::query("SELECT pg_drop_replication_slot($1)")
-        .bind(db.name())
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_slot(&pool, db.name()).await;
     let now_made = source_of(&db, &pool).prepare().await.unwrap().generation;
     assert_ne!(before, now_made, "the replaced slot kept its generation");
     // A tableless event the old session could not publish: its settle
@@ -473,15 +479,7 @@ async fn of_two_slots_prepared_at_once_only_the_first_is_marked_ready() {
     let pool = db.pool().await;
     migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
     let first = source_of(&db, &pool);
-    let other_name = format!("{}_b", db.name());
-    let other = WalSource::new(
-        pool.clone(),
-        WalConfig {
-            slot: other_name.clone(),
-            ..config_of(&db)
-        },
-    )
-    .unwrap();
+    let (other_name, other) = other_source(&db, &pool);
     let (a, b) = (first.prepare().await.unwrap(), other.prepare().await.unwrap());
     assert!(first.mark_swept(&a).await.unwrap());
     let err = other.mark_swept(&b).await.unwrap_err();
@@ -489,11 +487,7 @@ async fn of_two_slots_prepared_at_once_only_the_first_is_marked_ready() {
     assert!(err.message.contains("ferry wal retire --slot"), "{err}");
     assert_eq!(emit_slots(&pool, None).await.unwrap(), vec![db.name().to_owned()]);
     for slot in [db.name(), other_name.as_str()] {
-        sqlx::query("SELECT pg_drop_replication_slot($1)")
-            .bind(slot)
-            .execute(&pool)
-            .await
-            .unwrap();
+        drop_slot(&pool, slot).await;
     }
     pool.close().await;
     db.drop_db().await;
@@ -514,15 +508,7 @@ async fn a_relay_on_another_slot_is_refused_while_emit_writes_for_the_first() {
     assert_eq!(emit_slots(&pool, None).await.unwrap(), vec![db.name().to_owned()]);
     assert!(emit_slots(&pool, Some(db.name())).await.unwrap().is_empty());
 
-    let other_name = format!("{}_b", db.name());
-    let other = WalSource::new(
-        pool.clone(),
-        WalConfig {
-            slot: other_name.clone(),
-            ..config_of(&db)
-        },
-    )
-    .unwrap();
+    let (other_name, other) = other_source(&db, &pool);
     let err = other.prepare().await.unwrap_err();
     assert_eq!(err.kind, ferry_core::ErrorKind::Config, "{err}");
     for needle in [format!("wal_slot = \"{}\"", db.name()), "ferry wal retire".to_owned()] {
@@ -547,17 +533,9 @@ async fn a_relay_on_another_slot_is_refused_while_emit_writes_for_the_first() {
         emit_one(&pool).await,
         "ferry.emit wrote a tableless event for a slot not ready"
     );
-    sqlx::query("SELECT pg_drop_replication_slot($1)")
-        .bind(db.name())
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_slot(&pool, db.name()).await;
     other.prepare().await.unwrap();
-    sqlx::query("SELECT pg_drop_replication_slot($1)")
-        .bind(&other_name)
-        .execute(&pool)
-        .await
-        .unwrap();
+    drop_slot(&pool, &other_name).await;
     pool.close().await;
     db.drop_db().await;
 }
