@@ -51,9 +51,14 @@ impl Default for FileOptions {
 /// A batch is written in order and each file it touched is synced
 /// (`sync_data`, plus the directory when a file was created or rotated)
 /// before any event is reported published. If a write or a sync fails, every
-/// event of the batch fails (transient): lines written before the failure
-/// stay in the file, so a retried event can appear twice. Readers drop
-/// duplicates by `id`.
+/// event of the batch fails (transient) and each file is cut back to its
+/// length before the batch; lines in a file rotated away during the batch
+/// stay, so a retried event can appear twice. Readers drop duplicates by
+/// `id`.
+///
+/// Several sinks, in this process or in other relays, may write one file: a
+/// batch holds a `flock` on the directory of each file it writes until the
+/// batch is synced or cut back.
 pub struct FileSink {
     options: FileOptions,
     /// One batch at a time, so concurrent batches never interleave a file.

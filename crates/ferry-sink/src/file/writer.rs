@@ -3,6 +3,14 @@
 //! file it was appending to is cut back to its length before the batch, so
 //! a half-written line (a full disk) never has the retry's line glued to it.
 //! Blocking; runs on tokio's blocking pool.
+//!
+//! A batch holds an exclusive lock on the directory of every file it writes
+//! from before it opens them until it has synced or rolled them back. Two
+//! writers of one file (two relays, or two sinks of one relay, naming the
+//! same path) therefore take turns: neither cuts back lines the other has
+//! synced and reported written, their lines never interleave, and two
+//! rotations in one second cannot pick the same name. The locks are taken in
+//! path order, so batches writing several directories cannot deadlock.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions};
@@ -64,6 +72,14 @@ pub(crate) struct WriteError {
 /// batch found it (a file rotated away keeps its whole lines), so the retry
 /// starts on a line boundary.
 pub(crate) fn write_lines(lines: &[(&Path, &[u8])], max_file_bytes: u64, now: DateTime<Utc>) -> Result<(), WriteError> {
+    let dirs: BTreeSet<&Path> = lines.iter().map(|&(path, _)| parent(path)).collect();
+    let mut locks = Vec::with_capacity(dirs.len());
+    for dir in dirs {
+        locks.push(lock_dir(dir).map_err(|error| WriteError {
+            path: dir.to_owned(),
+            error,
+        })?);
+    }
     let mut open: HashMap<&Path, Open> = HashMap::new();
     let written = append_and_sync(lines, max_file_bytes, now, &mut open);
     if written.is_err() {
@@ -77,6 +93,7 @@ pub(crate) fn write_lines(lines: &[(&Path, &[u8])], max_file_bytes: u64, now: Da
             }
         }
     }
+    drop(locks);
     written
 }
 
@@ -112,6 +129,21 @@ fn append_and_sync<'a>(
     for dir in dirs {
         sync_dir(&dir).map_err(at(&dir))?;
     }
+    Ok(())
+}
+
+/// Waits for the exclusive lock on `dir`; it is released when the returned
+/// handle is dropped. The lock is `flock`'s: it is held per open handle, so
+/// it excludes other handles in this process as well as other processes.
+#[cfg(unix)]
+fn lock_dir(dir: &Path) -> io::Result<File> {
+    let handle = File::open(dir)?;
+    handle.lock()?;
+    Ok(handle)
+}
+
+#[cfg(not(unix))]
+fn lock_dir(_dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
@@ -225,6 +257,68 @@ mod tests {
         let lines: [(&Path, &[u8]); 1] = [(path.as_path(), b"retried\n")];
         write_lines(&lines, 1024, Utc::now()).unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"whole\nretried\n");
+    }
+
+    /// Two writers of one file, as two relays or two sinks naming one path
+    /// are: one keeps failing after its lines reached the file (and cuts
+    /// them back), the other keeps succeeding, and both rotate often. Every
+    /// line the second was told is written must be in some file, whole.
+    #[test]
+    fn two_writers_of_one_file_never_cut_back_or_split_each_others_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shared.jsonl");
+        let blocked = dir.path().join("blocked");
+        fs::create_dir(&blocked).unwrap();
+        let now = Utc::now();
+        let max = 64 * 1024;
+        std::thread::scope(|s| {
+            let failing = s.spawn(|| {
+                // More than the write buffer, so part of it reaches the file
+                // before the batch fails on the directory in its way.
+                let line = format!("{{\"failing\":\"{}\"}}\n", "x".repeat(200)).into_bytes();
+                for _ in 0..150 {
+                    let mut batch: Vec<(&Path, &[u8])> = vec![(path.as_path(), line.as_slice()); 400];
+                    batch.push((blocked.as_path(), b"x\n"));
+                    assert!(write_lines(&batch, max, now).is_err());
+                }
+            });
+            let mut written = 0u64;
+            while !failing.is_finished() || written < 50 {
+                let lines: Vec<Vec<u8>> = (written..written + 10)
+                    .map(|i| format!("{{\"ok\":{i}}}\n").into_bytes())
+                    .collect();
+                let batch: Vec<(&Path, &[u8])> = lines.iter().map(|l| (path.as_path(), l.as_slice())).collect();
+                write_lines(&batch, max, now).unwrap();
+                written += 10;
+            }
+            failing.join().unwrap();
+            let mut found = std::collections::BTreeSet::new();
+            for entry in fs::read_dir(dir.path()).unwrap() {
+                let entry = entry.unwrap().path();
+                if entry.is_dir() {
+                    continue;
+                }
+                let text = fs::read_to_string(&entry).unwrap();
+                assert!(
+                    text.is_empty() || text.ends_with('\n'),
+                    "{entry:?} ends in a partial line"
+                );
+                for line in text.lines() {
+                    let value: serde_json::Value =
+                        serde_json::from_str(line).unwrap_or_else(|e| panic!("{entry:?}: a split line {line:?}: {e}"));
+                    if let Some(i) = value.get("ok") {
+                        assert!(found.insert(i.as_u64().unwrap()), "line {i} twice");
+                    }
+                }
+            }
+            let missing: Vec<u64> = (0..written).filter(|i| !found.contains(i)).collect();
+            assert!(
+                missing.is_empty(),
+                "{} of {written} written lines lost, from {:?}",
+                missing.len(),
+                &missing[..missing.len().min(20)]
+            );
+        });
     }
 
     #[test]
