@@ -114,6 +114,8 @@ struct Batch {
     events: usize,
     /// The position to confirm once the batch is settled.
     confirm: u64,
+    /// When the batch ends inside a large transaction, how far into it.
+    part: Option<(u64, u64)>,
 }
 
 impl Batch {
@@ -121,6 +123,7 @@ impl Batch {
         match item {
             WalItem::Txn(t) => {
                 self.confirm = self.confirm.max(t.end_lsn);
+                self.part = (t.end_lsn == 0).then_some((t.commit_lsn, t.read));
                 self.events += t.events.len();
                 self.txns.push(t);
             }
@@ -248,6 +251,7 @@ struct Published {
     /// (index into `events`, route, outcome).
     outcomes: Vec<(usize, String, Outcome)>,
     confirm: u64,
+    part: Option<(u64, u64)>,
     last_commit: Option<chrono::DateTime<Utc>>,
 }
 
@@ -315,6 +319,7 @@ async fn settle_and_confirm<S: Store, C: Clock>(
                 .collect(),
             through: p.confirm,
             generation: stream.generation(),
+            part: p.part,
         };
         let now = shared.clock.now();
         let Some(settled) = persist(shared, "settle", || wal.source.settle(&settlement, now)).await else {
@@ -450,7 +455,9 @@ async fn publish_batch<S: Store, C: Clock>(
     batch: Batch,
     carry: &Carry,
 ) -> Option<Published> {
-    let Batch { txns, confirm, .. } = batch;
+    let Batch {
+        txns, confirm, part, ..
+    } = batch;
     let last_commit = txns.last().map(|t| t.commit_time);
     let mut xids: Vec<u32> = txns
         .iter()
@@ -463,6 +470,7 @@ async fn publish_batch<S: Store, C: Clock>(
         events: Vec::new(),
         outcomes: Vec::new(),
         confirm,
+        part,
         last_commit,
     };
     if events.is_empty() {

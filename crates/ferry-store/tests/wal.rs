@@ -447,9 +447,10 @@ async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
         )],
         through: 1 << 40,
         generation,
+        part: Some((1 << 41, 7)),
     };
-    let position = async || -> Option<i64> {
-        sqlx::query_scalar("SELECT settled_lsn FROM ferry.wal_slots WHERE slot = $1")
+    let position = async || -> (Option<i64>, Option<i64>, Option<i64>) {
+        sqlx::query_as("SELECT settled_lsn, part_lsn, part_events FROM ferry.wal_slots WHERE slot = $1")
             .bind(db.name())
             .fetch_one(&pool)
             .await
@@ -459,11 +460,11 @@ async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
     assert_eq!(written.written, 1, "the failed event was not written to the outbox");
     assert_eq!(
         position().await,
-        None,
+        (None, None, None),
         "a settle of the old slot set the new one's start"
     );
     old.settle(&settle(now_made), now).await.unwrap();
-    assert_eq!(position().await, Some(1 << 40));
+    assert_eq!(position().await, (Some(1 << 40), Some(1 << 41), Some(7)));
     pool.close().await;
     db.drop_db().await;
 }
@@ -536,6 +537,90 @@ async fn a_relay_on_another_slot_is_refused_while_emit_writes_for_the_first() {
     drop_slot(&pool, db.name()).await;
     other.prepare().await.unwrap();
     drop_slot(&pool, &other_name).await;
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// A transaction of many events, or of large ones, comes off the stream in
+/// parts, so the relay holds at most a part of it in memory: every event in
+/// its order, each part within the bounds, only the last one confirmable.
+#[tokio::test]
+async fn a_large_transaction_is_handed_over_in_bounded_parts() {
+    use ferry_store::postgres::enqueue_batch;
+    use ferry_store::postgres::wal::{PART_BYTES, PART_EVENTS, WalItem, WalTxn};
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    let mut stream = source.open().await.unwrap();
+
+    // Many small events, rows and tableless ones interleaved.
+    let many = 2 * PART_EVENTS + PART_EVENTS / 2;
+    let mut tx = pool.begin().await.unwrap();
+    let mut want = Vec::new();
+    for chunk in 0..many / 500 {
+        let rows: Vec<Event> = (0..250)
+            .map(|i| Event::new("order.placed", json!({ "chunk": chunk, "i": i })).key("k"))
+            .collect();
+        want.extend(enqueue_batch(&mut tx, rows).await.unwrap().into_iter().map(|s| s.id));
+        for i in 0..250 {
+            let ev = Event::new("order.paid", json!({ "chunk": chunk, "i": i })).key("k");
+            want.push(emit(&mut tx, ev).await.unwrap());
+        }
+    }
+    tx.commit().await.unwrap();
+    // Few large ones: the bytes bound applies first.
+    let big = 1000 * 1024;
+    let large = PART_BYTES / big * 2 + 3;
+    let mut tx = pool.begin().await.unwrap();
+    let mut want_large = Vec::new();
+    for i in 0..large {
+        let ev = Event::bytes("file.stored", vec![i as u8; big], "application/octet-stream").key("f");
+        want_large.push(emit(&mut tx, ev).await.unwrap());
+    }
+    tx.commit().await.unwrap();
+
+    async fn transaction(stream: &mut ferry_store::postgres::wal::WalStream) -> Vec<WalTxn> {
+        let mut parts: Vec<WalTxn> = Vec::new();
+        loop {
+            let item = tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+                .await
+                .expect("the stream stalled")
+                .unwrap();
+            match item {
+                WalItem::Txn(t) if t.events.is_empty() && t.end_lsn > 0 && parts.is_empty() => {}
+                WalItem::Txn(t) => {
+                    let last = t.end_lsn > 0;
+                    parts.push(t);
+                    if last {
+                        return parts;
+                    }
+                }
+                WalItem::Idle { .. } => {}
+            }
+        }
+    }
+    for (want, parts) in [
+        (want, transaction(&mut stream).await),
+        (want_large, transaction(&mut stream).await),
+    ] {
+        let got: Vec<_> = parts.iter().flat_map(|p| p.events.iter().map(|e| e.event.id)).collect();
+        assert_eq!(got.len(), want.len());
+        assert!(got == want, "the events came out of their order");
+        assert!(parts.len() > 2, "{} parts", parts.len());
+        for p in &parts {
+            let bytes: usize = p.events.iter().map(|e| e.event.payload.len()).sum();
+            assert!(p.events.len() <= PART_EVENTS, "a part of {} events", p.events.len());
+            assert!(bytes < PART_BYTES + big, "a part of {bytes} bytes");
+            assert_eq!(p.xid, parts[0].xid);
+            assert_eq!(p.commit_time, parts[0].commit_time);
+        }
+        let last = parts.last().unwrap().end_lsn;
+        assert!(parts[..parts.len() - 1].iter().all(|p| p.end_lsn == 0) && last > 0);
+    }
+    stream.close().await;
     pool.close().await;
     db.drop_db().await;
 }

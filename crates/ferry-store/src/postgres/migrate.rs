@@ -29,6 +29,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "wal_slot_retired",
         include_str!("migrations/0015_wal_slot_retired.sql"),
     ),
+    (16, "wal_part", include_str!("migrations/0016_wal_part.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

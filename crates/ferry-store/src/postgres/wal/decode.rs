@@ -40,13 +40,25 @@ impl WalEvent {
     }
 }
 
-/// A committed transaction's Ferry events, in the order it wrote them.
+/// A committed transaction's Ferry events, in the order it wrote them, or a
+/// part of them: a large transaction is handed over in parts of at most
+/// [`PART_EVENTS`] events or about [`PART_BYTES`] bytes of payload, so the
+/// relay never holds more than that of it at once. Every part but the last
+/// has `end_lsn` 0: the transaction is confirmed only with its last part.
+/// A part settled before a restart is not handed over again
+/// ([`Settlement::part`](super::Settlement::part)).
 #[derive(Debug, Clone, PartialEq)]
 pub struct WalTxn {
     /// The transaction id (32 bits, as the stream gives it).
     pub xid: u32,
-    /// Confirming this position confirms the transaction.
+    /// Confirming this position confirms the transaction; 0 on a part that
+    /// more of the transaction follows.
     pub end_lsn: u64,
+    /// The position of the transaction's commit record, which names it.
+    pub commit_lsn: u64,
+    /// How many of the transaction's events the stream has handed over,
+    /// this part's included (and any skipped as settled before).
+    pub read: u64,
     pub commit_time: DateTime<Utc>,
     pub events: Vec<WalEvent>,
 }
@@ -65,33 +77,83 @@ struct Columns {
     created_at: usize,
 }
 
+/// A transaction is handed over in parts of at most this many events...
+pub const PART_EVENTS: usize = 2_000;
+/// ...or once its part holds this many bytes of payload.
+pub const PART_BYTES: usize = 16 * 1024 * 1024;
+
+/// The transaction being read.
+struct Open {
+    xid: u32,
+    commit_lsn: u64,
+    commit_time: DateTime<Utc>,
+    events: Vec<WalEvent>,
+    bytes: usize,
+    /// Its events read so far.
+    read: u64,
+    /// How many of its first events were settled before: they are dropped.
+    skip: u64,
+}
+
 #[derive(Default)]
 pub(crate) struct Decoder {
     parser: Option<LogicalReplicationParser>,
     /// Relations of `ferry.events` by oid (a table rewrite announces a new one).
     relations: HashMap<u32, Columns>,
-    open: Option<Vec<WalEvent>>,
-    /// The open transaction's id.
-    xid: u32,
+    open: Option<Open>,
+    /// (commit position, events): the part of a transaction an earlier
+    /// session settled.
+    resume: Option<(u64, u64)>,
 }
 
 impl Decoder {
+    /// A decoder that drops the first `events` events of the transaction
+    /// committing at `commit_lsn`, given as `Some((commit_lsn, events))`.
+    pub(crate) fn resuming(resume: Option<(u64, u64)>) -> Self {
+        Self {
+            resume,
+            ..Self::default()
+        }
+    }
+
     pub(crate) fn feed(&mut self, event: ReplicationEvent) -> Result<Option<WalItem>, StoreError> {
         match event {
-            ReplicationEvent::Begin { xid, .. } => {
-                self.open = Some(Vec::new());
-                self.xid = xid;
+            ReplicationEvent::Begin {
+                xid,
+                final_lsn,
+                commit_time_micros,
+            } => {
+                let commit_lsn = final_lsn.as_u64();
+                let skip = match self.resume {
+                    Some((lsn, events)) if lsn == commit_lsn => events,
+                    _ => 0,
+                };
+                self.open = Some(Open {
+                    xid,
+                    commit_lsn,
+                    commit_time: pg_time(commit_time_micros),
+                    events: Vec::new(),
+                    bytes: 0,
+                    read: 0,
+                    skip,
+                });
                 Ok(None)
             }
             ReplicationEvent::Commit {
+                lsn: commit_lsn,
                 end_lsn,
                 commit_time_micros,
                 ..
             } => {
-                let events = self.open.take().unwrap_or_default();
+                let (xid, read, events) = match self.open.take() {
+                    Some(open) => (open.xid, open.read, open.events),
+                    None => (0, 0, Vec::new()),
+                };
                 Ok(Some(WalItem::Txn(WalTxn {
-                    xid: self.xid,
+                    xid,
                     end_lsn: end_lsn.as_u64(),
+                    commit_lsn: commit_lsn.as_u64(),
+                    read,
                     commit_time: pg_time(commit_time_micros),
                     events,
                 })))
@@ -111,23 +173,22 @@ impl Decoder {
                 }
                 let event = tableless(&content)?;
                 match (&mut self.open, transactional) {
-                    (Some(open), true) => open.push(event),
-                    _ => tracing::warn!(
-                        event_id = %event.event.id,
-                        "a non-transactional `ferry` message was ignored; ferry.emit writes transactional ones"
-                    ),
+                    (Some(open), true) => Ok(open.push(event)),
+                    _ => {
+                        tracing::warn!(
+                            event_id = %event.event.id,
+                            "a non-transactional `ferry` message was ignored; ferry.emit writes transactional ones"
+                        );
+                        Ok(None)
+                    }
                 }
-                Ok(None)
             }
-            ReplicationEvent::XLogData { data, .. } => {
-                self.change(data)?;
-                Ok(None)
-            }
+            ReplicationEvent::XLogData { data, .. } => self.change(data),
             ReplicationEvent::StoppedAt { .. } => Err(StoreError::transient("replication stream stopped")),
         }
     }
 
-    fn change(&mut self, data: Bytes) -> Result<(), StoreError> {
+    fn change(&mut self, data: Bytes) -> Result<Option<WalItem>, StoreError> {
         let parser = self
             .parser
             .get_or_insert_with(|| LogicalReplicationParser::with_protocol_version(1));
@@ -149,15 +210,40 @@ impl Decoder {
             LogicalReplicationMessage::Insert { relation_id, tuple } => {
                 if let Some(columns) = self.relations.get(&relation_id) {
                     let event = row(columns, &tuple)?;
-                    match &mut self.open {
-                        Some(open) => open.push(event),
-                        None => return Err(StoreError::permanent("an insert arrived outside a transaction")),
-                    }
+                    return match &mut self.open {
+                        Some(open) => Ok(open.push(event)),
+                        None => Err(StoreError::permanent("an insert arrived outside a transaction")),
+                    };
                 }
             }
             _ => {}
         }
-        Ok(())
+        Ok(None)
+    }
+}
+
+impl Open {
+    /// Adds `event` (unless it was settled before); returns the part read
+    /// so far once it is full.
+    fn push(&mut self, event: WalEvent) -> Option<WalItem> {
+        self.read += 1;
+        if self.read <= self.skip {
+            return None;
+        }
+        self.bytes += event.event.payload.len();
+        self.events.push(event);
+        if self.events.len() < PART_EVENTS && self.bytes < PART_BYTES {
+            return None;
+        }
+        self.bytes = 0;
+        Some(WalItem::Txn(WalTxn {
+            xid: self.xid,
+            end_lsn: 0,
+            commit_lsn: self.commit_lsn,
+            read: self.read,
+            commit_time: self.commit_time,
+            events: std::mem::take(&mut self.events),
+        }))
     }
 }
 

@@ -24,7 +24,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::postgres::{EnqueueError, store_error};
 
-pub use decode::{WalEvent, WalTxn};
+pub use decode::{PART_BYTES, PART_EVENTS, WalEvent, WalTxn};
 pub use diagnose::{Finding, diagnose};
 pub use settle::{Look, Outcome, Settled, Settlement};
 
@@ -227,7 +227,7 @@ impl WalSource {
                 // meanwhile, and its new slot must survive.
                 sqlx::query(
                     "UPDATE ferry.wal_slots SET ready = false, retired = false, settled_lsn = NULL, \
-                            generation = generation + 1, lost = coalesce(lost, 'lost') \
+                            part_lsn = NULL, part_events = NULL, generation = generation + 1, lost = coalesce(lost, 'lost') \
                       WHERE slot = $1 AND EXISTS (SELECT 1 FROM pg_replication_slots \
                                                    WHERE slot_name = $1 AND wal_status = 'lost')",
                 )
@@ -269,7 +269,8 @@ impl WalSource {
             sqlx::query(
                 "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
                  ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
-                 retired = false, settled_lsn = NULL, generation = ferry.wal_slots.generation + 1, \
+                 retired = false, settled_lsn = NULL, part_lsn = NULL, part_events = NULL, \
+                 generation = ferry.wal_slots.generation + 1, \
                  lost = coalesce(ferry.wal_slots.lost, CASE WHEN ferry.wal_slots.ready THEN 'vanished' END) \
                  WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots s \
                                     WHERE s.slot_name = EXCLUDED.slot AND s.wal_status IS DISTINCT FROM 'lost')",
@@ -377,13 +378,18 @@ impl WalSource {
     /// from it (this one is then a standby).
     pub async fn open(&self) -> Result<WalStream, StoreError> {
         let mut cfg = replication_config(&self.config)?;
-        let record: Option<(Option<i64>, i64)> =
-            sqlx::query_as("SELECT settled_lsn, generation FROM ferry.wal_slots WHERE slot = $1")
-                .bind(&self.config.slot)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(store_error)?;
-        let (settled, generation) = record.unwrap_or_default();
+        type Record = (Option<i64>, i64, Option<i64>, Option<i64>);
+        let record: Option<Record> = sqlx::query_as(
+            "SELECT settled_lsn, generation, part_lsn, part_events FROM ferry.wal_slots WHERE slot = $1",
+        )
+        .bind(&self.config.slot)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)?;
+        let (settled, generation, part_lsn, part_events) = record.unwrap_or_default();
+        // A transaction partly settled by an earlier session: the stream
+        // skips that part of it.
+        let resume = part_lsn.zip(part_events).map(|(lsn, n)| (lsn as u64, n as u64));
         if let Some(lsn) = settled {
             cfg = cfg.with_start_lsn(Lsn::from_u64(lsn as u64));
         }
@@ -414,7 +420,7 @@ impl WalSource {
         }
         Ok(WalStream {
             client,
-            decoder: decode::Decoder::default(),
+            decoder: decode::Decoder::resuming(resume),
             generation,
         })
     }
@@ -762,7 +768,7 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, StoreErro
 #[derive(Debug)]
 pub enum WalItem {
     /// A committed transaction, with the Ferry events it wrote (possibly
-    /// none).
+    /// none), or a part of a large one ([`WalTxn`]).
     Txn(WalTxn),
     /// Everything before `lsn` has been sent and nothing is open: once the
     /// transactions before it are settled, `lsn` may be confirmed.

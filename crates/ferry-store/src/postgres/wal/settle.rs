@@ -54,6 +54,13 @@ pub struct Settlement<'a> {
     /// old one, which on a promoted server can lie ahead of transactions
     /// the new slot has yet to stream.
     pub generation: i64,
+    /// When the settlement ends inside a large transaction: its commit
+    /// position ([`WalTxn::commit_lsn`](super::WalTxn::commit_lsn)) and how
+    /// many of its events are settled ([`WalTxn::read`](super::WalTxn::read)).
+    /// Recorded as `through` is, so that a replay of the transaction after
+    /// a restart skips those events rather than publish its tableless ones
+    /// again.
+    pub part: Option<(u64, u64)>,
 }
 
 /// What a settlement wrote.
@@ -264,15 +271,20 @@ impl WalSource {
         // unrouted) but has nothing to tell tableless events by: for those,
         // the position is recorded. Batches of outbox rows only spare their
         // settle the statement.
-        if s.through > 0 && s.outcomes.iter().any(|(e, _, _)| e.tableless()) {
+        if (s.through > 0 || s.part.is_some()) && s.outcomes.iter().any(|(e, _, _)| e.tableless()) {
+            let (part_lsn, part_events) = s.part.unzip();
             sqlx::query(
-                "UPDATE ferry.wal_slots SET settled_lsn = $2 \
-                  WHERE slot = $1 AND generation = $3 AND (settled_lsn IS NULL OR settled_lsn < $2)",
+                "UPDATE ferry.wal_slots \
+                    SET settled_lsn = CASE WHEN $2 > coalesce(settled_lsn, 0) THEN $2 ELSE settled_lsn END, \
+                        part_lsn = coalesce($4, part_lsn), part_events = coalesce($5, part_events) \
+                  WHERE slot = $1 AND generation = $3",
             )
             .bind(&self.config.slot)
             // The same 64 bits: WAL positions stay far below 2^63.
             .bind(s.through as i64)
             .bind(s.generation)
+            .bind(part_lsn.map(|l| l as i64))
+            .bind(part_events.map(|n| n as i64))
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;

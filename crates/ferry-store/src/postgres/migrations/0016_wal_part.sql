@@ -1,0 +1,17 @@
+-- WAL streaming: how far into a large transaction the relay has settled.
+--
+-- The slot hands a large transaction to the relay in parts, and the relay
+-- settles each part as it goes, but the slot's position can only move past
+-- a whole transaction. After a restart the slot hands the transaction over
+-- again from its start; these say which of its events are settled already,
+-- so that its tableless events are not published twice.
+--
+-- part_lsn     the commit position of that transaction (the `final_lsn`
+--              of its Begin message), or NULL.
+-- part_events  how many of its events, in the order the stream hands them
+--              over, are settled.
+--
+-- Written with the outcomes they cover, fenced by `generation` as
+-- `settled_lsn` is, and cleared with it when the record is reset for a new
+-- slot.
+ALTER TABLE ferry.wal_slots ADD COLUMN part_lsn bigint, ADD COLUMN part_events bigint;
