@@ -1168,6 +1168,24 @@ async fn a_retired_slot_has_delivered_every_tableless_event_and_polling_delivers
     e.db.drop_db().await;
 }
 
+/// Commits one transaction of `n` events over seven keys, written ten at a
+/// time as outbox rows where `rows(t)` holds for the `t`-th ten, else as
+/// tableless events; their ids and keys in order.
+async fn large_transaction(pool: &PgPool, n: usize, rows: impl Fn(usize) -> bool) -> Vec<(EventId, String)> {
+    let mut ids: Vec<(EventId, String)> = Vec::new();
+    let mut tx = pool.begin().await.unwrap();
+    for t in 0..n / 10 {
+        let events: Vec<Event> = (0..10)
+            .map(|i| Event::new("order.placed", json!({ "t": t, "i": i })).key(format!("k{}", (t + i) % 7)))
+            .collect();
+        let keys: Vec<String> = events.iter().map(|ev| ev.get_key().unwrap().to_owned()).collect();
+        let sent = write(&mut tx, rows(t), events).await;
+        ids.extend(sent.into_iter().zip(keys));
+    }
+    tx.commit().await.unwrap();
+    ids
+}
+
 /// A transaction larger than a part of the stream ([`PART_EVENTS`]) is
 /// published part by part, and each part settled as it goes. The relay
 /// crashes inside it; its successor streams the transaction again from the
@@ -1181,17 +1199,7 @@ async fn a_relay_killed_inside_a_large_transaction_resumes_after_its_settled_par
     e.sink.delay_when(|_| Some(Duration::from_millis(20)));
     let first = start(&e, "wal-a", vec![route("all", "mock")]);
     streaming(&e).await;
-    let mut ids: Vec<(EventId, String)> = Vec::new();
-    let mut tx = e.pool.begin().await.unwrap();
-    for t in 0..(3 * PART_EVENTS + 500) / 10 {
-        let events: Vec<Event> = (0..10)
-            .map(|i| Event::new("order.placed", json!({ "t": t, "i": i })).key(format!("k{}", (t + i) % 7)))
-            .collect();
-        let keys: Vec<String> = events.iter().map(|ev| ev.get_key().unwrap().to_owned()).collect();
-        let sent = write(&mut tx, t % 2 == 0, events).await;
-        ids.extend(sent.into_iter().zip(keys));
-    }
-    tx.commit().await.unwrap();
+    let ids = large_transaction(&e.pool, 3 * PART_EVENTS + 500, |t| t % 2 == 0).await;
     let part = async || -> Option<i64> {
         sqlx::query_scalar("SELECT part_events FROM ferry.wal_slots WHERE slot = $1")
             .bind(&e.slot)
@@ -1220,15 +1228,92 @@ async fn a_relay_killed_inside_a_large_transaction_resumes_after_its_settled_par
     .await;
     let got = e.sink.delivered("all");
     assert_complete_and_ordered(&ids, &got);
-    let mut times: HashMap<EventId, usize> = HashMap::new();
-    for event in &got {
-        *times.entry(event.id).or_default() += 1;
-    }
+    let times = arrivals(&got);
     let again = ids[..settled].iter().filter(|(id, _)| times[id] > 1).count();
     assert_eq!(
         again, 0,
         "{again} of the {settled} events settled before the crash were published again"
     );
     second.stop().await;
+    e.db.drop_db().await;
+}
+
+/// How many times each event arrived.
+fn arrivals(got: &[StoredEvent]) -> HashMap<EventId, usize> {
+    let mut times: HashMap<EventId, usize> = HashMap::new();
+    for event in got {
+        *times.entry(event.id).or_default() += 1;
+    }
+    times
+}
+
+/// A crash of the server can take a slot's confirmed position back to its
+/// last checkpoint, so the relay starts from the position its settles
+/// recorded. Two large transactions whose tableless events all lie in their
+/// first part, the rest outbox rows: the last part of each records nothing,
+/// and the second's first part takes over the one record of a partly
+/// settled transaction. The slot is then set back to where it stood before
+/// the first (a copy made then replaces it, as the crash would). The next
+/// relay must start past the first transaction and skip the second's
+/// settled part: none lost, none published twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slot_set_back_by_a_server_crash_replays_no_settled_large_transaction() {
+    use ferry_store::postgres::wal::PART_EVENTS;
+    let e = env().await;
+    let first = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let backup = format!("{}_set_back", e.slot);
+    sqlx::query("SELECT pg_copy_logical_replication_slot($1, $2)")
+        .bind(&e.slot)
+        .bind(&backup)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    // Tableless events fill the first part exactly; outbox rows follow.
+    let tableless_then_rows = |t: usize| t >= PART_EVENTS / 10;
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let txn = large_transaction(&e.pool, PART_EVENTS + 500, tableless_then_rows).await;
+        ids.extend(txn);
+        eventually("the transaction delivered", Duration::from_secs(60), || {
+            unique(&e.sink.delivered("all")).len() >= ids.len()
+        })
+        .await;
+    }
+    first.stop().await;
+    // The crash: the slot as it stood before both transactions.
+    let inactive = async || -> bool {
+        sqlx::query_scalar("SELECT NOT active FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(&e.slot)
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+    };
+    eventually_async("the slot released", Duration::from_secs(30), inactive).await;
+    for statement in [
+        "SELECT pg_drop_replication_slot($1)",
+        "SELECT pg_copy_logical_replication_slot($2, $1)",
+        "SELECT pg_drop_replication_slot($2)",
+    ] {
+        sqlx::query(statement)
+            .bind(&e.slot)
+            .bind(&backup)
+            .execute(&e.pool)
+            .await
+            .unwrap();
+    }
+    let second = start(&e, "wal-b", vec![route("all", "mock")]);
+    streaming(&e).await;
+    // Whatever the replay publishes comes before this event in the stream.
+    ids.extend(emit_events(&e.pool, "last", 1).await);
+    eventually("the last event", Duration::from_secs(60), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len()
+    })
+    .await;
+    second.stop().await;
+    let got = e.sink.delivered("all");
+    assert_complete_and_ordered(&ids, &got);
+    let again = arrivals(&got).values().filter(|n| **n > 1).count();
+    assert_eq!(again, 0, "{again} events settled before the crash were published again");
     e.db.drop_db().await;
 }

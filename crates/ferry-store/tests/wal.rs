@@ -1,8 +1,10 @@
 //! The WAL source's queries against a real PostgreSQL.
 
-use ferry_core::Event;
+use ferry_core::{Event, EventId, StoredEvent};
 use ferry_store::postgres::migrate;
-use ferry_store::postgres::wal::{Finding, Prepared, SlotLoss, WalConfig, WalSource, diagnose, emit};
+use ferry_store::postgres::wal::{
+    Finding, Outcome, Prepared, Settlement, SlotLoss, WalConfig, WalEvent, WalSource, diagnose, emit,
+};
 use ferry_testkit::pg::TestDb;
 use ferry_testkit::pg_server::PgServer;
 use serde_json::json;
@@ -404,25 +406,9 @@ async fn a_sweep_of_a_slot_since_replaced_does_not_mark_the_new_slot_swept() {
     db.drop_db().await;
 }
 
-/// A settle still under way when its slot is replaced (lost, or gone with a
-/// failover) must not record its position for the new slot: a position of
-/// the old slot can lie ahead of what a promoted server's new slot has yet
-/// to stream, and the next session would start past it.
-#[tokio::test]
-async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
-    use ferry_core::{EventId, StoredEvent};
-    use ferry_store::postgres::wal::{Outcome, Settlement, WalEvent};
-    let db = TestDb::create().await;
-    let pool = db.pool().await;
-    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
-    let old = source_of(&db, &pool);
-    let before = old.prepare().await.unwrap().generation;
-    drop_slot(&pool, db.name()).await;
-    let now_made = source_of(&db, &pool).prepare().await.unwrap().generation;
-    assert_ne!(before, now_made, "the replaced slot kept its generation");
-    // A tableless event the old session could not publish: its settle
-    // records a position.
-    let event = WalEvent {
+/// A tableless event, as the stream hands one over.
+fn tableless_event() -> WalEvent {
+    WalEvent {
         event: StoredEvent {
             id: EventId::new(),
             seq: 0,
@@ -434,37 +420,117 @@ async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
             created_at: chrono::Utc::now(),
         },
         partition: None,
-    };
-    let now = chrono::Utc::now();
-    let settle = |generation: i64| Settlement {
+    }
+}
+
+/// The settlement of a batch in which `event` failed: one that records a
+/// position.
+fn failed(event: &WalEvent, generation: i64, through: u64, part: Option<(u64, u64)>) -> Settlement<'_> {
+    Settlement {
         outcomes: vec![(
-            &event,
+            event,
             "all".to_owned(),
             Outcome::Retry {
-                next_at: now,
+                next_at: chrono::Utc::now(),
                 error: "down".into(),
             },
         )],
-        through: 1 << 40,
+        through,
         generation,
-        part: Some((1 << 41, 7)),
-    };
-    let position = async || -> (Option<i64>, Option<i64>, Option<i64>) {
-        sqlx::query_as("SELECT settled_lsn, part_lsn, part_events FROM ferry.wal_slots WHERE slot = $1")
-            .bind(db.name())
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
+        part,
+    }
+}
+
+/// The slot record's `settled_lsn`, `part_lsn` and `part_events`.
+async fn positions(pool: &PgPool, slot: &str) -> (Option<i64>, Option<i64>, Option<i64>) {
+    sqlx::query_as("SELECT settled_lsn, part_lsn, part_events FROM ferry.wal_slots WHERE slot = $1")
+        .bind(slot)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A settle still under way when its slot is replaced (lost, or gone with a
+/// failover) must not record its position for the new slot: a position of
+/// the old slot can lie ahead of what a promoted server's new slot has yet
+/// to stream, and the next session would start past it.
+#[tokio::test]
+async fn a_settle_that_outlived_its_slot_records_no_position_for_the_new_one() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let old = source_of(&db, &pool);
+    let before = old.prepare().await.unwrap().generation;
+    drop_slot(&pool, db.name()).await;
+    let now_made = source_of(&db, &pool).prepare().await.unwrap().generation;
+    assert_ne!(before, now_made, "the replaced slot kept its generation");
+    // A tableless event the old session could not publish: its settle
+    // records a position.
+    let event = tableless_event();
+    let now = chrono::Utc::now();
+    let settle = |generation: i64| failed(&event, generation, 1 << 40, Some((1 << 41, 7)));
     let written = old.settle(&settle(before), now).await.unwrap();
     assert_eq!(written.written, 1, "the failed event was not written to the outbox");
     assert_eq!(
-        position().await,
+        positions(&pool, db.name()).await,
         (None, None, None),
         "a settle of the old slot set the new one's start"
     );
     old.settle(&settle(now_made), now).await.unwrap();
-    assert_eq!(position().await, (Some(1 << 40), Some(1 << 41), Some(7)));
+    assert_eq!(
+        positions(&pool, db.name()).await,
+        (Some(1 << 40), Some(1 << 41), Some(7))
+    );
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// The slot record holds one partly settled transaction. When a settle moves
+/// it on to a later transaction, the start moves past the one it named
+/// (settled whole by then, its last part perhaps holding outbox rows only,
+/// which record nothing): a replay after a server crash would otherwise
+/// stream that transaction again with nothing to skip its settled part by.
+/// A settle that comes late takes neither position back.
+#[tokio::test]
+async fn the_recorded_positions_only_move_forward_and_past_a_transaction_left_behind() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let generation = source.prepare().await.unwrap().generation;
+    let event = tableless_event();
+    let now = chrono::Utc::now();
+    let settle = async |through: u64, part: Option<(u64, u64)>| {
+        source
+            .settle(&failed(&event, generation, through, part), now)
+            .await
+            .unwrap();
+        positions(&pool, db.name()).await
+    };
+    let (t1, t2) = (1u64 << 40, 1u64 << 41);
+    // A first part of T1, then a second.
+    assert_eq!(settle(0, Some((t1, 2000))).await, (None, Some(t1 as i64), Some(2000)));
+    assert_eq!(settle(0, Some((t1, 4000))).await, (None, Some(t1 as i64), Some(4000)));
+    // The first again, late: nothing moves back.
+    assert_eq!(settle(0, Some((t1, 2000))).await, (None, Some(t1 as i64), Some(4000)));
+    // T1's last part held rows only; a part of T2 moves the start past T1.
+    assert_eq!(
+        settle(0, Some((t2, 2000))).await,
+        (Some(t1 as i64 + 1), Some(t2 as i64), Some(2000))
+    );
+    // T1's part, late: neither the start nor the record goes back to it.
+    assert_eq!(
+        settle(0, Some((t1, 4000))).await,
+        (Some(t1 as i64 + 1), Some(t2 as i64), Some(2000))
+    );
+    // A batch that completes T2 and more: the start moves to its end.
+    let end = t2 + 1000;
+    assert_eq!(settle(end, None).await, (Some(end as i64), Some(t2 as i64), Some(2000)));
+    // An earlier end, late: the start stays.
+    assert_eq!(
+        settle(t2 - 5, None).await,
+        (Some(end as i64), Some(t2 as i64), Some(2000))
+    );
     pool.close().await;
     db.drop_db().await;
 }

@@ -271,12 +271,26 @@ impl WalSource {
         // unrouted) but has nothing to tell tableless events by: for those,
         // the position is recorded. Batches of outbox rows only spare their
         // settle the statement.
+        //
+        // Both positions only move forward: a settle that comes late (from
+        // a relay that lost the stream meanwhile) must not take them back.
+        // There is one part record, so one that moves on to a later
+        // transaction first moves the start past the transaction it named:
+        // settles come in stream order, so that one is settled whole, and
+        // if its last part held only outbox rows nothing else recorded it.
+        // Without that, a replay after a server crash would stream it again
+        // with no record of its settled part and publish its tableless
+        // events twice.
         if (s.through > 0 || s.part.is_some()) && s.outcomes.iter().any(|(e, _, _)| e.tableless()) {
             let (part_lsn, part_events) = s.part.unzip();
             sqlx::query(
                 "UPDATE ferry.wal_slots \
-                    SET settled_lsn = CASE WHEN $2 > coalesce(settled_lsn, 0) THEN $2 ELSE settled_lsn END, \
-                        part_lsn = coalesce($4, part_lsn), part_events = coalesce($5, part_events) \
+                    SET settled_lsn = greatest(settled_lsn, nullif($2, 0), \
+                                               CASE WHEN part_lsn < coalesce($4, $2) THEN part_lsn + 1 END), \
+                        part_lsn = CASE WHEN ($4, $5) > (coalesce(part_lsn, 0), coalesce(part_events, 0)) \
+                                        THEN $4 ELSE part_lsn END, \
+                        part_events = CASE WHEN ($4, $5) > (coalesce(part_lsn, 0), coalesce(part_events, 0)) \
+                                           THEN $5 ELSE part_events END \
                   WHERE slot = $1 AND generation = $3",
             )
             .bind(&self.config.slot)
