@@ -30,6 +30,10 @@ pub trait AdminHarness: StoreHarness<S: Admin + Clone> {
     async fn snapshot(&self) -> Vec<String>;
     /// Clears every partition's owner and expiry, as if no relay ran.
     async fn release_partitions(&self);
+    /// Lets every lease lapse, owner and token kept: as if its relay had
+    /// lost the database for longer than the lease and no other had taken
+    /// over yet.
+    async fn expire_partitions(&self);
     /// How many failed attempts were recorded as the one that made a
     /// delivery dead.
     async fn dead_failures(&self) -> i64;
@@ -337,6 +341,53 @@ pub async fn cancel_refuses_what_a_relay_may_hold_and_unblocks_the_key<H: AdminH
     let plan = f.store().plan(&cancel, &f.only(&["p1", "d2"])).await.unwrap();
     let applied = f.store().apply(&cancel, "ops", &plan.changes).await.unwrap();
     assert_eq!(f.names(&applied.changed), ["d2", "p1"]);
+}
+
+/// A relay whose lease lapsed (it lost the database for longer than the
+/// lease) may still be publishing what it claimed, and may come back with
+/// its outcome. Cancel takes such a delivery, since no live lease holds it,
+/// and revokes the lapsed lease in the same transaction: the late outcome is
+/// refused, so it cannot overwrite a requeue that followed (marking the
+/// event dead again, or published with no new delivery), even once the
+/// relay holds the partition again.
+pub async fn a_cancel_under_a_lapsed_lease_revokes_it_and_the_late_outcome_is_refused<H: AdminHarness>(h: &H) {
+    let f = fixture(h).await;
+    let now = Utc::now();
+    let claimed = f.store().claim(&f.owned, ROUTE, 100, now, &[]).await.unwrap();
+    let p1 = claimed.iter().find(|c| c.event.id == f.ids["p1"]).unwrap().event.seq;
+    h.expire_partitions().await;
+    let cancel = Action::Cancel {
+        reason: "obsolete".into(),
+    };
+    let plan = f.store().plan(&cancel, &f.only(&["p1"])).await.unwrap();
+    let applied = f.store().apply(&cancel, "ops", &plan.changes).await.unwrap();
+    assert_eq!(f.names(&applied.changed), ["p1"], "{applied:?}");
+    let requeue = Action::Requeue {
+        include_published: false,
+    };
+    let plan = f.store().plan(&requeue, &f.only(&["p1"])).await.unwrap();
+    let applied = f.store().apply(&requeue, "ops", &plan.changes).await.unwrap();
+    assert_eq!(f.names(&applied.changed), ["p1"], "{applied:?}");
+    let late = [Recorded {
+        seq: p1,
+        expected_attempts: 0,
+        transition: Transition::Dead {
+            attempts: 1,
+            reason: "rejected by the broker".into(),
+        },
+    }];
+    assert_eq!(
+        f.store().record(&f.owned, ROUTE, &late, now).await.unwrap(),
+        0,
+        "the lapsed holder's outcome overwrote the requeue"
+    );
+    // Its relay takes the partition again, under a new token.
+    f.store()
+        .tick(&f.owned.relay, Duration::from_secs(300), &[])
+        .await
+        .unwrap();
+    assert_eq!(f.store().record(&f.owned, ROUTE, &late, now).await.unwrap(), 0);
+    assert_eq!(f.state("p1", ROUTE).await, Some(AdminState::Pending));
 }
 
 /// `changes_since` (what `ferry tail` follows) lists outcomes only.
@@ -680,6 +731,7 @@ macro_rules! admin_conformance {
             show_has_headers_failures_and_operator_actions,
             requeue_refuses_pending_retrying_and_published_and_dry_run_changes_nothing,
             cancel_refuses_what_a_relay_may_hold_and_unblocks_the_key,
+            a_cancel_under_a_lapsed_lease_revokes_it_and_the_late_outcome_is_refused,
             changes_since_lists_outcomes_not_new_deliveries,
             changes_since_pages_through_changes_that_share_a_time,
             status_counts_states_and_blocked_keys,

@@ -100,6 +100,12 @@ impl AdminHarness for PgHarness {
             .await
             .unwrap();
     }
+    async fn expire_partitions(&self) {
+        sqlx::query("UPDATE ferry.partitions SET expires_at = now() - interval '1 second' WHERE owner IS NOT NULL")
+            .execute(&self.pool)
+            .await
+            .unwrap();
+    }
     async fn dead_failures(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM ferry.failures WHERE dead")
             .fetch_one(&self.pool)

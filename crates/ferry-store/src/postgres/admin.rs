@@ -284,7 +284,7 @@ impl Admin for PgStore {
                 .map_err(store_error)?;
                 // A new statement, so a new snapshot: it sees every lease
                 // and outcome committed before the lock was granted.
-                sqlx::query_as(sqlx::AssertSqlSafe(cancel_sql()))
+                let cancelled: Vec<(i64, String, String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(cancel_sql()))
                     .persistent(false)
                     .bind(&seqs)
                     .bind(&routes)
@@ -292,7 +292,28 @@ impl Admin for PgStore {
                     .bind(reason)
                     .fetch_all(&mut *tx)
                     .await
-                    .map_err(store_error)?
+                    .map_err(store_error)?;
+                // A lapsed lease let the cancel through, but its holder may
+                // still be publishing and come back with an outcome, which
+                // its owner and token would let overwrite whatever the
+                // operator does next (a requeue). Revoke it: any relay
+                // takes the partition anew, under a new token.
+                let (seqs, routes): (Vec<i64>, Vec<&str>) =
+                    cancelled.iter().map(|(seq, route, ..)| (*seq, route.as_str())).unzip();
+                sqlx::query(
+                    "UPDATE ferry.partitions p SET owner = NULL, expires_at = NULL, token = p.token + 1
+                      WHERE p.owner IS NOT NULL AND p.expires_at <= now()
+                        AND p.partition IN (SELECT d.partition FROM ferry.deliveries d
+                                              JOIN unnest($1::bigint[], $2::text[]) AS t(seq, route)
+                                                ON d.seq = t.seq AND d.route = t.route)",
+                )
+                .persistent(false)
+                .bind(&seqs)
+                .bind(&routes)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+                cancelled
             }
         };
         // Wakes sleeping relays at commit: requeued deliveries are due, and

@@ -385,6 +385,20 @@ impl Admin for SqliteStore {
                     .execute(&mut *tx)
                     .await
                     .map_err(store_error)?;
+                    // A lapsed lease let the cancel through, but its holder
+                    // may still be publishing and come back with an outcome
+                    // that its owner and token would let overwrite what the
+                    // operator does next. Revoke it: the partition is taken
+                    // anew, under a new token.
+                    sqlx::query(concat!(
+                        "UPDATE ferry_partitions SET owner = NULL, expires_at = NULL, token = token + 1
+                          WHERE partition = ?1 AND owner IS NOT NULL AND expires_at <= ",
+                        now_us!()
+                    ))
+                    .bind(row.get::<i64, _>("partition"))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
                 }
             }
             let reason = match action {

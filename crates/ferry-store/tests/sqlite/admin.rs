@@ -24,6 +24,12 @@ impl AdminHarness for SqliteHarness {
             .await
             .unwrap();
     }
+    async fn expire_partitions(&self) {
+        sqlx::query("UPDATE ferry_partitions SET expires_at = CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 1000000 WHERE owner IS NOT NULL")
+            .execute(&self.pool)
+            .await
+            .unwrap();
+    }
     async fn dead_failures(&self) -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM ferry_failures WHERE dead = 1")
             .fetch_one(&self.pool)
