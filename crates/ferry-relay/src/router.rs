@@ -344,9 +344,11 @@ async fn route_step<S: Store, C: Clock>(shared: &Shared<S, C>, owned: &Ownership
 struct Direct<'a> {
     route_names: Vec<String>,
     /// Routes whose last direct publish confirmed nothing and failed
-    /// transiently: their events park until the route worker has emptied
-    /// the table of them.
-    down: HashSet<String>,
+    /// transiently, with the step that found them down: their events park
+    /// until the route worker has emptied the table of them.
+    down: HashMap<String, u64>,
+    /// Steps taken, for telling which fetch could see which settle.
+    steps: u64,
     unsettled: Option<Unsettled>,
     /// The next batch, fetched while the last one published (only while
     /// batches come full).
@@ -363,6 +365,8 @@ struct Ahead {
     leases: Vec<(ferry_core::Partition, i64)>,
     batch: DirectBatch,
     fetch_took: Duration,
+    /// The step whose fetch it was.
+    step: u64,
 }
 
 /// A batch published (or parked), its delivery rows not written yet.
@@ -409,7 +413,12 @@ pub(crate) struct DirectPlan {
 }
 
 /// Decides, without I/O, where each event of a direct batch goes.
-pub(crate) fn plan_direct(routes: &[Route], batch: &DirectBatch, down: &HashSet<String>, carry: &Carry) -> DirectPlan {
+pub(crate) fn plan_direct(
+    routes: &[Route],
+    batch: &DirectBatch,
+    down: &HashMap<String, u64>,
+    carry: &Carry,
+) -> DirectPlan {
     let mut plan = DirectPlan {
         per_route: vec![(Vec::new(), Vec::new()); routes.len()],
         unroutable: Vec::new(),
@@ -421,7 +430,7 @@ pub(crate) fn plan_direct(routes: &[Route], batch: &DirectBatch, down: &HashSet<
                 continue;
             }
             matched = true;
-            let held = down.contains(&route.name)
+            let held = down.contains_key(&route.name)
                 || c.event.key.as_ref().is_some_and(|k| {
                     batch.held.get(i).is_some_and(|h| h.contains(&route.name))
                         || carry.held.contains(&(route.name.clone(), k.clone()))
@@ -443,7 +452,8 @@ impl<'a> Direct<'a> {
     fn new(routes: &[Route]) -> Self {
         Self {
             route_names: routes.iter().map(|r| r.name.clone()).collect(),
-            down: HashSet::new(),
+            down: HashMap::new(),
+            steps: 0,
             unsettled: None,
             ahead: None,
             ahead_carry: Carry::default(),
@@ -468,14 +478,19 @@ impl<'a> Direct<'a> {
         gate: RwLockReadGuard<'a, ()>,
     ) -> Step {
         let previous = self.unsettled.take();
-        let down: Vec<String> = self.down.iter().cloned().collect();
-        let (fetched, fetch_took, mut carry) = match self.ahead.take() {
+        self.steps += 1;
+        let step = self.steps;
+        let down: Vec<String> = self.down.keys().cloned().collect();
+        let (fetched, fetch_took, mut carry, fetch_step) = match self.ahead.take() {
             // Fetched while `previous` published: it skipped `previous`'s
             // events but may have missed what `previous` and the batch
             // settled beside it parked.
-            Some(a) if a.leases == owned.leases => {
-                (Ok(Some(a.batch)), a.fetch_took, std::mem::take(&mut self.ahead_carry))
-            }
+            Some(a) if a.leases == owned.leases => (
+                Ok(Some(a.batch)),
+                a.fetch_took,
+                std::mem::take(&mut self.ahead_carry),
+                a.step,
+            ),
             _ => {
                 self.ahead_carry = Carry::default();
                 let exclude: Vec<i64> = previous.as_ref().map(|u| u.seqs.clone()).unwrap_or_default();
@@ -484,7 +499,7 @@ impl<'a> Direct<'a> {
                     .store
                     .fetch_direct(&owned, shared.settings.batch_size, &self.route_names, &down, &exclude)
                     .await;
-                (fetched, fetch_started.elapsed(), Carry::default())
+                (fetched, fetch_started.elapsed(), Carry::default(), step)
             }
         };
         let batch = match fetched {
@@ -517,10 +532,17 @@ impl<'a> Direct<'a> {
         let fetched = batch.events.len();
         let full = fetched >= shared.settings.batch_size;
         let previous_carry = previous.as_ref().map(Carry::of).unwrap_or_default();
-        // A down route is back once the table holds nothing pending for it
-        // (what the unsettled batch parked on it is held back per key by
-        // `carry`, so trying it again early costs at most a failed attempt).
-        self.down.retain(|r| batch.busy.contains(r));
+        // A down route is back once the table holds nothing pending for it,
+        // as read by a fetch that asked about it and saw the failed batch
+        // that put it down settled: the batch found down in step k is
+        // settled within step k + 1, so a fetch of step k + 2 or later. An
+        // earlier fetch (one made ahead, or beside that settle) cannot tell,
+        // and trusting it would try a hanging destination again, holding
+        // every route up for another `direct_publish_timeout`. What later
+        // unsettled batches parked on the route is held back per key by
+        // `carry`.
+        self.down
+            .retain(|r, since| fetch_step < *since + 2 || batch.busy.contains(r));
         // While batches come full, the next one is fetched beside this
         // one's publish, skipping this batch and the one being settled.
         let fetch_ahead = full && !shared.quiesce.load(Ordering::SeqCst) && !shared.cancel.is_cancelled();
@@ -584,7 +606,7 @@ impl<'a> Direct<'a> {
             },
         );
         for route in now_down {
-            if self.down.insert(route.clone()) {
+            if self.down.insert(route.clone(), step).is_none() {
                 warn!(route = %route, "the destination failed; its events wait in the table for the route worker");
             }
         }
@@ -612,6 +634,7 @@ impl<'a> Direct<'a> {
                 leases,
                 batch,
                 fetch_took,
+                step,
             });
             self.ahead_carry = settling_carry;
         }
@@ -831,14 +854,19 @@ mod tests {
         let carry = Carry {
             held: [("audit".to_string(), "b".to_string())].into(),
         };
-        let plan = plan_direct(&routes, &batch, &HashSet::new(), &carry);
+        let plan = plan_direct(&routes, &batch, &HashMap::new(), &carry);
         assert_eq!(plan.per_route[0], (vec![1, 2, 3], vec![0]), "orders");
         assert_eq!(plan.per_route[1], (vec![0, 2, 3, 4], vec![1]), "audit");
         assert!(plan.unroutable.is_empty());
 
         // A route that is down parks everything, keyless events too; an
         // event no route matches is reported.
-        let plan = plan_direct(&routes[..1], &batch, &["orders".to_string()].into(), &Carry::default());
+        let plan = plan_direct(
+            &routes[..1],
+            &batch,
+            &[("orders".to_string(), 1)].into(),
+            &Carry::default(),
+        );
         assert_eq!(plan.per_route[0], (vec![], vec![0, 1, 2, 3]));
         assert_eq!(plan.unroutable, vec![4]);
     }

@@ -542,6 +542,61 @@ async fn a_slow_route_holds_the_others_up_for_one_bound_at_most() {
 }
 
 #[tokio::test]
+async fn a_hanging_destination_holds_the_other_routes_up_once_not_batch_after_batch() {
+    // Each direct publish to a hanging destination costs every route the
+    // publish timeout. Once one has timed out, the route's events must park
+    // for its worker until a fetch that saw that failure settled says the
+    // table is clear, not be tried directly again on the word of a fetch
+    // made before it.
+    let e = env().await;
+    e.sink.delay_when(|_| Some(Duration::from_secs(20)));
+    let audit = Route {
+        sink: "other".into(),
+        ..route("audit", "**")
+    };
+    let mut s = settings("a", 4);
+    s.batch_size = 20;
+    s.retry.max_attempts = u32::MAX;
+    // The failed batch is not retried while the test looks.
+    s.retry.base_delay = Duration::from_secs(120);
+    s.retry.max_delay = Duration::from_secs(120);
+    s.direct_publish_timeout = Duration::from_millis(300);
+    // A key per event, so nothing is held back per key: only the route's
+    // being down parks its events.
+    let ids = produce(&e.pool, orders(400, 400)).await;
+    let relay = start_with(&e, s, vec![route("orders", "order.**"), audit]);
+    eventually("audit gets everything", Duration::from_secs(60), || {
+        e.other.delivered("audit").len() >= 400
+    })
+    .await;
+    // The worker's publish of what was parked hangs for longer than the
+    // test: every attempt written by then is a direct publish's.
+    let counts = async || -> (i64, i64) {
+        sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE attempts > 0), count(*) FILTER (WHERE attempts = 0)
+               FROM ferry.deliveries WHERE route = 'orders'",
+        )
+        .fetch_one(&e.pool)
+        .await
+        .unwrap()
+    };
+    eventually_async("every orders delivery written", Duration::from_secs(10), async || {
+        let (tried, parked) = counts().await;
+        tried + parked == 400
+    })
+    .await;
+    let (tried, parked) = counts().await;
+    relay.stop().await;
+    assert_eq!(
+        (tried, parked),
+        (20, 380),
+        "only the first batch is published directly to the hanging destination"
+    );
+    assert!(e.sink.delivered("orders").is_empty());
+    assert_complete_and_ordered(&ids, &e.other.delivered("audit"));
+}
+
+#[tokio::test]
 async fn events_matching_no_route_are_dead_never_dropped() {
     let e = env().await;
     let relay = start(&e, "a", vec![route("orders", "order.**")]);
