@@ -690,3 +690,83 @@ async fn a_large_transaction_is_handed_over_in_bounded_parts() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// A stream reads change data ahead of the relay only as far as its byte
+/// budget: counted in messages, a backlog of large events would be read
+/// into memory whole while the relay was busy or away. Past the budget the
+/// server waits, and the rest is read as the relay catches up, in order.
+#[tokio::test]
+async fn a_stream_reads_ahead_of_the_relay_only_as_far_as_its_byte_budget() {
+    use ferry_store::postgres::wal::WalItem;
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool).with_read_ahead(4 << 20);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    let wal_now = async || -> i64 {
+        sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let start = wal_now().await;
+    let big = 1000 * 1024;
+    let mut want = Vec::new();
+    for i in 0..96u32 {
+        let mut tx = pool.begin().await.unwrap();
+        let ev = Event::bytes("file.stored", vec![i as u8; big], "application/octet-stream").key("f");
+        want.push(emit(&mut tx, ev).await.unwrap());
+        tx.commit().await.unwrap();
+    }
+    let end = wal_now().await;
+
+    let mut stream = source.open().await.unwrap();
+    // Nothing is read from the stream: how far the server got sending is
+    // how far the stream read ahead, give or take the sockets' buffers.
+    let sent = async || -> Option<i64> {
+        sqlx::query_scalar(
+            "SELECT (r.sent_lsn - '0/0')::bigint FROM pg_stat_replication r
+               JOIN pg_replication_slots s ON s.active_pid = r.pid WHERE s.slot_name = $1",
+        )
+        .bind(db.name())
+        .fetch_optional(&pool)
+        .await
+        .unwrap()
+        .flatten()
+    };
+    let (mut last, mut still) = (None, 0);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    while still < 10 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let now = sent().await;
+        still = if now.is_some() && now == last { still + 1 } else { 0 };
+        last = now;
+    }
+    let ahead = last.expect("the stream's walsender") - start;
+    let backlog = end - start;
+    assert!(
+        ahead < backlog / 2,
+        "the stream read {} MiB of a {} MiB backlog ahead of the relay",
+        ahead >> 20,
+        backlog >> 20
+    );
+
+    let mut got = Vec::new();
+    while got.len() < want.len() {
+        let item = tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+            .await
+            .expect("the stream stalled")
+            .unwrap();
+        if let WalItem::Txn(t) = item {
+            for e in &t.events {
+                assert_eq!(e.event.payload.len(), big);
+            }
+            got.extend(t.events.iter().map(|e| e.event.id));
+        }
+    }
+    assert!(got == want, "the events came out of their order");
+    stream.close().await;
+    pool.close().await;
+    db.drop_db().await;
+}

@@ -16,11 +16,13 @@ mod diagnose;
 mod settle;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, StoreError};
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, TlsConfig};
+use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
 use sqlx::{Connection, PgConnection, PgPool};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 
 use crate::postgres::{EnqueueError, store_error};
 
@@ -129,7 +131,17 @@ impl std::fmt::Display for SlotLoss {
 pub struct WalSource {
     pool: PgPool,
     config: WalConfig,
+    read_ahead: usize,
 }
+
+/// How many bytes of change data a stream reads ahead of the relay, by
+/// default: enough to keep a fast relay fed, a small share of its memory
+/// however large the events in the backlog.
+pub const READ_AHEAD_BYTES: usize = 64 * 1024 * 1024;
+
+/// Messages the replication client itself buffers; the byte budget bounds
+/// what is read beyond them.
+const CLIENT_BUFFER_EVENTS: usize = 8;
 
 impl WalSource {
     /// Checks the names; connects nothing yet.
@@ -141,7 +153,19 @@ impl WalSource {
                 )));
             }
         }
-        Ok(Self { pool, config })
+        Ok(Self {
+            pool,
+            config,
+            read_ahead: READ_AHEAD_BYTES,
+        })
+    }
+
+    /// Bounds the change data a stream reads ahead of the relay to about
+    /// `bytes` (one message over it is still read whole). The server waits,
+    /// holding the rest in its WAL, while the relay catches up.
+    pub fn with_read_ahead(mut self, bytes: usize) -> Self {
+        self.read_ahead = bytes.clamp(1, u32::MAX as usize);
+        self
     }
 
     pub fn config(&self) -> &WalConfig {
@@ -418,8 +442,16 @@ impl WalSource {
                 "the replication slot was replaced while the stream opened; starting over with the new slot",
             ));
         }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (applied, applied_rx) = watch::channel(0);
+        let (stop, stop_rx) = oneshot::channel();
+        let budget = Arc::new(Semaphore::new(self.read_ahead));
+        let forwarder = tokio::spawn(forward(client, tx, budget, self.read_ahead, applied_rx, stop_rx));
         Ok(WalStream {
-            client,
+            rx,
+            applied,
+            stop: Some(stop),
+            forwarder,
             decoder: decode::Decoder::resuming(resume),
             generation,
         })
@@ -761,7 +793,90 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, StoreErro
         // lag a monitor reads off pg_replication_slots is the real one.
         .with_status_interval(Duration::from_millis(500))
         .with_wakeup_interval(Duration::from_secs(5))
-        .with_buffer_size(16_384))
+        // Counted in messages, whatever their size: kept small, and the
+        // stream's byte budget bounds what is read beyond it.
+        .with_buffer_size(CLIENT_BUFFER_EVENTS))
+}
+
+/// A message read from the replication connection, with its share of the
+/// stream's read-ahead budget, given back once decoded.
+type Forwarded = Result<(ReplicationEvent, OwnedSemaphorePermit), StoreError>;
+
+/// The bytes a message holds the budget for: its change data.
+fn weight(event: &ReplicationEvent) -> usize {
+    match event {
+        ReplicationEvent::XLogData { data, .. } => data.len(),
+        ReplicationEvent::Message { content, prefix, .. } => content.len() + prefix.len(),
+        _ => 0,
+    }
+    .max(64)
+}
+
+/// Owns the replication client: reads messages while the budget allows,
+/// passes confirmed positions on, and ends the session when told to, or
+/// at once when the stream is dropped. While the budget is spent it stops
+/// reading; the client's buffer fills, the server waits (the client keeps
+/// answering it) and the rest stays in the WAL until the relay catches up.
+async fn forward(
+    mut client: ReplicationClient,
+    tx: mpsc::UnboundedSender<Forwarded>,
+    budget: Arc<Semaphore>,
+    read_ahead: usize,
+    mut applied: watch::Receiver<u64>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let stream_error = |e: pgwire_replication::PgWireError| StoreError::transient(format!("replication stream: {e}"));
+    loop {
+        let event = tokio::select! {
+            biased;
+            _ = &mut stop => break,
+            _ = tx.closed() => {
+                client.abort();
+                return;
+            }
+            Ok(()) = applied.changed() => {
+                client.update_applied_lsn(Lsn::from_u64(*applied.borrow_and_update()));
+                continue;
+            }
+            event = client.recv() => event,
+        };
+        let event = match event {
+            Ok(Some(event)) => event,
+            Ok(None) => {
+                let _ = tx.send(Err(StoreError::transient("replication stream ended")));
+                return;
+            }
+            Err(e) => {
+                let _ = tx.send(Err(stream_error(e)));
+                return;
+            }
+        };
+        // A message larger than the whole budget waits for all of it.
+        let wanted = weight(&event).min(read_ahead) as u32;
+        let permit = loop {
+            tokio::select! {
+                biased;
+                _ = &mut stop => break None,
+                _ = tx.closed() => {
+                    client.abort();
+                    return;
+                }
+                Ok(()) = applied.changed() => {
+                    client.update_applied_lsn(Lsn::from_u64(*applied.borrow_and_update()));
+                }
+                permit = budget.clone().acquire_many_owned(wanted) => break permit.ok(),
+            }
+        };
+        let Some(permit) = permit else { break };
+        if tx.send(Ok((event, permit))).is_err() {
+            client.abort();
+            return;
+        }
+    }
+    // Closing: the last confirmed position first, then a clean end.
+    client.update_applied_lsn(Lsn::from_u64(*applied.borrow()));
+    let _ = tokio::time::timeout(Duration::from_secs(2), client.shutdown()).await;
+    client.abort();
 }
 
 /// What the stream hands over.
@@ -777,7 +892,12 @@ pub enum WalItem {
 
 /// A replication session on the slot.
 pub struct WalStream {
-    client: ReplicationClient,
+    /// From the task that owns the replication client ([`forward`]),
+    /// which ends the session when this is dropped.
+    rx: mpsc::UnboundedReceiver<Forwarded>,
+    applied: watch::Sender<u64>,
+    stop: Option<oneshot::Sender<()>>,
+    forwarder: tokio::task::JoinHandle<()>,
     decoder: decode::Decoder,
     generation: i64,
 }
@@ -792,15 +912,8 @@ impl WalStream {
     /// The next committed transaction or idle position.
     pub async fn next(&mut self) -> Result<WalItem, StoreError> {
         loop {
-            let event = self
-                .client
-                .recv()
-                .await
-                .map_err(|e| StoreError::transient(format!("replication stream: {e}")))?;
-            let Some(event) = event else {
-                return Err(StoreError::transient("replication stream ended"));
-            };
-            if let Some(item) = self.decoder.feed(event)? {
+            let forwarded = self.rx.recv().await;
+            if let Some(item) = self.feed(forwarded)? {
                 return Ok(item);
             }
         }
@@ -808,31 +921,48 @@ impl WalStream {
 
     /// Like [`next`](Self::next), but only what has already arrived.
     pub fn try_next(&mut self) -> Result<Option<WalItem>, StoreError> {
-        use futures::FutureExt;
         loop {
-            let Some(event) = self.client.recv().now_or_never() else {
-                return Ok(None);
+            let forwarded = match self.rx.try_recv() {
+                Ok(forwarded) => Some(forwarded),
+                Err(mpsc::error::TryRecvError::Empty) => return Ok(None),
+                Err(mpsc::error::TryRecvError::Disconnected) => None,
             };
-            let event = event.map_err(|e| StoreError::transient(format!("replication stream: {e}")))?;
-            let Some(event) = event else {
-                return Err(StoreError::transient("replication stream ended"));
-            };
-            if let Some(item) = self.decoder.feed(event)? {
+            if let Some(item) = self.feed(forwarded)? {
                 return Ok(Some(item));
             }
         }
     }
 
+    /// Decodes one message; its read-ahead budget is given back after.
+    fn feed(&mut self, forwarded: Option<Forwarded>) -> Result<Option<WalItem>, StoreError> {
+        let (event, _permit) = forwarded.ok_or_else(|| StoreError::transient("replication stream ended"))??;
+        self.decoder.feed(event)
+    }
+
     /// Tells the slot that everything before `lsn` is settled; the server
     /// may then recycle that WAL, and a restart resumes from there.
     pub fn confirm(&self, lsn: u64) {
-        self.client.update_applied_lsn(Lsn::from_u64(lsn));
+        self.applied.send_if_modified(|applied| {
+            let raised = lsn > *applied;
+            if raised {
+                *applied = lsn;
+            }
+            raised
+        });
     }
 
     /// Ends the session, sending the last confirmed position first.
     pub async fn close(mut self) {
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.client.shutdown()).await;
-        self.client.abort();
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        // The forwarder gives the server 2 s to end the session cleanly.
+        if tokio::time::timeout(Duration::from_secs(3), &mut self.forwarder)
+            .await
+            .is_err()
+        {
+            self.forwarder.abort();
+        }
     }
 }
 
