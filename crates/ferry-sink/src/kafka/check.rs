@@ -81,7 +81,7 @@ pub(super) async fn topic_exists(
     }
 }
 
-/// The longest `check` waits for a topic's configuration. Brokers without
+/// The longest a read of a topic's configuration waits. Brokers without
 /// DescribeConfigs (librdkafka's mock cluster, some Kafka-compatible
 /// servers) never answer, and the limit is only an early warning.
 const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(3);
@@ -89,9 +89,9 @@ const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// The topic's `max.message.bytes`, if the cluster answers DescribeConfigs.
 /// Best effort: a cluster that does not (or a principal without
 /// DESCRIBE_CONFIGS) leaves the check to the broker at publish time, which
-/// refuses an oversized message with `MessageSizeTooLarge` (permanent).
+/// refuses the record batch carrying an oversized message with
+/// `MessageSizeTooLarge` (retried, see `codes::delivery_error`).
 pub(super) async fn topic_max_message_bytes(config: &ClientConfig, topic: &str, timeout: Duration) -> Option<usize> {
-    let timeout = timeout.min(DESCRIBE_TIMEOUT);
     let admin: AdminClient<DefaultClientContext> = match config.create() {
         Ok(admin) => admin,
         Err(e) => {
@@ -99,6 +99,17 @@ pub(super) async fn topic_max_message_bytes(config: &ClientConfig, topic: &str, 
             return None;
         }
     };
+    let limit = describe_max_message_bytes(&admin, topic, timeout.min(DESCRIBE_TIMEOUT)).await;
+    // Dropping a client joins its threads: not on the runtime's.
+    tokio::task::spawn_blocking(move || drop(admin));
+    limit
+}
+
+async fn describe_max_message_bytes(
+    admin: &AdminClient<DefaultClientContext>,
+    topic: &str,
+    timeout: Duration,
+) -> Option<usize> {
     let options = AdminOptions::new().request_timeout(Some(timeout));
     let resource = ResourceSpecifier::Topic(topic);
     let describe = admin.describe_configs([&resource], &options);

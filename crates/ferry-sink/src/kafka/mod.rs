@@ -33,12 +33,12 @@ mod config;
 mod message;
 mod publish;
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer};
 use tracing::{info, warn};
@@ -125,8 +125,58 @@ struct Slot {
 pub struct KafkaSink {
     options: KafkaOptions,
     slot: Mutex<Slot>,
-    /// `max.message.bytes` of topics `check` could read, by topic.
-    topic_limits: Mutex<HashMap<String, usize>>,
+    /// `max.message.bytes` of the topics routed to, as far as read.
+    topic_limits: Arc<Mutex<TopicLimits>>,
+}
+
+/// How long a topic's `max.message.bytes`, or its being unreadable, stands
+/// before it is read again.
+const TOPIC_LIMIT_TTL: Duration = Duration::from_secs(600);
+/// At most this many topics are read and remembered (a template such as
+/// `events.{key}` may name a topic per key); beyond them the broker alone
+/// judges a message's size.
+const MAX_TOPICS_READ: usize = 1024;
+
+/// The topics' limits, read by `check` at start-up and, in the background,
+/// when a publish first names a topic (a template's, or one `check` could
+/// not read), and again after [`TOPIC_LIMIT_TTL`].
+#[derive(Default)]
+struct TopicLimits {
+    limits: HashMap<String, usize>,
+    /// When each topic read (or being read) may be read again.
+    due: HashMap<String, Instant>,
+}
+
+impl TopicLimits {
+    fn record(&mut self, topic: &str, limit: Option<usize>) {
+        self.due.insert(topic.to_owned(), Instant::now() + TOPIC_LIMIT_TTL);
+        // Unread now, a limit read before still stands.
+        if let Some(limit) = limit {
+            self.limits.insert(topic.to_owned(), limit);
+        }
+    }
+
+    /// Of `topics`, those to read now; marked as being read.
+    fn claim(&mut self, topics: BTreeSet<String>) -> Vec<String> {
+        let now = Instant::now();
+        let mut claimed = Vec::new();
+        for topic in topics {
+            let due = match self.due.get(&topic) {
+                Some(due) => *due <= now,
+                None => self.due.len() < MAX_TOPICS_READ,
+            };
+            if due {
+                self.due.insert(topic.clone(), now + TOPIC_LIMIT_TTL);
+                claimed.push(topic);
+            }
+        }
+        claimed
+    }
+
+    /// The smallest limit known: the producer's record batches stay under it.
+    fn batch_cap(&self) -> Option<usize> {
+        self.limits.values().copied().min()
+    }
 }
 
 impl KafkaSink {
@@ -145,7 +195,7 @@ impl KafkaSink {
                 generation: 0,
             }),
             options,
-            topic_limits: Mutex::new(HashMap::new()),
+            topic_limits: Arc::new(Mutex::new(TopicLimits::default())),
         })
     }
 
@@ -158,7 +208,26 @@ impl KafkaSink {
     /// a producer in that state refuses everything until it is recreated.
     /// With it, its generation.
     fn producer(&self) -> Result<(FutureProducer, u64), SinkError> {
+        let batch_cap = self
+            .topic_limits
+            .lock()
+            .expect("the topic limits are never poisoned")
+            .batch_cap();
         let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
+        // The broker refuses a whole record batch over the topic's limit,
+        // every event in it: the producer must not build one.
+        if let Some(cap) = batch_cap
+            && slot.batch_cap.is_none_or(|made| cap < made)
+            && let Some(old) = slot.producer.take()
+        {
+            info!(
+                limit = cap,
+                "remaking the Kafka producer to keep its batches under a topic's max.message.bytes"
+            );
+            // Dropping a producer flushes and joins its thread: not on the
+            // runtime's (publishes in flight hold their own handle).
+            tokio::task::spawn_blocking(move || drop(old));
+        }
         if let Some(producer) = &slot.producer {
             match producer.client().fatal_error() {
                 None => return Ok((producer.clone(), slot.generation)),
@@ -178,13 +247,6 @@ impl KafkaSink {
                 slot.backoff.last_error().unwrap_or("none")
             )));
         }
-        let batch_cap = self
-            .topic_limits
-            .lock()
-            .expect("the topic limits are never poisoned")
-            .values()
-            .copied()
-            .min();
         let producer = create_producer(&self.options, batch_cap)?;
         slot.batch_cap = batch_cap;
         info!(bootstrap = %self.options.bootstrap_servers, "created a new Kafka producer");
@@ -200,6 +262,7 @@ impl KafkaSink {
             .topic_limits
             .lock()
             .expect("the topic limits are never poisoned")
+            .limits
             .get(&record.topic)
             .copied();
         let limits = Limits {
@@ -209,6 +272,43 @@ impl KafkaSink {
         };
         record.admit(&route.sink, limits)?;
         Ok(record)
+    }
+
+    /// Reads, in the background, the limits of the topics `events` go to
+    /// that are not known or not fresh. A broker that does not answer
+    /// DescribeConfigs would hold a publish for seconds: until a topic's
+    /// limit is known, the broker's refusal of an oversized record (retried)
+    /// is the check, and the retry finds it refused before sending.
+    fn learn_limits(&self, route: &Route, events: &[StoredEvent]) {
+        let topics: BTreeSet<String> = if route.destination.contains('{') {
+            events
+                .iter()
+                .map(|e| render_template(&route.destination, e))
+                .filter(|t| message::validate_topic(t).is_ok())
+                .collect()
+        } else {
+            [route.destination.clone()].into()
+        };
+        let claimed = self
+            .topic_limits
+            .lock()
+            .expect("the topic limits are never poisoned")
+            .claim(topics);
+        if claimed.is_empty() {
+            return;
+        }
+        let config = self.options.client_config();
+        let timeout = self.options.publish_timeout;
+        let limits = self.topic_limits.clone();
+        tokio::spawn(async move {
+            for topic in claimed {
+                let limit = check::topic_max_message_bytes(&config, &topic, timeout).await;
+                limits
+                    .lock()
+                    .expect("the topic limits are never poisoned")
+                    .record(&topic, limit);
+            }
+        });
     }
 }
 
@@ -262,6 +362,7 @@ impl Sink for KafkaSink {
         if events.is_empty() {
             return Vec::new();
         }
+        self.learn_limits(route, events);
         let (producer, generation) = match self.producer() {
             Ok(made) => made,
             Err(e) => return vec![Err(e); events.len()],
@@ -318,26 +419,10 @@ impl Sink for KafkaSink {
         )
         .await?;
         let limit = check::topic_max_message_bytes(&opts.client_config(), topic, opts.publish_timeout).await;
-        if let Some(limit) = limit {
-            self.topic_limits
-                .lock()
-                .expect("the topic limits are never poisoned")
-                .insert(topic.to_owned(), limit);
-            // The broker refuses a whole record batch over the topic's limit,
-            // every event in it: the producer must not build one.
-            let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
-            if slot.batch_cap.is_none_or(|cap| limit < cap) && slot.producer.is_some() {
-                info!(
-                    topic,
-                    limit, "remaking the Kafka producer to keep its batches under the topic's max.message.bytes"
-                );
-                // Dropping a producer flushes and joins its thread: not on
-                // the runtime's (publishes in flight hold their own handle).
-                if let Some(old) = slot.producer.take() {
-                    tokio::task::spawn_blocking(move || drop(old));
-                }
-            }
-        }
+        self.topic_limits
+            .lock()
+            .expect("the topic limits are never poisoned")
+            .record(topic, limit);
         Ok(())
     }
 
@@ -361,6 +446,25 @@ impl Sink for KafkaSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_topic_is_read_once_per_ttl_and_only_so_many_topics_are_read() {
+        let mut limits = TopicLimits::default();
+        let topics = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<BTreeSet<_>>();
+        assert_eq!(limits.claim(topics(&["a", "b"])), ["a", "b"]);
+        assert!(limits.claim(topics(&["a", "b"])).is_empty(), "being read");
+        limits.record("a", Some(4096));
+        limits.record("b", None);
+        assert!(limits.claim(topics(&["a", "b"])).is_empty(), "read lately");
+        assert_eq!(limits.batch_cap(), Some(4096));
+        // Due again: a failed read keeps the limit read before.
+        limits.due.insert("a".into(), Instant::now());
+        assert_eq!(limits.claim(topics(&["a"])), ["a"]);
+        limits.record("a", None);
+        assert_eq!(limits.limits.get("a"), Some(&4096));
+        let many: BTreeSet<String> = (0..2 * MAX_TOPICS_READ).map(|i| format!("t{i:05}")).collect();
+        assert_eq!(limits.claim(many).len(), MAX_TOPICS_READ - 2);
+    }
 
     /// Raises a fatal error in the sink's current producer, as librdkafka
     /// does after an unrecoverable idempotence failure.
