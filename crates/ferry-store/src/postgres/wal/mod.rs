@@ -951,7 +951,10 @@ impl WalStream {
         });
     }
 
-    /// Ends the session, sending the last confirmed position first.
+    /// Ends the session. The last confirmed position reaches the slot if a
+    /// status update carried it before the end (one goes every 500 ms);
+    /// if not, the next session reads from an earlier position and skips
+    /// what was settled, as after a crash (see [`WalSource::open`]).
     pub async fn close(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
