@@ -95,6 +95,9 @@ pub struct RelaySettings {
     /// WAL the slot may hold back before the relay warns and `ferry check`
     /// fails, in bytes.
     pub wal_lag_budget: u64,
+    /// In WAL mode, how much change data the replication connection reads
+    /// ahead of the relay, in bytes; the server holds the rest.
+    pub wal_read_ahead: usize,
     /// In WAL mode, a route's publish that takes longer counts as failed and
     /// goes to the table path, so one slow destination cannot hold the
     /// stream up for the others.
@@ -365,6 +368,9 @@ const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(60);
 const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_WAL_NAME: &str = "ferry";
 const DEFAULT_WAL_LAG_BUDGET_MB: i64 = 1024;
+const DEFAULT_WAL_READ_AHEAD_MB: usize = 64;
+/// The read-ahead budget is a semaphore counted in u32 bytes.
+const MAX_WAL_READ_AHEAD_MB: i64 = 4095;
 /// Raised, like the direct bound, to twice every sink's own timeout.
 const DEFAULT_WAL_PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 /// At least twice every sink's own timeout, which raises it where one is
@@ -752,6 +758,14 @@ fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
             DEFAULT_WAL_LAG_BUDGET_MB as u64,
             1,
             None,
+        ) * 1024
+            * 1024,
+        wal_read_ahead: check.integer::<usize>(
+            "relay.wal_read_ahead_mb",
+            raw.wal_read_ahead_mb,
+            DEFAULT_WAL_READ_AHEAD_MB,
+            1,
+            Some(MAX_WAL_READ_AHEAD_MB),
         ) * 1024
             * 1024,
         wal_publish_timeout: check.duration_at_least(

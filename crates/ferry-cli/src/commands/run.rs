@@ -265,7 +265,8 @@ async fn wal(cfg: &Config, store: &crate::store::AnyStore) -> anyhow::Result<fer
             publication: cfg.relay.wal_publication.clone(),
         },
     )
-    .map_err(|e| UsageError(e.message))?;
+    .map_err(|e| UsageError(e.message))?
+    .with_read_ahead(cfg.relay.wal_read_ahead);
     match source.prepare().await {
         Ok(prepared) => ferry_relay::wal::report_prepared(&prepared, &cfg.relay.wal_slot),
         Err(e) if e.kind == ErrorKind::Config => {

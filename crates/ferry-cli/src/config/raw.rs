@@ -61,6 +61,7 @@ pub(super) struct RawRelay {
     pub(super) wal_slot: Option<String>,
     pub(super) wal_publication: Option<String>,
     pub(super) wal_lag_budget_mb: Option<i64>,
+    pub(super) wal_read_ahead_mb: Option<i64>,
     pub(super) wal_publish_timeout: Option<DurationText>,
     pub(super) direct_publish_timeout: Option<DurationText>,
 }

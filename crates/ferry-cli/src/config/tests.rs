@@ -37,6 +37,7 @@ fn the_example_file_parses_to_its_documented_values() {
             wal_slot: "ferry".into(),
             wal_publication: "ferry".into(),
             wal_lag_budget: 1 << 30,
+            wal_read_ahead: 64 << 20,
             wal_publish_timeout: Duration::from_secs(20),
             direct_publish_timeout: Duration::from_secs(30),
         }
@@ -932,12 +933,21 @@ fn retention_problems_name_the_field() {
 #[test]
 fn wal_mode_is_checked_against_the_database_and_names() {
     let c = from_toml_str(
-        "[database]\nurl = \"postgres://h/db\"\n[relay]\nmode = \"wal\"\nwal_slot = \"orders_1\"\nwal_lag_budget_mb = 64\n",
+        "[database]\nurl = \"postgres://h/db\"\n[relay]\nmode = \"wal\"\nwal_slot = \"orders_1\"\nwal_lag_budget_mb = 64\nwal_read_ahead_mb = 16\n",
     )
     .unwrap();
     assert_eq!(c.relay.mode, RelayMode::Wal);
     assert_eq!(c.relay.wal_slot, "orders_1");
     assert_eq!(c.relay.wal_lag_budget, 64 << 20);
+    assert_eq!(c.relay.wal_read_ahead, 16 << 20);
+    for bad in ["0", "4096"] {
+        let err = from_toml_str(&format!(
+            "[database]\nurl = \"postgres://h/db\"\n[relay]\nwal_read_ahead_mb = {bad}\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("relay.wal_read_ahead_mb"), "{err}");
+    }
     let err = from_toml_str("[database]\nurl = \"sqlite://x.db\"\n[relay]\nmode = \"wal\"\n")
         .unwrap_err()
         .to_string();
