@@ -275,6 +275,81 @@ async fn a_retry_longer_than_the_poll_interval_keeps_the_group_membership() {
     env.assert_all_committed().await;
 }
 
+/// A record waiting out its retries holds back its own partition only:
+/// the member's other partitions go on meanwhile, and once the record is
+/// processed its partition follows, in order. (The member used to pause
+/// every partition it had and retry the record in place until it was done.)
+#[tokio::test]
+async fn a_record_waiting_out_its_retries_holds_back_only_its_partition() {
+    const N: usize = 40;
+    let env = Env::new("inbox-kafka-own-partition").await;
+    let inbox = Inbox::new(env.db.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(RetryPolicy {
+            max_attempts: 10_000,
+            base_delay: Duration::from_millis(200),
+            max_delay: Duration::from_millis(200),
+            jitter: 0.0,
+        });
+    let consumer = KafkaConsumer::new(inbox, env.options()).unwrap();
+    let failing = std::sync::atomic::AtomicBool::new(true);
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if number(event) == 0 && failing.load(Ordering::SeqCst) {
+            return Err(HandlerError::transient("not yet"));
+        }
+        effect(tx, event).await
+    };
+    // Event 0 (key k0) first, alone; the rest once it is failing. The key
+    // of event n is k(n % 7).
+    let events = |range: std::ops::Range<usize>| -> Vec<Event> {
+        range
+            .map(|n| Event::new("order.item.created", json!({ "n": n })).key(format!("k{}", n % 7)))
+            .collect()
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        env.db.produce(events(0..1)).await;
+        wait("event 0 failing", || async { consumer.report().retried >= 1 }).await;
+        env.db.produce(events(1..N)).await;
+        wait("other partitions' records processed while event 0 waits", || async {
+            consumer.report().processed >= 1
+        })
+        .await;
+        // Key k0's later events are behind event 0 in its partition.
+        let k0_done = env.db.scalar("SELECT count(*) FROM effects WHERE n % 7 = 0").await;
+        assert_eq!(k0_done, 0, "a k0 event was processed ahead of event 0");
+        failing.store(false, Ordering::SeqCst);
+        wait("every record consumed", || async {
+            consumer.report().processed == N as u64
+        })
+        .await;
+        relay.stop().await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!(report.processed, N as u64, "{report:?}");
+    assert_eq!(report.reconnects, 0, "{report:?}");
+    env.db.assert_effects_once(N).await;
+    let rows: Vec<(i32,)> = sqlx::query_as("SELECT n FROM effects ORDER BY at")
+        .fetch_all(&env.db.pool)
+        .await
+        .unwrap();
+    let mut last: HashMap<i32, i32> = HashMap::new();
+    for (n,) in rows {
+        if let Some(previous) = last.insert(n % 7, n) {
+            assert!(previous < n, "key k{}: {n} after {previous}", n % 7);
+        }
+    }
+    env.assert_all_committed().await;
+}
+
 /// A member joining while another waits out a retry starts a rebalance
 /// that revokes the waiting member's partitions mid-wait: it polls through
 /// the rebalance, leaves the record to the group if its partition is no

@@ -20,11 +20,13 @@
 //!
 //! A record whose handler fails is retried in place after its backoff:
 //! Kafka has no per-record redelivery, and skipping ahead would break the
-//! partition's order. While it waits, the records behind it wait too, its
-//! partitions paused, and the consumer goes on polling the group, so a
+//! partition's order. While it waits, the records behind it in its
+//! partition wait too, that partition paused; the member's other
+//! partitions go on, and the consumer goes on polling the group, so a
 //! backoff longer than `max.poll.interval.ms` does not cost it its
-//! membership; after the inbox's last attempt the record is dead-lettered and
-//! the partition moves on. (A single handler run must still end within
+//! membership. When the wait is over the partition is sought back to the
+//! record and resumed. After the inbox's last attempt the record is
+//! dead-lettered and the partition moves on. (A single handler run must still end within
 //! `max.poll.interval.ms`, 300 s unless `extra` says otherwise.)
 //!
 //! Offsets are committed without waiting for the group's coordinator: a
@@ -39,7 +41,6 @@ mod dead_letter;
 mod decode;
 
 use std::collections::BTreeMap;
-use std::ops::ControlFlow;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,6 +51,7 @@ use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::FutureProducer;
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use sqlx::PgConnection;
+use tokio::time::Instant;
 use tracing::{error, info, warn};
 
 pub use decode::decode;
@@ -333,23 +335,43 @@ impl KafkaConsumer {
         producer: &FutureProducer,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
     ) -> Result<(), Failure> {
+        let mut waiting = Waiting::default();
         loop {
+            let next_due = waiting.next_due();
             let message = tokio::select! {
                 biased;
                 () = shutdown.as_mut() => break,
+                () = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() => {
+                    self.release(consumer, &mut waiting)?;
+                    continue;
+                }
                 m = consumer.recv() => match received(m)? {
                     Some(message) => message,
                     None => continue,
                 },
             };
-            if self
-                .handle(handler, consumer, producer, &message, shutdown.as_mut())
-                .await?
-                .is_break()
-            {
-                break;
+            let at = (message.topic().to_owned(), message.partition());
+            if let Some(&(offset, _)) = waiting.records.get(&at) {
+                if message.offset() > offset {
+                    // Fetched past the waiting record before its partition
+                    // was paused: read again once the record is.
+                    pause(consumer, &at.0, at.1)?;
+                    continue;
+                }
+                // A rebalance took the partition away and gave it back,
+                // unpaused, from its committed offset: the waiting record
+                // (or one before it) is here again.
+                waiting.records.remove(&at);
+            }
+            match self.handle(handler, consumer, producer, &message).await? {
+                Handled::Done => {}
+                Handled::Retry(delay) => {
+                    pause(consumer, &at.0, at.1)?;
+                    waiting.records.insert(at, (message.offset(), Instant::now() + delay));
+                }
             }
         }
+        // What waits stays uncommitted, for whoever reads the partition next.
         Ok(())
     }
 
@@ -359,8 +381,7 @@ impl KafkaConsumer {
         consumer: &Member,
         producer: &FutureProducer,
         message: &BorrowedMessage<'_>,
-        mut shutdown: Pin<&mut impl Future<Output = ()>>,
-    ) -> Result<ControlFlow<()>, Failure> {
+    ) -> Result<Handled, Failure> {
         let name = self.inbox.consumer();
         let headers = message
             .headers()
@@ -375,127 +396,102 @@ impl KafkaConsumer {
                 warn!(consumer = name, offset = message.offset(), error = %e, "malformed record");
                 dead_letter::produce(&self.options, producer, message, &e.to_string()).await?;
                 commit(consumer, message);
-                return Ok(ControlFlow::Continue(()));
+                return Ok(Handled::Done);
             }
         };
-        loop {
-            let wait = match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
-                Ok(Outcome::Processed) => {
-                    Counters::bump(&self.counters.processed);
-                    commit(consumer, message);
-                    return Ok(ControlFlow::Continue(()));
-                }
-                Ok(Outcome::Duplicate) => {
-                    Counters::bump(&self.counters.duplicates);
-                    commit(consumer, message);
-                    return Ok(ControlFlow::Continue(()));
-                }
-                Ok(Outcome::Dead { reason, .. }) => {
-                    Counters::bump(&self.counters.dead);
-                    dead_letter::produce(&self.options, producer, message, &reason).await?;
-                    commit(consumer, message);
-                    return Ok(ControlFlow::Continue(()));
-                }
-                Ok(Outcome::Retry { delay, .. }) => {
-                    Counters::bump(&self.counters.retried);
-                    delay
-                }
-                Err(e) => {
-                    Counters::bump(&self.counters.inbox_unavailable);
-                    warn!(consumer = name, event = %event.id, error = %e, "inbox unavailable; the record waits");
-                    self.options.database_retry_delay
-                }
-            };
-            match self.wait(consumer, message, wait, shutdown.as_mut()).await? {
-                Waited::Over => {}
-                Waited::Shutdown => return Ok(ControlFlow::Break(())),
-                Waited::Moved => {
-                    // Its new owner reads the record again from the
-                    // committed offset.
-                    info!(
-                        consumer = name,
-                        partition = message.partition(),
-                        offset = message.offset(),
-                        "the partition moved to another member during the retry wait; the record is left to it"
-                    );
-                    return Ok(ControlFlow::Continue(()));
-                }
+        let wait = match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+            Ok(Outcome::Processed) => {
+                Counters::bump(&self.counters.processed);
+                commit(consumer, message);
+                return Ok(Handled::Done);
             }
-        }
+            Ok(Outcome::Duplicate) => {
+                Counters::bump(&self.counters.duplicates);
+                commit(consumer, message);
+                return Ok(Handled::Done);
+            }
+            Ok(Outcome::Dead { reason, .. }) => {
+                Counters::bump(&self.counters.dead);
+                dead_letter::produce(&self.options, producer, message, &reason).await?;
+                commit(consumer, message);
+                return Ok(Handled::Done);
+            }
+            Ok(Outcome::Retry { delay, .. }) => {
+                Counters::bump(&self.counters.retried);
+                delay
+            }
+            Err(e) => {
+                Counters::bump(&self.counters.inbox_unavailable);
+                warn!(consumer = name, event = %event.id, error = %e, "inbox unavailable; the record waits");
+                self.options.database_retry_delay
+            }
+        };
+        Ok(Handled::Retry(wait))
     }
 
-    /// Waits out `delay` before a record is tried again, polling the group
-    /// all the while with the assigned partitions paused. A record that
-    /// arrives anyway (from a partition a rebalance assigned meanwhile; a
-    /// pause drops what was fetched before it) is set aside, its partition
-    /// paused too, and sought back to it once the wait is over, so nothing
-    /// is skipped. Says whether `message`, the record waiting, is still
-    /// this member's to try again.
-    async fn wait(
-        &self,
-        consumer: &Member,
-        message: &BorrowedMessage<'_>,
-        delay: Duration,
-        mut shutdown: Pin<&mut impl Future<Output = ()>>,
-    ) -> Result<Waited, Failure> {
-        let mut paused = assignment(consumer)?;
-        consumer
-            .pause(&paused)
-            .map_err(|e| format!("pausing the assigned partitions: {e}"))?;
-        let mut set_aside: BTreeMap<(String, i32), i64> = BTreeMap::new();
-        let sleep = tokio::time::sleep(delay);
-        let mut sleep = pin!(sleep);
-        let over = loop {
-            tokio::select! {
-                biased;
-                () = shutdown.as_mut() => break false,
-                () = sleep.as_mut() => break true,
-                m = consumer.recv() => {
-                    let Some(m) = received(m)? else { continue };
-                    let (topic, partition) = (m.topic().to_owned(), m.partition());
-                    if let std::collections::btree_map::Entry::Vacant(entry) = set_aside.entry((topic, partition)) {
-                        entry.insert(m.offset());
-                        let mut one = TopicPartitionList::new();
-                        one.add_partition(m.topic(), partition);
-                        consumer
-                            .pause(&one)
-                            .map_err(|e| format!("pausing partition {partition}: {e}"))?;
-                        paused.add_partition(m.topic(), partition);
-                    }
-                }
-            }
-        };
-        if !over {
-            // What was set aside is read again by whoever reads next.
-            return Ok(Waited::Shutdown);
-        }
-        consumer
-            .resume(&paused)
-            .map_err(|e| format!("resuming the assigned partitions: {e}"))?;
-        // A partition a later rebalance took away is its new owner's to read.
+    /// Sends the partitions whose record's wait is over back to it, and
+    /// resumes them. A partition a rebalance took away meanwhile is its new
+    /// owner's to read, from the committed offset.
+    fn release(&self, consumer: &Member, waiting: &mut Waiting) -> Result<(), Failure> {
+        let now = Instant::now();
+        let due: Vec<((String, i32), i64)> = waiting
+            .records
+            .iter()
+            .filter(|(_, (_, due))| *due <= now)
+            .map(|(at, (offset, _))| (at.clone(), *offset))
+            .collect();
         let assigned = assignment(consumer)?;
-        for ((topic, partition), offset) in set_aside {
+        for ((topic, partition), offset) in due {
+            waiting.records.remove(&(topic.clone(), partition));
             if assigned.find_partition(&topic, partition).is_none() {
+                info!(
+                    consumer = self.inbox.consumer(),
+                    partition,
+                    offset,
+                    "the partition moved to another member during the retry wait; the record is left to it"
+                );
                 continue;
             }
             consumer
                 .seek(&topic, partition, Offset::Offset(offset), self.options.timeout)
                 .map_err(|e| format!("seeking partition {partition} back to offset {offset}: {e}"))?;
+            let mut one = TopicPartitionList::new();
+            one.add_partition(&topic, partition);
+            consumer
+                .resume(&one)
+                .map_err(|e| format!("resuming partition {partition}: {e}"))?;
         }
-        if assigned.find_partition(message.topic(), message.partition()).is_none() {
-            return Ok(Waited::Moved);
-        }
-        Ok(Waited::Over)
+        Ok(())
     }
 }
 
-/// How a retry wait ended.
-enum Waited {
-    /// The record is to be tried again.
-    Over,
-    /// A rebalance gave its partition to another member.
-    Moved,
-    Shutdown,
+/// What became of a record.
+enum Handled {
+    /// Done with: processed, a duplicate, or dead-lettered.
+    Done,
+    /// To be tried again after this long.
+    Retry(Duration),
+}
+
+/// Records waiting out a retry, one per partition at most (its partition is
+/// paused until then): (topic, partition) to (offset, when it is due).
+#[derive(Default)]
+struct Waiting {
+    records: BTreeMap<(String, i32), (i64, Instant)>,
+}
+
+impl Waiting {
+    fn next_due(&self) -> Option<Instant> {
+        self.records.values().map(|(_, due)| *due).min()
+    }
+}
+
+fn pause(consumer: &Member, topic: &str, partition: i32) -> Result<(), Failure> {
+    let mut one = TopicPartitionList::new();
+    one.add_partition(topic, partition);
+    consumer
+        .pause(&one)
+        .map_err(|e| Failure::Lost(format!("pausing partition {partition}: {e}")))
 }
 
 /// The partitions assigned to this member now.
