@@ -358,9 +358,10 @@ impl KafkaConsumer {
                     pause(consumer, &at.0, at.1)?;
                     continue;
                 }
-                // A rebalance took the partition away and gave it back,
-                // unpaused, from its committed offset: the waiting record
-                // (or one before it) is here again.
+                // Not expected: a partition a rebalance takes away and
+                // gives back stays paused (librdkafka keeps an application's
+                // pause) until `release`. Read from at or before the
+                // waiting record, though, the partition needs no seek back.
                 waiting.records.remove(&at);
             }
             match self.handle(handler, consumer, producer, &message).await? {
@@ -443,6 +444,8 @@ impl KafkaConsumer {
         let assigned = assignment(consumer)?;
         for ((topic, partition), offset) in due {
             waiting.records.remove(&(topic.clone(), partition));
+            let mut one = TopicPartitionList::new();
+            one.add_partition(&topic, partition);
             if assigned.find_partition(&topic, partition).is_none() {
                 info!(
                     consumer = self.inbox.consumer(),
@@ -450,13 +453,17 @@ impl KafkaConsumer {
                     offset,
                     "the partition moved to another member during the retry wait; the record is left to it"
                 );
+                // librdkafka keeps the pause through a rebalance: lifted
+                // now, the partition is read from its committed offset if
+                // it comes back, instead of never again.
+                if let Err(e) = consumer.resume(&one) {
+                    warn!(partition, error = %e, "could not lift the pause of a partition no longer assigned");
+                }
                 continue;
             }
             consumer
                 .seek(&topic, partition, Offset::Offset(offset), self.options.timeout)
                 .map_err(|e| format!("seeking partition {partition} back to offset {offset}: {e}"))?;
-            let mut one = TopicPartitionList::new();
-            one.add_partition(&topic, partition);
             consumer
                 .resume(&one)
                 .map_err(|e| format!("resuming partition {partition}: {e}"))?;
