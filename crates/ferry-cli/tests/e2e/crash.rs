@@ -27,8 +27,9 @@ use crate::support::{Overrides, PATIENCE, Relay, Stack, Tally, order, produce, p
 
 const KEYS: usize = 50;
 /// Committed in large transactions once the relay runs, so that it is
-/// mid-drain at the crash.
-const BACKLOG: usize = 4_000;
+/// mid-drain at the crash: enough for the drain to outlast a poll of its
+/// progress delayed by a loaded machine (a few thousand went between two).
+const BACKLOG: usize = 16_000;
 /// Then committed one event per key per transaction, through the crash.
 const TRANSACTIONS: usize = 60;
 /// Of which this many before it.
