@@ -128,6 +128,21 @@ impl Env<'_> {
         .unwrap();
     }
 
+    /// Per key (event n has key k(n % 7)), effects happened in the order
+    /// the events were produced.
+    async fn assert_effects_in_key_order(&self) {
+        let rows: Vec<(i32,)> = sqlx::query_as("SELECT n FROM effects ORDER BY at")
+            .fetch_all(&self.db.pool)
+            .await
+            .unwrap();
+        let mut last: HashMap<i32, i32> = HashMap::new();
+        for (n,) in rows {
+            if let Some(previous) = last.insert(n % 7, n) {
+                assert!(previous < n, "key k{}: {n} after {previous}", n % 7);
+            }
+        }
+    }
+
     /// Every record on the dead-letter topic, read by a group of its own.
     async fn dead_letters(&self, n: usize) -> Vec<(HashMap<String, String>, Vec<u8>)> {
         let reader: StreamConsumer = ClientConfig::new()
@@ -337,16 +352,7 @@ async fn a_record_waiting_out_its_retries_holds_back_only_its_partition() {
     assert_eq!(report.processed, N as u64, "{report:?}");
     assert_eq!(report.reconnects, 0, "{report:?}");
     env.db.assert_effects_once(N).await;
-    let rows: Vec<(i32,)> = sqlx::query_as("SELECT n FROM effects ORDER BY at")
-        .fetch_all(&env.db.pool)
-        .await
-        .unwrap();
-    let mut last: HashMap<i32, i32> = HashMap::new();
-    for (n,) in rows {
-        if let Some(previous) = last.insert(n % 7, n) {
-            assert!(previous < n, "key k{}: {n} after {previous}", n % 7);
-        }
-    }
+    env.assert_effects_in_key_order().await;
     env.assert_all_committed().await;
 }
 
@@ -521,17 +527,7 @@ async fn a_poison_event_is_dead_lettered_and_each_key_keeps_its_order() {
     assert_eq!(report.retried, 6, "two retries before each death: {report:?}");
     env.db.assert_effects_once(GOOD).await;
 
-    // Per key, effects happened in the order the events were produced.
-    let rows: Vec<(i32,)> = sqlx::query_as("SELECT n FROM effects ORDER BY at")
-        .fetch_all(&env.db.pool)
-        .await
-        .unwrap();
-    let mut last: HashMap<i32, i32> = HashMap::new();
-    for (n,) in rows {
-        if let Some(previous) = last.insert(n % 7, n) {
-            assert!(previous < n, "key k{}: {n} after {previous}", n % 7);
-        }
-    }
+    env.assert_effects_in_key_order().await;
 
     let dead = env.dead_letters(4).await;
     let mut poisoned = 0;
