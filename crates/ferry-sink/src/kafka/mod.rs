@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
+use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{FutureProducer, Producer};
 use tracing::{info, warn};
@@ -157,17 +157,17 @@ impl TopicLimits {
     }
 
     /// Of `topics`, those to read now; marked as being read.
-    fn claim(&mut self, topics: BTreeSet<String>) -> Vec<String> {
+    fn claim<'a>(&mut self, topics: impl IntoIterator<Item = &'a str>) -> Vec<String> {
         let now = Instant::now();
         let mut claimed = Vec::new();
         for topic in topics {
-            let due = match self.due.get(&topic) {
+            let due = match self.due.get(topic) {
                 Some(due) => *due <= now,
                 None => self.due.len() < MAX_TOPICS_READ,
             };
             if due {
-                self.due.insert(topic.clone(), now + TOPIC_LIMIT_TTL);
-                claimed.push(topic);
+                self.due.insert(topic.to_owned(), now + TOPIC_LIMIT_TTL);
+                claimed.push(topic.to_owned());
             }
         }
         claimed
@@ -274,21 +274,13 @@ impl KafkaSink {
         Ok(record)
     }
 
-    /// Reads, in the background, the limits of the topics `events` go to
+    /// Reads, in the background, the limits of the topics `records` go to
     /// that are not known or not fresh. A broker that does not answer
     /// DescribeConfigs would hold a publish for seconds: until a topic's
     /// limit is known, the broker's refusal of an oversized record (retried)
     /// is the check, and the retry finds it refused before sending.
-    fn learn_limits(&self, route: &Route, events: &[StoredEvent]) {
-        let topics: BTreeSet<String> = if route.destination.contains('{') {
-            events
-                .iter()
-                .map(|e| render_template(&route.destination, e))
-                .filter(|t| message::validate_topic(t).is_ok())
-                .collect()
-        } else {
-            [route.destination.clone()].into()
-        };
+    fn learn_limits(&self, records: &[Result<Record, SinkError>]) {
+        let topics: BTreeSet<&str> = records.iter().flatten().map(|r| r.topic.as_str()).collect();
         let claimed = self
             .topic_limits
             .lock()
@@ -362,7 +354,6 @@ impl Sink for KafkaSink {
         if events.is_empty() {
             return Vec::new();
         }
-        self.learn_limits(route, events);
         let (producer, generation) = match self.producer() {
             Ok(made) => made,
             Err(e) => return vec![Err(e); events.len()],
@@ -370,6 +361,7 @@ impl Sink for KafkaSink {
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
+        self.learn_limits(&prepared);
         let outcomes = publish::publish_batch(&producer, events, prepared, self.options.publish_timeout).await;
         log_published("Kafka", route, events, &outcomes);
         if outcomes.iter().any(Result::is_ok) {
@@ -450,7 +442,7 @@ mod tests {
     #[test]
     fn a_topic_is_read_once_per_ttl_and_only_so_many_topics_are_read() {
         let mut limits = TopicLimits::default();
-        let topics = |names: &[&str]| names.iter().map(|n| n.to_string()).collect::<BTreeSet<_>>();
+        let topics = |names: &[&'static str]| names.to_vec();
         assert_eq!(limits.claim(topics(&["a", "b"])), ["a", "b"]);
         assert!(limits.claim(topics(&["a", "b"])).is_empty(), "being read");
         limits.record("a", Some(4096));
@@ -463,7 +455,7 @@ mod tests {
         limits.record("a", None);
         assert_eq!(limits.limits.get("a"), Some(&4096));
         let many: BTreeSet<String> = (0..2 * MAX_TOPICS_READ).map(|i| format!("t{i:05}")).collect();
-        assert_eq!(limits.claim(many).len(), MAX_TOPICS_READ - 2);
+        assert_eq!(limits.claim(many.iter().map(String::as_str)).len(), MAX_TOPICS_READ - 2);
     }
 
     /// Raises a fatal error in the sink's current producer, as librdkafka
