@@ -454,15 +454,23 @@ impl Inbox {
         }
         let result = ran.into_result();
         let left = match left(&mut tx, &self.consumer, event.id, xid).await {
-            // The cancelled statement's answer, read first: ask again.
-            Err(InboxError::Database(e)) if timed_out && cancelled(&e) => {
-                left(&mut tx, &self.consumer, event.id, xid).await
-            }
+            // A cancelled statement's answer, read first: ask again. The
+            // statement is the one the timeout above stopped, or one the
+            // handler stopped waiting for itself (its own timeout around
+            // it) and the server then cancelled (`statement_timeout`): its
+            // transaction is aborted, which the second answer says.
+            Err(InboxError::Database(e)) if cancelled(&e) => left(&mut tx, &self.consumer, event.id, xid).await,
             left => left,
         };
         let left = match left {
             Ok(left) => left,
-            Err(lost) => return self.lost_mid_attempt(event, lost).await,
+            Err(lost) => {
+                // Ended before the failure is counted on another
+                // connection: open, the transaction would hold the event's
+                // row, and the count would wait on it for ever.
+                let _ = tx.rollback().await;
+                return self.lost_mid_attempt(event, lost).await;
+            }
         };
         let error = match (result, left) {
             (result, Left::Committed) => {

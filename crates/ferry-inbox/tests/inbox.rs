@@ -465,6 +465,47 @@ async fn a_session_ended_mid_attempt_is_a_counted_failure() {
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
 }
 
+/// A handler that stops waiting for a statement itself (its own timeout
+/// around the future) and returns `Ok` leaves the statement running until
+/// the server cancels it; the cancellation's error (SQLSTATE 57014) is the
+/// answer the inbox's next statement reads. It was taken for a lost
+/// database connection, and the attempt counted with that reason, which
+/// hides the handler's bug from whoever reads it. It is the aborted
+/// transaction it is: a counted failure that says so, retried, whose
+/// redelivery takes effect once.
+#[tokio::test]
+async fn a_statement_the_handler_gave_up_on_is_an_aborted_attempt_not_a_hang() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ev = event();
+    let gave_up = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        sqlx::query("SET LOCAL statement_timeout = '200ms'")
+            .execute(&mut *tx)
+            .await?;
+        let slow = sqlx::query("SELECT pg_sleep(5)").execute(&mut *tx);
+        let _ = tokio::time::timeout(Duration::from_millis(20), slow).await;
+        Ok(())
+    };
+    let outcome = tokio::time::timeout(WITHIN, inbox.process(&ev, gave_up))
+        .await
+        .expect("the inbox waited on its own transaction");
+    match outcome.unwrap() {
+        Outcome::Retry { attempts: 1, error, .. } => {
+            assert!(error.contains("did not return the error"), "{error}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "failing");
+    let outcome = inbox
+        .process(&ev, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed);
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+}
+
 /// A handler that hangs, in a statement or outside the database, is stopped
 /// at the inbox's handler timeout: a counted failure, its writes rolled
 /// back, the statement it waited on cancelled, the event's row free for the
