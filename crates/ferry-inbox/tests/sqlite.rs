@@ -505,6 +505,39 @@ async fn a_handler_that_ends_the_transaction_itself_is_caught() {
     assert!(matches!(again, Outcome::Duplicate | Outcome::Dead { .. }), "{again:?}");
     assert_eq!(effects(&e.pool, committed.id).await, 2);
 
+    // A COMMIT, then a transaction of the handler's own, which fails: the
+    // claim committed with the first write, and finding it in the open
+    // transaction does not make that transaction the inbox's. It was
+    // rolled back and reported a duplicate, acknowledged with half its
+    // effects; returning Ok, it was reported processed.
+    for result in [Err(HandlerError::transient("boom")), Ok(())] {
+        let begun_again = event();
+        let failed = result.is_err();
+        let outcome = inbox
+            .process(&begun_again, async |tx, ev| {
+                effect(tx, ev, "billing").await?;
+                sqlx::query("COMMIT").execute(&mut *tx).await?;
+                sqlx::query("BEGIN").execute(&mut *tx).await?;
+                effect(tx, ev, "billing").await?;
+                result
+            })
+            .await
+            .unwrap();
+        match &outcome {
+            Outcome::Dead { attempts: 1, reason } => {
+                assert!(reason.contains("COMMIT inside the handler"), "{reason}");
+                assert_eq!(reason.contains("then failed (boom)"), failed, "{reason}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            effects(&e.pool, begun_again.id).await,
+            1,
+            "the write in the handler's own transaction rolled back"
+        );
+        assert_eq!(inbox.record(begun_again.id).await.unwrap().unwrap().state, "dead");
+    }
+
     let rolled_back = event();
     let outcome = inbox
         .process(&rolled_back, async |tx, ev| {

@@ -13,6 +13,8 @@
 //! wait for the lock its own transaction holds), and should be short, since
 //! every other writer of the file waits for it.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::DateTime;
@@ -132,10 +134,23 @@ impl Inbox {
             tx.rollback().await?;
             return Ok(already_recorded(&self.consumer, event.id, record));
         };
+        let committed = watch_commits(&mut tx).await?;
         let result = run_handler(handler(&mut tx, event), &self.consumer, event.id, self.handler_timeout)
             .await
             .into_result();
-        if !in_transaction(&mut tx).await? {
+        let open = in_transaction(&mut tx).await?;
+        if committed.load(Ordering::SeqCst) {
+            // The handler ran COMMIT, which committed the claim with it,
+            // whatever it began afterwards.
+            if open {
+                tx.rollback().await?;
+            } else {
+                drop(tx);
+                let _ = conn.close().await;
+            }
+            return self.ended_by_handler(event, result.err(), stamp).await;
+        }
+        if !open {
             // sqlx still counts the transaction SQLite ended: the connection
             // is closed, not handed back to the pool so counting.
             drop(tx);
@@ -297,11 +312,29 @@ impl Inbox {
     }
 }
 
+/// Watches the connection for a `COMMIT` until [`in_transaction`] next
+/// looks at it: run by a handler, it commits the inbox's claim with the
+/// handler's writes up to there, and whatever transaction the handler
+/// begins afterwards holds the claim row too, committed, so finding the row
+/// does not say whose transaction is open.
+async fn watch_commits(conn: &mut SqliteConnection) -> Result<Arc<AtomicBool>, InboxError> {
+    let committed = Arc::new(AtomicBool::new(false));
+    let seen = committed.clone();
+    conn.lock_handle().await?.set_commit_hook(move || {
+        seen.store(true, Ordering::SeqCst);
+        // Let the commit go through (false turns it into a rollback).
+        true
+    });
+    Ok(committed)
+}
+
 /// Whether SQLite has the connection inside a transaction: sqlx counts the
 /// transactions it began, but SQLite ends one on its own, or at the
 /// handler's `COMMIT` or `ROLLBACK`.
 async fn in_transaction(conn: &mut SqliteConnection) -> Result<bool, InboxError> {
     let mut handle = conn.lock_handle().await?;
+    // The inbox's own commit is not the handler's.
+    handle.remove_commit_hook();
     // SAFETY: the handle is locked for the call, so no statement runs on the
     // connection meanwhile, and `sqlite3_get_autocommit` only reads a flag.
     let autocommit = unsafe { libsqlite3_sys::sqlite3_get_autocommit(handle.as_raw_handle().as_ptr()) };
