@@ -81,6 +81,17 @@ impl StoreHarness for PgHarness {
         .unwrap()
         .map(|(s, a)| (s, a as u32))
     }
+    async fn failure_history(&self, route: &str, id: EventId) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM ferry.failures f JOIN ferry.events e ON e.seq = f.seq
+              WHERE f.route = $1 AND e.id = $2",
+        )
+        .bind(route)
+        .bind(id.0)
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
 }
 
 #[async_trait]

@@ -25,6 +25,8 @@ pub trait StoreHarness: Send + Sync {
     async fn expire_leases(&self, relay: &RelayId);
     /// Dead and pending-retry deliveries of `route`, for assertions.
     async fn delivery_state(&self, route: &str, id: EventId) -> Option<(String, u32)>;
+    /// How many failed attempts the history holds for `route` and `id`.
+    async fn failure_history(&self, route: &str, id: EventId) -> i64;
 }
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -466,6 +468,11 @@ pub async fn a_delivery_repeated_in_a_settlement_is_written_once<H: StoreHarness
     assert_eq!(h.store().settle(&o, &seqs, &records, now).await.unwrap(), 2);
     assert_eq!(h.delivery_state("r1", ids[0]).await, Some(("published".into(), 1)));
     assert_eq!(h.delivery_state("r1", ids[1]).await, Some(("published".into(), 1)));
+    assert_eq!(
+        h.failure_history("r1", ids[0]).await,
+        0,
+        "the repeat that was not written left a failure in the history"
+    );
     assert!(fetch_direct(h, &o, &[], &[]).await.events.is_empty());
 }
 

@@ -340,7 +340,7 @@ impl Store for SqliteStore {
                     DirectOutcome::Retry { next_at, error } => ("pending", 1, micros(*next_at), Some(error), None),
                     DirectOutcome::Dead { attempts, reason } => ("dead", i64::from(*attempts), now, Some(reason), None),
                 };
-                sqlx::query(
+                let inserted = sqlx::query(
                     "INSERT INTO ferry_deliveries
                          (seq, route, partition, key, state, attempts, next_attempt_at, last_error, published_at,
                           updated_at)
@@ -359,8 +359,11 @@ impl Store for SqliteStore {
                 .bind(now)
                 .execute(&mut *tx)
                 .await
-                .map_err(store_error)?;
-                if attempts > 0 && state != "published" {
+                .map_err(store_error)?
+                .rows_affected();
+                // A repeat of a (seq, route) this call already wrote leaves
+                // no failure in the history, as it leaves no delivery.
+                if inserted == 1 && attempts > 0 && state != "published" {
                     sqlx::query(
                         "INSERT INTO ferry_failures (seq, route, attempt, at, dead, error) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
                     )

@@ -79,6 +79,17 @@ impl StoreHarness for SqliteHarness {
         .unwrap()
         .map(|(s, a)| (s, a as u32))
     }
+    async fn failure_history(&self, route: &str, id: EventId) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM ferry_failures f JOIN ferry_events e ON e.seq = f.seq
+              WHERE f.route = ?1 AND e.id = ?2",
+        )
+        .bind(route)
+        .bind(id.to_string())
+        .fetch_one(&self.pool)
+        .await
+        .unwrap()
+    }
 }
 
 #[async_trait]
