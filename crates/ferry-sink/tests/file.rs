@@ -156,8 +156,13 @@ async fn rotation_splits_files_between_lines_and_keeps_every_event_once_in_order
     assert_eq!(got, want, "every event once, in order");
 }
 
+/// A file that cannot be written fails its own events, not the batch: the
+/// other files' events are written, and a later event of a failed event's
+/// key is held back, whichever file it goes to. Before, one missing or
+/// blocked file of a templated route failed every event of every batch it
+/// was in, on every retry, until unrelated keys went dead.
 #[tokio::test]
-async fn a_failing_write_fails_the_whole_batch_transiently() {
+async fn a_failing_file_fails_only_its_events_and_holds_back_their_keys() {
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("events.jsonl");
     let sink = sink(1024 * 1024);
@@ -167,41 +172,50 @@ async fn a_failing_write_fails_the_whole_batch_transiently() {
     assert!(sink.publish(&route(&base), &first).await.iter().all(Result::is_ok));
 
     // Permissions do not stop root; a directory where the file should be
-    // does. The second file of a templated batch fails after the first was
-    // written, and still nothing of the batch counts as written.
+    // does, and so does a directory that does not exist.
     let templated = route(&dir.path().join("{domain}.jsonl"));
     fs::create_dir(dir.path().join("blocked.jsonl")).unwrap();
-    let batch = vec![
-        event(10, "fine.item.created", Some("a"), json!({ "seq": 10 })),
-        event(11, "blocked.item.created", Some("b"), json!({ "seq": 11 })),
-        event(12, "fine.item.created", Some("c"), json!({ "seq": 12 })),
-    ];
-    let outcomes = sink.publish(&templated, &batch).await;
-    assert_eq!(outcomes.len(), 3);
-    for outcome in &outcomes {
-        expect_err(outcome, ErrorKind::Transient, "blocked.jsonl");
-        expect_err(
-            outcome,
-            ErrorKind::Transient,
-            "nothing in this batch is reported written",
-        );
+    let by_directory = route(&dir.path().join("{domain}").join("events.jsonl"));
+    fs::create_dir(dir.path().join("fine")).unwrap();
+    for (route, blocked) in [
+        (&templated, dir.path().join("blocked.jsonl")),
+        (&by_directory, dir.path().join("blocked").join("events.jsonl")),
+    ] {
+        let batch = vec![
+            event(10, "fine.item.created", Some("a"), json!({ "seq": 10 })),
+            event(11, "blocked.item.created", Some("b"), json!({ "seq": 11 })),
+            event(12, "fine.item.created", Some("c"), json!({ "seq": 12 })),
+            event(13, "fine.item.created", Some("b"), json!({ "seq": 13 })),
+        ];
+        let outcomes = sink.publish(route, &batch).await;
+        assert_eq!(outcomes.len(), 4);
+        assert_eq!(outcomes[0], Ok(()));
+        expect_err(&outcomes[1], ErrorKind::Transient, &blocked.display().to_string());
+        expect_err(&outcomes[1], ErrorKind::Transient, "not reported written");
+        assert_eq!(outcomes[2], Ok(()));
+        expect_err(&outcomes[3], ErrorKind::Transient, "held back");
+        assert!(outcomes[3].as_ref().unwrap_err().held_back);
     }
     let err = sink.check(&route(&dir.path().join("blocked.jsonl"))).await.unwrap_err();
     assert_eq!(err.kind, ErrorKind::Config);
     assert!(err.message.contains("is a directory"), "{err}");
 
-    // Once the path is free again the batch goes through; lines written
-    // before the failure may now appear twice, never fewer than once.
+    // Once the path is free again the failed event and the one held back
+    // behind it go through, in order.
     fs::remove_dir(dir.path().join("blocked.jsonl")).unwrap();
-    assert!(sink.publish(&templated, &batch).await.iter().all(Result::is_ok));
+    let retried = vec![
+        event(11, "blocked.item.created", Some("b"), json!({ "seq": 11 })),
+        event(13, "fine.item.created", Some("b"), json!({ "seq": 13 })),
+    ];
+    assert!(sink.publish(&templated, &retried).await.iter().all(Result::is_ok));
     let fine: Vec<i64> = lines(&dir.path().join("fine.jsonl"))
         .iter()
         .map(|l| l["data"]["seq"].as_i64().unwrap())
         .collect();
-    assert!(fine.ends_with(&[10, 12]), "{fine:?}");
+    assert_eq!(fine, [10, 12, 13]);
     let blocked = lines(&dir.path().join("blocked.jsonl"));
     assert_eq!(blocked.len(), 1);
-    assert_eq!(blocked[0]["id"], batch[1].id.to_string());
+    assert_eq!(blocked[0]["data"]["seq"], 11);
     assert_eq!(lines(&base).len(), 3, "the first file was untouched");
 }
 

@@ -24,6 +24,7 @@ use async_trait::async_trait;
 use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
 
 use ferry_core::prepare_in_key_order;
+use writer::{Line, Unwritten};
 
 /// How a [`FileSink`] writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,11 +51,14 @@ impl Default for FileOptions {
 ///
 /// A batch is written in order and each file it touched is synced
 /// (`sync_data`, plus the directory when a file was created or rotated)
-/// before any event is reported published. If a write or a sync fails, every
-/// event of the batch fails (transient) and each file is cut back to its
-/// length before the batch; lines in a file rotated away during the batch
-/// stay, so a retried event can appear twice. Readers drop duplicates by
-/// `id`.
+/// before its events are reported published. Each file of a batch succeeds
+/// or fails alone: if a write or a sync of one fails (a templated path whose
+/// directory is missing, a full disk), that file is cut back to its length
+/// before the batch and its events fail (transient), while the other files'
+/// events are written. Later events of a failed event's key are held back;
+/// one already written to another file fails too, so its key is retried in
+/// order. Lines in a file rotated away during the batch stay, so a retried
+/// event can appear twice. Readers drop duplicates by `id`.
 ///
 /// Several sinks, in this process or in other relays, may write one file: a
 /// batch holds a `flock` on the directory of each file it writes until the
@@ -157,33 +161,56 @@ impl Sink for FileSink {
             return Vec::new();
         }
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
-        let lines: Vec<(PathBuf, Vec<u8>)> = prepared.iter().filter_map(|p| p.as_ref().ok().cloned()).collect();
-        let written = if lines.is_empty() {
-            Ok(())
-        } else {
-            let lock = Arc::clone(&self.lock);
-            let max = self.options.max_file_bytes;
-            // A slow disk must stall a blocking-pool thread, not the runtime.
-            let task = tokio::task::spawn_blocking(move || {
-                let _one_batch_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
-                let refs: Vec<(&Path, &[u8])> = lines.iter().map(|(p, l)| (p.as_path(), l.as_slice())).collect();
-                writer::write_lines(&refs, max, chrono::Utc::now())
-                    .map_err(|e| format!("writing {}: {}", e.path.display(), e.error))
-            });
-            task.await
-                .unwrap_or_else(|e| Err(format!("the file writer task failed: {e}")))
-                .map_err(|message| {
-                    SinkError::transient(format!("{message}; nothing in this batch is reported written"))
+        // The events prepared, by index, with their lines.
+        let mut sent: Vec<usize> = Vec::with_capacity(prepared.len());
+        let mut lines: Vec<(PathBuf, Vec<u8>, Option<String>)> = Vec::with_capacity(prepared.len());
+        let mut outcomes: Vec<PublishOutcome> = Vec::with_capacity(events.len());
+        for (i, p) in prepared.into_iter().enumerate() {
+            match p {
+                Ok((path, line)) => {
+                    sent.push(i);
+                    lines.push((path, line, events[i].key.clone()));
+                    outcomes.push(Ok(()));
+                }
+                Err(e) => outcomes.push(Err(e)),
+            }
+        }
+        if lines.is_empty() {
+            return outcomes;
+        }
+        let lock = Arc::clone(&self.lock);
+        let max = self.options.max_file_bytes;
+        // A slow disk must stall a blocking-pool thread, not the runtime.
+        let task = tokio::task::spawn_blocking(move || {
+            let _one_batch_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
+            let refs: Vec<Line<'_>> = lines
+                .iter()
+                .map(|(path, bytes, key)| Line {
+                    path,
+                    bytes,
+                    key: key.as_deref(),
                 })
+                .collect();
+            writer::write_lines(&refs, max, chrono::Utc::now())
+        });
+        let written = match task.await {
+            Ok(written) => written,
+            Err(e) => vec![Err(Unwritten::Failed(format!("the file writer task failed: {e}"))); sent.len()],
         };
-        prepared
-            .into_iter()
-            .map(|p| match (p, &written) {
-                (Err(e), _) => Err(e),
-                (Ok(_), Ok(())) => Ok(()),
-                (Ok(_), Err(e)) => Err(e.clone()),
-            })
-            .collect()
+        for (&i, result) in sent.iter().zip(written) {
+            outcomes[i] = result.map_err(|why| match why {
+                Unwritten::Failed(message) => {
+                    SinkError::transient(format!("{message}; the event is not reported written"))
+                }
+                Unwritten::HeldBack(first) => SinkError::held_back_behind(&events[sent[first]]),
+                Unwritten::Behind(first) => SinkError::transient(format!(
+                    "written, but event {} of its key, earlier in this batch, failed in another file: it is \
+                     written again after that one (readers drop duplicates by id)",
+                    events[sent[first]].id
+                )),
+            });
+        }
+        outcomes
     }
 
     /// The destination's directory exists and a file can be created in it.

@@ -1,8 +1,11 @@
 //! Appending a batch's lines to their files: rotation by size, then one
-//! `sync_data` per file touched. A batch that fails is rolled back: every
-//! file it was appending to is cut back to its length before the batch, so
-//! a half-written line (a full disk) never has the retry's line glued to it.
-//! Blocking; runs on tokio's blocking pool.
+//! `sync_data` per file touched. Each file succeeds or fails on its own: a
+//! file that fails is rolled back, cut back to its length before the batch,
+//! so a half-written line (a full disk) never has the retry's line glued to
+//! it, and its lines fail; the other files' lines are written. A line whose
+//! key failed earlier in the batch is not written, so a key's lines never
+//! land in a file after a failed one of the same key. Blocking; runs on
+//! tokio's blocking pool.
 //!
 //! A batch holds an exclusive lock on the directory of every file it writes
 //! from before it opens them until it has synced or rolled them back. Two
@@ -56,80 +59,191 @@ impl Open {
     }
 }
 
-/// A failure, with the file it happened on.
-#[derive(Debug)]
-pub(crate) struct WriteError {
-    pub(crate) path: PathBuf,
-    pub(crate) error: io::Error,
+/// One line of a batch: the file it goes to, its bytes (ending in a
+/// newline) and its event's key.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Line<'a> {
+    pub(crate) path: &'a Path,
+    pub(crate) bytes: &'a [u8],
+    pub(crate) key: Option<&'a str>,
 }
 
-/// Appends `lines` (each with its file) in order. A line never straddles two
+/// Why a line is not reported written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Unwritten {
+    /// Its file failed; the text names the file and the error. What the
+    /// batch wrote to the file was cut back, though a line in a file
+    /// rotated away during the batch stays there.
+    Failed(String),
+    /// Not written: the line at this index, of the same key, failed first.
+    HeldBack(usize),
+    /// Written to its file, but the line at this index, of the same key
+    /// and in another file, failed afterwards: it fails too, so the key
+    /// is retried in order (a reader may see it twice).
+    Behind(usize),
+}
+
+/// Appends `lines` in order, each to its file. A line never straddles two
 /// files: when it would take a non-empty file past `max_file_bytes`, the file
-/// is rotated first. Returns only once every touched file, and the directory
-/// of every created or renamed one, is synced.
+/// is rotated first. Returns, per line, whether it is written: only once
+/// its file, and the directory of every created or renamed file, is synced.
 ///
-/// On an error, every file the batch appended to is cut back to where the
-/// batch found it (a file rotated away keeps its whole lines), so the retry
-/// starts on a line boundary.
-pub(crate) fn write_lines(lines: &[(&Path, &[u8])], max_file_bytes: u64, now: DateTime<Utc>) -> Result<(), WriteError> {
-    let dirs: BTreeSet<&Path> = lines.iter().map(|&(path, _)| parent(path)).collect();
+/// A file that cannot be locked, opened, written, rotated or synced fails
+/// alone: it is cut back to where the batch found it (a file rotated away
+/// keeps its whole lines), so the retry starts on a line boundary, and its
+/// lines fail. A line whose key failed before it is not written; one of a
+/// key that failed in another file after it was written fails with it.
+pub(crate) fn write_lines(lines: &[Line<'_>], max_file_bytes: u64, now: DateTime<Utc>) -> Vec<Result<(), Unwritten>> {
+    let mut batch = Batch {
+        results: vec![Ok(()); lines.len()],
+        ..Batch::default()
+    };
+    let dirs: BTreeSet<&Path> = lines.iter().map(|l| parent(l.path)).collect();
     let mut locks = Vec::with_capacity(dirs.len());
+    let mut unlocked: HashMap<&Path, String> = HashMap::new();
     for dir in dirs {
-        locks.push(lock_dir(dir).map_err(|error| WriteError {
-            path: dir.to_owned(),
-            error,
-        })?);
-    }
-    let mut open: HashMap<&Path, Open> = HashMap::new();
-    let written = append_and_sync(lines, max_file_bytes, now, &mut open);
-    if written.is_err() {
-        for (path, file) in open {
-            if let Err(e) = file.roll_back() {
-                warn!(
-                    path = %path.display(),
-                    error = %e,
-                    "could not cut the file back after a failed batch; it may end in a partial line"
-                );
+        match lock_dir(dir) {
+            Ok(lock) => locks.push(lock),
+            Err(e) => {
+                unlocked.insert(dir, e.to_string());
             }
         }
     }
+    let mut first_failed: HashMap<&str, usize> = HashMap::new();
+    for (i, line) in lines.iter().enumerate() {
+        if let Some(&first) = line.key.and_then(|k| first_failed.get(k)) {
+            batch.results[i] = Err(Unwritten::HeldBack(first));
+            continue;
+        }
+        let dir = parent(line.path);
+        let failed = match unlocked.get(dir) {
+            Some(e) => Some(format!(
+                "writing {}: its directory {} cannot be opened: {e}",
+                line.path.display(),
+                dir.display()
+            )),
+            None => batch.failed.get(line.path).cloned(),
+        };
+        let mut now_failed = Vec::new();
+        if let Some(why) = failed {
+            batch.results[i] = Err(Unwritten::Failed(why));
+            now_failed.push(i);
+        } else if let Err(e) = batch.append(line.path, line.bytes, max_file_bytes, now) {
+            let why = failure(line.path, &e);
+            // The lines the failure cuts back count too: a later line of
+            // their key must not be written after them.
+            now_failed = batch.fail(line.path, why.clone());
+            batch.results[i] = Err(Unwritten::Failed(why));
+            now_failed.push(i);
+        } else {
+            batch.written.entry(line.path).or_default().push(i);
+        }
+        for j in now_failed {
+            if let Some(key) = lines[j].key {
+                first_failed.entry(key).and_modify(|f| *f = (*f).min(j)).or_insert(j);
+            }
+        }
+    }
+    batch.sync_all();
     drop(locks);
-    written
+    // A key that failed in one file after its later lines were written to
+    // another: those fail too, to be retried behind it.
+    let mut results = batch.results;
+    let mut first_failed: HashMap<&str, usize> = HashMap::new();
+    for (i, line) in lines.iter().enumerate() {
+        let Some(key) = line.key else { continue };
+        match (&results[i], first_failed.get(key)) {
+            (Err(_), None) => {
+                first_failed.insert(key, i);
+            }
+            (Ok(()), Some(&first)) => results[i] = Err(Unwritten::Behind(first)),
+            _ => {}
+        }
+    }
+    results
 }
 
-fn append_and_sync<'a>(
-    lines: &[(&'a Path, &[u8])],
-    max_file_bytes: u64,
-    now: DateTime<Utc>,
-    open: &mut HashMap<&'a Path, Open>,
-) -> Result<(), WriteError> {
-    let mut dirs: BTreeSet<PathBuf> = BTreeSet::new();
-    let at = |path: &Path| {
-        let path = path.to_owned();
-        move |error| WriteError { path, error }
-    };
-    for &(path, line) in lines {
-        if !open.contains_key(path) {
-            open.insert(path, Open::append(path, &mut dirs).map_err(at(path))?);
+fn failure(path: &Path, error: &io::Error) -> String {
+    format!("writing {}: {error}", path.display())
+}
+
+/// A batch being written: its open files, which lines went to each, and
+/// the files that failed.
+#[derive(Default)]
+struct Batch<'a> {
+    open: HashMap<&'a Path, Open>,
+    written: HashMap<&'a Path, Vec<usize>>,
+    failed: HashMap<&'a Path, String>,
+    /// Directories whose entries changed (a file created or renamed).
+    dirs: BTreeSet<PathBuf>,
+    results: Vec<Result<(), Unwritten>>,
+}
+
+impl<'a> Batch<'a> {
+    fn append(&mut self, path: &'a Path, line: &[u8], max_file_bytes: u64, now: DateTime<Utc>) -> io::Result<()> {
+        if !self.open.contains_key(path) {
+            let file = Open::append(path, &mut self.dirs)?;
+            self.open.insert(path, file);
         }
-        let file = open.get_mut(path).expect("opened above");
+        let file = self.open.get_mut(path).expect("opened above");
+        #[cfg(test)]
+        if line == tests::FAILS {
+            return Err(io::Error::other("a write failure the test asked for"));
+        }
         let len = line.len() as u64;
         if file.size > 0 && file.size + len > max_file_bytes {
-            file.sync().map_err(at(path))?;
-            fs::rename(path, rotated_name(path, now)).map_err(at(path))?;
-            dirs.insert(parent(path).to_owned());
-            *file = Open::append(path, &mut dirs).map_err(at(path))?;
+            file.sync()?;
+            fs::rename(path, rotated_name(path, now))?;
+            self.dirs.insert(parent(path).to_owned());
+            *file = Open::append(path, &mut self.dirs)?;
         }
-        file.writer.write_all(line).map_err(at(path))?;
+        file.writer.write_all(line)?;
         file.size += len;
+        Ok(())
     }
-    for (path, file) in open.iter_mut() {
-        file.sync().map_err(at(path))?;
+
+    /// Cuts `path` back and fails every line the batch wrote to it, which
+    /// it returns.
+    fn fail(&mut self, path: &'a Path, why: String) -> Vec<usize> {
+        if let Some(file) = self.open.remove(path)
+            && let Err(e) = file.roll_back()
+        {
+            warn!(
+                path = %path.display(),
+                error = %e,
+                "could not cut the file back after a failed write; it may end in a partial line"
+            );
+        }
+        let lines = self.written.remove(path).unwrap_or_default();
+        for &i in &lines {
+            self.results[i] = Err(Unwritten::Failed(why.clone()));
+        }
+        self.failed.insert(path, why);
+        lines
     }
-    for dir in dirs {
-        sync_dir(&dir).map_err(at(&dir))?;
+
+    /// Syncs every file still open, then the directories whose entries
+    /// changed; what fails is rolled back.
+    fn sync_all(&mut self) {
+        let mut paths: Vec<&'a Path> = self.open.keys().copied().collect();
+        paths.sort();
+        for path in paths {
+            let synced = self.open.get_mut(path).expect("listed above").sync();
+            if let Err(e) = synced {
+                self.fail(path, failure(path, &e));
+            }
+        }
+        for dir in std::mem::take(&mut self.dirs) {
+            if let Err(e) = sync_dir(&dir) {
+                let why = failure(&dir, &e);
+                let mut inside: Vec<&'a Path> = self.open.keys().copied().filter(|p| parent(p) == dir).collect();
+                inside.sort();
+                for path in inside {
+                    self.fail(path, why.clone());
+                }
+            }
+        }
     }
-    Ok(())
 }
 
 /// Waits for the exclusive lock on `dir`; it is released when the returned
@@ -180,6 +294,28 @@ fn sync_dir(_dir: &Path) -> io::Result<()> {
 mod tests {
     use super::*;
 
+    /// A line whose write fails, after the file's earlier lines were written.
+    pub(super) const FAILS: &[u8] = b"<fails>\n";
+
+    /// Lines without keys.
+    fn unkeyed<'a>(batch: &[(&'a Path, &'a [u8])]) -> Vec<Line<'a>> {
+        batch
+            .iter()
+            .map(|&(path, bytes)| Line { path, bytes, key: None })
+            .collect()
+    }
+
+    fn all_written(results: &[Result<(), Unwritten>]) {
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
+    }
+
+    fn failed_naming(result: &Result<(), Unwritten>, path: &Path) {
+        match result {
+            Err(Unwritten::Failed(why)) => assert!(why.contains(&path.display().to_string()), "{why}"),
+            other => panic!("{other:?}: expected a failure naming {}", path.display()),
+        }
+    }
+
     #[test]
     fn rotated_names_take_the_next_free_number() {
         let dir = tempfile::tempdir().unwrap();
@@ -202,7 +338,7 @@ mod tests {
         let lines: Vec<Vec<u8>> = (0..10).map(|i| format!("line-{i}\n").into_bytes()).collect();
         let batch: Vec<(&Path, &[u8])> = lines.iter().map(|l| (path.as_path(), l.as_slice())).collect();
         // Each line is 7 bytes: two fit in 15, a third would not.
-        write_lines(&batch, 15, now).unwrap();
+        all_written(&write_lines(&unkeyed(&batch), 15, now));
         let mut files: Vec<PathBuf> = fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().path()).collect();
         files.sort_by_key(|p| {
             let name = p.file_name().unwrap().to_string_lossy().into_owned();
@@ -219,25 +355,68 @@ mod tests {
     }
 
     #[test]
-    fn a_batch_that_fails_part_way_leaves_the_files_as_they_were() {
+    fn a_file_that_fails_fails_alone_and_holds_back_its_keys() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("out.jsonl");
         fs::write(&path, b"before\n").unwrap();
         let blocked = dir.path().join("blocked");
         fs::create_dir(&blocked).unwrap();
-        // The first file takes a line, then the second cannot be opened.
-        let batch: [(&Path, &[u8]); 3] = [
-            (path.as_path(), b"line-1\n"),
-            (blocked.as_path(), b"x\n"),
-            (path.as_path(), b"line-2\n"),
+        let missing = dir.path().join("no-such-dir").join("x.jsonl");
+        let line = |path, bytes, key| Line { path, bytes, key };
+        let batch = [
+            line(path.as_path(), b"line-1\n", Some("a")),
+            // A directory where the file should be, and a missing directory.
+            line(blocked.as_path(), b"x\n", Some("b")),
+            line(missing.as_path(), b"y\n", Some("c")),
+            line(path.as_path(), b"line-2\n", Some("b")),
+            line(path.as_path(), b"line-3\n", Some("d")),
         ];
-        let err = write_lines(&batch, 1024, Utc::now()).unwrap_err();
-        assert_eq!(err.path, blocked);
-        assert_eq!(
-            fs::read(&path).unwrap(),
-            b"before\n",
-            "the retry would write line-1 twice"
-        );
+        let results = write_lines(&batch, 1024, Utc::now());
+        assert_eq!(results[0], Ok(()));
+        failed_naming(&results[1], &blocked);
+        failed_naming(&results[2], &missing);
+        assert_eq!(results[3], Err(Unwritten::HeldBack(1)), "behind its key's failure");
+        assert_eq!(results[4], Ok(()));
+        assert_eq!(fs::read(&path).unwrap(), b"before\nline-1\nline-3\n");
+    }
+
+    /// A file that fails after it took lines is cut back, and a line of
+    /// their key already written to another file fails with them.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_file_cut_back_fails_its_lines_and_the_later_lines_of_their_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let full = dir.path().join("full.jsonl");
+        // Opens and buffers like a file; its first flush fails (ENOSPC).
+        std::os::unix::fs::symlink("/dev/full", &full).unwrap();
+        let other = dir.path().join("other.jsonl");
+        let big = vec![b'x'; 100 * 1024];
+        let line = |path, bytes, key| Line { path, bytes, key };
+        // Fails at its sync, after the other file was written.
+        let batch = [
+            line(full.as_path(), b"k1-first\n", Some("k1")),
+            line(other.as_path(), b"k1-second\n", Some("k1")),
+            line(other.as_path(), b"k2\n", Some("k2")),
+        ];
+        let results = write_lines(&batch, 1024 * 1024, Utc::now());
+        failed_naming(&results[0], &full);
+        assert_eq!(results[1], Err(Unwritten::Behind(0)));
+        assert_eq!(results[2], Ok(()));
+        // Fails in the middle of the batch, on a line too big to buffer.
+        let batch = [
+            line(full.as_path(), b"k3-first\n", Some("k3")),
+            line(other.as_path(), b"k3-second\n", Some("k3")),
+            line(full.as_path(), &big, Some("k4")),
+            line(other.as_path(), b"k3-third\n", Some("k3")),
+            line(other.as_path(), b"k4-later\n", Some("k4")),
+        ];
+        let results = write_lines(&batch, 1024 * 1024, Utc::now());
+        failed_naming(&results[0], &full);
+        assert_eq!(results[1], Err(Unwritten::Behind(0)));
+        failed_naming(&results[2], &full);
+        assert_eq!(results[3], Err(Unwritten::HeldBack(0)));
+        assert_eq!(results[4], Err(Unwritten::HeldBack(2)));
+        assert_eq!(fs::read(&other).unwrap(), b"k1-second\nk2\nk3-second\n");
     }
 
     #[test]
@@ -255,7 +434,7 @@ mod tests {
         assert_eq!(fs::read(&path).unwrap(), b"whole\n");
 
         let lines: [(&Path, &[u8]); 1] = [(path.as_path(), b"retried\n")];
-        write_lines(&lines, 1024, Utc::now()).unwrap();
+        all_written(&write_lines(&unkeyed(&lines), 1024, Utc::now()));
         assert_eq!(fs::read(&path).unwrap(), b"whole\nretried\n");
     }
 
@@ -267,19 +446,19 @@ mod tests {
     fn two_writers_of_one_file_never_cut_back_or_split_each_others_lines() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("shared.jsonl");
-        let blocked = dir.path().join("blocked");
-        fs::create_dir(&blocked).unwrap();
         let now = Utc::now();
         let max = 64 * 1024;
         std::thread::scope(|s| {
             let failing = s.spawn(|| {
                 // More than the write buffer, so part of it reaches the file
-                // before the batch fails on the directory in its way.
+                // before the batch fails.
                 let line = format!("{{\"failing\":\"{}\"}}\n", "x".repeat(200)).into_bytes();
                 for _ in 0..150 {
                     let mut batch: Vec<(&Path, &[u8])> = vec![(path.as_path(), line.as_slice()); 400];
-                    batch.push((blocked.as_path(), b"x\n"));
-                    assert!(write_lines(&batch, max, now).is_err());
+                    // The last write fails: the file is cut back.
+                    batch.push((path.as_path(), FAILS));
+                    let results = write_lines(&unkeyed(&batch), max, now);
+                    assert!(results.iter().all(Result::is_err));
                 }
             });
             let mut written = 0u64;
@@ -288,7 +467,7 @@ mod tests {
                     .map(|i| format!("{{\"ok\":{i}}}\n").into_bytes())
                     .collect();
                 let batch: Vec<(&Path, &[u8])> = lines.iter().map(|l| (path.as_path(), l.as_slice())).collect();
-                write_lines(&batch, max, now).unwrap();
+                all_written(&write_lines(&unkeyed(&batch), max, now));
                 written += 10;
             }
             failing.join().unwrap();
@@ -326,7 +505,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("taken");
         fs::create_dir(&path).unwrap();
-        let err = write_lines(&[(path.as_path(), b"x\n")], 100, Utc::now()).unwrap_err();
-        assert_eq!(err.path, path);
+        let results = write_lines(&unkeyed(&[(path.as_path(), b"x\n")]), 100, Utc::now());
+        failed_naming(&results[0], &path);
     }
 }
