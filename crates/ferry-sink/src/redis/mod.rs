@@ -354,10 +354,10 @@ impl Sink for RedisSink {
         match timeout(limit, ::redis::cmd("PING").query_async::<String>(&mut connection)).await {
             Ok(Ok(_)) => link.succeeded(),
             Ok(Err(e)) => {
+                // Replaced whatever the failure: one refused while it
+                // connected would give the same refusal for ever.
                 let error = refused("pinging", e);
-                if error.is_transient() {
-                    link.failed(&error);
-                }
+                link.failed(&error);
                 return Err(error);
             }
             Err(_) => {

@@ -51,8 +51,8 @@ fn unconfirmed(reply: Option<Value>, wanted: u32, bound: Duration) -> Option<Sin
 
 pub(super) struct Published {
     pub(super) outcomes: Vec<PublishOutcome>,
-    /// Set when the request itself failed in a way that puts the connection
-    /// in doubt; the caller then replaces it.
+    /// Set when the request itself failed, which puts the connection in
+    /// doubt; the caller then replaces it.
     pub(super) connection_in_doubt: Option<SinkError>,
 }
 
@@ -103,7 +103,12 @@ pub(super) async fn publish_batch(
                 )))
             }
             Ok(Err(e)) => {
-                in_doubt = e.is_io_error() || e.is_connection_dropped() || e.is_timeout();
+                // Refusals of single commands come back as replies (the
+                // pipeline ignores errors), so this is the connection's own
+                // failure: a break, or a refusal while connecting (its
+                // credentials, say), which the connection manager would
+                // give every later batch without trying again.
+                in_doubt = true;
                 Err(codes::error(
                     codes::redis_error_kind(&e),
                     format!("XADD pipeline to Redis failed: {e}; part of the batch may be stored"),

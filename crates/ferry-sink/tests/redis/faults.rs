@@ -160,3 +160,52 @@ async fn a_cut_mid_drain_loses_nothing_and_keeps_key_order() {
     sink.close().await;
     stream.delete().await;
 }
+
+/// A connection Redis refused for its credentials (its ACL user not there
+/// yet, as after a restart before the ACL file is loaded) is given up, not
+/// kept: the sink connects afresh once the backoff allows, and the events go
+/// through as soon as the user exists. The refused connection was kept and
+/// answered every later batch with the same refusal until the relay was
+/// restarted.
+#[tokio::test]
+async fn a_connection_refused_for_its_credentials_is_not_kept() {
+    // No ':' in it, which would end the user name in the URL.
+    let user = format!("ferry-acl-{}", uuid::Uuid::now_v7().simple());
+    let acl = async |args: &[&str]| {
+        let mut cmd = ::redis::cmd("ACL");
+        for arg in args {
+            cmd.arg(*arg);
+        }
+        let _: ::redis::Value = cmd.query_async(&mut crate::support::connect().await).await.unwrap();
+    };
+    acl(&["DELUSER", &user]).await;
+    let stream = TestStream::new("acl").await;
+    let addr = upstream();
+    let sink = RedisSink::new(RedisOptions {
+        url: format!("redis://{user}:secret@{addr}"),
+        publish_timeout: Duration::from_secs(2),
+        reconnect_max_delay: Duration::from_millis(400),
+        ..RedisOptions::default()
+    });
+    let route = route("test", &stream.key);
+    let events = keyed(2, |seq| format!("k{seq}"));
+    let refused = sink.publish(&route, &events).await;
+    expect_err(&refused[0], ErrorKind::Config, "");
+    acl(&["SETUSER", &user, "on", ">secret", "~*", "+@all"]).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let outcomes = loop {
+        let outcomes = sink.publish(&route, &events).await;
+        if outcomes.iter().all(Result::is_ok) || Instant::now() > deadline {
+            break outcomes;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    acl(&["DELUSER", &user]).await;
+    assert!(
+        outcomes.iter().all(Result::is_ok),
+        "still refused once the user exists: {outcomes:?}"
+    );
+    assert_eq!(stream.len().await, 2);
+    stream.delete().await;
+    sink.close().await;
+}
