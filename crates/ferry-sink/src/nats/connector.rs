@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use async_nats::{Client, ConnectOptions, Event, ServerError};
-use ferry_core::SinkError;
+use ferry_core::{ErrorKind, SinkError};
 use tokio::sync::{oneshot, watch};
 use tokio::time::timeout;
 use tracing::{info, warn};
@@ -185,6 +185,22 @@ impl Connector {
             client: link.client.clone(),
             broken: link.broken.clone(),
             denied: link.denied.clone(),
+        })
+    }
+
+    /// [`Connector::handle`] for a publish. A login the server refuses is a
+    /// configuration error to `check`, which runs before a relay starts,
+    /// but transient here: a server restarting, its auth callout or its
+    /// account resolver may refuse a user for a moment, and each batch
+    /// that met the refusal would go dead.
+    pub(crate) async fn handle_to_publish(&mut self) -> Result<Handle, SinkError> {
+        self.handle().await.map_err(|e| match e.kind {
+            ErrorKind::Config => SinkError::transient(format!(
+                "{}; retried, as a server may refuse a login for a moment (`ferry check` reports it as a \
+                 configuration error): fix sinks.<nats>.url if it persists",
+                e.message
+            )),
+            _ => e,
         })
     }
 

@@ -293,7 +293,7 @@ impl Sink for NatsSink {
         }
         let mut connector = self.connector.lock().await;
         // Connect first so the server's max_payload is known when preparing.
-        if let Err(e) = connector.handle().await {
+        if let Err(e) = connector.handle_to_publish().await {
             return events.iter().map(|_| Err(e.clone())).collect();
         }
         // The relay admits events first; checking again keeps a direct caller

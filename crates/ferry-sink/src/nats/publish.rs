@@ -31,7 +31,7 @@ pub(super) async fn publish_batch(
         client,
         mut broken,
         mut denied,
-    } = match connector.handle().await {
+    } = match connector.handle_to_publish().await {
         Ok(handle) => handle,
         Err(e) => return prepared.into_iter().map(|p| p.and(Err(e.clone()))).collect(),
     };

@@ -45,26 +45,7 @@ impl Server {
             .unwrap()
             .port();
         let config = dir.path().join("nats.conf");
-        std::fs::write(
-            &config,
-            format!(
-                r#"listen: "127.0.0.1:{port}"
-jetstream {{ store_dir: "{store}" }}
-authorization {{
-  users = [
-    {{ user: admin, password: admin }}
-    {{ user: narrow, password: narrow, permissions: {{
-        publish: {{ allow: ["ok.>", "$JS.API.>"] }}, subscribe: {{ allow: ["_INBOX.>"] }} }} }}
-    {{ user: deaf, password: deaf, permissions: {{ subscribe: {{ deny: [">"] }} }} }}
-    {{ user: blind, password: blind, permissions: {{
-        publish: {{ allow: ["ok.>"] }}, subscribe: {{ allow: ["_INBOX.>"] }} }} }}
-  ]
-}}
-"#,
-                store = dir.path().join("js").display()
-            ),
-        )
-        .unwrap();
+        std::fs::write(&config, Server::config(port, dir.path(), "")).unwrap();
         let child = Command::new(program())
             .arg("-c")
             .arg(&config)
@@ -83,6 +64,44 @@ authorization {{
             std::thread::sleep(Duration::from_millis(50));
         }
         panic!("nats-server did not listen on port {port} in 20 s");
+    }
+
+    /// The server's configuration, with `more` users beside the four.
+    fn config(port: u16, dir: &std::path::Path, more: &str) -> String {
+        format!(
+            r#"listen: "127.0.0.1:{port}"
+jetstream {{ store_dir: "{store}" }}
+authorization {{
+  users = [
+    {more}
+    {{ user: admin, password: admin }}
+    {{ user: narrow, password: narrow, permissions: {{
+        publish: {{ allow: ["ok.>", "$JS.API.>"] }}, subscribe: {{ allow: ["_INBOX.>"] }} }} }}
+    {{ user: deaf, password: deaf, permissions: {{ subscribe: {{ deny: [">"] }} }} }}
+    {{ user: blind, password: blind, permissions: {{
+        publish: {{ allow: ["ok.>"] }}, subscribe: {{ allow: ["_INBOX.>"] }} }} }}
+  ]
+}}
+"#,
+            store = dir.join("js").display()
+        )
+    }
+
+    /// Adds a user with every permission and has the server reload its
+    /// configuration (SIGHUP).
+    fn add_user(&self, user: &str) {
+        let more = format!("{{ user: {user}, password: {user} }}");
+        std::fs::write(
+            self._dir.path().join("nats.conf"),
+            Server::config(self.port, self._dir.path(), &more),
+        )
+        .unwrap();
+        let status = Command::new("kill")
+            .arg("-HUP")
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
+        assert!(status.success(), "signal nats-server to reload");
     }
 
     fn url(&self, user: &str) -> String {
@@ -214,4 +233,34 @@ async fn a_user_without_the_jetstream_api_can_publish_and_check_says_it_cannot_l
     assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
     assert_eq!(stored(&admin).await, 2);
     sink.close().await;
+}
+
+/// A login the server refuses (its user not there yet, as while an auth
+/// callout or account resolver restarts, or in the middle of a password
+/// rotation) is a configuration error to `check`, which runs before a relay
+/// starts, but only transient to a publish: the events wait and go through
+/// once the user is there. Each batch that met the refusal went dead.
+#[tokio::test]
+async fn a_refused_login_fails_a_check_but_only_delays_a_publish() {
+    let server = Server::start();
+    let admin = server.stream().await;
+    let sink = server.sink("late");
+    let err = sink.check(&route("ok.orders")).await.unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    let sink = server.sink("late");
+    let events = keyed(3, |seq| format!("k{seq}"));
+    for outcome in sink.publish(&route("ok.orders"), &events).await {
+        expect_err(&outcome, ErrorKind::Transient, "authorization");
+    }
+    server.add_user("late");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let outcomes = loop {
+        let outcomes = sink.publish(&route("ok.orders"), &events).await;
+        if outcomes.iter().all(Result::is_ok) || std::time::Instant::now() > deadline {
+            break outcomes;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert_eq!(stored(&admin).await, 3);
 }
