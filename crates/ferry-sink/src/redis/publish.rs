@@ -23,7 +23,7 @@
 
 use ::redis::Value;
 use ::redis::aio::ConnectionManager;
-use ferry_core::{PublishOutcome, SinkError};
+use ferry_core::{ErrorKind, PublishOutcome, SinkError};
 use std::time::Duration;
 use tokio::time::timeout;
 
@@ -109,10 +109,18 @@ pub(super) async fn publish_batch(
                 // credentials, say), which the connection manager would
                 // give every later batch without trying again.
                 in_doubt = true;
-                Err(codes::error(
-                    codes::redis_error_kind(&e),
-                    format!("XADD pipeline to Redis failed: {e}; part of the batch may be stored"),
-                ))
+                let message = format!("XADD pipeline to Redis failed: {e}; part of the batch may be stored");
+                match codes::redis_error_kind(&e) {
+                    // A refused login: a configuration error to `check`,
+                    // which runs before a relay starts, but transient here,
+                    // as a server restarting may refuse a user until its
+                    // ACL is loaded; each batch that met it would go dead.
+                    ErrorKind::Config => Err(SinkError::transient(format!(
+                        "{message}; retried, as a server may refuse a login for a moment (`ferry check` reports \
+                         it as a configuration error): fix sinks.<redis>.url if it persists"
+                    ))),
+                    kind => Err(codes::error(kind, message)),
+                }
             }
             Err(_) => {
                 in_doubt = true;

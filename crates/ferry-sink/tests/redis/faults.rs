@@ -166,7 +166,8 @@ async fn a_cut_mid_drain_loses_nothing_and_keeps_key_order() {
 /// kept: the sink connects afresh once the backoff allows, and the events go
 /// through as soon as the user exists. The refused connection was kept and
 /// answered every later batch with the same refusal until the relay was
-/// restarted.
+/// restarted. The refusal is a configuration error to `check`, but only
+/// transient to a publish: each batch that met it went dead.
 #[tokio::test]
 async fn a_connection_refused_for_its_credentials_is_not_kept() {
     // No ':' in it, which would end the user name in the URL.
@@ -189,8 +190,11 @@ async fn a_connection_refused_for_its_credentials_is_not_kept() {
     });
     let route = route("test", &stream.key);
     let events = keyed(2, |seq| format!("k{seq}"));
-    let refused = sink.publish(&route, &events).await;
-    expect_err(&refused[0], ErrorKind::Config, "");
+    let refused = sink.check(&route).await.unwrap_err();
+    assert_eq!(refused.kind, ErrorKind::Config, "{refused}");
+    for refused in sink.publish(&route, &events).await {
+        expect_err(&refused, ErrorKind::Transient, "authentication");
+    }
     acl(&["SETUSER", &user, "on", ">secret", "~*", "+@all"]).await;
     let deadline = Instant::now() + Duration::from_secs(10);
     let outcomes = loop {
