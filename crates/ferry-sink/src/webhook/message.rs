@@ -169,8 +169,11 @@ pub(crate) fn configured_headers(headers: &BTreeMap<String, String>) -> Result<H
 
 fn header(name: &str, value: &str) -> Result<(HeaderName, HeaderValue), String> {
     let name = HeaderName::from_bytes(name.as_bytes()).map_err(|_| "not a valid HTTP header name".to_owned())?;
+    // As bytes: a UTF-8 value (a name, a city) goes as it is, where
+    // `from_str` would refuse anything beyond ASCII. Control characters are
+    // refused either way, and by the producer already.
     let value =
-        HeaderValue::from_str(value).map_err(|_| "the value holds a control character or non-ASCII".to_owned())?;
+        HeaderValue::from_bytes(value.as_bytes()).map_err(|_| "the value holds a control character".to_owned())?;
     Ok((name, value))
 }
 
@@ -356,6 +359,11 @@ mod tests {
         assert_eq!(r.headers["authorization"], "Bearer t");
         assert_eq!(r.headers["content-type"], CONTENT_TYPE);
         assert!(r.headers.get("webhook-id").is_none());
+
+        // A producer's UTF-8 value goes as it is.
+        e.headers.insert("x-customer".into(), "Müller".into());
+        let r = Request::prepare(&Destination::new(&route("http://h/")), &e, "s", &configured, 1 << 20).unwrap();
+        assert_eq!(r.headers["x-customer"].as_bytes(), "Müller".as_bytes());
 
         e.headers.insert("bad name".into(), "x".into());
         let err = Request::prepare(&Destination::new(&route("http://h/")), &e, "s", &configured, 1 << 20).unwrap_err();
