@@ -14,6 +14,8 @@ use crate::ValidationError;
 pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 /// The longest aggregate key accepted.
 pub const MAX_KEY_BYTES: usize = 512;
+/// The longest content type accepted: RabbitMQ carries it in 255 bytes.
+const MAX_CONTENT_TYPE_BYTES: usize = 255;
 const MAX_TYPE_BYTES: usize = 255;
 
 /// A unique, time-ordered event id (UUID v7). Sinks carry it as the message id.
@@ -270,6 +272,50 @@ impl Event {
             refuse_nul("headers", &format!("the header name {name:?}"), name)?;
             refuse_nul("headers", &format!("the value of header {name:?}"), value)?;
         }
+        // What a destination would refuse for ever (and the event go dead,
+        // holding back its key) is refused here, at the producer: whichever
+        // sink a route sends it to, now or after a configuration change.
+        if let Some(key) = &self.key
+            && let Some(at) = key.find(['\r', '\n'])
+        {
+            return Err(ValidationError::new(
+                "key",
+                format!("has a line break at byte {at}"),
+                "remove CR and LF from the key: NATS and webhooks carry it in a header",
+            ));
+        }
+        if let Payload::Bytes { content_type, .. } = &self.payload {
+            if content_type.len() > MAX_CONTENT_TYPE_BYTES {
+                return Err(ValidationError::new(
+                    "content_type",
+                    format!("is {} bytes", content_type.len()),
+                    "use a media type of at most 255 bytes, e.g. \"application/octet-stream\"",
+                ));
+            }
+            if let Some(at) = content_type.find(|c: char| c.is_control()) {
+                return Err(ValidationError::new(
+                    "content_type",
+                    format!("has a control character at byte {at}"),
+                    "use a media type such as \"application/octet-stream\", without control characters",
+                ));
+            }
+        }
+        for (name, value) in &self.headers {
+            if let Some(c) = name.chars().find(|&c| !is_token_char(c)) {
+                return Err(ValidationError::new(
+                    "headers",
+                    format!("has the header name {name:?}, with {c:?} in it"),
+                    "use header names of letters, digits and !#$%&'*+-.^_`|~ (an HTTP token), e.g. \"tenant-id\"",
+                ));
+            }
+            if let Some(at) = value.find(|c: char| c.is_ascii_control() && c != '\t') {
+                return Err(ValidationError::new(
+                    "headers",
+                    format!("has a control character in the value of header {name:?}, at byte {at}"),
+                    "remove control characters (line breaks among them) from header values; a tab is allowed",
+                ));
+            }
+        }
         let size = match &self.payload {
             Payload::Json(v) => serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX),
             Payload::Bytes { data, content_type } => {
@@ -301,6 +347,13 @@ impl Event {
         }
         Ok(())
     }
+}
+
+/// A character of an HTTP token (RFC 9110), which every destination takes
+/// as a header name: NATS refuses `:`, spaces and non-ASCII, HTTP anything
+/// else outside the set.
+fn is_token_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c)
 }
 
 /// Refuses a NUL byte in a text field; `what` says where it is.
@@ -393,6 +446,51 @@ mod tests {
             assert_eq!(err.field, field, "{err}");
             assert!(err.to_string().contains("NUL"), "{err}");
         }
+        // What a destination would refuse for ever.
+        for (event, field, text) in [
+            (Event::new("a.b", json!({})).key("k\r\n"), "key", "line break"),
+            (
+                Event::new("a.b", json!({})).header("Tenant ID", "v"),
+                "headers",
+                "HTTP token",
+            ),
+            (Event::new("a.b", json!({})).header("a:b", "v"), "headers", "HTTP token"),
+            (Event::new("a.b", json!({})).header("a/b", "v"), "headers", "HTTP token"),
+            (
+                Event::new("a.b", json!({})).header("mandant-ü", "v"),
+                "headers",
+                "HTTP token",
+            ),
+            (
+                Event::new("a.b", json!({})).header("x", "a\nb"),
+                "headers",
+                "control character",
+            ),
+            (
+                Event::new("a.b", json!({})).header("x", "a\u{7f}"),
+                "headers",
+                "control character",
+            ),
+            (
+                Event::bytes("a.b", vec![1u8], "x".repeat(256)),
+                "content_type",
+                "255 bytes",
+            ),
+            (
+                Event::bytes("a.b", vec![1u8], "text/plain\r\nx: y"),
+                "content_type",
+                "control",
+            ),
+        ] {
+            let err = event.validate().unwrap_err();
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.to_string().contains(text), "{err}");
+        }
+        let fine = Event::bytes("a.b", vec![1u8], "x".repeat(255))
+            .key("key\twith a tab, ünïcode")
+            .header("x-A.b_c~|`^*+#$%&!'", "Müller\tand a tab")
+            .header("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+        assert!(fine.validate().is_ok(), "{:?}", fine.validate());
         // A NUL inside a JSON string is escaped (\u0000) in the payload's
         // bytes: nothing to refuse.
         assert!(Event::new("a.b", json!({"s": nul})).validate().is_ok());

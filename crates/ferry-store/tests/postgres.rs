@@ -161,6 +161,34 @@ async fn the_sql_door_validates_and_returns_v7_ids() {
             "SELECT ferry.enqueue('order.created', 'k', NULL)",
             "payload: it is NULL",
         ),
+        // What a destination would refuse for ever, and the event go dead
+        // holding back its key: a line break in the key (a NATS or HTTP
+        // header), a header name that is not an HTTP token, a control
+        // character in a header value, a content type RabbitMQ cannot carry.
+        (
+            "SELECT ferry.enqueue('order.created', E'k\\r\\n', '{}')",
+            "key: it has a line break",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '{\"Tenant ID\": \"x\"}')",
+            "headers: the header name 'Tenant ID' is not an HTTP token",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '{\"ok\": \"x\", \"a:b\": \"x\"}')",
+            "headers: the header name 'a:b'",
+        ),
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', '{\"x\": \"a\\nb\"}')",
+            "headers: the value of header 'x' has a control character",
+        ),
+        (
+            "SELECT ferry._enqueue(ferry.uuid_v7(), 'order.created', NULL, '\\x00', repeat('x', 256), '{}', NULL)",
+            "content type: 256 bytes",
+        ),
+        (
+            "SELECT ferry._enqueue(ferry.uuid_v7(), 'order.created', NULL, '\\x00', E'text/plain\\r', '{}', NULL)",
+            "content type: 11 bytes, with a control character",
+        ),
         // The tableless door checks the same (without a slot it writes an
         // outbox row through ferry._enqueue; with one, it checks itself).
         (
@@ -177,13 +205,20 @@ async fn the_sql_door_validates_and_returns_v7_ids() {
             .and_then(|e| e.hint());
         assert!(hint.is_some_and(|h| !h.is_empty()), "{sql}: no hint");
     }
-    // The longest accepted name: 255 bytes (127 two-byte characters and one more).
-    let name = format!("{}h", "é".repeat(127));
+    // The longest accepted name: 255 bytes of token characters.
+    let name = format!("{}h", "x-".repeat(127));
     sqlx::query("SELECT ferry.enqueue('order.created', NULL, '{}', jsonb_build_object($1::text, 'x'))")
         .bind(&name)
         .execute(&h.pool)
         .await
         .unwrap();
+    // Tabs and UTF-8 in values, and every token character in names, pass.
+    sqlx::query(
+        "SELECT ferry.enqueue('order.created', 'k', '{}', jsonb_build_object('x-A.b_c~|`^*+#$%&!''', E'Müller\\tok'))",
+    )
+    .execute(&h.pool)
+    .await
+    .unwrap();
 }
 
 #[tokio::test]

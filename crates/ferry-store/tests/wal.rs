@@ -280,13 +280,27 @@ async fn the_sql_emit_checks_the_event_with_or_without_a_slot() {
             let prepared = source.prepare().await.unwrap();
             source.mark_swept(&prepared).await.unwrap();
         }
-        let err = sqlx::query("SELECT ferry.emit('Order Placed', 'k', '{}')")
-            .execute(&pool)
-            .await
-            .expect_err("a bad event type was accepted");
-        let err = err.as_database_error().expect("refused by the database");
-        assert_eq!(err.code().as_deref(), Some("22023"), "{err}");
-        assert!(err.message().contains("invalid event type"), "{err}");
+        for (sql, field) in [
+            ("SELECT ferry.emit('Order Placed', 'k', '{}')", "type"),
+            // What a destination would refuse for ever.
+            ("SELECT ferry.emit('order.placed', E'k\\n', '{}')", "key"),
+            (
+                "SELECT ferry.emit('order.placed', 'k', '{}', '{\"a b\": \"x\"}')",
+                "headers",
+            ),
+            (
+                "SELECT ferry.emit('order.placed', 'k', '{}', '{\"a\": \"x\\ry\"}')",
+                "headers",
+            ),
+        ] {
+            let err = sqlx::query(sql).execute(&pool).await.expect_err(sql);
+            let err = err.as_database_error().expect("refused by the database");
+            assert_eq!(err.code().as_deref(), Some("22023"), "{err}");
+            assert!(
+                err.message().contains(&format!("invalid event {field}")),
+                "{sql}: {err}"
+            );
+        }
         let id: uuid::Uuid = sqlx::query_scalar("SELECT ferry.emit('order.placed', 'k', '{\"n\": 1}')")
             .fetch_one(&pool)
             .await

@@ -30,6 +30,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("migrations/0015_wal_slot_retired.sql"),
     ),
     (16, "wal_part", include_str!("migrations/0016_wal_part.sql")),
+    (
+        17,
+        "producer_fields",
+        include_str!("migrations/0017_producer_fields.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
