@@ -34,3 +34,14 @@ pub enum EnqueueError {
     #[error("the database refused the event: {0}")]
     Database(#[from] sqlx::Error),
 }
+
+/// An event whose id is stored already: the same `Event` enqueued again,
+/// which only a dispatch key makes a reported no-op.
+pub(crate) fn stored_already(id: &str) -> EnqueueError {
+    EnqueueError::Invalid(ValidationError {
+        field: "id",
+        problem: format!("event {id} is stored already"),
+        fix: "this Event was enqueued before (earlier in this transaction, or in one that committed), so it \
+              is sent: drop the retry, or give events a dispatch key to make such a retry a reported no-op",
+    })
+}

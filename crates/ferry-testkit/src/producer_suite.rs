@@ -100,6 +100,26 @@ pub async fn dispatch_keys_make_repeats_a_reported_no_op<H: ProducerHarness>(h: 
     assert_eq!(h.counts().await, (2, 2));
 }
 
+/// The same event without a dispatch key enqueued a second time, as a
+/// caller retrying after a commit whose outcome it did not learn: refused
+/// with an error naming `id` and saying it is stored, not a bare unique
+/// violation, and nothing is written twice.
+pub async fn an_event_enqueued_again_without_a_dispatch_key_is_refused_by_id<H: ProducerHarness>(h: &H) {
+    let event = Event::new("order.created", json!({"n": 5})).key("k");
+    enqueue_each(h, vec![event.clone()], true).await;
+    let mut tx = H::begin(h.pool()).await;
+    match H::enqueue_on(&mut tx, event.clone()).await {
+        Err(EnqueueError::Invalid(v)) => {
+            assert_eq!(v.field, "id", "{v}");
+            assert!(v.to_string().contains(&event.id().to_string()), "{v}");
+            assert!(v.to_string().contains("dispatch key"), "{v}");
+        }
+        other => panic!("expected the id to be refused as stored, got {other:?}"),
+    }
+    tx.rollback().await.unwrap();
+    assert_eq!(h.counts().await, (1, 1));
+}
+
 /// A second producer of a key waits for the first one's commit (the key's
 /// lock, or a single writer), so it draws a later seq: per key, outbox
 /// order is commit order.
@@ -146,6 +166,7 @@ macro_rules! producer_conformance {
             enqueue_refuses_to_run_outside_a_transaction,
             a_rolled_back_transaction_leaves_no_event,
             dispatch_keys_make_repeats_a_reported_no_op,
+            an_event_enqueued_again_without_a_dispatch_key_is_refused_by_id,
             per_key_seq_order_is_commit_order
         );
     };

@@ -84,8 +84,28 @@ pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<Event>) -> Resul
     if !keyed.is_empty() {
         query = query.bind(&keyed);
     }
-    let (stored, before): (Vec<Uuid>, Vec<Uuid>) = query.fetch_one(&mut *conn).await?;
+    let (stored, before): (Vec<Uuid>, Vec<Uuid>) = query.fetch_one(&mut *conn).await.map_err(id_taken)?;
     Ok(flag_repeats(&ids, &stored, &before))
+}
+
+/// A unique violation of the events' id: an event without a dispatch key
+/// enqueued again, named by its id (`Key (id)=(...) already exists.`).
+fn id_taken(e: sqlx::Error) -> EnqueueError {
+    let Some(db) = e.as_database_error() else {
+        return e.into();
+    };
+    if db.constraint() != Some("events_id") {
+        return e.into();
+    }
+    let detail = db
+        .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        .and_then(|pg| pg.detail())
+        .unwrap_or_default();
+    let id = detail
+        .split_once("=(")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map_or("of this batch", |(id, _)| id);
+    crate::enqueue::stored_already(id)
 }
 
 /// Each event's outcome: a repeat when the stored event is another one,

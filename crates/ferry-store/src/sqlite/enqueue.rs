@@ -91,7 +91,14 @@ async fn write_one(conn: &mut SqliteConnection, event: &Event) -> Result<Enqueue
     .bind(headers)
     .bind(event.get_dispatch_key())
     .fetch_optional(&mut *conn)
-    .await?;
+    .await
+    .map_err(|e| match e.as_database_error() {
+        // The same event without a dispatch key, enqueued again.
+        Some(db) if db.is_unique_violation() && db.message().contains("ferry_events.id") => {
+            crate::enqueue::stored_already(&id.to_string())
+        }
+        _ => e.into(),
+    })?;
     let Some(seq) = seq else {
         let existing: String = sqlx::query_scalar("SELECT id FROM ferry_events WHERE dispatch_key = ?1")
             .bind(event.get_dispatch_key())
