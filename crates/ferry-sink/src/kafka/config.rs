@@ -105,6 +105,16 @@ impl KafkaOptions {
         Ok(())
     }
 
+    /// Whether `extra` has the producer compress record batches
+    /// (`compression.type`, or its alias `compression.codec`, other than
+    /// `none`).
+    pub(crate) fn compresses(&self) -> bool {
+        ["compression.type", "compression.codec"]
+            .iter()
+            .filter_map(|name| self.extra.get(*name))
+            .any(|codec| !codec.trim().eq_ignore_ascii_case("none"))
+    }
+
     /// librdkafka's `message.max.bytes`: the payload limit plus headroom.
     pub(crate) fn max_record_bytes(&self) -> usize {
         self.max_message_bytes + RECORD_HEADROOM

@@ -258,13 +258,21 @@ impl KafkaSink {
 
     fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Record, SinkError> {
         let record = Record::prepare(route, event, &self.options.source)?;
-        let topic_max = self
-            .topic_limits
-            .lock()
-            .expect("the topic limits are never poisoned")
-            .limits
-            .get(&record.topic)
-            .copied();
+        // A topic's max.message.bytes is checked against the record batch
+        // as it is sent, compressed if the producer compresses: a record
+        // over it may fit once compressed, so it is left to the broker.
+        // `batch.size` stays capped at the limit, so such a record goes
+        // in a batch of its own, and a refusal fails it alone.
+        let topic_max = if self.options.compresses() {
+            None
+        } else {
+            self.topic_limits
+                .lock()
+                .expect("the topic limits are never poisoned")
+                .limits
+                .get(&record.topic)
+                .copied()
+        };
         let limits = Limits {
             max_payload: self.options.max_message_bytes,
             max_record: self.options.max_record_bytes(),
@@ -456,6 +464,44 @@ mod tests {
         assert_eq!(limits.limits.get("a"), Some(&4096));
         let many: BTreeSet<String> = (0..2 * MAX_TOPICS_READ).map(|i| format!("t{i:05}")).collect();
         assert_eq!(limits.claim(many.iter().map(String::as_str)).len(), MAX_TOPICS_READ - 2);
+    }
+
+    /// A topic's limit applies to the record batch as sent: compressed, a
+    /// record larger than the limit may fit, and refusing it before sending
+    /// sent it dead. Uncompressed, it is refused before sending, naming the
+    /// topic's limit.
+    #[test]
+    fn a_topics_limit_refuses_a_record_before_sending_only_without_compression() {
+        let route = Route {
+            name: "big".into(),
+            matcher: ferry_core::Glob::new("**").unwrap(),
+            sink: "kafka".into(),
+            destination: "big".into(),
+            routing_key: None,
+        };
+        let payload = serde_json::json!({ "text": "a".repeat(1_500_000) });
+        let event = ferry_testkit::sink_suite::event(1, "test.item.created", Some("k"), payload);
+        for (compression, admitted) in [(None, false), (Some("none"), false), (Some("lz4"), true)] {
+            let mut extra = BTreeMap::new();
+            if let Some(codec) = compression {
+                extra.insert("compression.type".to_owned(), codec.to_owned());
+            }
+            let sink = KafkaSink::new(KafkaOptions {
+                bootstrap_servers: "127.0.0.1:1".into(),
+                max_message_bytes: 2_000_000,
+                extra,
+                ..KafkaOptions::default()
+            })
+            .unwrap();
+            sink.topic_limits.lock().unwrap().record("big", Some(1_048_588));
+            match sink.admit(&route, &event) {
+                Ok(()) => assert!(admitted, "{compression:?}: admitted"),
+                Err(e) => {
+                    assert!(!admitted, "{compression:?}: {e}");
+                    assert!(e.message.contains("max.message.bytes is 1048588"), "{e}");
+                }
+            }
+        }
     }
 
     /// Raises a fatal error in the sink's current producer, as librdkafka
