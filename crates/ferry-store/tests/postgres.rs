@@ -672,3 +672,78 @@ fn collect_nodes<'a>(node: &'a serde_json::Value, in_subplan: bool, out: &mut Ve
         collect_nodes(child, in_subplan, out);
     }
 }
+
+/// A cancel waits for the partition locks a relay's settle or record holds,
+/// then judges what a relay may be publishing. It judged by the time its
+/// transaction began (`now()`): a retry that fell due while it waited
+/// looked not due yet, and was cancelled while a relay could be publishing
+/// it (the event then published, but recorded cancelled). It is judged by
+/// the time the cancel has its locks.
+#[tokio::test]
+async fn a_cancel_that_waited_for_its_locks_judges_what_is_in_flight_once_it_has_them() {
+    use ferry_core::{RelayId, Store};
+    use ferry_store::{Action, Admin, AdminState, Target};
+    use ferry_testkit::store_suite::StoreHarness;
+    use std::time::Duration;
+
+    let h = harness().await;
+    let ids = h.enqueue(vec![Event::new("order.created", json!({})).key("k")]).await;
+    h.store()
+        .tick(&RelayId("relay-a".into()), Duration::from_secs(120), &[])
+        .await
+        .unwrap();
+    let (seq, partition): (i64, i32) = sqlx::query_as("SELECT seq, partition FROM ferry.events WHERE id = $1")
+        .bind(ids[0].0)
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    let leased: bool = sqlx::query_scalar(
+        "SELECT owner IS NOT NULL AND expires_at > now() + interval '60 seconds' FROM ferry.partitions WHERE partition = $1",
+    )
+    .bind(partition)
+    .fetch_one(&h.pool)
+    .await
+    .unwrap();
+    assert!(leased, "the relay holds the event's partition");
+    // Retrying, due 5.5 s from now: just outside the 5 s margin for a
+    // relay's clock running ahead.
+    sqlx::query("DELETE FROM ferry.unrouted WHERE seq = $1")
+        .bind(seq)
+        .execute(&h.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO ferry.deliveries (seq, route, partition, key, state, attempts, next_attempt_at, last_error)
+         VALUES ($1, 'orders', $2, 'k', 'pending', 1, now() + interval '5.5 seconds', 'boom')",
+    )
+    .bind(seq)
+    .bind(partition)
+    .execute(&h.pool)
+    .await
+    .unwrap();
+    // The partition held for 6 s, as a relay's write holds it.
+    let mut holder = h.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM ferry.partitions WHERE partition = $1 FOR SHARE")
+        .bind(partition)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let target = Target {
+        event_id: ids[0],
+        seq,
+        route: "orders".into(),
+        event_type: "order.created".into(),
+        key: Some("k".into()),
+        state: AdminState::Retrying,
+    };
+    let cancel = Action::Cancel {
+        reason: "obsolete".into(),
+    };
+    let (applied, ()) = tokio::join!(h.store().apply(&cancel, "ops", std::slice::from_ref(&target)), async {
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        holder.commit().await.unwrap();
+    });
+    let applied = applied.unwrap();
+    assert!(applied.changed.is_empty(), "cancelled though due: {applied:?}");
+    assert!(applied.refused[0].reason.contains("in flight"), "{applied:?}");
+}

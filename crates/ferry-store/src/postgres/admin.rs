@@ -43,12 +43,14 @@ const FILTER: &str = "
 /// A pending delivery of `d` that a relay may hold right now: due (never
 /// attempted, or with a margin for the relay's clock running ahead), not
 /// held back by an earlier failed delivery of its key, and in a partition
-/// under a live lease.
+/// under a live lease. "Now" is the clock's, not the transaction's start
+/// (`now()`): a cancel waits for its partition locks first, and what fell
+/// due or lapsed meanwhile counts.
 const MAYBE_IN_FLIGHT: &str = "
        d.state = 'pending'
-   AND (d.attempts = 0 OR d.next_attempt_at <= now() + interval '5 seconds')
+   AND (d.attempts = 0 OR d.next_attempt_at <= clock_timestamp() + interval '5 seconds')
    AND EXISTS (SELECT 1 FROM ferry.partitions p
-                WHERE p.partition = d.partition AND p.owner IS NOT NULL AND p.expires_at > now())
+                WHERE p.partition = d.partition AND p.owner IS NOT NULL AND p.expires_at > clock_timestamp())
    AND (d.key IS NULL OR NOT EXISTS (
         SELECT 1 FROM ferry.deliveries b
          WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
@@ -302,7 +304,7 @@ impl Admin for PgStore {
                     cancelled.iter().map(|(seq, route, ..)| (*seq, route.as_str())).unzip();
                 sqlx::query(
                     "UPDATE ferry.partitions p SET owner = NULL, expires_at = NULL, token = p.token + 1
-                      WHERE p.owner IS NOT NULL AND p.expires_at <= now()
+                      WHERE p.owner IS NOT NULL AND p.expires_at <= clock_timestamp()
                         AND p.partition IN (SELECT d.partition FROM ferry.deliveries d
                                               JOIN unnest($1::bigint[], $2::text[]) AS t(seq, route)
                                                 ON d.seq = t.seq AND d.route = t.route)",
