@@ -368,6 +368,8 @@ const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(60);
 const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(10);
 const DEFAULT_WAL_NAME: &str = "ferry";
 const DEFAULT_WAL_LAG_BUDGET_MB: i64 = 1024;
+/// 1 TiB: a larger budget is no budget, and its bytes would overflow.
+const MAX_WAL_LAG_BUDGET_MB: i64 = 1024 * 1024;
 const DEFAULT_WAL_READ_AHEAD_MB: usize = 64;
 /// The read-ahead budget is a semaphore counted in u32 bytes.
 const MAX_WAL_READ_AHEAD_MB: i64 = 4095;
@@ -381,6 +383,22 @@ const DEFAULT_RETENTION_BATCH: usize = 1_000;
 const DEFAULT_RETENTION_PAUSE: Duration = Duration::from_millis(50);
 const DEFAULT_RETENTION_INTERVAL: Duration = Duration::from_secs(300);
 const TEMPLATE_PLACEHOLDERS: [&str; 4] = ["type", "domain", "key", "id"];
+
+/// An integer type a config field is read into, with its largest value as
+/// an `i64` (saturated), for the range an error names.
+trait Bounded: TryFrom<i64> {
+    const MAX_I64: i64;
+}
+
+macro_rules! bounded {
+    ($($t:ty),*) => {
+        $(impl Bounded for $t {
+            const MAX_I64: i64 = if (<$t>::MAX as u128) > (i64::MAX as u128) { i64::MAX } else { <$t>::MAX as i64 };
+        })*
+    };
+}
+
+bounded!(u16, u32, u64, usize, i32, i64);
 
 /// Collects problems; each check returns a usable value (the default when
 /// the input is bad) so one pass finds every problem.
@@ -431,18 +449,15 @@ impl Checker {
     }
 
     /// `max: None` leaves the upper bound to the target type.
-    fn integer<T: TryFrom<i64>>(&mut self, field: &str, raw: Option<i64>, default: T, min: i64, max: Option<i64>) -> T {
+    fn integer<T: Bounded>(&mut self, field: &str, raw: Option<i64>, default: T, min: i64, max: Option<i64>) -> T {
         let Some(value) = raw else { return default };
-        let message = if value < min || max.is_some_and(|max| value > max) {
-            match max {
-                Some(max) => format!("must be between {min} and {max}, got {value}"),
-                None => format!("must be at least {min}, got {value}"),
-            }
-        } else {
-            match T::try_from(value) {
+        let message = match max {
+            Some(max) if value < min || value > max => format!("must be between {min} and {max}, got {value}"),
+            None if value < min => format!("must be at least {min}, got {value}"),
+            _ => match T::try_from(value) {
                 Ok(v) => return v,
-                Err(_) => format!("{value} is too large"),
-            }
+                Err(_) => format!("must be at most {}, got {value}", T::MAX_I64),
+            },
         };
         self.problem(field, message);
         default
@@ -757,7 +772,7 @@ fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
             raw.wal_lag_budget_mb,
             DEFAULT_WAL_LAG_BUDGET_MB as u64,
             1,
-            None,
+            Some(MAX_WAL_LAG_BUDGET_MB),
         ) * 1024
             * 1024,
         wal_read_ahead: check.integer::<usize>(

@@ -6,6 +6,11 @@ use std::time::Duration;
 /// How a duration must be written; appended to every parse error.
 const DURATION_HINT: &str = "write it like \"30s\", \"500ms\" or \"2m\"";
 
+/// The longest duration accepted: 100 years. Longer ones (up to 490,000
+/// years parse) overflowed the clock arithmetic they feed: a retry's due
+/// time, a lease's expiry, a retention cutoff, `--since`.
+pub const MAX_DURATION: Duration = Duration::from_secs(876_000 * 3600);
+
 /// Parses one or more `<whole number><unit>` parts, units largest first
 /// (`h`, `m`, `s`, `ms`), each unit at most once. A bare number is rejected on
 /// purpose: `lease = 30` could mean seconds or milliseconds, and guessing
@@ -42,6 +47,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             .checked_mul(u32::try_from(amount).map_err(|_| invalid())?)
             .ok_or_else(invalid)?;
         total = total.checked_add(part).ok_or_else(invalid)?;
+    }
+    if total > MAX_DURATION {
+        return Err(format!(
+            "{text:?} is too long; a duration is at most 876000h (100 years)"
+        ));
     }
     Ok(total)
 }
@@ -112,6 +122,15 @@ mod tests {
                 err.contains("is not a duration") && err.contains("\"30s\""),
                 "{bad:?}: {err}"
             );
+        }
+    }
+
+    #[test]
+    fn a_hundred_years_is_the_longest() {
+        assert_eq!(parse_duration("876000h").unwrap(), MAX_DURATION);
+        for long in ["876000h1ms", "3000000000h"] {
+            let err = parse_duration(long).unwrap_err();
+            assert!(err.contains("at most 876000h (100 years)"), "{long}: {err}");
         }
     }
 

@@ -519,6 +519,39 @@ fn numbers_out_of_range() {
         errors("[database]\nurl = \"postgres://h/db\"\nmax_connections = -1\n"),
         "database.max_connections: must be at least 1, got -1"
     );
+    // Past what the field's type holds: the range, not only "too large".
+    assert_eq!(
+        errors("[database]\nurl = \"postgres://h/db\"\nmax_connections = 5000000000\n"),
+        "database.max_connections: must be at most 4294967295, got 5000000000"
+    );
+    // Its bytes overflowed (a panic, or a budget of 0 that always failed).
+    assert_eq!(
+        errors_with("[relay]\nwal_lag_budget_mb = 9223372036854775807\n"),
+        "relay.wal_lag_budget_mb: must be between 1 and 1048576, got 9223372036854775807"
+    );
+}
+
+/// A duration past 100 years overflowed the clock arithmetic it fed: a
+/// first failed publish panicked the worker (and routed nothing, for
+/// ever), a lease panicked the relay at start, a retention window the
+/// purge. Refused, naming the field.
+#[test]
+fn durations_past_a_hundred_years_are_refused_by_field() {
+    for (section, field) in [
+        ("relay", "backoff_base"),
+        ("relay", "backoff_max"),
+        ("relay", "lease"),
+        ("retention", "published_window"),
+        ("retention", "dead_window"),
+    ] {
+        let e = errors_with(&format!("[{section}]\n{field} = \"3000000000h\"\n"));
+        assert!(
+            e.contains(&format!(
+                "{section}.{field}: \"3000000000h\" is too long; a duration is at most 876000h"
+            )),
+            "{field}: {e}"
+        );
+    }
 }
 
 #[test]
