@@ -159,6 +159,38 @@ impl<S: Store, C: Clock> Shared<S, C> {
         (!view.owned.is_empty() && Instant::now() < view.valid_until).then(|| view.owned.clone())
     }
 
+    /// Runs `work` (a publish) while the lease is valid: `None` if the lease
+    /// ran out first (renewals failing, the database out of reach), and the
+    /// work is dropped. Past that point another relay may take the
+    /// partitions and publish the same keys; a publish still sending then
+    /// would interleave with it.
+    pub async fn while_leased<F: Future>(&self, work: F) -> Option<F::Output> {
+        tokio::select! {
+            out = work => Some(out),
+            () = self.lease_lapsed() => None,
+        }
+    }
+
+    /// Resolves once the lease view's deadline passes without a renewal.
+    async fn lease_lapsed(&self) {
+        let mut rx = self.lease.clone();
+        loop {
+            let until = rx.borrow_and_update().valid_until;
+            if Instant::now() >= until {
+                return;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => {}
+                changed = rx.changed() => {
+                    if changed.is_err() {
+                        // No keeper any more: the deadline stands.
+                        tokio::time::sleep_until(until).await;
+                    }
+                }
+            }
+        }
+    }
+
     /// Waits for a new lease view (or the next renewal's time), for a
     /// caller that found no valid lease.
     pub async fn wait_for_lease(&self) {
@@ -353,7 +385,8 @@ impl<S: Store, C: Clock> Relay<S, C> {
         // Aborted on drop like the workers in `work`: a `run` future dropped
         // half-way (its task aborted, a lost `select!`) must not leave a
         // keeper renewing this relay's leases forever.
-        let mut keeper = AbortOnDrop(tokio::spawn(lease::keep(shared.clone(), lease_tx)));
+        let keeper_stop = CancellationToken::new();
+        let mut keeper = AbortOnDrop(tokio::spawn(lease::keep(shared.clone(), lease_tx, keeper_stop.clone())));
         let listener = AbortOnDrop(tokio::spawn(lease::listen(shared.clone())));
 
         shutdown.await;
@@ -368,6 +401,9 @@ impl<S: Store, C: Clock> Relay<S, C> {
             work.abort_all();
             while work.join_next().await.is_some() {}
         }
+        // The leases were renewed until here: another relay taking them
+        // while publishes drained would publish the same events beside them.
+        keeper_stop.cancel();
         // Nothing below may hold the exit up: with the database or a broker
         // unreachable, a lease renewal, the hand-back or a sink's close could
         // each wait out a connect timeout. Leases not handed back expire.

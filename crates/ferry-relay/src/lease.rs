@@ -3,14 +3,23 @@ use std::sync::Arc;
 use ferry_core::{Clock, ErrorKind, Partition, Store, Wake};
 use tokio::sync::watch;
 use tokio::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::engine::{LeaseView, Shared};
 use crate::metrics;
 
 /// Heartbeats and keeps this relay's partition leases, handing back those
-/// above its fair share once no work on them is in flight.
-pub(crate) async fn keep<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, tx: watch::Sender<LeaseView>) {
+/// above its fair share once no work on them is in flight, until `stop`.
+/// That is not the relay's shutdown signal: a relay told to stop still
+/// waits for the publishes in flight, and its leases must outlast them, or
+/// another relay takes the partitions and publishes the same events beside
+/// it.
+pub(crate) async fn keep<S: Store, C: Clock>(
+    shared: Arc<Shared<S, C>>,
+    tx: watch::Sender<LeaseView>,
+    stop: CancellationToken,
+) {
     let settings = &shared.settings;
     let mut release: Vec<Partition> = Vec::new();
     loop {
@@ -31,7 +40,7 @@ pub(crate) async fn keep<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, tx: watc
                         break;
                     }
                     _ = tokio::time::sleep(settings.renew_every()) => renew(&shared, &tx).await,
-                    _ = shared.cancel.cancelled() => break,
+                    _ = stop.cancelled() => break,
                 }
             }
             shared.quiesce.store(false, std::sync::atomic::Ordering::SeqCst);
@@ -91,7 +100,7 @@ pub(crate) async fn keep<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, tx: watc
         }
         tokio::select! {
             _ = tokio::time::sleep(settings.renew_every()) => {}
-            _ = shared.cancel.cancelled() => return,
+            _ = stop.cancelled() => return,
         }
     }
 }

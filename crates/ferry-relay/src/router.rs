@@ -519,11 +519,20 @@ impl<'a> Direct<'a> {
             }
         };
         shared.progress.advanced();
-        if batch.events.is_empty() {
+        // Told to stop while fetching: the batch is left to the next relay
+        // (its events stay unrouted), as is one whose lease may lapse
+        // before it is published. Publishing it would start new work after
+        // the signal, in the time left for what is in flight.
+        let stopping = shared.cancel.is_cancelled();
+        if batch.events.is_empty() || stopping || shared.valid_ownership().is_none() {
             if let Some(u) = previous {
                 settle(shared, u).await;
             }
+            self.ahead = None;
             drop(gate);
+            if !batch.events.is_empty() && !stopping {
+                return Step::Failed;
+            }
             return Step::Done {
                 fetched: 0,
                 full: false,
@@ -567,7 +576,7 @@ impl<'a> Direct<'a> {
         let leases = owned.leases.clone();
         let ahead_owned = owned.clone();
         let publish_started = Instant::now();
-        let ((previous_settled, settle_took), ((published, now_down), publish_took), ahead) = tokio::join!(
+        let ((previous_settled, settle_took), (published, publish_took), ahead) = tokio::join!(
             async {
                 let settled = match previous {
                     Some(u) => settle(shared, u).await,
@@ -576,7 +585,7 @@ impl<'a> Direct<'a> {
                 (settled, publish_started.elapsed())
             },
             async {
-                let published = Self::publish(shared, owned, batch, plan).await;
+                let published = shared.while_leased(Self::publish(shared, owned, batch, plan)).await;
                 (published, publish_started.elapsed())
             },
             async {
@@ -605,6 +614,14 @@ impl<'a> Direct<'a> {
                 }
             },
         );
+        let Some((published, now_down)) = published else {
+            // Its events stay unrouted, for the partitions' next holder;
+            // the batch fetched ahead was planned behind it.
+            warn!("the lease ran out during a direct publish (renewals failing); abandoned, its events stay unrouted");
+            self.ahead = None;
+            drop(gate);
+            return Step::Failed;
+        };
         for route in now_down {
             if self.down.insert(route.clone(), step).is_none() {
                 warn!(route = %route, "the destination failed; its events wait in the table for the route worker");

@@ -165,7 +165,9 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             continue;
         }
         // Self-fence: never start publishing under a lease that may lapse.
-        if shared.valid_ownership().is_none() {
+        // Told to stop while claiming: the batch is left to the next relay,
+        // not published in the time left for what is in flight.
+        if shared.cancel.is_cancelled() || shared.valid_ownership().is_none() {
             continue;
         }
         ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);
@@ -173,13 +175,20 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
         let span = tracing::info_span!("ferry.publish", route = %route.name, events = claimed.len());
         #[cfg(feature = "otel")]
         link_producers(&span, &claimed);
-        let Published {
+        let publishing = publish_in_order(sink.as_ref(), &route, claimed, None).instrument(span);
+        let Some(Published {
             claimed,
             outcomes,
             order_breaks,
-        } = publish_in_order(sink.as_ref(), &route, claimed, None)
-            .instrument(span)
-            .await;
+        }) = shared.while_leased(publishing).await
+        else {
+            warn!(
+                route = %route.name,
+                "the lease ran out during a publish (renewals failing); abandoned, its deliveries stay pending for the partitions' next holder"
+            );
+            drop(gate);
+            continue;
+        };
         let publish_took = started.elapsed();
         shared.progress.advanced();
         let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(()))));

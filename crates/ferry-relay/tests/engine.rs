@@ -685,6 +685,129 @@ async fn a_slow_publish_while_handing_partitions_back_keeps_the_leases() {
     assert_complete_and_ordered(&ids, &got);
 }
 
+/// A relay told to stop keeps renewing its leases while it waits for the
+/// publishes in flight: it stopped at the signal, so a publish that
+/// outlasted the lease (here 4.5 s, inside the 5 s shutdown timeout, past
+/// the 3 s lease) let another relay take the partitions and publish the
+/// same events again, key by key beside it, and the stopping relay's
+/// outcomes were refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_relay_keeps_its_leases_until_its_publishes_are_done() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(20, 1)).await;
+    let slow = ids[0];
+    let once = Arc::new(AtomicBool::new(false));
+    {
+        let once = once.clone();
+        e.sink.delay_when(move |ev| {
+            (ev.id == slow && !once.swap(true, Ordering::SeqCst)).then_some(Duration::from_millis(4500))
+        });
+    }
+    let routes = vec![route("orders", "order.**")];
+    let a = start(&e, "a", routes.clone());
+    eventually("the slow publish under way", Duration::from_secs(20), || {
+        once.load(Ordering::SeqCst)
+    })
+    .await;
+    let a_stopped = tokio::spawn(a.stop());
+    let b = start(&e, "b", routes);
+    eventually("20 delivered", Duration::from_secs(60), || {
+        e.sink.delivered("orders").len() >= 20
+    })
+    .await;
+    let ra = a_stopped.await.unwrap();
+    // What b would publish again, it would by now: a's lease ran out 3 s
+    // after its last renewal.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rb = b.stop().await;
+    let got = e.sink.delivered("orders");
+    assert_eq!(ra.refused + rb.refused, 0, "outcomes refused after a lease ran out");
+    assert_eq!(got.len(), 20, "duplicates: {}", got.len() - 20);
+    assert_complete_and_ordered(&ids, &got);
+}
+
+/// A relay told to stop starts nothing new: a batch whose fetch was under
+/// way at the signal is left to the next relay, not published. It was
+/// published, eating into the shutdown timeout, and a timeout cutting it
+/// off half-confirmed left its events to be published twice.
+#[tokio::test]
+async fn a_batch_fetched_after_the_stop_signal_is_not_published() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(50, 5)).await;
+    let routes = vec![route("orders", "order.**")];
+    let slow_fetch = Hooked::delaying(PgStore::new(e.pool.clone()), "fetch_direct", Duration::from_secs(1));
+    let a = start_on(&e, slow_fetch, settings("a", 4), routes.clone());
+    // Inside the first fetch.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let ra = a.stop().await;
+    assert_eq!(e.sink.attempts(), 0, "published after the stop signal");
+    assert_eq!(ra.published, 0);
+    let b = start(&e, "b", routes);
+    eventually("50 delivered", Duration::from_secs(30), || {
+        e.sink.delivered("orders").len() >= 50
+    })
+    .await;
+    b.stop().await;
+    let got = e.sink.delivered("orders");
+    assert_eq!(got.len(), 50, "duplicates: {}", got.len() - 50);
+    assert_complete_and_ordered(&ids, &got);
+}
+
+/// A relay that cannot renew its leases (the database out of its reach)
+/// abandons a publish once its lease view runs out: past that point another
+/// relay may hold the partitions and publish the same keys. It went on
+/// publishing, beside the relay that took over, and its late confirms
+/// came after that relay's: every event of the batch twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_that_cannot_renew_its_lease_abandons_the_publish_in_flight() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(20, 1)).await;
+    let slow = ids[0];
+    let started = Arc::new(AtomicBool::new(false));
+    {
+        let started = started.clone();
+        // Twice the lease (3 s), once.
+        e.sink.delay_when(move |ev| {
+            (ev.id == slow && !started.swap(true, Ordering::SeqCst)).then_some(Duration::from_secs(6))
+        });
+    }
+    // From the slow publish on, relay a cannot renew.
+    let cut = started.clone();
+    let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
+        let cut = cut.load(Ordering::SeqCst) && called == "tick";
+        Box::pin(async move {
+            if cut {
+                Err(ferry_core::StoreError::transient("the database is unreachable"))
+            } else {
+                Ok(())
+            }
+        })
+    });
+    let routes = vec![route("orders", "order.**")];
+    let a = start_on(
+        &e,
+        Hooked::new(PgStore::new(e.pool.clone()), hook),
+        settings("a", 4),
+        routes.clone(),
+    );
+    eventually("the slow publish under way", Duration::from_secs(20), || {
+        started.load(Ordering::SeqCst)
+    })
+    .await;
+    let b = start(&e, "b", routes);
+    eventually("20 delivered", Duration::from_secs(60), || {
+        e.sink.delivered("orders").len() >= 20
+    })
+    .await;
+    // Past the moment a's slow publish would have confirmed.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (ra, rb) = (a.stop().await, b.stop().await);
+    let got = e.sink.delivered("orders");
+    assert_eq!(got.len(), 20, "duplicates: {}", got.len() - 20);
+    assert_complete_and_ordered(&ids, &got);
+    assert_eq!((ra.published, rb.published), (0, 20));
+}
+
 #[tokio::test]
 async fn shutdown_hands_the_leases_back() {
     let e = env().await;
