@@ -341,7 +341,13 @@ pub fn load_with_env(
         })?;
         figment = figment.merge(Toml::string(&text));
     }
-    let figment = figment.merge(EnvOverrides::new(env)?);
+    // The file's sink names, as it spells them.
+    let file_sinks: Vec<String> = match figment.find_value("sinks") {
+        Ok(figment::value::Value::Dict(_, sinks)) => sinks.into_keys().collect(),
+        _ => Vec::new(),
+    };
+    let env = EnvOverrides::new(env)?.naming_sinks_as(file_sinks.iter().map(String::as_str));
+    let figment = figment.merge(env);
     let file = path.map_or_else(|| "config".to_owned(), |p| p.display().to_string());
     let raw = extract(&figment, &file)?;
     validate(raw, path.is_some())

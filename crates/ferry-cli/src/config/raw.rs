@@ -185,6 +185,10 @@ const ENV_SOURCE: &str = "environment";
 /// (`FERRY_DATABASE_URL`), and ignoring it would leave the file's value in
 /// force without a word: it is refused, except the names Ferry reads for
 /// something else ([`OTHER_USES`]).
+///
+/// Names are matched without regard to case, as the environment's are
+/// written in capitals: `FERRY_SINKS__RABBIT__URL` reaches `[sinks.Rabbit]`
+/// ([`EnvOverrides::naming_sinks_as`]).
 pub(super) struct EnvOverrides(Vec<(Vec<String>, String)>);
 
 /// `FERRY_` names that are not config fields: `FERRY_CONFIG` (the file,
@@ -234,6 +238,29 @@ impl EnvOverrides {
                 });
                 continue;
             }
+            // A list is set whole (`secrets`, comma-separated); a table of
+            // lists (`[[routes]]`) only in the file.
+            if keys[0] == "routes" {
+                problems.push(Problem {
+                    field: name,
+                    message: "routes cannot be set from the environment; write them as [[routes]] in the \
+                              config file (a sink's fields, such as its url, can be: FERRY_SINKS__<NAME>__URL)"
+                        .into(),
+                });
+                continue;
+            }
+            // A sink may be named "1"; an index anywhere else is a list's.
+            let index =
+                |(i, k): (usize, &String)| !(i == 1 && keys[0] == "sinks") && k.bytes().all(|b| b.is_ascii_digit());
+            if keys.iter().enumerate().any(index) {
+                problems.push(Problem {
+                    field: name,
+                    message: "a list is set whole, its items separated by commas, as in \
+                              FERRY_SINKS__<NAME>__SECRETS=whsec_a,whsec_b"
+                        .into(),
+                });
+                continue;
+            }
             vars.push((keys, value));
         }
         if !problems.is_empty() {
@@ -242,6 +269,22 @@ impl EnvOverrides {
             return Err(ConfigError { problems });
         }
         Ok(Self(vars))
+    }
+
+    /// Spells each `FERRY_SINKS__<NAME>__...` variable's sink name as the
+    /// file does (`Rabbit` for `RABBIT`): read in lowercase, it would name
+    /// a second sink, and the file's would keep its value.
+    pub(super) fn naming_sinks_as<'a>(mut self, file_sinks: impl IntoIterator<Item = &'a str>) -> Self {
+        let names: Vec<&str> = file_sinks.into_iter().collect();
+        for (keys, _) in &mut self.0 {
+            if let [section, name, ..] = keys.as_mut_slice()
+                && section == "sinks"
+                && let Some(spelled) = names.iter().find(|n| n.eq_ignore_ascii_case(name))
+            {
+                *name = (*spelled).to_owned();
+            }
+        }
+        self
     }
 }
 
@@ -277,7 +320,20 @@ impl Provider for EnvOverrides {
         for (keys, value) in &self.0 {
             // Values stay strings: extract_lossy reads "10" as a number where
             // a number is expected, and a password such as "12345" stays text.
-            insert(&mut root, keys, Value::from(value.clone()));
+            let value = if keys.last().is_some_and(|k| k == "secrets") {
+                // The one list a sink has; base64 holds no comma.
+                Value::from(
+                    value
+                        .split(',')
+                        .map(str::trim)
+                        .filter(|s| !s.is_empty())
+                        .map(str::to_owned)
+                        .collect::<Vec<String>>(),
+                )
+            } else {
+                Value::from(value.clone())
+            };
+            insert(&mut root, keys, value);
         }
         Ok(Profile::Default.collect(root))
     }

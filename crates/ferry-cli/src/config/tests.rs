@@ -674,6 +674,49 @@ fn environment_overrides_the_file() {
     assert_eq!(c.routes.len(), 7);
 }
 
+/// A sink named with capitals in the file is reached from the environment,
+/// whose names are capitals whatever the file says: read as lowercase, the
+/// variable named a second sink (refused for its missing kind) and the
+/// file's kept its value. A sink's signing secrets, a list, are set whole,
+/// comma-separated; routes are refused with the fix, not with a type error.
+#[test]
+fn environment_overrides_reach_capitalised_sinks_and_lists() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ferry.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "{MINIMAL}[sinks.Rabbit]\nkind = \"rabbitmq\"\nurl = \"amqp://file/%2f\"\n\
+             [sinks.hooks]\nkind = \"webhook\"\n\
+             [[routes]]\nmatch = \"order.*\"\nsink = \"Rabbit\"\ndestination = \"orders\"\n\
+             [[routes]]\nmatch = \"user.*\"\nsink = \"hooks\"\ndestination = \"http://h/in\"\n"
+        ),
+    )
+    .unwrap();
+    let (a, b) = (
+        "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw",
+        "whsec_c2VjcmV0LWtleS1udW1iZXItdHdvISE=",
+    );
+    let c = load_with_env(
+        Some(&path),
+        env(&[
+            ("FERRY_SINKS__RABBIT__URL", "amqp://env/%2f"),
+            ("FERRY_SINKS__HOOKS__SECRETS", &format!("{a}, {b}")),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.sinks.len(), 2, "{:?}", c.sinks.keys().collect::<Vec<_>>());
+    assert!(matches!(&c.sinks["Rabbit"], SinkSpec::RabbitMq { url, .. } if url == "amqp://env/%2f"));
+    assert!(matches!(&c.sinks["hooks"], SinkSpec::Webhook(w) if w.secrets == [a, b]));
+    for (name, text) in [
+        ("FERRY_ROUTES__0__SINK", "routes cannot be set from the environment"),
+        ("FERRY_SINKS__HOOKS__SECRETS__0", "a list is set whole"),
+    ] {
+        let e = load_with_env(Some(&path), env(&[(name, "x")])).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{name}: {text}")), "{e}");
+    }
+}
+
 #[test]
 fn environment_alone_is_enough() {
     let c = load_with_env(None, env(&[("FERRY_DATABASE__URL", "postgres://h/db")])).unwrap();
@@ -798,7 +841,7 @@ fn a_value_of_the_wrong_kind_is_not_echoed() {
     // every value is a string: one set on the wrong field must not be printed.
     let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
     for (name, value) in [
-        ("FERRY_SINKS__HOOKS__SECRETS", secret),
+        ("FERRY_SINKS__HOOKS__HEADERS", secret),
         ("FERRY_RELAY__BATCH_SIZE", secret),
     ] {
         let e = load_with_env(None, env(&[("FERRY_DATABASE__URL", "postgres://h/db"), (name, value)]))
