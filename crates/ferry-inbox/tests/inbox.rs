@@ -474,7 +474,7 @@ async fn a_session_ended_mid_attempt_is_a_counted_failure() {
 /// transaction it is: a counted failure that says so, retried, whose
 /// redelivery takes effect once.
 #[tokio::test]
-async fn a_statement_the_handler_gave_up_on_is_an_aborted_attempt_not_a_hang() {
+async fn a_statement_the_handler_gave_up_on_is_an_aborted_attempt_not_a_lost_connection() {
     let e = env().await;
     let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
     let ev = event();
