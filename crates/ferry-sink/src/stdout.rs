@@ -21,20 +21,52 @@ use crate::line;
 /// `data` holds the payload when its content type is JSON and it parses,
 /// `data_base64` holds the raw bytes otherwise.
 pub struct StdoutSink {
-    writer: Arc<Mutex<Box<dyn Write + Send>>>,
+    output: Arc<Mutex<Output>>,
+}
+
+/// Where the lines go, and whether the last batch failed part-way through
+/// a line.
+struct Output {
+    writer: Box<dyn Write + Send>,
+    mid_line: bool,
 }
 
 impl StdoutSink {
-    /// A sink writing to the process's standard output.
+    /// A sink writing to the process's standard output. Rust's handle
+    /// reports a write to a closed standard output (`ferry run >&-`) as
+    /// written: every event would count as published and go nowhere. So a
+    /// closed one fails every write, naming the fix.
     pub fn new() -> Self {
-        Self::with_writer(Box::new(io::stdout()))
+        use std::os::fd::AsFd;
+        match io::stdout().as_fd().try_clone_to_owned() {
+            Ok(_open) => Self::with_writer(Box::new(io::stdout())),
+            Err(e) => Self::with_writer(Box::new(Closed(e.to_string()))),
+        }
     }
 
     /// A sink writing to `writer`: a file, a pipe, or a buffer in tests.
     pub fn with_writer(writer: Box<dyn Write + Send>) -> Self {
         Self {
-            writer: Arc::new(Mutex::new(writer)),
+            output: Arc::new(Mutex::new(Output {
+                writer,
+                mid_line: false,
+            })),
         }
+    }
+}
+
+/// A standard output that is not open.
+struct Closed(String);
+
+impl Write for Closed {
+    fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+        Err(io::Error::other(format!(
+            "standard output is not open ({}): start ferry with its output connected, or route to another sink",
+            self.0
+        )))
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
     }
 }
 
@@ -50,10 +82,19 @@ impl std::fmt::Debug for StdoutSink {
     }
 }
 
-fn write_batch(writer: &mut dyn Write, lines: &[Vec<u8>]) -> Vec<PublishOutcome> {
+/// Writes `lines`; a batch after one that failed part-way starts with a
+/// line break, so the retried lines do not continue the cut one.
+fn write_batch(output: &mut Output, lines: &[Vec<u8>]) -> Vec<PublishOutcome> {
+    let writer = &mut output.writer;
     let mut written = 0;
     let mut failure = None;
-    for line in lines {
+    if output.mid_line {
+        match writer.write_all(b"\n") {
+            Ok(()) => output.mid_line = false,
+            Err(e) => failure = Some(e),
+        }
+    }
+    for line in lines.iter().take_while(|_| failure.is_none()) {
         if let Err(e) = writer.write_all(line) {
             failure = Some(e);
             break;
@@ -63,6 +104,9 @@ fn write_batch(writer: &mut dyn Write, lines: &[Vec<u8>]) -> Vec<PublishOutcome>
     if let Err(e) = writer.flush() {
         failure.get_or_insert(e);
         written = 0;
+    }
+    if failure.is_some() {
+        output.mid_line = true;
     }
     (0..lines.len())
         .map(|i| match &failure {
@@ -86,11 +130,11 @@ impl Sink for StdoutSink {
             .iter()
             .map(|e| line::render(route, e, &render_template(&route.destination, e)))
             .collect();
-        let writer = Arc::clone(&self.writer);
+        let output = Arc::clone(&self.output);
         // A blocked pipe must stall a blocking-pool thread, not the runtime.
         let written = tokio::task::spawn_blocking(move || {
-            let mut writer = writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            write_batch(&mut **writer, &lines)
+            let mut output = output.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            write_batch(&mut output, &lines)
         })
         .await;
         written.unwrap_or_else(|e| {
@@ -104,10 +148,10 @@ impl Sink for StdoutSink {
     }
 
     async fn close(&self) {
-        let writer = Arc::clone(&self.writer);
+        let output = Arc::clone(&self.output);
         let _ = tokio::task::spawn_blocking(move || {
-            let mut writer = writer.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            writer.flush()
+            let mut output = output.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            output.writer.flush()
         })
         .await;
     }
@@ -132,12 +176,82 @@ mod tests {
         }
     }
 
+    fn output(writer: impl Write + Send + 'static) -> Output {
+        Output {
+            writer: Box::new(writer),
+            mid_line: false,
+        }
+    }
+
     #[test]
     fn a_failed_write_fails_that_line_and_the_rest() {
         let lines = vec![b"a\n".to_vec(), b"b\n".to_vec(), b"c\n".to_vec()];
-        let out = write_batch(&mut FailAfter(1), &lines);
+        let out = write_batch(&mut output(FailAfter(1)), &lines);
         assert_eq!(out[0], Ok(()));
         assert!(out[1].as_ref().unwrap_err().is_transient());
         assert!(out[2].as_ref().unwrap_err().is_transient());
+    }
+
+    /// Takes `room` bytes, then fails once (a full disk), then takes all.
+    struct Cut {
+        out: Arc<Mutex<Vec<u8>>>,
+        room: Option<usize>,
+    }
+
+    impl Write for Cut {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            match self.room {
+                Some(0) => {
+                    self.room = None;
+                    Err(io::Error::other("no space left on device"))
+                }
+                Some(room) => {
+                    let n = room.min(buf.len());
+                    self.room = Some(room - n);
+                    self.out.lock().unwrap().extend_from_slice(&buf[..n]);
+                    Ok(n)
+                }
+                None => {
+                    self.out.lock().unwrap().extend_from_slice(buf);
+                    Ok(buf.len())
+                }
+            }
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A line cut by a failed write is not continued by the retry: the
+    /// retried line starts a line of its own, and reads back whole.
+    #[test]
+    fn a_retry_after_a_cut_line_starts_a_new_line() {
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let mut sink = output(Cut {
+            out: out.clone(),
+            room: Some(11),
+        });
+        let lines = vec![b"{\"a\":1}\n".to_vec(), b"{\"b\":2}\n".to_vec()];
+        let first = write_batch(&mut sink, &lines);
+        assert_eq!(first[0], Ok(()));
+        assert!(first[1].is_err());
+        let retried = write_batch(&mut sink, &lines[1..]);
+        assert_eq!(retried, [Ok(())]);
+        let text = String::from_utf8(out.lock().unwrap().clone()).unwrap();
+        let whole: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with('{') && l.ends_with('}'))
+            .collect();
+        assert_eq!(whole, ["{\"a\":1}", "{\"b\":2}"], "{text:?}");
+    }
+
+    #[test]
+    fn a_closed_standard_output_fails_every_write_naming_the_fix() {
+        let out = write_batch(&mut output(Closed("Bad file descriptor".into())), &[b"a\n".to_vec()]);
+        let e = out[0].as_ref().unwrap_err();
+        assert!(
+            e.is_transient() && e.message.contains("standard output is not open"),
+            "{e}"
+        );
     }
 }
