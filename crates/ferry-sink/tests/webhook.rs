@@ -354,6 +354,19 @@ async fn check_reports_reachability() {
         );
         assert!(!caveats[0].contains("s3cret"), "{caveats:?}");
     }
+    // A gateway answering for a receiver that is down: down, not reachable
+    // (a proxy in front of a stopped receiver showed it up).
+    for code in [502, 503, 504] {
+        let err = sink
+            .check_with_caveats(&route(&receiver.url(&format!("/status/{code}"))))
+            .await
+            .expect_err("a gateway's error is no receiver");
+        assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+        assert!(
+            err.message.contains(&code.to_string()) && err.message.contains("unavailable"),
+            "{err}"
+        );
+    }
     sink.check(&route("http://{domain}.example/hook"))
         .await
         .expect("templates are not probed");

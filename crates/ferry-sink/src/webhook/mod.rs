@@ -467,6 +467,17 @@ impl Sink for WebhookSink {
         match self.client.head(url.clone()).headers(self.headers.clone()).send().await {
             Ok(response) => {
                 let status = response.status();
+                // A gateway's answer for the receiver behind it: down, as a
+                // delivery would find it (retried), not reachable.
+                if matches!(status.as_u16(), 502..=504) {
+                    return Err(SinkError::transient(format!(
+                        "route {:?}: the webhook endpoint {} answered HEAD with {status}: the receiver (or a \
+                         proxy in front of it) is unavailable, and deliveries answered so are retried; start \
+                         or fix the receiver",
+                        route.name,
+                        redact::url(url.as_str())
+                    )));
+                }
                 tracing::info!(
                     route = %route.name,
                     url = %redact::url(url.as_str()),
