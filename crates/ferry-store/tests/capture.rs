@@ -696,6 +696,51 @@ async fn a_partitioned_table_is_captured_through_its_partitions() {
     );
 }
 
+/// PostgreSQL runs an UPDATE that moves a row to another partition as a
+/// DELETE and an INSERT: no update trigger fires. Captured for updates
+/// alone, such an UPDATE committed with no event. Capturing a partitioned
+/// table (or a partition) for updates asks for inserts and deletes too,
+/// with which the move arrives as the row deleted and created.
+#[tokio::test]
+async fn a_partitioned_table_captured_for_updates_takes_inserts_and_deletes_too() {
+    let (_db, pool) = database(
+        "CREATE TABLE readings (device text NOT NULL, at date NOT NULL, value int) PARTITION BY RANGE (at);
+         CREATE TABLE readings_2026 PARTITION OF readings FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
+         CREATE TABLE readings_2027 PARTITION OF readings FOR VALUES FROM ('2027-01-01') TO ('2028-01-01');",
+    )
+    .await;
+    for (table, ops) in [
+        ("readings", vec![Operation::Update]),
+        ("readings", vec![Operation::Update, Operation::Delete]),
+        ("readings_2026", vec![Operation::Update, Operation::Insert]),
+    ] {
+        match add(&pool, CaptureSpec::new(table, "iot.reading", "device").on(ops.clone())).await {
+            Err(CaptureError::Invalid { message, hint }) => {
+                assert!(message.contains("moves a row to another partition"), "{message}");
+                assert!(hint.contains("--on insert,update,delete"), "{hint}");
+            }
+            other => panic!("{table} {ops:?}: {other:?}"),
+        }
+    }
+    add(
+        &pool,
+        CaptureSpec::new("readings", "iot.reading", "device").on([
+            Operation::Insert,
+            Operation::Update,
+            Operation::Delete,
+        ]),
+    )
+    .await
+    .unwrap();
+    exec(&pool, "INSERT INTO readings VALUES ('d1', '2026-03-01', 5)").await;
+    exec(&pool, "UPDATE readings SET at = '2027-03-01'").await;
+    let types: Vec<String> = events(&pool).await.into_iter().map(|e| e.event_type).collect();
+    assert_eq!(
+        types,
+        ["iot.reading.created", "iot.reading.deleted", "iot.reading.created"]
+    );
+}
+
 #[tokio::test]
 async fn installing_gives_up_on_a_table_a_long_transaction_holds() {
     let (_db, pool) = database(ORDERS).await;
