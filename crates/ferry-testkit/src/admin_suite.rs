@@ -542,6 +542,68 @@ where
     assert_eq!(h.dead_failures().await, 1, "the failure is in the history");
 }
 
+/// A key is blocked since its head first failed, not since its last retry:
+/// each failed attempt rewrites the delivery's `updated_at`, and the age
+/// read from it fell back to the retry interval at every attempt, so a key
+/// blocked for hours read as blocked for minutes.
+pub async fn a_blocked_keys_age_runs_from_its_heads_first_failure<H: AdminHarness>(h: &H)
+where
+    H::S: Gauges,
+{
+    let store = h.store();
+    h.enqueue(vec![
+        Event::new("order.created", json!({"n": 1})).key("kb"),
+        Event::new("order.paid", json!({"n": 2})).key("kb"),
+    ])
+    .await;
+    let relay = RelayId("aging".into());
+    let mut owned = store.tick(&relay, Duration::from_secs(300), &[]).await.unwrap();
+    owned.relay = relay;
+    let now = Utc::now();
+    let first_failure = now - chrono::Duration::minutes(40);
+    let unrouted = store.fetch_unrouted(&owned, 100).await.unwrap();
+    store
+        .route(&owned, &plan_routes(&[orders_route()], unrouted), first_failure)
+        .await
+        .unwrap();
+    let head = store.claim(&owned, ROUTE, 1, first_failure, &[]).await.unwrap()[0]
+        .event
+        .seq;
+    let retry = |attempts: u32, at| Recorded {
+        seq: head,
+        expected_attempts: attempts - 1,
+        transition: Transition::Retry {
+            attempts,
+            next_at: at + chrono::Duration::seconds(1),
+            error: "broker timeout".into(),
+        },
+    };
+    // Failed 40 minutes ago, and again every 10 minutes since.
+    for (attempts, minutes_ago) in [(1, 40), (2, 30), (3, 20), (4, 10), (5, 0)] {
+        let at = now - chrono::Duration::minutes(minutes_ago);
+        assert_eq!(
+            store.record(&owned, ROUTE, &[retry(attempts, at)], at).await.unwrap(),
+            1
+        );
+    }
+    let s = store.status().await.unwrap();
+    let orders = s.routes.iter().find(|r| r.route == ROUTE).unwrap();
+    assert_eq!((orders.blocked.keys, orders.blocked.waiting), (1, 1));
+    let since = orders.blocked.oldest_since.expect("a blocked key");
+    assert!(
+        (since - first_failure).num_seconds().abs() <= 5,
+        "blocked since {since}, first failure {first_failure}"
+    );
+    let gauges = store.gauges().await.unwrap();
+    let age = gauges
+        .routes
+        .iter()
+        .find(|r| r.route == ROUTE)
+        .unwrap()
+        .oldest_blocked_seconds;
+    assert!(age.is_some_and(|a| (a - 2400.0).abs() < 60.0), "{age:?}");
+}
+
 /// Polls `cond` until it holds or `within` passes.
 async fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + within;
@@ -735,6 +797,7 @@ macro_rules! admin_conformance {
             changes_since_lists_outcomes_not_new_deliveries,
             changes_since_pages_through_changes_that_share_a_time,
             status_counts_states_and_blocked_keys,
+            a_blocked_keys_age_runs_from_its_heads_first_failure,
             a_requeued_dead_event_is_delivered_by_a_running_relay_in_key_order,
             cancelling_a_dead_head_lets_its_key_flow_and_never_cancels_what_is_delivered
         );

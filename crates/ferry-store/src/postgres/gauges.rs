@@ -33,11 +33,16 @@ impl Gauges for PgStore {
                         count(*) FILTER (WHERE state = 'cancelled') AS cancelled
                    FROM ferry.deliveries WHERE state IN ('dead', 'cancelled') GROUP BY route),
              blocked AS (
-                 SELECT route, count(DISTINCT key) AS keys, min(updated_at) AS since
-                   FROM ferry.deliveries
-                  WHERE key IS NOT NULL AND (state = 'dead' OR (state = 'pending' AND attempts > 0))
-                    AND route <> $1
-                  GROUP BY route),
+                 -- Since the head's first failure (of its attempts since
+                 -- any requeue): each failure rewrites updated_at.
+                 SELECT d.route, count(DISTINCT d.key) AS keys,
+                        min(coalesce((SELECT max(f.at) FROM ferry.failures f
+                                       WHERE f.seq = d.seq AND f.route = d.route AND f.attempt = 1),
+                                     d.updated_at)) AS since
+                   FROM ferry.deliveries d
+                  WHERE d.key IS NOT NULL AND (d.state = 'dead' OR (d.state = 'pending' AND d.attempts > 0))
+                    AND d.route <> $1
+                  GROUP BY d.route),
              routes AS (SELECT route FROM pending UNION SELECT route FROM settled UNION SELECT route FROM blocked)
              SELECT r.route, coalesce(p.n, 0), coalesce(p.retrying, 0), coalesce(s.dead, 0), coalesce(s.cancelled, 0),
                     extract(epoch FROM now() - e.created_at)::float8,

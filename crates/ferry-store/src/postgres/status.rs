@@ -80,7 +80,12 @@ async fn status(pool: &PgPool) -> Result<StatusReport, StoreError> {
     // a requeue sends the event back to the router.
     let rows = sqlx::query(
         "WITH heads AS (
-             SELECT b.route, b.key, min(b.seq) AS seq, min(b.updated_at) AS since
+             SELECT b.route, b.key, min(b.seq) AS seq,
+                    -- Since the first failure of the head's attempts (since
+                    -- any requeue): each failure rewrites updated_at.
+                    min(coalesce((SELECT max(f.at) FROM ferry.failures f
+                                   WHERE f.seq = b.seq AND f.route = b.route AND f.attempt = 1),
+                                 b.updated_at)) AS since
                FROM ferry.deliveries b
               WHERE b.key IS NOT NULL AND b.route <> $1
                 AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))
