@@ -98,7 +98,20 @@ impl Health {
             destinations.insert(route.clone(), state);
         }
         let since = self.progress.since_last();
-        let relay = if self.progress.idle() {
+        let renewals_failing = self
+            .progress
+            .since_renewed()
+            .filter(|since| *since > self.stalled_after);
+        let relay = if let Some(failing) = renewals_failing {
+            // Its workers wait for a lease, which reads as idle.
+            ready = false;
+            format!(
+                "no lease renewal for {:.0}s (limit {}s): the relay holds no partitions it may work; the \
+                 database refuses or cannot take its heartbeat (its log says why)",
+                failing.as_secs_f64(),
+                self.stalled_after.as_secs()
+            )
+        } else if self.progress.idle() {
             "idle: nothing to do".to_owned()
         } else if since <= self.stalled_after {
             format!("progress {:.1}s ago", since.as_secs_f64())
@@ -338,6 +351,24 @@ mod tests {
         let r = health.readiness();
         assert!(!r.ready);
         assert_eq!(r.database, "database: refused");
+    }
+
+    /// A relay whose lease renewals fail waits for a lease, which reads as
+    /// idle: ready, while it works nothing.
+    #[test]
+    fn a_relay_whose_lease_renewals_fail_is_not_ready() {
+        let progress = Progress::default();
+        let health = Health::new(&[], progress.clone(), Duration::from_millis(20));
+        *health.database.lock().unwrap() = Some(probed(None));
+        progress.renewed();
+        assert!(!health.readiness().relay.starts_with("no lease renewal"));
+        std::thread::sleep(Duration::from_millis(40));
+        *health.database.lock().unwrap() = Some(probed(None));
+        let r = health.readiness();
+        assert!(!r.ready);
+        assert!(r.relay.starts_with("no lease renewal for"), "{}", r.relay);
+        progress.renewed();
+        assert!(!health.readiness().relay.starts_with("no lease renewal"));
     }
 
     #[test]

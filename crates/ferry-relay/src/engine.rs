@@ -73,6 +73,9 @@ struct ProgressState {
     /// Workers waiting with nothing due (or no partitions to work).
     idle: AtomicUsize,
     workers: AtomicUsize,
+    /// Milliseconds after `origin` of the last lease renewal the database
+    /// accepted; `u64::MAX` before the first.
+    renewed: AtomicU64,
 }
 
 impl Default for Progress {
@@ -82,6 +85,7 @@ impl Default for Progress {
             last: AtomicU64::new(0),
             idle: AtomicUsize::new(0),
             workers: AtomicUsize::new(0),
+            renewed: AtomicU64::new(u64::MAX),
         }))
     }
 }
@@ -102,6 +106,23 @@ impl Progress {
     pub(crate) fn advanced(&self) {
         let now = self.0.origin.elapsed().as_millis().min(u64::MAX as u128) as u64;
         self.0.last.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// A lease renewal (the relay's heartbeat) succeeded. Called by the
+    /// relay's lease keeper.
+    pub fn renewed(&self) {
+        let now = self.0.origin.elapsed().as_millis().min(u64::MAX as u128 - 1) as u64;
+        self.0.renewed.store(now, Ordering::Relaxed);
+    }
+
+    /// Since the last lease renewal the database accepted; `None` before
+    /// the first. While renewals fail the relay holds no lease it may work
+    /// under, and its workers wait, looking idle.
+    pub fn since_renewed(&self) -> Option<Duration> {
+        match self.0.renewed.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            at => Some(self.0.origin.elapsed().saturating_sub(Duration::from_millis(at))),
+        }
     }
 
     pub(crate) fn worker_started(&self) {
@@ -344,6 +365,7 @@ impl<S: Store, C: Clock> Relay<S, C> {
         };
         let mut first = first;
         first.relay = settings.id.clone();
+        progress.renewed();
         let started = Instant::now();
         let (lease_tx, lease_rx) = watch::channel(LeaseView {
             owned: first,

@@ -51,6 +51,7 @@ pub(crate) async fn keep<S: Store, C: Clock>(
         let sent = Instant::now();
         match shared.store.tick(&settings.id, settings.lease, &release).await {
             Ok(mut owned) => {
+                shared.progress.renewed();
                 owned.relay = settings.id.clone();
                 let fair = owned.fair_share();
                 let (before, held) = {
@@ -112,6 +113,7 @@ async fn renew<S: Store, C: Clock>(shared: &Shared<S, C>, tx: &watch::Sender<Lea
     let sent = Instant::now();
     match shared.store.tick(&settings.id, settings.lease, &[]).await {
         Ok(mut owned) => {
+            shared.progress.renewed();
             owned.relay = settings.id.clone();
             // Partitions gained now wait for the next heartbeat's view: the
             // units holding the gate were planned without them.
