@@ -62,7 +62,9 @@ pub struct LeaseInfo {
 }
 
 impl StatusReport {
-    /// Deliveries that are dead, and keys held back: what an operator must act on.
+    /// Dead deliveries, each holding its key back: what an operator must
+    /// act on. A key held back by a retrying delivery clears by itself once
+    /// the destination takes it, so it alone needs no one.
     pub fn needs_attention(&self) -> bool {
         self.routes.iter().any(|r| r.dead > 0)
     }
