@@ -495,8 +495,12 @@ async fn replaces_a_lost_slot(outage: Outage) {
         report.contains(&format!("FAIL replication slot {slot}: lost:")),
         "{report}"
     );
-    let status = String::from_utf8_lossy(&ops.ferry(&cfg, &["status"]).stdout).into_owned();
+    let out = ops.ferry(&cfg, &["status"]);
+    let status = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(status.contains(&format!("wal slot {slot}: LOST")), "{status}");
+    // An alert, as `[alerts]` thresholds are: the exit code says so.
+    assert_eq!(out.status.code(), Some(3), "{status}");
+    assert!(status.contains(&format!("ALERT wal slot {slot} is LOST")), "{status}");
 
     let relay = match paused {
         None => ops.spawn(&cfg),

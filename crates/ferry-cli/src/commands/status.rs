@@ -20,11 +20,16 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
         }
     }
     report.routes.sort_by(|a, b| a.route.cmp(&b.route));
-    let breaches = breaches(&report, &cfg.alerts);
+    #[allow(unused_mut)]
+    let mut breaches = breaches(&report, &cfg.alerts);
     let unserved = unserved::from_status(cfg, &report);
     let configured = |route: &str| is_configured(cfg, route);
     #[cfg(feature = "postgres")]
     let slot = slot(cfg).await?;
+    #[cfg(feature = "postgres")]
+    if let Some(slot) = &slot {
+        breaches.extend(slot_breaches(slot, cfg.relay.wal_lag_budget));
+    }
     if json {
         let mut out = serde_json::to_value(&report)?;
         if let Some(routes) = out["routes"].as_array_mut() {
@@ -75,6 +80,59 @@ async fn slot(cfg: &Config) -> anyhow::Result<Option<ferry_store::postgres::wal:
         .await
         .context("reading the WAL slot's state")?;
     Ok(Some(status))
+}
+
+/// The WAL slot's own alerts: lost, about to be, or further behind than
+/// `relay.wal_lag_budget_mb`. Tableless events (`ferry.emit`) wait in the
+/// WAL until a relay streams them, where no outbox figure sees them: a
+/// slot nobody reads is found here or not at all.
+#[cfg(feature = "postgres")]
+pub fn slot_breaches(s: &ferry_store::postgres::wal::SlotStatus, budget_bytes: u64) -> Vec<Breach> {
+    let name = &s.slot;
+    let mut out = Vec::new();
+    match s.wal_status.as_deref() {
+        Some("lost") => out.push(Breach {
+            threshold: "relay.wal_slot",
+            route: None,
+            value: 1.0,
+            limit: 0.0,
+            message: format!(
+                "wal slot {name} is LOST: tableless events it had not handed over are gone; a relay in WAL mode \
+                 makes it anew (see `ferry check`)"
+            ),
+        }),
+        Some("unreserved") => out.push(Breach {
+            threshold: "relay.wal_slot",
+            route: None,
+            value: 1.0,
+            limit: 0.0,
+            message: format!(
+                "wal slot {name} is past max_slot_wal_keep_size: the next checkpoint invalidates it unless a \
+                 relay catches up"
+            ),
+        }),
+        _ => {}
+    }
+    if let Some(behind) = s.behind_bytes.filter(|&b| b > 0 && b as u64 > budget_bytes) {
+        let mb = |b: f64| b / (1024.0 * 1024.0);
+        out.push(Breach {
+            threshold: "relay.wal_lag_budget_mb",
+            route: None,
+            value: mb(behind as f64),
+            limit: mb(budget_bytes as f64),
+            message: format!(
+                "wal slot {name} is {} behind, over relay.wal_lag_budget_mb ({}): {}",
+                bytes(behind),
+                bytes(budget_bytes as i64),
+                if s.streaming_pid.is_some() {
+                    "the relay streaming from it cannot keep up"
+                } else {
+                    "no relay streams from it"
+                }
+            ),
+        });
+    }
+    out
 }
 
 /// One line on the slot: whether a relay streams from it, how far behind
@@ -280,7 +338,7 @@ pub fn render(r: &StatusReport, configured: impl Fn(&str) -> Option<bool>) -> St
 mod tests {
     use ferry_store::postgres::wal::SlotStatus;
 
-    use super::{bytes, render_slot};
+    use super::{bytes, render_slot, slot_breaches};
 
     fn slot(wal_status: Option<&str>, pid: Option<i32>, ready: bool, safe: Option<i64>) -> SlotStatus {
         SlotStatus {
@@ -291,6 +349,32 @@ mod tests {
             behind_bytes: Some(2_500),
             safe_bytes: safe,
         }
+    }
+
+    /// Events emitted to the WAL wait there while no relay streams: only
+    /// the slot can say so, and `ferry status` exited 0.
+    #[test]
+    fn a_slot_lost_at_risk_or_over_its_lag_budget_is_an_alert() {
+        let fine = slot(Some("reserved"), Some(42), true, None);
+        assert!(slot_breaches(&fine, 1 << 20).is_empty());
+        let behind = slot_breaches(&slot(Some("reserved"), None, true, None), 1_000);
+        assert_eq!(behind.len(), 1);
+        assert_eq!(behind[0].threshold, "relay.wal_lag_budget_mb");
+        assert!(
+            behind[0].message.contains("no relay streams from it"),
+            "{}",
+            behind[0].message
+        );
+        for (status, says) in [("lost", "LOST"), ("unreserved", "invalidates it")] {
+            let b = slot_breaches(&slot(Some(status), None, true, None), 1 << 20);
+            assert_eq!(b.len(), 1, "{status}");
+            assert!(b[0].message.contains(says), "{}", b[0].message);
+        }
+        let missing = SlotStatus {
+            behind_bytes: None,
+            ..slot(None, None, false, None)
+        };
+        assert!(slot_breaches(&missing, 0).is_empty(), "no slot yet");
     }
 
     #[test]
