@@ -696,6 +696,65 @@ async fn a_partitioned_table_is_captured_through_its_partitions() {
     );
 }
 
+/// A column kept out of the events (`--exclude`) and later dropped has
+/// nothing left to keep out: a refresh goes on without it. It refused
+/// ("exclude column is not a column"), and a refresh of every table
+/// stopped there, leaving the other tables' triggers stale.
+#[tokio::test]
+async fn refresh_goes_on_when_an_excluded_column_is_dropped() {
+    let (_db, pool) = database(&format!(
+        "{ORDERS}; CREATE TABLE visits (id bigint PRIMARY KEY, page text)"
+    ))
+    .await;
+    add(
+        &pool,
+        CaptureSpec::new("orders", "shop.order", "id").exclude(["card_token"]),
+    )
+    .await
+    .unwrap();
+    add(&pool, CaptureSpec::new("visits", "web.visit", "id")).await.unwrap();
+    exec(&pool, "ALTER TABLE orders DROP COLUMN card_token").await;
+    exec(&pool, "ALTER TABLE visits ADD COLUMN referrer text").await;
+    let mut conn = pool.acquire().await.unwrap();
+    assert_eq!(
+        capture::refresh(&mut conn, Tables::All).await.unwrap(),
+        ["public.orders", "public.visits"]
+    );
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec(&pool, "INSERT INTO orders (id, status) VALUES (1, 'new')").await;
+    exec(&pool, "INSERT INTO visits (id, page, referrer) VALUES (1, '/', 'ads')").await;
+    let got = events(&pool).await;
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[1].payload["data"]["referrer"], json!("ads"));
+    assert!(got[0].payload["data"].get("card_token").is_none());
+    // The spec keeps the exclusion: a column of that name added again
+    // stays out of the events.
+    exec(&pool, "ALTER TABLE orders ADD COLUMN card_token text").await;
+    capture::refresh(&mut conn, Tables::One("orders")).await.unwrap();
+    exec(
+        &pool,
+        "INSERT INTO orders (id, status, card_token) VALUES (2, 'new', 'tok_secret')",
+    )
+    .await;
+    let got = events(&pool).await;
+    assert_eq!(got.len(), 3);
+    assert!(
+        got[2].payload["data"].get("card_token").is_none(),
+        "{:?}",
+        got[2].payload
+    );
+    // A typo at add time is still refused: it would send the column meant.
+    let typo = add(
+        &pool,
+        CaptureSpec::new("visits", "web.visit", "id").exclude(["refferer"]),
+    )
+    .await;
+    assert!(
+        matches!(&typo, Err(CaptureError::Invalid { message, .. }) if message.contains("'refferer' is not a column")),
+        "{typo:?}"
+    );
+}
+
 /// PostgreSQL runs an UPDATE that moves a row to another partition as a
 /// DELETE and an INSERT: no update trigger fires. Captured for updates
 /// alone, such an UPDATE committed with no event. Capturing a partitioned

@@ -35,11 +35,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "producer_fields",
         include_str!("migrations/0017_producer_fields.sql"),
     ),
-    (
-        18,
-        "capture_partition_moves",
-        include_str!("migrations/0018_capture_partition_moves.sql"),
-    ),
+    (18, "capture_specs", include_str!("migrations/0018_capture_specs.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
