@@ -223,11 +223,23 @@ async fn ping_loop<S: Gauges + ?Sized>(store: &S, health: &Health, mut stop: wat
 
 async fn gauges_loop<S: Gauges + ?Sized>(store: &S, routes: &[Route], mut stop: watch::Receiver<bool>) {
     let mut known: Vec<String> = routes.iter().map(|r| r.name.clone()).collect();
+    let mut failing = false;
     loop {
         match store.gauges().await {
-            Ok(g) => publish_gauges(&g, &mut known),
+            Ok(g) => {
+                publish_gauges(&g, &mut known);
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+                ::metrics::gauge!(names::GAUGES_READ).set(now.map_or(0.0, |d| d.as_secs_f64()));
+                failing = false;
+            }
             Err(e) => {
-                debug!(error = %e, "reading the outbox gauges failed");
+                // The gauges keep their last values: say so once, then
+                // count (ferry_gauges_read_timestamp_seconds stops).
+                if !std::mem::replace(&mut failing, true) {
+                    warn!(error = %e, "reading the outbox gauges failed; they show their last values until a read succeeds");
+                } else {
+                    debug!(error = %e, "reading the outbox gauges failed");
+                }
                 ::metrics::counter!(names::STORE_ERRORS, "op" => "gauges").increment(1);
             }
         }

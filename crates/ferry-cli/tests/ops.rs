@@ -390,6 +390,12 @@ async fn a_running_relay_serves_metrics_health_and_readiness_and_retention_archi
         assert_eq!(total(&samples, name, &[]), Some(value), "{name}");
     }
     assert!(total(&samples, "ferry_oldest_lease_age_seconds", &[]).unwrap() < 10.0);
+    let read_at = total(&samples, "ferry_gauges_read_timestamp_seconds", &[]).expect("the gauges' read time");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert!((now - read_at).abs() < 30.0, "read at {read_at}, now {now}");
     let text = get(addr, "/metrics").unwrap().1;
     assert!(
         text.contains("# HELP ferry_pending_deliveries "),

@@ -35,6 +35,10 @@ pub const OLDEST_BLOCKED_SECONDS: &str = "ferry_oldest_blocked_key_age_seconds";
 pub const OLDEST_LEASE_SECONDS: &str = "ferry_oldest_lease_age_seconds";
 pub const EXPIRED_LEASES: &str = "ferry_expired_leases";
 pub const CAPTURE_DROPPED: &str = "ferry_capture_dropped_events";
+/// When the gauges above were last read (Unix time): while reads fail
+/// (a statement timeout on a large backlog, say), they keep their last
+/// values, and only this tells.
+pub const GAUGES_READ: &str = "ferry_gauges_read_timestamp_seconds";
 
 // WAL streaming mode.
 /// 1 while this relay streams from the slot, 0 while it stands by or reconnects.
@@ -171,6 +175,11 @@ pub fn describe() {
     describe_gauge!(
         CAPTURE_DROPPED,
         "Events a table trigger in warn mode failed to write, per table: lost by choice; alert on any."
+    );
+    describe_gauge!(
+        GAUGES_READ,
+        Unit::Seconds,
+        "When the outbox gauges were last read (Unix time); they keep their last values while reads fail."
     );
     describe_gauge!(READY, "1 when /readyz answers 200.");
     describe_gauge!(DESTINATION_UP, "1 when the route's destination passed its last check.");
