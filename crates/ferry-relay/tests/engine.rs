@@ -687,7 +687,7 @@ async fn a_slow_publish_while_handing_partitions_back_keeps_the_leases() {
 
 /// A relay told to stop keeps renewing its leases while it waits for the
 /// publishes in flight: it stopped at the signal, so a publish that
-/// outlasted the lease (here 4.5 s, inside the 5 s shutdown timeout, past
+/// outlasted the lease (here 4.5 s, inside an 8 s shutdown timeout, past
 /// the 3 s lease) let another relay take the partitions and publish the
 /// same events again, key by key beside it, and the stopping relay's
 /// outcomes were refused.
@@ -704,7 +704,13 @@ async fn a_stopping_relay_keeps_its_leases_until_its_publishes_are_done() {
         });
     }
     let routes = vec![route("orders", "order.**")];
-    let a = start(&e, "a", routes.clone());
+    // Room to drain on a loaded machine: the point is the lease, not the
+    // shutdown timeout.
+    let a_settings = RelaySettings {
+        shutdown_timeout: Duration::from_secs(8),
+        ..settings("a", 4)
+    };
+    let a = start_with(&e, a_settings, routes.clone());
     eventually("the slow publish under way", Duration::from_secs(20), || {
         once.load(Ordering::SeqCst)
     })
