@@ -92,6 +92,16 @@ async fn produce(pool: &PgPool, events: Vec<Event>) -> Vec<EventId> {
     ids
 }
 
+/// Delays the first publish of a batch holding `id` by `delay`; the flag
+/// turns true as that publish starts.
+fn delay_first_publish(e: &Env, id: EventId, delay: Duration) -> Arc<AtomicBool> {
+    let started = Arc::new(AtomicBool::new(false));
+    let flag = started.clone();
+    e.sink
+        .delay_when(move |ev| (ev.id == id && !flag.swap(true, Ordering::SeqCst)).then_some(delay));
+    started
+}
+
 fn orders(n: usize, keys: usize) -> Vec<Event> {
     (0..n)
         .map(|i| Event::new("order.item.created", json!({ "n": i })).key(format!("k{}", i % keys)))
@@ -657,19 +667,12 @@ async fn two_relays_share_the_work_without_loss_duplicates_or_reordering() {
 async fn a_slow_publish_while_handing_partitions_back_keeps_the_leases() {
     let e = env().await;
     let ids = produce(&e.pool, orders(200, 20)).await;
-    let slow = ids[0];
-    let once = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    {
-        let once = once.clone();
-        // Twice the lease (3 s), once.
-        e.sink.delay_when(move |ev| {
-            (ev.id == slow && !once.swap(true, std::sync::atomic::Ordering::SeqCst)).then_some(Duration::from_secs(6))
-        });
-    }
+    // Twice the lease (3 s), once.
+    let once = delay_first_publish(&e, ids[0], Duration::from_secs(6));
     let routes = vec![route("orders", "order.**")];
     let a = start(&e, "a", routes.clone());
     eventually("the slow publish under way", Duration::from_secs(20), || {
-        once.load(std::sync::atomic::Ordering::SeqCst)
+        once.load(Ordering::SeqCst)
     })
     .await;
     // Relay a now holds every partition, and must hand half back.
@@ -695,14 +698,7 @@ async fn a_slow_publish_while_handing_partitions_back_keeps_the_leases() {
 async fn a_stopping_relay_keeps_its_leases_until_its_publishes_are_done() {
     let e = env().await;
     let ids = produce(&e.pool, orders(20, 1)).await;
-    let slow = ids[0];
-    let once = Arc::new(AtomicBool::new(false));
-    {
-        let once = once.clone();
-        e.sink.delay_when(move |ev| {
-            (ev.id == slow && !once.swap(true, Ordering::SeqCst)).then_some(Duration::from_millis(4500))
-        });
-    }
+    let once = delay_first_publish(&e, ids[0], Duration::from_millis(4500));
     let routes = vec![route("orders", "order.**")];
     // Room to drain on a loaded machine: the point is the lease, not the
     // shutdown timeout.
@@ -768,15 +764,8 @@ async fn a_batch_fetched_after_the_stop_signal_is_not_published() {
 async fn a_relay_that_cannot_renew_its_lease_abandons_the_publish_in_flight() {
     let e = env().await;
     let ids = produce(&e.pool, orders(20, 1)).await;
-    let slow = ids[0];
-    let started = Arc::new(AtomicBool::new(false));
-    {
-        let started = started.clone();
-        // Twice the lease (3 s), once.
-        e.sink.delay_when(move |ev| {
-            (ev.id == slow && !started.swap(true, Ordering::SeqCst)).then_some(Duration::from_secs(6))
-        });
-    }
+    // Twice the lease (3 s), once.
+    let started = delay_first_publish(&e, ids[0], Duration::from_secs(6));
     // From the slow publish on, relay a cannot renew.
     let cut = started.clone();
     let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
