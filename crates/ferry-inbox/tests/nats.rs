@@ -264,6 +264,65 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     env.cleanup().await;
 }
 
+/// A dead-letter reason with a line break (a handler's multi-line error, a
+/// failed assert's panic text) made the client panic building its header:
+/// the consumer crashed before the ack, and again on every redelivery. And
+/// a JetStream control header copied from the original (here another
+/// producer's `Nats-Expected-Stream`) made the dead-letter stream refuse
+/// the copy, for ever. Both are dead-lettered and acknowledged.
+#[tokio::test]
+async fn a_multi_line_reason_and_a_control_header_are_dead_lettered() {
+    let env = Env::new("inbox-nats-dead-lines").await;
+    let inbox = env.db.inbox_giving_up_after(3);
+    let consumer = NatsConsumer::new(inbox.clone(), env.options(nats_url())).unwrap();
+    let handler =
+        async |_tx: &mut PgConnection, _event: &ReceivedEvent| Err(HandlerError::permanent("line one\r\nline two"));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        env.db
+            .produce(vec![Event::new("order.item.created", json!({ "n": 1 }))])
+            .await;
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Expected-Stream", env.stream.as_str());
+        env.js
+            .publish_with_headers(env.subject.clone(), headers, "{}".into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        wait("both dead-lettered", || async {
+            let r = consumer.report();
+            r.dead == 1 && r.malformed == 1 && env.outstanding().await == 0
+        })
+        .await;
+        relay.stop().await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!((report.dead, report.malformed), (1, 1));
+    let dead = env.dead_letters().await;
+    assert_eq!(dead.len(), 2);
+    for m in &dead {
+        let headers = m.message.headers.as_ref().unwrap();
+        assert!(
+            headers.get("Nats-Expected-Stream").is_none(),
+            "a control header was copied"
+        );
+        let reason = headers.get(DEAD_REASON_HEADER).unwrap().as_str();
+        if headers.get("ce-id").is_some() {
+            assert!(reason.contains("line one  line two"), "{reason}");
+        }
+    }
+    env.cleanup().await;
+}
+
 /// Two durable consumers of one stream that give up on the same message
 /// both dead-letter it into a shared dead-letter stream: the second copy is
 /// not dropped as a duplicate of the first (JetStream's duplicate window is

@@ -176,13 +176,28 @@ where
     /// a later attempt: never dropped.
     async fn dead_letter(&self, js: &Context, message: &jetstream::Message, reason: &str) -> Result<(), String> {
         let o = self.options;
-        let mut headers = message.message.headers.clone().unwrap_or_default();
+        // The original's headers, but JetStream's own (`Nats-*`): the
+        // server acts on them, and a producer's `Nats-Expected-Stream` or
+        // `Nats-Rollup` would have the dead-letter stream refuse the copy
+        // for ever, or purge earlier dead letters.
+        let mut headers = async_nats::HeaderMap::new();
+        if let Some(original) = &message.message.headers {
+            for (name, values) in original.iter() {
+                let text: &str = name.as_ref();
+                if text.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("nats-")) {
+                    continue;
+                }
+                for value in values {
+                    headers.append(name.clone(), value.clone());
+                }
+            }
+        }
         // A copy must not be dropped as a duplicate of the original, nor of
         // the copy another durable made of the same message into a shared
         // dead-letter stream; this durable's own retries of it may be.
         let copy_id = format!("dead-{}-{}", o.durable, message_id(message));
         headers.insert("Nats-Msg-Id", copy_id.as_str());
-        headers.insert(DEAD_REASON_HEADER, reason);
+        headers.insert(DEAD_REASON_HEADER, header_text(reason));
         headers.insert(DEAD_CONSUMER_HEADER, o.durable.as_str());
         headers.insert(DEAD_SUBJECT_HEADER, message.message.subject.as_str());
         let stored = timeout(o.timeout, async {
@@ -243,9 +258,32 @@ fn subject_matches(pattern: &str, subject: &str) -> bool {
     }
 }
 
+/// The most of a dead-letter reason a header carries: it goes with the
+/// whole message, under the server's `max_payload`.
+const MAX_REASON_BYTES: usize = 4096;
+
+/// `reason` as a header value: NATS headers end at a line break (the client
+/// panics on one), so CR and LF become spaces, and a long reason (a
+/// panic's backtrace) is cut at a character boundary.
+fn header_text(reason: &str) -> String {
+    let mut end = reason.len().min(MAX_REASON_BYTES);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    reason[..end].replace(['\r', '\n'], " ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reason_becomes_one_bounded_line() {
+        assert_eq!(header_text("a\r\nb\nc"), "a  b c");
+        let long = "é".repeat(5000);
+        let cut = header_text(&long);
+        assert!(cut.len() <= 4096 && cut.chars().all(|c| c == 'é'), "{}", cut.len());
+    }
 
     #[test]
     fn subjects_match_as_nats_matches_them() {
