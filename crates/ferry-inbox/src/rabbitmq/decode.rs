@@ -44,8 +44,8 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<ReceivedEvent
     for (name, value) in table.inner() {
         let name = name.as_str();
         // The envelope's own attributes and the broker's (x-death, ...) are
-        // not the producer's headers.
-        if name.starts_with(CE) || name == KEY_HEADER || name.starts_with("x-") {
+        // not the producer's headers; a producer's own `x-` ones are.
+        if name.starts_with(CE) || name == KEY_HEADER || BROKER_HEADERS.iter().any(|b| name.starts_with(b)) {
             continue;
         }
         if let AMQPValue::LongString(_) | AMQPValue::ShortString(_) = value
@@ -69,6 +69,16 @@ pub fn decode(properties: &BasicProperties, body: &[u8]) -> Result<ReceivedEvent
     })
 }
 
+/// Headers RabbitMQ (or a shovel or federation link) adds to a message:
+/// dead-lettering's history, a quorum queue's delivery count.
+const BROKER_HEADERS: [&str; 5] = [
+    "x-death",
+    "x-first-death-",
+    "x-last-death-",
+    "x-delivery-count",
+    "x-received-from",
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,6 +100,8 @@ mod tests {
         h.insert("ferry-key".into(), long("o-1"));
         h.insert("traceparent".into(), long("00-abc-01"));
         h.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
+        h.insert("x-first-death-reason".into(), long("rejected"));
+        h.insert("x-tenant".into(), long("acme"));
         BasicProperties::default()
             .with_message_id(id.to_string().into())
             .with_content_type("application/json".into())
@@ -106,7 +118,15 @@ mod tests {
         assert_eq!(e.source.as_deref(), Some("shop"));
         assert_eq!(e.time.unwrap().to_rfc3339(), "2026-01-02T03:04:05+00:00");
         assert_eq!(e.content_type, "application/json");
-        assert_eq!(e.headers, [("traceparent".to_owned(), "00-abc-01".to_owned())].into());
+        // The producer's own `x-` header stays; the broker's go.
+        assert_eq!(
+            e.headers,
+            [
+                ("traceparent".to_owned(), "00-abc-01".to_owned()),
+                ("x-tenant".to_owned(), "acme".to_owned())
+            ]
+            .into()
+        );
         assert_eq!(&e.payload[..], b"{}");
     }
 
