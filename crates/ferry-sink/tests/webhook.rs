@@ -367,14 +367,35 @@ async fn check_reports_reachability() {
             "{err}"
         );
     }
-    sink.check(&route("http://{domain}.example/hook"))
+    // A template: its fixed host is probed at its root, a templated host
+    // is not contacted; either way a caveat says what was not checked.
+    let caveats = sink
+        .check_with_caveats(&route("http://{domain}.example/hook"))
         .await
-        .expect("templates are not probed");
+        .expect("a templated host is not contacted");
+    assert!(
+        caveats.len() == 1 && caveats[0].contains("not contacted"),
+        "{caveats:?}"
+    );
+    let caveats = sink
+        .check_with_caveats(&route(&receiver.url("/hooks/{domain}")))
+        .await
+        .expect("the host answers");
+    assert!(
+        caveats.len() == 1 && caveats[0].contains("only its host was probed"),
+        "{caveats:?}"
+    );
 
     let closed = closed_port_url();
     let err = sink.check(&route(&closed)).await.expect_err("closed port");
     assert_eq!(err.kind, ErrorKind::Transient, "{err}");
     assert!(err.message.contains(&closed), "{err}");
+    assert!(err.message.contains("unreachable"), "{err}");
+    // A templated path on a host nobody listens on: unreachable too.
+    let err = sink
+        .check(&route(&format!("{}/{{domain}}", closed.trim_end_matches('/'))))
+        .await
+        .expect_err("closed port, templated path");
     assert!(err.message.contains("unreachable"), "{err}");
 
     for bad in ["ftp://example.com/x", "hooks.example/x", "{domain}://x"] {

@@ -436,21 +436,38 @@ impl Sink for WebhookSink {
     /// moved and a 401 or 403 that it wants credentials (a delivery answered
     /// so goes dead); but many servers answer `HEAD` on a POST-only path
     /// differently from `POST`, so these are caveats, not failures.
+    ///
+    /// A template's host, when fixed, is probed at its root (`HEAD /`), so
+    /// a receiver that is down fails the check; a host that is itself a
+    /// template is not contacted. Either is said in a caveat.
     async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
-        let destination = route.destination.as_str();
+        let mut destination = route.destination.clone();
+        let mut templated = None;
         if destination.contains('{') {
-            let scheme = destination.split("://").next().unwrap_or_default();
-            return if matches!(scheme, "http" | "https") {
-                Ok(Vec::new())
-            } else {
-                Err(SinkError::config(format!(
+            let scheme = destination.split("://").next().unwrap_or_default().to_owned();
+            if !matches!(scheme.as_str(), "http" | "https") {
+                return Err(SinkError::config(format!(
                     "route {:?}: destination {:?} must start with http:// or https:// \
                      (routes[].destination)",
                     route.name,
-                    redact::url(destination)
-                )))
-            };
+                    redact::url(&destination)
+                )));
+            }
+            let authority = destination[scheme.len() + 3..]
+                .split(['/', '?', '#'])
+                .next()
+                .unwrap_or_default();
+            if authority.contains('{') {
+                return Ok(vec![
+                    "the URL's host is a template, known per event: not contacted; only its scheme was checked"
+                        .to_owned(),
+                ]);
+            }
+            destination = format!("{scheme}://{authority}/");
+            templated =
+                Some("the URL's path is a template, known per event: only its host was probed (HEAD /)".to_owned());
         }
+        let destination = destination.as_str();
         let url = message::parse_url(destination).map_err(|problem| {
             SinkError::config(format!(
                 "route {:?}: destination {:?} {problem}; routes[].destination must be an http:// or \
@@ -484,6 +501,10 @@ impl Sink for WebhookSink {
                     %status,
                     "webhook endpoint reachable (HEAD answered)"
                 );
+                // The root's answer says nothing of the templated paths.
+                if let Some(caveat) = templated {
+                    return Ok(vec![caveat]);
+                }
                 Ok(match status.as_u16() {
                     300..=399 => {
                         let location = client::location(&url, response.headers());
