@@ -82,7 +82,6 @@ pub(super) async fn publish_batch(
         pipe.cmd("WAIT").arg(wait_replicas).arg(bound.as_millis() as u64);
     }
     let expected = keys.len() + usize::from(wait_for.is_some());
-    let mut in_doubt = false;
     let mut unreplicated: Option<SinkError> = None;
     let replies: Result<Vec<Value>, SinkError> = if keys.is_empty() {
         Ok(Vec::new())
@@ -94,21 +93,17 @@ pub(super) async fn publish_batch(
                 }
                 Ok(replies)
             }
-            Ok(Ok(replies)) => {
-                in_doubt = true;
-                Err(SinkError::transient(format!(
-                    "Redis answered {} of {} commands; part of the batch may be stored",
-                    replies.len(),
-                    expected
-                )))
-            }
+            Ok(Ok(replies)) => Err(SinkError::transient(format!(
+                "Redis answered {} of {} commands; part of the batch may be stored",
+                replies.len(),
+                expected
+            ))),
             Ok(Err(e)) => {
                 // Refusals of single commands come back as replies (the
                 // pipeline ignores errors), so this is the connection's own
                 // failure: a break, or a refusal while connecting (its
                 // credentials, say), which the connection manager would
                 // give every later batch without trying again.
-                in_doubt = true;
                 let message = format!("XADD pipeline to Redis failed: {e}; part of the batch may be stored");
                 match codes::redis_error_kind(&e) {
                     // A refused login: a configuration error to `check`,
@@ -122,19 +117,14 @@ pub(super) async fn publish_batch(
                     kind => Err(codes::error(kind, message)),
                 }
             }
-            Err(_) => {
-                in_doubt = true;
-                Err(SinkError::transient(format!(
-                    "no reply from Redis within {publish_timeout:?}; part of the batch may be stored"
-                )))
-            }
+            Err(_) => Err(SinkError::transient(format!(
+                "no reply from Redis within {publish_timeout:?}; part of the batch may be stored"
+            ))),
         }
     };
 
-    let connection_in_doubt = match (&replies, in_doubt) {
-        (Err(e), true) => Some(e.clone()),
-        _ => None,
-    };
+    // Whatever failed the request as a whole puts the connection in doubt.
+    let connection_in_doubt = replies.as_ref().err().cloned();
     let mut replies = replies.map(|r| r.into_iter().zip(keys));
     let outcomes: Vec<PublishOutcome> = prepared
         .into_iter()
