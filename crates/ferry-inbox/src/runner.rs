@@ -2,6 +2,22 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The longest dead-letter reason a header carries: a handler's error text
+/// (a panic's, say) can be long, and the dead letter must fit the broker's
+/// message size.
+#[cfg(any(feature = "nats", feature = "kafka"))]
+pub(crate) const MAX_REASON_BYTES: usize = 4096;
+
+/// `reason`, cut at a character boundary to [`MAX_REASON_BYTES`].
+#[cfg(any(feature = "nats", feature = "kafka"))]
+pub(crate) fn bounded_reason(reason: &str) -> &str {
+    let mut end = reason.len().min(MAX_REASON_BYTES);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason[..end]
+}
+
 /// A consumer that cannot start; a broker or database outage is never one
 /// (the runner waits and reconnects).
 #[derive(Debug, thiserror::Error)]
@@ -99,5 +115,18 @@ impl Reconnect {
             () = shutdown => false,
             () = tokio::time::sleep(delay) => true,
         }
+    }
+}
+
+#[cfg(all(test, any(feature = "nats", feature = "kafka")))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_reason_is_cut_at_a_character_boundary() {
+        let long = "é".repeat(MAX_REASON_BYTES);
+        let cut = bounded_reason(&long);
+        assert!(cut.len() <= MAX_REASON_BYTES && cut.len() >= MAX_REASON_BYTES - 1);
+        assert_eq!(bounded_reason("short"), "short");
     }
 }

@@ -63,7 +63,7 @@ pub(super) async fn produce(
         }
     }
     let source = format!("{} {} {}", message.topic(), message.partition(), message.offset());
-    let reason = bounded(reason);
+    let reason = crate::runner::bounded_reason(reason);
     for (key, value) in [
         (DEAD_REASON_HEADER, reason),
         (DEAD_GROUP_HEADER, o.group.as_str()),
@@ -101,19 +101,6 @@ pub(super) async fn produce(
     }
 }
 
-/// The longest reason header sent: a handler's error text can be long, and
-/// the dead letter must fit the topic's message size.
-const MAX_REASON_BYTES: usize = 4096;
-
-/// `reason`, cut at a character boundary to [`MAX_REASON_BYTES`].
-fn bounded(reason: &str) -> &str {
-    let mut end = reason.len().min(MAX_REASON_BYTES);
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    &reason[..end]
-}
-
 /// Whether a produce refused with `code` would be refused again.
 fn refused_for_good(code: RDKafkaErrorCode) -> bool {
     matches!(
@@ -124,17 +111,4 @@ fn refused_for_good(code: RDKafkaErrorCode) -> bool {
             | RDKafkaErrorCode::TopicAuthorizationFailed
             | RDKafkaErrorCode::ClusterAuthorizationFailed
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_long_reason_is_cut_at_a_character_boundary() {
-        let long = "é".repeat(MAX_REASON_BYTES);
-        let cut = bounded(&long);
-        assert!(cut.len() <= MAX_REASON_BYTES && cut.len() >= MAX_REASON_BYTES - 1);
-        assert_eq!(bounded("short"), "short");
-    }
 }

@@ -258,19 +258,11 @@ fn subject_matches(pattern: &str, subject: &str) -> bool {
     }
 }
 
-/// The most of a dead-letter reason a header carries: it goes with the
-/// whole message, under the server's `max_payload`.
-const MAX_REASON_BYTES: usize = 4096;
-
 /// `reason` as a header value: NATS headers end at a line break (the client
 /// panics on one), so CR and LF become spaces, and a long reason (a
-/// panic's backtrace) is cut at a character boundary.
+/// panic's backtrace) is cut like every dead letter's.
 fn header_text(reason: &str) -> String {
-    let mut end = reason.len().min(MAX_REASON_BYTES);
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    reason[..end].replace(['\r', '\n'], " ")
+    crate::runner::bounded_reason(reason).replace(['\r', '\n'], " ")
 }
 
 #[cfg(test)]
