@@ -127,6 +127,8 @@ pub struct KafkaSink {
     slot: Mutex<Slot>,
     /// `max.message.bytes` of the topics routed to, as far as read.
     topic_limits: Arc<Mutex<TopicLimits>>,
+    /// The producer compresses record batches (`extra`), read once.
+    compresses: bool,
 }
 
 /// How long a topic's `max.message.bytes`, or its being unreadable, stands
@@ -194,6 +196,7 @@ impl KafkaSink {
                 delivered: true,
                 generation: 0,
             }),
+            compresses: options.compresses(),
             options,
             topic_limits: Arc::new(Mutex::new(TopicLimits::default())),
         })
@@ -263,7 +266,7 @@ impl KafkaSink {
         // over it may fit once compressed, so it is left to the broker.
         // `batch.size` stays capped at the limit, so such a record goes
         // in a batch of its own, and a refusal fails it alone.
-        let topic_max = if self.options.compresses() {
+        let topic_max = if self.compresses {
             None
         } else {
             self.topic_limits
