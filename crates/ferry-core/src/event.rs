@@ -271,6 +271,21 @@ impl Event {
         for (name, value) in &self.headers {
             refuse_nul("headers", &format!("the header name {name:?}"), name)?;
             refuse_nul("headers", &format!("the value of header {name:?}"), value)?;
+            // What a destination would refuse for ever, as below.
+            if let Some(c) = name.chars().find(|&c| !is_token_char(c)) {
+                return Err(ValidationError::new(
+                    "headers",
+                    format!("has the header name {name:?}, with {c:?} in it"),
+                    "use header names of letters, digits and !#$%&'*+-.^_`|~ (an HTTP token), e.g. \"tenant-id\"",
+                ));
+            }
+            if let Some(at) = value.find(|c: char| c.is_ascii_control() && c != '\t') {
+                return Err(ValidationError::new(
+                    "headers",
+                    format!("has a control character in the value of header {name:?}, at byte {at}"),
+                    "remove control characters (line breaks among them) from header values; a tab is allowed",
+                ));
+            }
         }
         // What a destination would refuse for ever (and the event go dead,
         // holding back its key) is refused here, at the producer: whichever
@@ -297,22 +312,6 @@ impl Event {
                     "content_type",
                     format!("has a control character at byte {at}"),
                     "use a media type such as \"application/octet-stream\", without control characters",
-                ));
-            }
-        }
-        for (name, value) in &self.headers {
-            if let Some(c) = name.chars().find(|&c| !is_token_char(c)) {
-                return Err(ValidationError::new(
-                    "headers",
-                    format!("has the header name {name:?}, with {c:?} in it"),
-                    "use header names of letters, digits and !#$%&'*+-.^_`|~ (an HTTP token), e.g. \"tenant-id\"",
-                ));
-            }
-            if let Some(at) = value.find(|c: char| c.is_ascii_control() && c != '\t') {
-                return Err(ValidationError::new(
-                    "headers",
-                    format!("has a control character in the value of header {name:?}, at byte {at}"),
-                    "remove control characters (line breaks among them) from header values; a tab is allowed",
                 ));
             }
         }
