@@ -107,6 +107,32 @@ pub fn report_prepared(prepared: &Prepared, slot: &str) {
     }
 }
 
+/// Waits, before the first sweep of a slot, for the transactions writing
+/// now ([`WalSource::await_writers`]): one committed just before the slot's
+/// consistent point may not be visible yet. Says every ten seconds whom it
+/// waits for. `false` if the relay is shutting down meanwhile.
+async fn await_writers<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource) -> Result<bool, StoreError> {
+    let started = Instant::now();
+    let mut said = started;
+    let wait = source.await_writers(|pids| {
+        if said.elapsed() >= Duration::from_secs(10) {
+            said = Instant::now();
+            warn!(
+                slot = %source.config().slot,
+                waited_s = started.elapsed().as_secs(),
+                ?pids,
+                "the sweep of the new slot waits for transactions still open since it was made (0 is a prepared \
+                 transaction): it must see every row the slot will not stream; end or commit them \
+                 (pg_stat_activity, pg_prepared_xacts)"
+            );
+        }
+    });
+    tokio::select! {
+        done = wait => done.map(|()| true),
+        _ = shared.cancel.cancelled() => Ok(false),
+    }
+}
+
 /// Transactions read from the stream, processed together.
 #[derive(Default)]
 struct Batch {
@@ -150,15 +176,21 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     // it routed and skips it, or queues behind it). Later sessions sweep
     // nothing: every row not settled is replayed from the slot, in commit
     // order with the tableless events around it.
+    let mut retired = prepared.retired;
     if unswept {
-        sweep(shared, source, Sweep::Unrouted).await?;
-        if !source.mark_swept(&prepared).await? {
-            warn!(
-                slot = %source.config().slot,
-                "the slot is retired (ferry wal retire): ferry.emit writes outbox rows, which this relay streams; \
-                 to finish leaving it, stop the relays, drop the slot and start them polling or on the new slot"
-            );
+        if !await_writers(shared, source).await? {
+            stream.close().await;
+            return Ok(());
         }
+        sweep(shared, source, Sweep::Unrouted).await?;
+        retired = !source.mark_swept(&prepared).await?;
+    }
+    if retired {
+        warn!(
+            slot = %source.config().slot,
+            "the slot is retired (ferry wal retire): ferry.emit writes outbox rows, which this relay streams; \
+             to finish leaving it, stop the relays, drop the slot and start them polling or on the new slot"
+        );
     }
     let mut lag_at = Instant::now();
     read_lag(source, &wal.options).await;

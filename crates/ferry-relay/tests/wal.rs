@@ -1168,6 +1168,52 @@ async fn a_retired_slot_has_delivered_every_tableless_event_and_polling_delivers
     e.db.drop_db().await;
 }
 
+/// A slot retired while no relay streams from it still holds tableless
+/// events; what `ferry.emit` writes from then on are outbox rows, which the
+/// slot streams after them. The relay that comes back must not sweep those
+/// rows into the table path (the slot's first sweep is long done), or a row
+/// would be delivered ahead of an older tableless event of the same key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_returning_to_a_retired_slot_keeps_the_order_per_key() {
+    use ferry_store::postgres::wal::retire;
+    let e = env().await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    relay.stop().await;
+    // Held in the slot: no relay reads it.
+    let mut ids = emit_events(&e.pool, "tableless", 14).await;
+    let retiring = {
+        let (pool, slot) = (e.pool.clone(), e.slot.clone());
+        tokio::spawn(async move { retire(&pool, &slot, |_| {}).await })
+    };
+    eventually_async("the slot marked retired", Duration::from_secs(10), async || {
+        ferry_store::postgres::wal::emit_slots(&e.pool, None)
+            .await
+            .unwrap()
+            .is_empty()
+    })
+    .await;
+    let rows = emit_events(&e.pool, "row", 14).await;
+    let written: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        written, 14,
+        "ferry.emit wrote tableless events after the slot was retired"
+    );
+    ids.extend(rows);
+    let relay = start(&e, "wal-b", vec![route("all", "mock")]);
+    retiring.await.unwrap().expect("retire");
+    eventually("every event", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= ids.len()
+    })
+    .await;
+    assert_complete_and_ordered(&ids, &e.sink.delivered("all"));
+    relay.stop().await;
+    e.db.drop_db().await;
+}
+
 /// Commits one transaction of `n` events over seven keys, written ten at a
 /// time as outbox rows where `rows(t)` holds for the `t`-th ten, else as
 /// tableless events; their ids and keys in order.

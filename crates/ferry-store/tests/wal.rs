@@ -366,7 +366,7 @@ async fn a_relay_that_found_no_slot_does_not_undo_another_relays_sweep() {
         .execute(&pool)
         .await
         .unwrap();
-    sqlx::query("INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, 'ferry', true)")
+    sqlx::query("INSERT INTO ferry.wal_slots (slot, publication, ready, swept) VALUES ($1, 'ferry', true, true)")
         .bind(&slot)
         .execute(&mut *first)
         .await
@@ -418,6 +418,111 @@ async fn a_sweep_of_a_slot_since_replaced_does_not_mark_the_new_slot_swept() {
     assert!(!emit_one(&pool).await, "a swept slot reads tableless events");
     pool.close().await;
     db.drop_db().await;
+}
+
+/// `retire` takes the slot out of `ferry.emit`'s use, but its sweep stays
+/// done: a relay returning to it must not sweep again (rows written since
+/// would overtake tableless events the slot still holds).
+#[tokio::test]
+async fn a_retired_slot_stays_swept() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    // No relay streams from it: retire marks it, then waits for one.
+    let retiring = {
+        let (pool, slot) = (pool.clone(), db.name().to_owned());
+        tokio::spawn(async move { ferry_store::postgres::wal::retire(&pool, &slot, |_| {}).await })
+    };
+    while !emit_one(&pool).await {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    retiring.abort();
+    let again = source.prepare().await.unwrap();
+    assert_eq!(seen(again), (false, None), "a retired slot was taken as unswept");
+    assert!(
+        !source.mark_swept(&again).await.unwrap(),
+        "a retired slot was marked ready"
+    );
+    // A new slot of the same name starts afresh.
+    drop_slot(&pool, db.name()).await;
+    let made = source.prepare().await.unwrap();
+    assert_eq!(seen(made), (true, None), "a new slot was taken as swept");
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// Before the first sweep of a slot the relay waits for the transactions
+/// writing at that moment: one committed just before the slot's consistent
+/// point may not be visible yet. Readers and writers of other databases
+/// are not waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_waits_for_the_writers_open_when_it_began() {
+    let db = TestDb::create().await;
+    let other = TestDb::create().await;
+    let pool = db.pool().await;
+    let other_pool = other.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    source.prepare().await.unwrap();
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query("SELECT count(*) FROM ferry.events")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let mut elsewhere = other_pool.begin().await.unwrap();
+    sqlx::query("CREATE TABLE t (n int)")
+        .execute(&mut *elsewhere)
+        .await
+        .unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), source.await_writers(|_| {}))
+        .await
+        .expect("the wait waited for a reader or another database's writer")
+        .unwrap();
+    let mut writer = pool.begin().await.unwrap();
+    let writer_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *writer)
+        .await
+        .unwrap();
+    emit(&mut writer, Event::new("order.placed", json!({ "n": 1 })).key("k"))
+        .await
+        .unwrap();
+    let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel();
+    let waiting = {
+        let source = source_of(&db, &pool);
+        tokio::spawn(async move {
+            source
+                .await_writers(move |pids| {
+                    let _ = seen_tx.send(pids.to_vec());
+                })
+                .await
+        })
+    };
+    let pids = seen_rx.recv().await.expect("the wait reports whom it waits for");
+    assert_eq!(pids, vec![writer_pid]);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(!waiting.is_finished(), "the wait ended while the writer was open");
+    // A writer begun after the wait began is not waited for.
+    let mut later = pool.begin().await.unwrap();
+    sqlx::query("CREATE TABLE later (n int)")
+        .execute(&mut *later)
+        .await
+        .unwrap();
+    writer.commit().await.unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
+        .await
+        .expect("the wait outlived the writer")
+        .unwrap()
+        .unwrap();
+    later.rollback().await.unwrap();
+    reader.rollback().await.unwrap();
+    elsewhere.rollback().await.unwrap();
+    pool.close().await;
+    other_pool.close().await;
+    db.drop_db().await;
+    other.drop_db().await;
 }
 
 /// A tableless event, as the stream hands one over.
@@ -601,6 +706,23 @@ async fn a_relay_on_another_slot_is_refused_while_emit_writes_for_the_first() {
         .await
         .unwrap();
     assert!(!exists, "the refused relay made its slot anyway");
+    // `ferry check` on the other slot's config says so, with the same fix.
+    let found = diagnose(&pool, other.config(), u64::MAX).await;
+    let refused = found
+        .iter()
+        .find(|f| f.what == format!("WAL slot {}", db.name()))
+        .unwrap_or_else(|| panic!("no finding on the ready slot: {found:?}"));
+    assert!(
+        !refused.ok && refused.detail.contains("ferry wal retire"),
+        "{refused:?}"
+    );
+    assert!(
+        diagnose(&pool, first.config(), u64::MAX)
+            .await
+            .iter()
+            .all(|f| !f.what.starts_with("WAL slot")),
+        "the ready slot's own config was refused"
+    );
 
     // Marked not ready, as `retire` does first: ferry.emit writes rows, and
     // the other slot may start.

@@ -36,6 +36,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("migrations/0017_producer_fields.sql"),
     ),
     (18, "capture_specs", include_str!("migrations/0018_capture_specs.sql")),
+    (19, "wal_slot_swept", include_str!("migrations/0019_wal_slot_swept.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

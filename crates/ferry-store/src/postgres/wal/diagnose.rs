@@ -191,8 +191,8 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
                         what,
                         false,
                         format!(
-                            "{who}; holds back {lag} bytes of WAL, over the budget of {lag_budget} \
-                             ([relay] wal_lag_budget): start a relay, or see what slows it (ferry status){margin}"
+                            "{who}; holds back {lag} bytes of WAL, over the budget of {lag_budget} bytes \
+                             (relay.wal_lag_budget_mb): start a relay, or see what slows it (ferry status){margin}"
                         ),
                     )
                 } else {
@@ -201,5 +201,17 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
             }
         }
     });
+    // Another slot that ferry.emit writes tableless events for: a relay on
+    // this one would never read them, and `ferry run` refuses to start.
+    // Before `ferry migrate` there is no record of any slot.
+    if let Ok(others) = super::emit_slots(pool, Some(slot)).await
+        && let Some(other) = others.first()
+    {
+        out.push(finding(
+            format!("WAL slot {other}"),
+            false,
+            super::another_slot(other, slot),
+        ));
+    }
     Ok(out)
 }

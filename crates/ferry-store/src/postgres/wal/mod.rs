@@ -75,6 +75,9 @@ pub struct Prepared {
     /// Which slot this is: bumped each time a slot replaces another, for
     /// [`WalSource::mark_swept`].
     pub generation: i64,
+    /// The slot is [`retire`]d: `ferry.emit` writes outbox rows, and the
+    /// slot is never marked ready again.
+    pub retired: bool,
 }
 
 /// How the slot a relay had streamed from was lost. Either way the outbox
@@ -250,7 +253,7 @@ impl WalSource {
                 // still the lost one: another relay may have replaced it
                 // meanwhile, and its new slot must survive.
                 sqlx::query(
-                    "UPDATE ferry.wal_slots SET ready = false, retired = false, settled_lsn = NULL, \
+                    "UPDATE ferry.wal_slots SET ready = false, swept = false, retired = false, settled_lsn = NULL, \
                             part_lsn = NULL, part_events = NULL, generation = generation + 1, lost = coalesce(lost, 'lost') \
                       WHERE slot = $1 AND EXISTS (SELECT 1 FROM pg_replication_slots \
                                                    WHERE slot_name = $1 AND wal_status = 'lost')",
@@ -293,7 +296,7 @@ impl WalSource {
             sqlx::query(
                 "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
                  ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
-                 retired = false, settled_lsn = NULL, part_lsn = NULL, part_events = NULL, \
+                 swept = false, retired = false, settled_lsn = NULL, part_lsn = NULL, part_events = NULL, \
                  generation = ferry.wal_slots.generation + 1, \
                  lost = coalesce(ferry.wal_slots.lost, CASE WHEN ferry.wal_slots.ready THEN 'vanished' END) \
                  WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots s \
@@ -345,16 +348,19 @@ impl WalSource {
         .fetch_optional(&mut *conn)
         .await
         .map_err(store_error)?;
-        let (ready, generation): (bool, i64) =
-            sqlx::query_as("SELECT ready, generation FROM ferry.wal_slots WHERE slot = $1")
+        // Ready means swept too: a relay of the release before schema 19,
+        // during a rolling upgrade, marks the slot ready only.
+        let (swept, retired, generation): (bool, bool, i64) =
+            sqlx::query_as("SELECT swept OR ready, retired, generation FROM ferry.wal_slots WHERE slot = $1")
                 .bind(slot)
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(store_error)?;
         Ok(Prepared {
-            unswept: !ready,
+            unswept: !swept,
             replaced: reported.as_deref().and_then(SlotLoss::parse),
             generation,
+            retired,
         })
     }
 
@@ -380,7 +386,8 @@ impl WalSource {
             return Err(StoreError::config(another_slot(other, slot)));
         }
         let marked: Option<bool> = sqlx::query_scalar(
-            "UPDATE ferry.wal_slots SET ready = NOT retired WHERE slot = $1 AND generation = $2 RETURNING ready",
+            "UPDATE ferry.wal_slots SET ready = NOT retired, swept = true WHERE slot = $1 AND generation = $2 \
+             RETURNING ready",
         )
         .bind(slot)
         .bind(prepared.generation)
@@ -391,6 +398,52 @@ impl WalSource {
         marked.ok_or_else(|| {
             StoreError::transient("the replication slot was replaced during the sweep; starting over with the new slot")
         })
+    }
+
+    /// Waits until every transaction writing in this database now has
+    /// ended, then returns: call it once the slot exists, before the sweep.
+    ///
+    /// A new slot streams what commits after its consistent point; the sweep
+    /// must see everything committed before. But a transaction is committed
+    /// (its commit record written) a moment before other sessions can see
+    /// it, and under synchronous replication that moment lasts until a
+    /// standby confirms. A sweep in that moment would miss the transaction's
+    /// rows, and the slot would never stream them: lost. Such a transaction
+    /// still holds the lock on its own id, as does every other writer; once
+    /// those are gone, a fresh snapshot sees all that the slot will not
+    /// stream. Transactions prepared for two-phase commit hold theirs too.
+    /// `waiting` hears the server process ids still waited for, every time
+    /// they are read (about five times a second).
+    pub async fn await_writers(&self, mut waiting: impl FnMut(&[i32])) -> Result<(), StoreError> {
+        let writers: Vec<String> = sqlx::query_scalar(
+            "SELECT l.transactionid::text FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+              WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted \
+                AND l.pid IS DISTINCT FROM pg_backend_pid() \
+                AND (a.datname = current_database() OR l.pid IS NULL)",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(store_error)?;
+        if writers.is_empty() {
+            return Ok(());
+        }
+        loop {
+            let pids: Vec<Option<i32>> = sqlx::query_scalar(
+                "SELECT pid FROM pg_locks WHERE locktype = 'transactionid' AND mode = 'ExclusiveLock' \
+                    AND granted AND transactionid::text = ANY($1)",
+            )
+            .bind(&writers)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)?;
+            if pids.is_empty() {
+                return Ok(());
+            }
+            // A prepared transaction has no process: 0 stands for it.
+            let pids: Vec<i32> = pids.into_iter().map(Option::unwrap_or_default).collect();
+            waiting(&pids);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// Starts streaming after the last settled transaction: from the
