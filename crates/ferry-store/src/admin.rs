@@ -386,6 +386,17 @@ pub struct Refusal {
     pub reason: String,
 }
 
+/// Why a target that was `planned` when planned and is `now` now is
+/// refused: someone (a relay, another operator) moved it on meanwhile, and
+/// the action must not overwrite that.
+pub(crate) fn changed_since(planned: AdminState, now: AdminState) -> String {
+    format!(
+        "changed since it was selected: {} then, {} now; select it again to act on it as it is",
+        planned.as_str(),
+        now.as_str()
+    )
+}
+
 /// What an action would do: change `changes`, refuse `refused`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Plan {

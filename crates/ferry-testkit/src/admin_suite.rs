@@ -297,6 +297,64 @@ pub async fn requeue_refuses_pending_retrying_and_published_and_dry_run_changes_
     assert_eq!(f.state("pub1", ROUTE).await, Some(AdminState::Pending));
 }
 
+/// A plan is applied later (after a confirmation, batch by batch): a
+/// delivery someone else moved on meanwhile is refused with both states,
+/// never overwritten. One operator's cancel is not undone by another's
+/// requeue planned before it, nor a requeue by a cancel.
+pub async fn apply_refuses_a_delivery_changed_since_the_plan<H: AdminHarness>(h: &H) {
+    let f = fixture(h).await;
+    let requeue = Action::Requeue {
+        include_published: false,
+    };
+    let cancel = Action::Cancel {
+        reason: "handled by hand".into(),
+    };
+    let requeue_plan = f.store().plan(&requeue, &f.only(&["d1"])).await.unwrap();
+    assert_eq!(f.names(&requeue_plan.changes), ["d1"]);
+    let cancel_plan = f.store().plan(&cancel, &f.only(&["d1"])).await.unwrap();
+    assert_eq!(f.names(&cancel_plan.changes), ["d1"]);
+    let applied = f.store().apply(&cancel, "bob", &cancel_plan.changes).await.unwrap();
+    assert_eq!(f.names(&applied.changed), ["d1"]);
+    let before = h.snapshot().await;
+    let applied = f.store().apply(&requeue, "alice", &requeue_plan.changes).await.unwrap();
+    assert!(applied.changed.is_empty(), "{applied:?}");
+    assert_eq!(applied.refused.len(), 1, "{applied:?}");
+    let reason = &applied.refused[0].reason;
+    assert!(
+        reason.contains("changed since") && reason.contains("dead then, cancelled now"),
+        "{reason}"
+    );
+    assert_eq!(applied.refused[0].target.state, AdminState::Cancelled);
+    assert_eq!(h.snapshot().await, before, "a refused requeue changed deliveries");
+    assert_eq!(f.state("d1", ROUTE).await, Some(AdminState::Cancelled));
+
+    // A relay moves a delivery on too: a cancel planned while it was
+    // retrying is refused once its last attempt made it dead.
+    h.release_partitions().await;
+    let cancel_plan = f.store().plan(&cancel, &f.only(&["r1"])).await.unwrap();
+    assert_eq!(f.names(&cancel_plan.changes), ["r1"]);
+    let relay = RelayId("other".into());
+    let mut owned = f.store().tick(&relay, Duration::from_secs(300), &[]).await.unwrap();
+    owned.relay = relay;
+    let last_attempt = Recorded {
+        seq: cancel_plan.changes[0].seq,
+        expected_attempts: 1,
+        transition: Transition::Dead {
+            attempts: 2,
+            reason: "rejected".into(),
+        },
+    };
+    let now = Utc::now();
+    assert_eq!(f.store().record(&owned, ROUTE, &[last_attempt], now).await.unwrap(), 1);
+    let applied = f.store().apply(&cancel, "bob", &cancel_plan.changes).await.unwrap();
+    assert!(applied.changed.is_empty(), "{applied:?}");
+    assert!(
+        applied.refused[0].reason.contains("retrying then, dead now"),
+        "{applied:?}"
+    );
+    assert_eq!(f.state("r1", ROUTE).await, Some(AdminState::Dead));
+}
+
 /// Cancel refuses what a relay may be publishing; cancelling a dead head
 /// unblocks its key.
 pub async fn cancel_refuses_what_a_relay_may_hold_and_unblocks_the_key<H: AdminHarness>(h: &H) {
@@ -793,6 +851,7 @@ macro_rules! admin_conformance {
             show_has_headers_failures_and_operator_actions,
             requeue_refuses_pending_retrying_and_published_and_dry_run_changes_nothing,
             cancel_refuses_what_a_relay_may_hold_and_unblocks_the_key,
+            apply_refuses_a_delivery_changed_since_the_plan,
             a_cancel_under_a_lapsed_lease_revokes_it_and_the_late_outcome_is_refused,
             changes_since_lists_outcomes_not_new_deliveries,
             changes_since_pages_through_changes_that_share_a_time,

@@ -56,6 +56,9 @@ const MAYBE_IN_FLIGHT: &str = "
          WHERE b.route = d.route AND b.key = d.key AND b.seq < d.seq
            AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))";
 
+/// `d`'s state as [`AdminState`] names it.
+const ADMIN_STATE: &str = "(CASE WHEN d.state = 'pending' AND d.attempts > 0 THEN 'retrying' ELSE d.state END)";
+
 const IN_FLIGHT_REASON: &str =
     "may be in flight: a relay can be publishing it now; wait for its outcome, or stop the relays and retry";
 
@@ -256,6 +259,7 @@ impl Admin for PgStore {
         }
         let seqs: Vec<i64> = targets.iter().map(|t| t.seq).collect();
         let routes: Vec<&str> = targets.iter().map(|t| t.route.as_str()).collect();
+        let planned: Vec<&str> = targets.iter().map(|t| t.state.as_str()).collect();
         let mut tx = self.pool().begin().await.map_err(store_error)?;
         let changed: Vec<(i64, String, String, i32)> = match action {
             Action::Requeue { include_published } => sqlx::query_as(REQUEUE)
@@ -265,6 +269,7 @@ impl Admin for PgStore {
                 .bind(*include_published)
                 .bind(actor)
                 .bind(NO_ROUTE)
+                .bind(&planned)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(store_error)?,
@@ -292,6 +297,7 @@ impl Admin for PgStore {
                     .bind(&routes)
                     .bind(actor)
                     .bind(reason)
+                    .bind(&planned)
                     .fetch_all(&mut *tx)
                     .await
                     .map_err(store_error)?;
@@ -372,11 +378,16 @@ impl Admin for PgStore {
                     .find(|r| r.get::<i64, _>("seq") == t.seq && r.get::<&str, _>("route") == t.route);
                 let (state, reason) = match row {
                     None => (t.state, "gone: deleted since it was selected".to_owned()),
-                    Some(r) => (
-                        state(r)?,
-                        r.get::<Option<String>, _>("refusal")
-                            .unwrap_or_else(|| "changed while this ran; run the command again".into()),
-                    ),
+                    Some(r) => {
+                        let now = state(r)?;
+                        let reason = if now != t.state {
+                            crate::admin::changed_since(t.state, now)
+                        } else {
+                            r.get::<Option<String>, _>("refusal")
+                                .unwrap_or_else(|| "changed while this ran; run the command again".into())
+                        };
+                        (now, reason)
+                    }
                 };
                 applied.refused.push(Refusal {
                     target: Target { state, ..t.clone() },
@@ -435,12 +446,15 @@ impl Admin for PgStore {
 /// Requeues in one statement: deliveries of a route go back to pending with
 /// a fresh attempt count; `(no route)` deliveries go back to the router, so
 /// a route added since can take them. Both are logged.
-/// $1 seqs, $2 routes, $3 include published, $4 actor, $5 the no-route name.
+/// A delivery changed since it was planned is left alone.
+/// $1 seqs, $2 routes, $3 include published, $4 actor, $5 the no-route name,
+/// $6 the states when planned.
 const REQUEUE: &str = "
 WITH t AS (
-    SELECT o.seq, o.route, o.state, o.attempts
+    SELECT o.seq, o.route, o.state, o.attempts, x.planned
       FROM ferry.deliveries o
-      JOIN unnest($1::bigint[], $2::text[]) AS x(seq, route) ON o.seq = x.seq AND o.route = x.route
+      JOIN unnest($1::bigint[], $2::text[], $6::text[]) AS x(seq, route, planned)
+        ON o.seq = x.seq AND o.route = x.route
 ), again AS (
     UPDATE ferry.deliveries d
        SET state = 'pending', attempts = 0, next_attempt_at = now(), last_error = NULL,
@@ -448,11 +462,13 @@ WITH t AS (
       FROM t
      WHERE d.seq = t.seq AND d.route = t.route AND d.route <> $5
        AND (d.state IN ('dead', 'cancelled') OR (d.state = 'published' AND $3::bool))
+       AND d.state = t.planned
     RETURNING d.seq, d.route, t.state, t.attempts
 ), rerouted AS (
     DELETE FROM ferry.deliveries d
      USING t
      WHERE d.seq = t.seq AND d.route = t.route AND d.route = $5 AND d.state IN ('dead', 'cancelled')
+       AND d.state = t.planned
     RETURNING d.seq, d.route, d.partition, d.state, d.attempts
 ), unrouted AS (
     INSERT INTO ferry.unrouted (seq, partition)
@@ -467,20 +483,23 @@ WITH t AS (
 SELECT seq, route, state, attempts FROM again
 UNION ALL SELECT seq, route, state, attempts FROM rerouted";
 
-/// Cancels in one statement what is still eligible, and logs it.
-/// $1 seqs, $2 routes, $3 actor, $4 reason.
+/// Cancels in one statement what is still eligible and unchanged since it
+/// was planned, and logs it.
+/// $1 seqs, $2 routes, $3 actor, $4 reason, $5 the states when planned.
 fn cancel_sql() -> String {
     format!(
         "WITH t AS (
-             SELECT o.seq, o.route, o.state, o.attempts
+             SELECT o.seq, o.route, o.state, o.attempts, x.planned
                FROM ferry.deliveries o
-               JOIN unnest($1::bigint[], $2::text[]) AS x(seq, route) ON o.seq = x.seq AND o.route = x.route
+               JOIN unnest($1::bigint[], $2::text[], $5::text[]) AS x(seq, route, planned)
+                 ON o.seq = x.seq AND o.route = x.route
          ), gone AS (
              UPDATE ferry.deliveries d
                 SET state = 'cancelled', updated_at = now()
                FROM t
               WHERE d.seq = t.seq AND d.route = t.route
                 AND d.state IN ('pending', 'dead')
+                AND {ADMIN_STATE} = t.planned
                 AND NOT ({MAYBE_IN_FLIGHT})
              RETURNING d.seq, d.route, t.state, t.attempts
          ), logged AS (

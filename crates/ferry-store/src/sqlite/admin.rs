@@ -330,7 +330,14 @@ impl Admin for SqliteStore {
                 continue;
             };
             let from = state(&row)?;
-            if let Some(reason) = row.get::<Option<String>, _>("refusal") {
+            // Moved on since the plan (by a relay or another operator):
+            // acting now would overwrite that.
+            let refusal = if from != t.state {
+                Some(crate::admin::changed_since(t.state, from))
+            } else {
+                row.get::<Option<String>, _>("refusal")
+            };
+            if let Some(reason) = refusal {
                 applied.refused.push(Refusal {
                     target: Target {
                         state: from,
