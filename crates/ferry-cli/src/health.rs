@@ -165,6 +165,9 @@ pub async fn serve(
 }
 
 async fn render_metrics(State(s): State<AppState>) -> impl IntoResponse {
+    // `ferry_ready` is what `/readyz` would answer now, whether or not
+    // anything asks `/readyz`.
+    s.health.readiness();
     s.metrics.run_upkeep();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
@@ -222,7 +225,10 @@ async fn ping_loop<S: Gauges + ?Sized>(store: &S, health: &Health, mut stop: wat
 }
 
 async fn gauges_loop<S: Gauges + ?Sized>(store: &S, routes: &[Route], mut stop: watch::Receiver<bool>) {
-    let mut known: Vec<String> = routes.iter().map(|r| r.name.clone()).collect();
+    let mut known = Known {
+        routes: routes.iter().map(|r| r.name.clone()).collect(),
+        tables: Vec::new(),
+    };
     let mut failing = false;
     loop {
         match store.gauges().await {
@@ -289,22 +295,39 @@ async fn pause(period: Duration, stop: &mut watch::Receiver<bool>) -> bool {
     }
 }
 
-/// Sets every gauge; a route that had work and has none now goes back to
-/// zero rather than keep its last value.
-fn publish_gauges(g: &GaugeReport, known: &mut Vec<String>) {
+/// The labels the gauges were set for so far.
+struct Known {
+    routes: Vec<String>,
+    tables: Vec<String>,
+}
+
+/// Sets every gauge; a route that had work and has none now, or a table
+/// whose capture (and its count of drops) was removed, goes back to zero
+/// rather than keep its last value.
+fn publish_gauges(g: &GaugeReport, known: &mut Known) {
     ::metrics::gauge!(names::UNROUTED).set(g.unrouted as f64);
     ::metrics::gauge!(names::OLDEST_UNROUTED_SECONDS).set(g.oldest_unrouted_seconds.unwrap_or(0.0));
     ::metrics::gauge!(names::EXPIRED_LEASES).set(g.expired_leases as f64);
     ::metrics::gauge!(names::OLDEST_LEASE_SECONDS).set(g.oldest_lease_seconds.unwrap_or(0.0));
-    for (table, dropped) in &g.capture_dropped {
-        ::metrics::gauge!(names::CAPTURE_DROPPED, "table" => table.clone()).set(*dropped as f64);
-    }
-    for r in &g.routes {
-        if !known.contains(&r.route) {
-            known.push(r.route.clone());
+    for (table, _) in &g.capture_dropped {
+        if !known.tables.contains(table) {
+            known.tables.push(table.clone());
         }
     }
-    for route in known.iter() {
+    for table in &known.tables {
+        let dropped = g
+            .capture_dropped
+            .iter()
+            .find(|(t, _)| t == table)
+            .map_or(0, |(_, n)| *n);
+        ::metrics::gauge!(names::CAPTURE_DROPPED, "table" => table.clone()).set(dropped as f64);
+    }
+    for r in &g.routes {
+        if !known.routes.contains(&r.route) {
+            known.routes.push(r.route.clone());
+        }
+    }
+    for route in known.routes.iter() {
         let r = g.routes.iter().find(|r| &r.route == route).cloned().unwrap_or_default();
         ::metrics::gauge!(names::PENDING, "route" => route.clone()).set(r.pending as f64);
         ::metrics::gauge!(names::RETRYING, "route" => route.clone()).set(r.retrying as f64);
@@ -391,5 +414,41 @@ mod tests {
         let r = health.readiness();
         assert!(!r.ready);
         assert!(r.relay.starts_with("no progress for"), "{}", r.relay);
+    }
+
+    /// A route or a captured table that no longer reports goes back to
+    /// zero instead of showing its last value for ever.
+    #[test]
+    fn gauges_of_what_no_longer_reports_go_back_to_zero() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let mut known = Known {
+            routes: vec!["a".into()],
+            tables: Vec::new(),
+        };
+        let busy = GaugeReport {
+            routes: vec![ferry_store::RouteGauges {
+                route: "b".into(),
+                dead: 3,
+                ..Default::default()
+            }],
+            capture_dropped: vec![("public.orders".into(), 7)],
+            ..Default::default()
+        };
+        metrics::with_local_recorder(&recorder, || publish_gauges(&busy, &mut known));
+        let text = handle.render();
+        assert!(text.contains("ferry_dead_deliveries{route=\"b\"} 3"), "{text}");
+        assert!(
+            text.contains("ferry_capture_dropped_events{table=\"public.orders\"} 7"),
+            "{text}"
+        );
+        metrics::with_local_recorder(&recorder, || publish_gauges(&GaugeReport::default(), &mut known));
+        let text = handle.render();
+        assert!(text.contains("ferry_dead_deliveries{route=\"b\"} 0"), "{text}");
+        assert!(text.contains("ferry_dead_deliveries{route=\"a\"} 0"), "{text}");
+        assert!(
+            text.contains("ferry_capture_dropped_events{table=\"public.orders\"} 0"),
+            "{text}"
+        );
     }
 }
