@@ -274,6 +274,10 @@ async fn requeue_refuses_pending_and_confirms_large_sets() {
     let none = f.ferry(&["requeue"]);
     assert_eq!(none.status.code(), Some(2));
     assert!(stderr(&none).contains("nothing selected"), "{}", stderr(&none));
+    // Empty text is in every error: it would select everything.
+    let empty = f.ferry(&["requeue", "--error", "", "--yes"]);
+    assert_eq!(empty.status.code(), Some(2));
+    assert!(stderr(&empty).contains("--error"), "{}", stderr(&empty));
     let unconfirmed = f.ferry(&["requeue", "--type", "order.bulk"]);
     assert_eq!(unconfirmed.status.code(), Some(2));
     assert!(stderr(&unconfirmed).contains("--yes"), "{}", stderr(&unconfirmed));

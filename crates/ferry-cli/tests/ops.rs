@@ -658,6 +658,26 @@ async fn polling_is_refused_beside_a_ready_slot_until_it_is_retired() {
     ops.pool.close().await;
 }
 
+/// Alerts and dashboards read `ferry_ready` from `/metrics`; it must be
+/// there and current even where nothing probes `/readyz`.
+#[tokio::test]
+async fn ferry_ready_is_served_without_a_readiness_probe() {
+    let ops = Ops::new().await;
+    let addr = free_addr();
+    let cfg = ops.config(&Settings {
+        metrics: Some(addr),
+        ..Settings::default()
+    });
+    let relay = ops.spawn(&cfg);
+    let log = || relay.log();
+    eventually("ferry_ready 1 in /metrics", log, async || {
+        let samples = parse_metrics(&get(addr, "/metrics")?.1);
+        (total(&samples, "ferry_ready", &[]) == Some(1.0)).then_some(())
+    })
+    .await;
+    assert!(relay.terminate().success());
+}
+
 #[tokio::test]
 async fn readyz_fails_while_the_database_is_unreachable_and_recovers() {
     let ops = Ops::new().await;
@@ -768,10 +788,16 @@ async fn purge_with_an_unwritable_archive_deletes_nothing_and_says_why() {
         archive_dir: Some(not_a_dir.clone()),
         ..Settings::default()
     });
-    let out = ops.ferry(&cfg, &["purge"]);
-    assert_eq!(out.status.code(), Some(2), "a configuration problem");
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("retention.archive_dir: cannot write to"), "{err}");
+    // A dry run says so too: it tells what the real run would do.
+    for args in [&["purge", "--dry-run"][..], &["purge"]] {
+        let out = ops.ferry(&cfg, args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: a configuration problem");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("retention.archive_dir: cannot write to"),
+            "{args:?}: {err}"
+        );
+    }
     assert_eq!(ops.events().await, 10, "nothing deleted without its archive");
     // `ferry run` refuses to start with it, too, rather than fail hours later.
     let cfg = ops.config(&Settings {

@@ -35,7 +35,7 @@ pub struct FilterArgs {
     #[arg(long, value_name = "TIME", value_parser = parse_time)]
     pub until: Option<DateTime<Utc>>,
     /// Only deliveries whose last error contains this text (any case).
-    #[arg(long, value_name = "TEXT")]
+    #[arg(long, value_name = "TEXT", value_parser = parse_error_text)]
     pub error: Option<String>,
 }
 
@@ -52,6 +52,16 @@ impl FilterArgs {
             error: self.error.clone(),
         }
     }
+}
+
+/// Text to look for in a last error. Empty text is in every error, and in
+/// none: a filter that narrows nothing, which would let `requeue --error ""`
+/// act on every delivery.
+fn parse_error_text(text: &str) -> Result<String, String> {
+    if text.trim().is_empty() {
+        return Err("give some text to look for in the last error; leave --error out to match any".into());
+    }
+    Ok(text.to_owned())
 }
 
 fn parse_glob(text: &str) -> Result<Glob, String> {
@@ -161,6 +171,9 @@ pub fn render(page: &ListPage) -> String {
         let _ = writeln!(out, "{}", row(d, now));
     }
     if let Some(next) = &page.next {
+        // A route name can hold what a shell would split or expand:
+        // `(no route)` does.
+        let next = super::shell_quote(&next.to_string());
         let _ = writeln!(out, "\nmore: ferry list ... --after {next}");
     }
     out
@@ -177,6 +190,32 @@ mod tests {
         let ago = Utc::now() - parse_time("2h").unwrap();
         assert!((ago.num_seconds() - 7200).abs() < 60);
         assert!(parse_time("yesterday").unwrap_err().contains("2026-05-01T12:00:00Z"));
+    }
+
+    #[test]
+    fn the_next_page_hint_is_one_shell_word() {
+        let page = |route: &str| ListPage {
+            deliveries: vec![DeliverySummary {
+                event_id: EventId::new(),
+                seq: 7,
+                event_type: "order.created".into(),
+                key: None,
+                route: route.into(),
+                state: AdminState::Dead,
+                attempts: 1,
+                created_at: Utc::now(),
+                updated_at: Utc::now(),
+                next_attempt_at: None,
+                last_error: None,
+                published_at: None,
+            }],
+            next: Some(Cursor {
+                seq: 7,
+                route: route.into(),
+            }),
+        };
+        assert!(render(&page("orders")).ends_with("--after 7:orders\n"));
+        assert!(render(&page("(no route)")).ends_with("--after '7:(no route)'\n"));
     }
 
     #[test]

@@ -14,7 +14,9 @@ use crate::config::{Config, RetentionConfig};
 
 /// Runs retention once, now, with the configured rules.
 pub async fn run(cfg: &Config, dry_run: bool, json: bool) -> anyhow::Result<ExitCode> {
-    if !dry_run && let Some(dir) = &cfg.retention.archive_dir {
+    // A dry run too: it answers what the real run would do, and that run
+    // would stop at an archive it cannot write.
+    if let Some(dir) = &cfg.retention.archive_dir {
         check_archive_dir(dir)?;
     }
     let store = super::store(cfg)?;
