@@ -737,10 +737,27 @@ async fn a_batch_fetched_after_the_stop_signal_is_not_published() {
     let e = env().await;
     let ids = produce(&e.pool, orders(50, 5)).await;
     let routes = vec![route("orders", "order.**")];
-    let slow_fetch = Hooked::delaying(PgStore::new(e.pool.clone()), "fetch_direct", Duration::from_secs(1));
+    // Every fetch takes a second; the test hears when the first begins.
+    let fetching = Arc::new(AtomicBool::new(false));
+    let entered = fetching.clone();
+    let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
+        let fetch = called == "fetch_direct";
+        if fetch {
+            entered.store(true, Ordering::SeqCst);
+        }
+        Box::pin(async move {
+            if fetch {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            Ok(())
+        })
+    });
+    let slow_fetch = Hooked::new(PgStore::new(e.pool.clone()), hook);
     let a = start_on(&e, slow_fetch, settings("a", 4), routes.clone());
-    // Inside the first fetch.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    eventually("inside the first fetch", Duration::from_secs(20), || {
+        fetching.load(Ordering::SeqCst)
+    })
+    .await;
     let ra = a.stop().await;
     assert_eq!(e.sink.attempts(), 0, "published after the stop signal");
     assert_eq!(ra.published, 0);

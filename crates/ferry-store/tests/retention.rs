@@ -327,15 +327,75 @@ async fn a_stop_signal_ends_the_run_between_batches() {
     let o = outbox().await;
     let seqs = o.produce(30, "s").await;
     o.settle(&seqs, "orders", "published", 8, 0).await;
-    let (tx, rx) = tokio::sync::watch::channel(true);
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let dir = tempfile::tempdir().unwrap();
     let options = PurgeOptions {
         stop: Some(rx),
+        archive_dir: Some(dir.path().to_owned()),
         ..PurgeOptions::default()
     };
-    let report = purge(&o.store, &rules(10), &options, Utc::now()).await.unwrap();
-    assert_eq!(report.events, 0);
-    assert_eq!(o.seqs().await.len(), 30);
-    drop(tx);
+    // The stop comes while the first batch is deleted: that batch finishes,
+    // and the run ends before the next.
+    let stopping = StopOnDelete {
+        store: o.store.clone(),
+        stop: tx,
+    };
+    let report = purge(&stopping, &rules(10), &options, Utc::now()).await.unwrap();
+    assert_eq!((report.events, report.batches, report.archived), (10, 1, 10));
+    let left = o.seqs().await;
+    assert_eq!(left.len(), 20);
+    let file = report.archive_file.expect("an archive file");
+    let archived: BTreeSet<i64> = read_archive(&file).unwrap().into_iter().map(|e| e.seq).collect();
+    let deleted: BTreeSet<i64> = seqs.iter().copied().filter(|s| !left.contains(s)).collect();
+    assert_eq!(archived, deleted, "the archive holds exactly what was deleted");
+}
+
+/// Delegates to the PostgreSQL store and sends the stop signal when a
+/// batch is about to be deleted.
+struct StopOnDelete {
+    store: PgStore,
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+struct StoppingBatch {
+    inner: Box<dyn ExpiredBatch>,
+    stop: tokio::sync::watch::Sender<bool>,
+}
+
+#[async_trait::async_trait]
+impl Retention for StopOnDelete {
+    async fn retention_range(&self) -> Result<Option<(i64, i64)>, ferry_core::StoreError> {
+        self.store.retention_range().await
+    }
+
+    async fn take_expired(
+        &self,
+        rules: &RetentionRules,
+        after: i64,
+        upto: i64,
+        now: chrono::DateTime<Utc>,
+    ) -> Result<Box<dyn ExpiredBatch>, ferry_core::StoreError> {
+        Ok(Box::new(StoppingBatch {
+            inner: self.store.take_expired(rules, after, upto, now).await?,
+            stop: self.stop.clone(),
+        }))
+    }
+}
+
+#[async_trait::async_trait]
+impl ExpiredBatch for StoppingBatch {
+    fn events(&self) -> &[ferry_store::ArchivedEvent] {
+        self.inner.events()
+    }
+
+    fn scanned_to(&self) -> i64 {
+        self.inner.scanned_to()
+    }
+
+    async fn delete(self: Box<Self>) -> Result<ferry_store::Deleted, DeleteFailed> {
+        self.stop.send_replace(true);
+        self.inner.delete().await
+    }
 }
 
 /// Delegates to the PostgreSQL store, but the `fail_at`-th delete fails

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use chrono::Utc;
 use ferry_core::{
     Claimed, DirectBatch, DirectOutcome, DirectRecord, Event, EventId, NO_ROUTE, Ownership, Recorded, RelayId,
-    RetryPolicy, SinkError, Store, Transition, decide,
+    RetryPolicy, RoutePlan, SinkError, Store, Transition, decide,
 };
 use serde_json::json;
 
@@ -60,7 +60,7 @@ async fn route_all_at<H: StoreHarness>(h: &H, o: &Ownership, routes: &[&str], no
             } else {
                 Vec::new()
             };
-            ferry_core::RoutePlan { event, routes }
+            RoutePlan { event, routes }
         })
         .collect::<Vec<_>>();
     h.store().route(o, &plans, now).await.expect("route")
@@ -294,15 +294,70 @@ pub async fn stale_outcomes_are_refused<H: StoreHarness>(h: &H) {
     assert!(claim(h, &b, "r1").await.is_empty());
 }
 
-/// A relay that holds no lease sees no work and can write none.
+/// A relay that holds no lease sees no work and can write none: at each
+/// step, work a leaseholder sees and may write is refused to it.
 pub async fn no_lease_no_work<H: StoreHarness>(h: &H) {
-    h.enqueue(vec![order(0, "a")]).await;
+    h.enqueue(vec![order(0, "a"), order(1, "b")]).await;
     let empty = Ownership {
         relay: relay("x"),
         ..Ownership::default()
     };
+    let o = own(h, "a").await;
+    let unrouted = h.store().fetch_unrouted(&o, 100).await.unwrap();
+    assert_eq!(unrouted.len(), 2);
     assert!(h.store().fetch_unrouted(&empty, 100).await.unwrap().is_empty());
+    let routes = ["r1".to_string(), "r2".to_string()];
+    let direct_batch = h.store().fetch_direct(&empty, 100, &routes, &[], &[]).await.unwrap();
+    assert!(direct_batch.is_none_or(|b| b.events.is_empty()));
+
+    let now = Utc::now();
+    let plans: Vec<RoutePlan> = unrouted
+        .iter()
+        .map(|event| RoutePlan {
+            event: event.clone(),
+            routes: vec!["r1".into()],
+        })
+        .collect();
+    assert_eq!(
+        h.store().route(&empty, &plans, now).await.unwrap(),
+        0,
+        "routed without a lease"
+    );
+    let seqs: Vec<i64> = unrouted.iter().map(|e| e.seq).collect();
+    let records: Vec<DirectRecord> = unrouted
+        .iter()
+        .map(|e| DirectRecord {
+            seq: e.seq,
+            key: e.key.clone(),
+            route: "r1".into(),
+            outcome: DirectOutcome::Published { at: now },
+        })
+        .collect();
+    if h.store()
+        .fetch_direct(&o, 100, &routes, &[], &[])
+        .await
+        .unwrap()
+        .is_some()
+    {
+        assert_eq!(
+            h.store().settle(&empty, &seqs, &records, now).await.unwrap(),
+            0,
+            "settled without a lease"
+        );
+    }
+    assert_eq!(h.store().fetch_unrouted(&o, 100).await.unwrap().len(), 2);
+
+    assert_eq!(h.store().route(&o, &plans, now).await.unwrap(), 2);
+    let claimed = claim(h, &o, "r1").await;
+    assert_eq!(claimed.len(), 2);
     assert!(claim(h, &empty, "r1").await.is_empty());
+    let rec: Vec<Recorded> = claimed.iter().map(|c| outcome(c, Ok(()))).collect();
+    assert_eq!(
+        h.store().record(&empty, "r1", &rec, now).await.unwrap(),
+        0,
+        "recorded without a lease"
+    );
+    assert_eq!(h.store().record(&o, "r1", &rec, now).await.unwrap(), 2);
 }
 
 /// Retries get the attempt count and error; max attempts makes a delivery dead.

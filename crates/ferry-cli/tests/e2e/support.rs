@@ -162,6 +162,39 @@ routing_key = "{routing_key}"
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+
+    /// Waits until the relay has settled all but `left` events of the
+    /// outbox (the rest still unrouted) and returns how many were unrouted
+    /// then: read a moment before the caller's fault, so that the caller can
+    /// check the fault met work still to do (a relay that drained the whole
+    /// backlog first would make a fault test prove nothing).
+    pub async fn unrouted_at_most(&self, left: i64, relay: &Relay) -> i64 {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let now: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.unrouted")
+                .fetch_one(&self.pool)
+                .await
+                .unwrap();
+            if now <= left {
+                return now;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no progress: {now} events unrouted; relay log:\n{}",
+                relay.log()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// Asserts that a fault met a backlog of at least 500 events (`left`, read
+/// just before it).
+pub fn assert_interrupted(left: i64, fault: &str) {
+    assert!(
+        left >= 500,
+        "the relay had all but drained the backlog before the {fault} ({left} left): the fault interrupted nothing"
+    );
 }
 
 #[derive(Default)]

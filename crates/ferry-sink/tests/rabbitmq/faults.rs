@@ -143,6 +143,9 @@ async fn a_missing_confirm_times_out_transiently_and_the_link_is_replaced() {
     let after = keyed(10, |seq| format!("a{}", seq % 2));
     let outcomes = sink.publish(&to, &after).await;
     assert!(outcomes.iter().all(Result::is_ok), "no new link: {outcomes:?}");
+    // Released, the old link would work again: only a second connection
+    // shows it was given up.
+    assert_eq!(proxy.accepted(), 2, "the stalled link was kept, not replaced");
 
     // The unconfirmed messages did reach the queue: retrying them will
     // duplicate them, which is why every message carries the event id.
