@@ -75,6 +75,7 @@ pub fn expect_err(outcome: &PublishOutcome, kind: ErrorKind, text: &str) {
 #[derive(Debug, Clone)]
 pub struct Consumed {
     pub partition: i32,
+    pub offset: i64,
     pub key: Option<String>,
     pub body: Vec<u8>,
     pub timestamp: Option<i64>,
@@ -98,6 +99,8 @@ impl Consumed {
 /// Reads every partition of one topic from the beginning.
 pub struct TopicReader {
     consumer: StreamConsumer,
+    topic: String,
+    partitions: Vec<i32>,
 }
 
 impl TopicReader {
@@ -128,7 +131,12 @@ impl TopicReader {
                 .expect("a partition");
         }
         consumer.assign(&assignment).expect("assigned");
-        Self { consumer }
+        let partitions = metadata.topics()[0].partitions().iter().map(|p| p.id()).collect();
+        Self {
+            consumer,
+            topic: topic.to_owned(),
+            partitions,
+        }
     }
 
     /// Up to `n` records, waiting at most `timeout` for them.
@@ -158,6 +166,7 @@ impl TopicReader {
                 .unwrap_or_default();
             out.push(Consumed {
                 partition: message.partition(),
+                offset: message.offset(),
                 key: message.key().map(|k| String::from_utf8(k.to_vec()).expect("UTF-8 key")),
                 body: message.payload().unwrap_or_default().to_vec(),
                 timestamp: message.timestamp().to_millis(),
@@ -167,8 +176,10 @@ impl TopicReader {
         out
     }
 
-    /// Reads until every id in `wanted` was seen or `timeout` passed; returns
-    /// everything read, duplicates included.
+    /// Reads until every id in `wanted` was seen or `timeout` passed, then
+    /// on to the end of every partition as it is then; returns everything
+    /// read, duplicates included (a copy written after the last first
+    /// arrival too).
     pub async fn read_until(&self, wanted: &HashSet<String>, timeout: Duration) -> Vec<Consumed> {
         let deadline = Instant::now() + timeout;
         let mut seen = HashSet::new();
@@ -176,6 +187,30 @@ impl TopicReader {
         while !wanted.is_subset(&seen) && Instant::now() < deadline {
             for c in self.read(wanted.len(), deadline - Instant::now()).await {
                 seen.insert(c.id());
+                all.push(c);
+            }
+        }
+        let mut next: HashMap<i32, i64> = HashMap::new();
+        for c in &all {
+            let at = next.entry(c.partition).or_default();
+            *at = (*at).max(c.offset + 1);
+        }
+        let ends: Vec<(i32, i64)> = self
+            .partitions
+            .iter()
+            .map(|&p| {
+                let (_, high) = self
+                    .consumer
+                    .fetch_watermarks(&self.topic, p, Duration::from_secs(5))
+                    .expect("the partition's high watermark");
+                (p, high)
+            })
+            .collect();
+        let behind = |next: &HashMap<i32, i64>| ends.iter().any(|(p, high)| next.get(p).copied().unwrap_or(0) < *high);
+        while behind(&next) && Instant::now() < deadline {
+            for c in self.read(1, deadline - Instant::now()).await {
+                let at = next.entry(c.partition).or_default();
+                *at = (*at).max(c.offset + 1);
                 all.push(c);
             }
         }
