@@ -385,6 +385,57 @@ async fn two_durables_giving_up_on_one_message_each_keep_their_dead_letter() {
 /// dead letter back to the consumer, which dead-letters it again, without
 /// end, growing the stream. The consumer refuses to start on such a stream
 /// and consumes nothing, so nothing is lost either.
+/// A dead letter too large for its stream (`max_msg_size`) is refused by
+/// JetStream, for as long as the limit stands: the message stays unacked
+/// and comes back, never dropped, and is dead-lettered and acked once the
+/// operator raises the limit.
+#[tokio::test]
+async fn a_dead_letter_too_large_for_its_stream_waits_until_it_fits() {
+    let env = Env::new("inbox-nats-big-dead").await;
+    let mut dead = env.js.get_stream(&env.dead_stream).await.unwrap();
+    let mut config = dead.info().await.unwrap().config.clone();
+    config.max_message_size = 64;
+    env.js.update_stream(&config).await.unwrap();
+    let inbox = env.db.inbox_giving_up_after(3);
+    let consumer = NatsConsumer::new(inbox, env.options(nats_url())).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        // Malformed, so dead-lettered at once; with its headers the copy is
+        // over 64 bytes.
+        env.publish_headerless().await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(
+            env.outstanding().await,
+            1,
+            "the message was acked without its dead letter"
+        );
+        assert_eq!(dead.info().await.unwrap().state.messages, 0);
+        config.max_message_size = -1;
+        env.js.update_stream(&config).await.unwrap();
+        wait("the dead letter stored and the message acked", || async {
+            env.outstanding().await == 0
+        })
+        .await;
+        assert!(
+            consumer.report().malformed > 1,
+            "the message was not redelivered meanwhile"
+        );
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(
+            async |_: &mut PgConnection, _: &ReceivedEvent| Ok::<(), HandlerError>(()),
+            async {
+                let _ = stopped.await;
+            }
+        ),
+        scenario
+    );
+    report.unwrap();
+    assert_eq!(env.dead_letters().await.len(), 1);
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn a_consumer_whose_stream_captures_its_dead_letters_consumes_nothing() {
     let name = unique_name("inbox-nats-loop");

@@ -216,6 +216,19 @@ where
                 );
                 self.settle(message, AckKind::Nak(Some(o.database_retry_delay))).await
             }
+            Ok(Err(e)) if too_large(&e) => {
+                // Retrying cannot help: the copy never fits until an
+                // operator makes room. The message waits meanwhile, unacked.
+                error!(
+                    subject = %o.dead_letter_subject,
+                    bytes = message.message.payload.len(),
+                    error = %e,
+                    "dead-lettering failed: the copy is larger than the dead-letter stream or the server takes \
+                     (max_msg_size, max_payload); raise the stream's max_msg_size or the server's max_payload \
+                     (the message is redelivered until then)"
+                );
+                self.settle(message, AckKind::Nak(Some(o.database_retry_delay))).await
+            }
             Ok(Err(e)) => {
                 warn!(subject = %o.dead_letter_subject, error = %e, "dead-lettering failed; the message is redelivered later");
                 self.settle(message, AckKind::Nak(Some(o.database_retry_delay))).await
@@ -226,6 +239,24 @@ where
             }
         }
     }
+}
+
+/// Whether JetStream refused a copy for its size: the client's check of the
+/// server's `max_payload`, or the stream's `max_msg_size` (or the size of
+/// its headers).
+fn too_large(e: &async_nats::jetstream::context::PublishError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    if matches!(e.kind(), PublishErrorKind::MaxPayloadExceeded) {
+        return true;
+    }
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|j| {
+            matches!(
+                j.error_code(),
+                ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM | ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM
+            )
+        })
 }
 
 /// The stream sequence, unique per stored message, for the dead copy's id.
@@ -268,6 +299,21 @@ fn header_text(reason: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copy_too_large_is_told_from_other_refusals() {
+        use async_nats::jetstream::context::PublishError;
+        let api = |err_code: u64| {
+            let body = format!(r#"{{"code":400,"err_code":{err_code},"description":"refused"}}"#);
+            let error: async_nats::jetstream::Error = serde_json::from_str(&body).unwrap();
+            PublishError::with_source(PublishErrorKind::Other, error)
+        };
+        assert!(too_large(&api(10054)), "the stream's max_msg_size");
+        assert!(too_large(&api(10097)), "the stream's header limit");
+        assert!(too_large(&PublishError::new(PublishErrorKind::MaxPayloadExceeded)));
+        assert!(!too_large(&api(10077)), "a storage failure is not about size");
+        assert!(!too_large(&PublishError::new(PublishErrorKind::TimedOut)));
+    }
 
     #[test]
     fn a_reason_becomes_one_bounded_line() {
