@@ -166,15 +166,20 @@ async fn commit(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<Option<Hand
 /// The server refused the statement for what the transaction did, as
 /// opposed to a lost connection or a server in trouble (SQLSTATE classes
 /// 08, 53, 57, 58 and XX), after which the outcome is unknown or the
-/// database is what needs fixing.
+/// database is what needs fixing. Two codes of class 25 end the session
+/// too: 25P03 (`idle_in_transaction_session_timeout`) and 25P04
+/// (`transaction_timeout`).
 #[cfg(feature = "postgres")]
 fn refused_by_server(e: &sqlx::Error) -> bool {
     let Some(code) = e.as_database_error().and_then(|d| d.code()) else {
         return false;
     };
-    !["08", "53", "57", "58", "XX"]
+    let session_ended = ["08", "53", "57", "58", "XX"]
         .iter()
         .any(|class| code.starts_with(class))
+        || code == "25P03"
+        || code == "25P04";
+    !session_ended
 }
 
 /// A statement cancelled (`pg_cancel_backend`; SQLSTATE 57014).

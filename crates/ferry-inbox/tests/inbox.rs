@@ -465,6 +465,36 @@ async fn a_session_ended_mid_attempt_is_a_counted_failure() {
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
 }
 
+/// `idle_in_transaction_session_timeout` itself: the server ends the
+/// session with SQLSTATE 25P03, a class (25, invalid transaction state)
+/// that otherwise means the server refused a statement. Taken for that, the
+/// attempt failed on the dead connection before it was counted, and the
+/// event came back for ever, never dead.
+#[tokio::test]
+async fn a_session_ended_for_idling_in_the_transaction_is_a_counted_failure() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(2));
+    let ev = event();
+    let slow = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        effect(tx, ev, "billing").await?;
+        sqlx::query("SET LOCAL idle_in_transaction_session_timeout = '100ms'")
+            .execute(&mut *tx)
+            .await?;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        Ok(())
+    };
+    match inbox.process(&ev, slow).await.unwrap() {
+        Outcome::Retry { attempts: 1, error, .. } => assert!(error.contains("connection failed"), "{error}"),
+        other => panic!("{other:?}"),
+    }
+    match inbox.process(&ev, slow).await.unwrap() {
+        Outcome::Dead { attempts: 2, .. } => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+}
+
 /// A handler that stops waiting for a statement itself (its own timeout
 /// around the future) and returns `Ok` leaves the statement running until
 /// the server cancels it; the cancellation's error (SQLSTATE 57014) is the
