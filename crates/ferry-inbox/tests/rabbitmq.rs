@@ -369,7 +369,12 @@ async fn a_message_the_inbox_cannot_store_is_dead_lettered_as_malformed() {
                 "order.item.created".into(),
                 BasicPublishOptions::default(),
                 b"{\"n\": 1}",
-                BasicProperties::default().with_headers(headers),
+                // Sent transient and with a TTL, as foreign messages may be:
+                // the dead copy must outlive both.
+                BasicProperties::default()
+                    .with_headers(headers)
+                    .with_delivery_mode(1)
+                    .with_expiration("1500".into()),
             )
             .await
             .unwrap()
@@ -386,7 +391,17 @@ async fn a_message_the_inbox_cannot_store_is_dead_lettered_as_malformed() {
             r.malformed == 3 && r.processed == 1
         })
         .await;
+        // Past the originals' TTL.
+        tokio::time::sleep(Duration::from_millis(1600)).await;
         let dead = env.dead_letters(3).await;
+        for d in &dead {
+            assert_eq!(d.properties.expiration(), &None, "the dead copy kept the TTL");
+            assert_eq!(
+                d.properties.delivery_mode(),
+                &Some(2),
+                "the dead copy is not persistent"
+            );
+        }
         let _ = stop.send(());
         dead
     };

@@ -11,7 +11,7 @@ use lapin::options::{
     ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{Acker, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Acker, BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
 use sqlx::PgConnection;
 use tokio::task::JoinSet;
 use tokio::time::timeout;
@@ -305,7 +305,7 @@ where
         headers.insert(DEAD_REASON_HEADER.into(), long(reason));
         headers.insert(DEAD_CONSUMER_HEADER.into(), long(self.inbox.consumer()));
         headers.insert(DEAD_QUEUE_HEADER.into(), long(&self.options.queue));
-        let properties = delivery.properties.clone().with_headers(headers);
+        let properties = dead_letter_properties(&delivery.properties, headers);
         let options = BasicPublishOptions {
             mandatory: true,
             ..Default::default()
@@ -388,4 +388,48 @@ fn reply_code(error: &lapin::Error) -> Option<u16> {
         lapin::ErrorKind::ProtocolError(e) => Some(e.get_id()),
         _ => None,
     }
+}
+
+/// The dead copy's properties: the original's, with `headers`, but kept
+/// (persistent, `delivery_mode` 2) and without the original's `expiration`,
+/// as RabbitMQ's own dead-lettering does: a message that had a TTL or was
+/// sent transient would otherwise vanish from the dead-letter queue when
+/// the TTL ran out or the broker restarted, after the original was acked.
+fn dead_letter_properties(original: &BasicProperties, headers: FieldTable) -> BasicProperties {
+    let o = original;
+    let mut p = BasicProperties::default().with_headers(headers).with_delivery_mode(2);
+    if let Some(v) = o.content_type() {
+        p = p.with_content_type(v.clone());
+    }
+    if let Some(v) = o.content_encoding() {
+        p = p.with_content_encoding(v.clone());
+    }
+    if let Some(v) = o.priority() {
+        p = p.with_priority(*v);
+    }
+    if let Some(v) = o.correlation_id() {
+        p = p.with_correlation_id(v.clone());
+    }
+    if let Some(v) = o.reply_to() {
+        p = p.with_reply_to(v.clone());
+    }
+    if let Some(v) = o.message_id() {
+        p = p.with_message_id(v.clone());
+    }
+    if let Some(v) = o.timestamp() {
+        p = p.with_timestamp(*v);
+    }
+    if let Some(v) = o.kind() {
+        p = p.with_type(v.clone());
+    }
+    if let Some(v) = o.user_id() {
+        p = p.with_user_id(v.clone());
+    }
+    if let Some(v) = o.app_id() {
+        p = p.with_app_id(v.clone());
+    }
+    if let Some(v) = o.cluster_id() {
+        p = p.with_cluster_id(v.clone());
+    }
+    p
 }
