@@ -123,8 +123,22 @@ pub(super) async fn publish_batch(
         }
     };
 
-    // Whatever failed the request as a whole puts the connection in doubt.
-    let connection_in_doubt = replies.as_ref().err().cloned();
+    // Whatever failed the request as a whole puts the connection in doubt;
+    // so does a reply that says the server at its end is no primary (any
+    // more): after a failover behind one address, a new connection reaches
+    // the new primary, this one never will.
+    let connection_in_doubt = match &replies {
+        Err(e) => Some(e.clone()),
+        Ok(replies) => replies.iter().find_map(|reply| match reply {
+            Value::ServerError(e) if matches!(e.code(), "READONLY" | "MASTERDOWN") => {
+                Some(SinkError::transient(format!(
+                    "Redis answered {}: the connection reaches a replica, not the primary",
+                    e.code()
+                )))
+            }
+            _ => None,
+        }),
+    };
     let mut replies = replies.map(|r| r.into_iter().zip(keys));
     let outcomes: Vec<PublishOutcome> = prepared
         .into_iter()

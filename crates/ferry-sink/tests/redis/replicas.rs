@@ -272,3 +272,68 @@ async fn an_abandoned_batch_does_not_leave_its_wait_on_the_connection() {
     assert_eq!(xlen(&mut admin, key).await, 2, "what was sent is stored");
     sink.close().await;
 }
+
+/// After a failover behind one address (a managed Redis's endpoint), the
+/// connection open to the old primary reaches a replica, which refuses
+/// every XADD with READONLY. The sink replaced the connection only on I/O
+/// errors, so it kept that one, and every batch failed until its events
+/// went dead. A READONLY reply now puts the connection in doubt: the next
+/// batch connects anew.
+#[tokio::test]
+async fn a_connection_that_reaches_a_replica_is_replaced() {
+    let server = Server::start(&[]);
+    let other = Server::start(&[]);
+    let mut admin = server.connect().await;
+    let key = &crate::support::unique("demoted");
+    let sink = sink_with(RedisOptions {
+        url: server.url(),
+        ..RedisOptions::default()
+    });
+    let route = route("orders", key);
+    assert!(
+        sink.publish(&route, &keyed(2, |seq| format!("k{seq}")))
+            .await
+            .iter()
+            .all(Result::is_ok)
+    );
+    let connections = |info: String| {
+        info.lines()
+            .find_map(|l| l.trim().strip_prefix("total_connections_received:").map(str::to_owned))
+            .and_then(|n| n.parse::<u64>().ok())
+            .expect("total_connections_received")
+    };
+    let stats = async |conn: &mut MultiplexedConnection| {
+        let info: String = ::redis::cmd("INFO").arg("stats").query_async(conn).await.unwrap();
+        connections(info)
+    };
+    // The server becomes a replica of another: it refuses writes.
+    let _: () = ::redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(other.port)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    for outcome in sink.publish(&route, &keyed(2, |seq| format!("k{seq}"))).await {
+        expect_err(&outcome, ErrorKind::Transient, "READONLY");
+    }
+    let before = stats(&mut admin).await;
+    // Promoted again, as the new primary would be.
+    let _: () = ::redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        sink.publish(&route, &keyed(2, |seq| format!("k{seq}")))
+            .await
+            .iter()
+            .all(Result::is_ok)
+    );
+    assert_eq!(
+        stats(&mut admin).await,
+        before + 1,
+        "the connection that reached a replica was kept"
+    );
+    sink.close().await;
+}
