@@ -15,13 +15,16 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 /// route or the credentials are wrong).
 ///
 /// `UnknownTopicOrPartition` (3) and librdkafka's local `UnknownTopic`
-/// (-188) are configuration errors: the route names a topic that does not
-/// exist, and Ferry never auto-creates topics. Brokers also answer 3 for a
-/// moment while a new topic propagates or a partition moves, but librdkafka
-/// retries that internally (a failure that outlasts `publish_timeout` is
-/// reported as `MessageTimedOut`); it fails a message with 3 only after
-/// metadata said the topic does not exist for longer than
-/// `topic.metadata.propagation.max.ms` (30 s by default).
+/// (-188) are transient, though they usually mean that the route names a
+/// topic that does not exist (Ferry never auto-creates topics; `ferry
+/// check` and the relay's start refuse such a route as a configuration
+/// error). librdkafka's grace for a topic's metadata to propagate
+/// (`topic.metadata.propagation.max.ms`) covers only a topic it has not
+/// seen yet: one metadata answer from a broker out of sync that leaves out
+/// a topic in use fails every message to it at once, and a configuration
+/// error would make each of them dead on its first attempt. Retried, a
+/// topic that is really gone still ends dead after `max_attempts`, with
+/// the fix in its reason.
 ///
 /// ```
 /// use ferry_core::ErrorKind;
@@ -52,9 +55,7 @@ pub fn error_code_kind(code: RDKafkaErrorCode) -> ErrorKind {
         | C::Authentication
         | C::SecurityDisabled
         | C::InvalidRequiredAcks
-        | C::UnsupportedFeature
-        | C::UnknownTopicOrPartition
-        | C::UnknownTopic => ErrorKind::Config,
+        | C::UnsupportedFeature => ErrorKind::Config,
         // MessageTimedOut, BrokerTransportFailure, AllBrokersDown,
         // NotEnoughReplicas(AfterAppend), LeaderNotAvailable,
         // NotLeaderForPartition, RequestTimedOut, BrokerNotAvailable,
@@ -87,8 +88,10 @@ pub(crate) fn delivery_error(topic: &str, err: &KafkaError) -> SinkError {
              over the topic's max.message.bytes: retried, and dead after max_attempts if it is this \
              event; keep sinks.<kafka>.extra.\"batch.size\" below the topic's max.message.bytes"
         )),
-        Some(C::UnknownTopicOrPartition | C::UnknownTopic) => SinkError::config(format!(
-            "topic {topic:?} does not exist; create it or fix routes[].destination ({err})"
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic) => SinkError::transient(format!(
+            "topic {topic:?} does not exist, as the cluster tells it now ({err}): retried, since a broker out \
+             of sync can say so of a topic in use, and dead after max_attempts; if it persists, create the \
+             topic or fix routes[].destination"
         )),
         _ => from_kafka(&format!("delivering to {topic:?}"), err),
     }
@@ -136,8 +139,6 @@ mod tests {
             C::SecurityDisabled,
             C::InvalidRequiredAcks,
             C::UnsupportedFeature,
-            C::UnknownTopicOrPartition,
-            C::UnknownTopic,
         ] {
             assert_eq!(error_code_kind(code), ErrorKind::Config, "{code:?}");
         }
@@ -167,6 +168,8 @@ mod tests {
             C::InvalidProducerEpoch,
             C::ThrottlingQuotaExceeded,
             C::InvalidMessage,
+            C::UnknownTopicOrPartition,
+            C::UnknownTopic,
             C::Unknown,
         ] {
             assert_eq!(error_code_kind(code), ErrorKind::Transient, "{code:?}");
@@ -183,11 +186,11 @@ mod tests {
         assert!(err.message.starts_with("delivering to \"orders\": "), "{}", err.message);
         assert_eq!(
             from_kafka("x", &KafkaError::MessageProduction(C::UnknownTopic)).kind,
-            ErrorKind::Config
+            ErrorKind::Transient
         );
         assert_eq!(from_kafka("x", &KafkaError::Canceled).kind, ErrorKind::Transient);
         let err = delivery_error("orders", &KafkaError::MessageProduction(C::UnknownTopicOrPartition));
-        assert_eq!(err.kind, ErrorKind::Config);
+        assert_eq!(err.kind, ErrorKind::Transient);
         assert!(
             err.message.contains("topic \"orders\" does not exist"),
             "{}",
