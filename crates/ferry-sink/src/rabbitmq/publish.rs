@@ -334,12 +334,19 @@ fn classify_failure(
     }
 }
 
-/// The permanent error for an event whose exchange was found missing.
+/// The error for an event whose exchange was found missing: transient,
+/// since an application redeclaring its exchange (on a deploy, or a
+/// non-durable one after a node restart) makes it missing for a moment, and
+/// a permanent error would make every event of that moment dead on its
+/// first attempt. A route to an exchange that is really gone ends dead
+/// after `max_attempts`, with the fix in its reason; `ferry check` and the
+/// relay's start refuse it as a configuration error.
 fn missing_error(exchange: Option<&str>, missing: &HashMap<String, bool>) -> Option<PublishOutcome> {
     let exchange = exchange?;
     missing.get(exchange).copied().unwrap_or(false).then(|| {
-        Err(SinkError::permanent(format!(
-            "exchange {exchange:?} does not exist; declare it or fix routes[].destination"
+        Err(SinkError::transient(format!(
+            "exchange {exchange:?} does not exist; retried, and dead after max_attempts: declare it or fix \
+             routes[].destination"
         )))
     })
 }
