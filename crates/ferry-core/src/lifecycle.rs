@@ -101,18 +101,33 @@ pub fn decide(
                 Transition::Retry {
                     attempts,
                     next_at: now + delay,
-                    error: err.to_string(),
+                    error: storable(err.to_string()),
                 }
             }
             ErrorKind::Transient => Transition::Dead {
                 attempts,
-                reason: format!("max attempts ({}) reached; last error: {err}", policy.max_attempts),
+                reason: storable(format!(
+                    "max attempts ({}) reached; last error: {err}",
+                    policy.max_attempts
+                )),
             },
             _ => Transition::Dead {
                 attempts,
-                reason: err.to_string(),
+                reason: storable(err.to_string()),
             },
         },
+    }
+}
+
+/// An error text as a store can keep it: a destination's text can hold a
+/// NUL byte (a binary error body), which PostgreSQL refuses in text, and
+/// the outcome could never be written. The byte becomes U+FFFD, as in the
+/// inbox's reasons.
+fn storable(text: String) -> String {
+    if text.contains('\0') {
+        text.replace('\0', "\u{FFFD}")
+    } else {
+        text
     }
 }
 
@@ -121,6 +136,20 @@ mod tests {
     use super::*;
     use crate::SinkError;
     use proptest::prelude::*;
+
+    #[test]
+    fn an_error_text_is_kept_without_nul_bytes() {
+        let now = Utc::now();
+        let err = Err(SinkError::transient("bad\0gateway"));
+        match decide(0, &err, now, &policy(), 0.0) {
+            Transition::Retry { error, .. } => assert!(error.starts_with("bad\u{FFFD}gateway"), "{error}"),
+            other => panic!("{other:?}"),
+        }
+        match decide(0, &Err(SinkError::permanent("no\0")), now, &policy(), 0.0) {
+            Transition::Dead { reason, .. } => assert!(!reason.contains('\0'), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
 
     fn policy() -> RetryPolicy {
         RetryPolicy {
