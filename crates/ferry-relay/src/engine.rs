@@ -3,7 +3,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
-use ferry_core::{Clock, ErrorKind, Ownership, Route, Sink, Store, StoreError};
+use ferry_core::{Clock, ErrorKind, Ownership, Partition, Route, Sink, Store, StoreError};
 use tokio::sync::{Notify, RwLock, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Duration, Instant};
@@ -151,6 +151,21 @@ pub(crate) struct LeaseView {
     pub valid_until: Instant,
 }
 
+impl LeaseView {
+    /// Valid at `now`, and holding each of `partitions` under the token
+    /// `owned` had for it.
+    pub fn holds(&self, owned: &Ownership, partitions: impl IntoIterator<Item = Partition>, now: Instant) -> bool {
+        if self.owned.is_empty() || now >= self.valid_until {
+            return false;
+        }
+        let token = |o: &Ownership, p: Partition| o.leases.iter().find(|(q, _)| *q == p).map(|(_, t)| *t);
+        partitions.into_iter().all(|p| {
+            let then = token(owned, p);
+            then.is_some() && then == token(&self.owned, p)
+        })
+    }
+}
+
 /// State shared by the relay's tasks.
 pub(crate) struct Shared<S, C> {
     pub store: S,
@@ -178,6 +193,16 @@ impl<S: Store, C: Clock> Shared<S, C> {
     pub fn valid_ownership(&self) -> Option<Ownership> {
         let view = self.lease.borrow();
         (!view.owned.is_empty() && Instant::now() < view.valid_until).then(|| view.owned.clone())
+    }
+
+    /// Whether the lease view is valid and still holds each of
+    /// `partitions` under the token it had in `owned`, the view a claim or
+    /// fetch was made under. A read whose answer came late may have been
+    /// overtaken by a tick that lost some of its partitions (their lease
+    /// lapsed and another relay took them): their events are that relay's
+    /// to publish now.
+    pub fn still_holds(&self, owned: &Ownership, partitions: impl IntoIterator<Item = Partition>) -> bool {
+        self.lease.borrow().holds(owned, partitions, Instant::now())
     }
 
     /// Runs `work` (a publish) while the lease is valid: `None` if the lease
@@ -344,7 +369,10 @@ impl<S: Store, C: Clock> Relay<S, C> {
         } = self;
         let mut shutdown = std::pin::pin!(shutdown);
         // Fail fast on a missing schema, before any task starts.
-        let first = loop {
+        let (first, sent) = loop {
+            // The lease runs from the request, not from its answer, which
+            // may come late.
+            let sent = Instant::now();
             // A tick against an unreachable database may wait out a connect
             // timeout; a shutdown meanwhile ends the wait.
             let tick = tokio::select! {
@@ -352,7 +380,7 @@ impl<S: Store, C: Clock> Relay<S, C> {
                 _ = &mut shutdown => return Ok(RunReport::default()),
             };
             match tick {
-                Ok(own) => break own,
+                Ok(own) => break (own, sent),
                 Err(e) if e.kind == ErrorKind::Transient => {
                     warn!(error = %e, "database unreachable at start; retrying");
                     tokio::select! {
@@ -366,10 +394,9 @@ impl<S: Store, C: Clock> Relay<S, C> {
         let mut first = first;
         first.relay = settings.id.clone();
         progress.renewed();
-        let started = Instant::now();
         let (lease_tx, lease_rx) = watch::channel(LeaseView {
             owned: first,
-            valid_until: started + settings.lease.saturating_sub(settings.lease_margin()),
+            valid_until: sent + settings.lease.saturating_sub(settings.lease_margin()),
         });
         let route_wake = routes.iter().map(|r| (r.name.clone(), Notify::new())).collect();
         let shared = Arc::new(Shared {
@@ -457,5 +484,38 @@ impl<S: Store, C: Clock> Relay<S, C> {
         };
         info!(?report, "relay stopped");
         Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod lease_view_tests {
+    use super::*;
+
+    fn owning(leases: &[(Partition, i64)]) -> Ownership {
+        Ownership {
+            leases: leases.to_vec(),
+            ..Ownership::default()
+        }
+    }
+
+    #[test]
+    fn a_read_is_published_only_while_its_partitions_are_held_under_the_same_token() {
+        let now = Instant::now();
+        let claimed_under = owning(&[(1, 7), (2, 7)]);
+        let view = |leases: &[(Partition, i64)]| LeaseView {
+            owned: owning(leases),
+            valid_until: now + Duration::from_secs(1),
+        };
+        assert!(view(&[(1, 7), (2, 7), (3, 1)]).holds(&claimed_under, [1, 2], now));
+        // Partition 2 lost since (another relay took it): the read is stale.
+        assert!(!view(&[(1, 7), (3, 1)]).holds(&claimed_under, [1, 2], now));
+        // Held again, but under a new token: someone else held it between.
+        assert!(!view(&[(1, 7), (2, 8)]).holds(&claimed_under, [2], now));
+        // A partition the read did not hold then.
+        assert!(!view(&[(1, 7), (2, 7), (3, 1)]).holds(&claimed_under, [3], now));
+        // Only the partitions of what was read matter.
+        assert!(view(&[(1, 7)]).holds(&claimed_under, [1], now));
+        // A view past its deadline holds nothing.
+        assert!(!view(&[(1, 7), (2, 7)]).holds(&claimed_under, [1], now + Duration::from_secs(1)));
     }
 }

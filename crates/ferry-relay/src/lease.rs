@@ -89,6 +89,13 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                 }
             }
             Err(e) => {
+                if !release.is_empty() {
+                    // The hand-back may have committed though its answer
+                    // was lost: another relay can take those partitions
+                    // now. Work on them stops here; the next tick that
+                    // answers says what this relay holds.
+                    tx.send_modify(|view| view.owned.leases.retain(|(p, _)| !release.contains(p)));
+                }
                 drop(gate);
                 release.clear();
                 ::metrics::counter!(metrics::STORE_ERRORS, "op" => "tick").increment(1);

@@ -524,7 +524,8 @@ impl<'a> Direct<'a> {
         // before it is published. Publishing it would start new work after
         // the signal, in the time left for what is in flight.
         let stopping = shared.cancel.is_cancelled();
-        if batch.events.is_empty() || stopping || shared.valid_ownership().is_none() {
+        let held = shared.still_holds(&owned, batch.events.iter().map(|c| c.partition));
+        if batch.events.is_empty() || stopping || !held {
             if let Some(u) = previous {
                 settle(shared, u).await;
             }

@@ -167,7 +167,8 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
         // Self-fence: never start publishing under a lease that may lapse.
         // Told to stop while claiming: the batch is left to the next relay,
         // not published in the time left for what is in flight.
-        if shared.cancel.is_cancelled() || shared.valid_ownership().is_none() {
+        // And never publish what a partition lost since the claim holds.
+        if shared.cancel.is_cancelled() || !shared.still_holds(&owned, claimed.iter().map(|c| c.partition)) {
             continue;
         }
         ::metrics::histogram!(metrics::BATCH_SIZE, "route" => route.name.clone()).record(claimed.len() as f64);

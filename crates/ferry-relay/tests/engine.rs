@@ -40,10 +40,14 @@ async fn env() -> Env {
 }
 
 fn route(name: &str, glob: &str) -> Route {
+    route_to(name, glob, "mock")
+}
+
+fn route_to(name: &str, glob: &str, sink: &str) -> Route {
     Route {
         name: name.into(),
         matcher: Glob::new(glob).unwrap(),
-        sink: "mock".into(),
+        sink: sink.into(),
         destination: "d".into(),
         routing_key: None,
     }
@@ -726,6 +730,99 @@ async fn a_stopping_relay_keeps_its_leases_until_its_publishes_are_done() {
     assert_eq!(ra.refused + rb.refused, 0, "outcomes refused after a lease ran out");
     assert_eq!(got.len(), 20, "duplicates: {}", got.len() - 20);
     assert_complete_and_ordered(&ids, &got);
+}
+
+/// A relay above its fair share hands partitions back in a tick. When that
+/// tick commits but its answer is lost, the partitions are another relay's
+/// to take at once: the relay must stop working them then. It kept them
+/// until its next tick answered, and meanwhile both relays published them:
+/// their events twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hand_back_whose_answer_was_lost_stops_work_on_those_partitions() {
+    use ferry_testkit::hooked::{AfterTick, Hook};
+    let e = env().await;
+    let routes = vec![route("orders", "order.**")];
+    let lost = Arc::new(AtomicBool::new(false));
+    let losing = lost.clone();
+    let after: AfterTick = Arc::new(move |release| {
+        (!release.is_empty() && !losing.swap(true, Ordering::SeqCst))
+            .then(|| ferry_core::StoreError::transient("connection reset after the commit"))
+    });
+    let pass: Hook = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let store_a = Hooked::new(PgStore::new(e.pool.clone()), pass).losing_tick_answers(after);
+    // Relay a publishes to `e.sink`, relay b to `e.other`: who published
+    // what is known.
+    let a = start_on(&e, store_a, settings("a", 4), routes.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let b = start_on(
+        &e,
+        PgStore::new(e.pool.clone()),
+        settings("b", 4),
+        vec![route_to("orders", "order.**", "other")],
+    );
+    let mut ids = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut after_loss = None;
+    while after_loss.is_none_or(|at: tokio::time::Instant| at.elapsed() < Duration::from_secs(3)) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "relay a never handed partitions back"
+        );
+        ids.extend(produce(&e.pool, orders(32, 32)).await);
+        if after_loss.is_none() && lost.load(Ordering::SeqCst) {
+            after_loss = Some(tokio::time::Instant::now());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eventually("every event delivered", Duration::from_secs(30), || {
+        let got: std::collections::HashSet<EventId> = e
+            .sink
+            .delivered_ids("orders")
+            .into_iter()
+            .chain(e.other.delivered_ids("orders"))
+            .collect();
+        ids.iter().all(|id| got.contains(id))
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+    let by_b: std::collections::HashSet<EventId> = e.other.delivered_ids("orders").into_iter().collect();
+    assert!(!by_b.is_empty(), "relay b took over nothing: the test proves nothing");
+    let twice = e
+        .sink
+        .delivered_ids("orders")
+        .into_iter()
+        .filter(|id| by_b.contains(id))
+        .count();
+    assert_eq!(twice, 0, "events published by both relays");
+}
+
+/// A destination's error text can hold a NUL byte (a webhook's binary
+/// error body, a broker's description), which PostgreSQL refuses in text:
+/// every write of that outcome failed, and the relay retried it for ever,
+/// holding up the route and then the whole relay. The byte is stored as
+/// U+FFFD.
+#[tokio::test]
+async fn an_error_text_with_a_nul_byte_is_recorded() {
+    let e = env().await;
+    let ids = produce(&e.pool, orders(10, 2)).await;
+    let first = ids[0];
+    let failed = Arc::new(AtomicBool::new(false));
+    e.sink.fail_when(move |ev| {
+        (ev.id == first && !failed.swap(true, Ordering::SeqCst)).then(|| SinkError::transient("bad\0gateway"))
+    });
+    let relay = start(&e, "nul", vec![route("orders", "order.**")]);
+    eventually("all 10 events", Duration::from_secs(30), || {
+        e.sink.delivered_ids("orders").len() >= 10
+    })
+    .await;
+    relay.stop().await;
+    let recorded: Vec<String> = sqlx::query_scalar("SELECT error FROM ferry.failures")
+        .fetch_all(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert!(recorded[0].contains("bad\u{FFFD}gateway"), "{recorded:?}");
 }
 
 /// A relay told to stop starts nothing new: a batch whose fetch was under

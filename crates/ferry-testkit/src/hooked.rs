@@ -19,16 +19,33 @@ use futures::future::BoxFuture;
 /// place of the call.
 pub type Hook = Arc<dyn Fn(&'static str) -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>;
 
+/// Runs after a `tick` the store answered, given the partitions it handed
+/// back; an error returned replaces the answer, as when the connection
+/// drops after the commit.
+pub type AfterTick = Arc<dyn Fn(&[Partition]) -> Option<StoreError> + Send + Sync>;
+
 /// `inner`, with `hook` run before every call.
 #[derive(Clone)]
 pub struct Hooked<S> {
     pub inner: S,
     pub hook: Hook,
+    pub after_tick: Option<AfterTick>,
 }
 
 impl<S> Hooked<S> {
     pub fn new(inner: S, hook: Hook) -> Self {
-        Self { inner, hook }
+        Self {
+            inner,
+            hook,
+            after_tick: None,
+        }
+    }
+
+    /// Loses the answer of the ticks `after` says to: the store did the
+    /// work, the caller gets the error.
+    pub fn losing_tick_answers(mut self, after: AfterTick) -> Self {
+        self.after_tick = Some(after);
+        self
     }
 
     /// Delays every call of `method` by `delay`.
@@ -41,7 +58,11 @@ impl<S> Hooked<S> {
                 Ok(())
             })
         });
-        Self { inner, hook }
+        Self {
+            inner,
+            hook,
+            after_tick: None,
+        }
     }
 }
 
@@ -49,7 +70,11 @@ impl<S> Hooked<S> {
 impl<S: Store> Store for Hooked<S> {
     async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
         (self.hook)("tick").await?;
-        self.inner.tick(relay, lease, release).await
+        let answer = self.inner.tick(relay, lease, release).await;
+        match self.after_tick.as_ref().and_then(|after| after(release)) {
+            Some(lost) => Err(lost),
+            None => answer,
+        }
     }
     async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
         (self.hook)("leave").await?;
