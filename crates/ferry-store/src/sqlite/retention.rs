@@ -265,10 +265,44 @@ impl ExpiredBatch for SqliteExpired {
                 deleted[2]
             ))));
         }
-        tx.commit().await.map_err(|e| DeleteFailed::at_commit(e, store_error))?;
+        tx.commit().await.map_err(commit_failed)?;
         Ok(Deleted {
             events: deleted[2],
             deliveries: deleted[1],
         })
+    }
+}
+
+/// A failed COMMIT of a retention delete. SQLite answering with an I/O
+/// error (or a full disk) may have written the commit to its WAL file
+/// before the error: recovery can replay it, and the rows be gone all the
+/// same. So the batch stays in the archive, the only copy then left.
+fn commit_failed(e: sqlx::Error) -> DeleteFailed {
+    let uncertain = commit_may_have_landed(e.as_database_error().and_then(|d| d.code()).as_deref());
+    let mut failed = DeleteFailed::at_commit(e, store_error);
+    failed.maybe_deleted |= uncertain;
+    failed
+}
+
+/// Whether a COMMIT that failed with this (extended) result code may have
+/// been written all the same: SQLITE_IOERR (10) and SQLITE_FULL (13), with
+/// their extended codes (`IOERR_FSYNC` is 1034).
+fn commit_may_have_landed(code: Option<&str>) -> bool {
+    code.and_then(|c| c.parse::<i64>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 10 | 13))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::commit_may_have_landed;
+
+    #[test]
+    fn an_io_error_at_commit_leaves_the_delete_in_doubt() {
+        assert!(commit_may_have_landed(Some("10")));
+        assert!(commit_may_have_landed(Some("1034")), "SQLITE_IOERR_FSYNC");
+        assert!(commit_may_have_landed(Some("13")), "SQLITE_FULL");
+        assert!(!commit_may_have_landed(Some("5")), "SQLITE_BUSY: nothing was written");
+        assert!(!commit_may_have_landed(Some("19")), "a constraint");
+        assert!(!commit_may_have_landed(None));
     }
 }
