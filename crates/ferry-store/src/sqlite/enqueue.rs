@@ -73,7 +73,7 @@ async fn write_one(conn: &mut SqliteConnection, event: &Event) -> Result<Enqueue
     let id = event.id();
     let partition = partition_of(event.get_key(), id);
     let headers = serde_json::to_string(event.headers()).expect("a string map serialises");
-    let seq: Option<i64> = sqlx::query_scalar(concat!(
+    let stored: Option<i64> = sqlx::query_scalar(concat!(
         "INSERT INTO ferry_events
              (id, type, key, partition, payload, content_type, headers, dispatch_key, created_at)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ",
@@ -99,25 +99,22 @@ async fn write_one(conn: &mut SqliteConnection, event: &Event) -> Result<Enqueue
         }
         _ => e.into(),
     })?;
-    let Some(seq) = seq else {
-        let existing: String = sqlx::query_scalar("SELECT id FROM ferry_events WHERE dispatch_key = ?1")
-            .bind(event.get_dispatch_key())
-            .fetch_one(&mut *conn)
-            .await?;
-        let existing = existing
-            .parse()
-            .map_err(|e: uuid::Error| EnqueueError::Database(sqlx::Error::Decode(e.into())))?;
-        return Ok(Enqueued {
-            id: EventId(existing),
-            duplicate: true,
-        });
-    };
-    sqlx::query("INSERT INTO ferry_unrouted (seq, partition) VALUES (?1, ?2)")
-        .bind(seq)
-        .bind(partition)
-        .execute(&mut *conn)
+    if stored.is_some() {
+        // Its unrouted row came with it: the insert's trigger (migration 4)
+        // writes it in the same statement, so neither is ever left alone.
+        return Ok(Enqueued { id, duplicate: false });
+    }
+    let existing: String = sqlx::query_scalar("SELECT id FROM ferry_events WHERE dispatch_key = ?1")
+        .bind(event.get_dispatch_key())
+        .fetch_one(&mut *conn)
         .await?;
-    Ok(Enqueued { id, duplicate: false })
+    let existing = existing
+        .parse()
+        .map_err(|e: uuid::Error| EnqueueError::Database(sqlx::Error::Decode(e.into())))?;
+    Ok(Enqueued {
+        id: EventId(existing),
+        duplicate: true,
+    })
 }
 
 /// The partition of an event: by key, so a key's events share one; keyless

@@ -6,6 +6,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "outbox", include_str!("migrations/0001_outbox.sql")),
     (2, "inbox", include_str!("migrations/0002_inbox.sql")),
     (3, "direct", include_str!("migrations/0003_direct.sql")),
+    (
+        4,
+        "unrouted_trigger",
+        include_str!("migrations/0004_unrouted_trigger.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -174,6 +174,45 @@ async fn a_directory_that_does_not_exist_is_a_clear_error() {
     assert!(err.message.contains("directory exists"), "{err}");
 }
 
+/// In SQLite a failed statement does not end the transaction: a caller
+/// may commit after enqueue returned an error. The event row and its
+/// unrouted row were two statements, so a failure of the second left a
+/// committed event no relay would ever see, holding its dispatch key: every
+/// retry was told it was a duplicate. The enqueue is one statement now.
+#[tokio::test]
+async fn an_enqueue_that_failed_half_way_leaves_nothing_behind() {
+    let h = harness().await;
+    let event = || Event::new("order.created", json!({ "n": 1 })).dispatch_key("order-1:created");
+    let mut tx = h.pool.begin().await.unwrap();
+    sqlx::query(
+        "CREATE TEMP TRIGGER refuse BEFORE INSERT ON ferry_unrouted BEGIN SELECT RAISE(ABORT, 'disk full'); END",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    assert!(enqueue(&mut tx, event()).await.is_err());
+    sqlx::query("DROP TRIGGER refuse").execute(&mut *tx).await.unwrap();
+    // The caller commits all the same (its business write, say).
+    tx.commit().await.unwrap();
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_events")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 0, "an event was committed without its unrouted row");
+    let mut tx = h.pool.begin().await.unwrap();
+    let again = enqueue(&mut tx, event()).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        !again.duplicate,
+        "the retry was taken for a duplicate of an event never sent"
+    );
+    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_unrouted")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(unrouted, 1);
+}
+
 #[tokio::test]
 async fn a_committed_event_is_stored_whole() {
     let h = harness().await;
