@@ -800,6 +800,39 @@ async fn a_partitioned_table_captured_for_updates_takes_inserts_and_deletes_too(
     );
 }
 
+/// A plain table captured for updates alone, attached later as a
+/// partition: capture_add could not refuse it, and a row moved out of it
+/// commits with no event. `ferry check` says so, with the fix.
+#[tokio::test]
+async fn a_table_captured_for_updates_and_attached_as_a_partition_later_is_reported() {
+    let (_db, pool) = database(
+        "CREATE TABLE readings (device text NOT NULL, at date NOT NULL, value int) PARTITION BY RANGE (at);
+         CREATE TABLE readings_2026 (device text NOT NULL, at date NOT NULL, value int);",
+    )
+    .await;
+    add(
+        &pool,
+        CaptureSpec::new("readings_2026", "iot.reading", "device").on([Operation::Update]),
+    )
+    .await
+    .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec(
+        &pool,
+        "ALTER TABLE readings ATTACH PARTITION readings_2026 FOR VALUES FROM ('2026-01-01') TO ('2027-01-01')",
+    )
+    .await;
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].table.contains("readings_2026"), "{found:?}");
+    assert!(
+        found[0].problem.contains("moves a row to another partition"),
+        "{found:?}"
+    );
+    assert!(found[0].fix.contains("--on insert,update,delete"), "{found:?}");
+}
+
 #[tokio::test]
 async fn installing_gives_up_on_a_table_a_long_transaction_holds() {
     let (_db, pool) = database(ORDERS).await;

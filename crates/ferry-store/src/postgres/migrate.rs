@@ -37,6 +37,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
     (18, "capture_specs", include_str!("migrations/0018_capture_specs.sql")),
     (19, "wal_slot_swept", include_str!("migrations/0019_wal_slot_swept.sql")),
+    (
+        20,
+        "capture_partition_check",
+        include_str!("migrations/0020_capture_partition_check.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
