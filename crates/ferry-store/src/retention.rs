@@ -160,7 +160,11 @@ pub trait ExpiredBatch: Send {
     fn scanned_to(&self) -> i64;
     /// Deletes [`events`](ExpiredBatch::events) that are still due, with
     /// their deliveries and failures, and commits. An event requeued or
-    /// retried since it was read stays. Returns what was deleted.
+    /// retried since it was read stays: a store that cannot rule that out
+    /// by locking before the read deletes nothing of such a batch and says
+    /// so ([`Deleted::changed`]), so that the archive, written before the
+    /// delete, can be cut back to what was deleted. Returns what was
+    /// deleted.
     async fn delete(self: Box<Self>) -> Result<Deleted, DeleteFailed>;
 }
 
@@ -169,6 +173,10 @@ pub trait ExpiredBatch: Send {
 pub struct Deleted {
     pub events: u64,
     pub deliveries: u64,
+    /// The batch changed since it was read (an event requeued, a delivery
+    /// retried): nothing was deleted, and a later run takes what is still
+    /// due.
+    pub changed: bool,
 }
 
 /// A delete that failed, and whether its rows may be gone all the same.
@@ -306,6 +314,40 @@ pub async fn purge<R: Retention + ?Sized>(
             }
         }
         match batch.delete().await {
+            Ok(deleted) if deleted.changed => {
+                // Nothing was deleted: the batch comes out of the archive
+                // again, which holds exactly what is gone.
+                if let (Some(len), Some(mut a)) = (undo, archive.take()) {
+                    let path = a.path.clone();
+                    // A file this batch began is removed rather than left
+                    // empty.
+                    let cut = tokio::task::spawn_blocking(move || {
+                        if len == 0 {
+                            std::fs::remove_file(&a.path).map(|()| None)
+                        } else {
+                            a.cut_back(len).map(|()| Some(a))
+                        }
+                    })
+                    .await;
+                    match cut {
+                        Ok(Ok(a)) => archive = a,
+                        Ok(Err(source)) => {
+                            return Err(PurgeError::Archive {
+                                path,
+                                source,
+                                done: report,
+                            });
+                        }
+                        Err(e) => {
+                            return Err(PurgeError::Archive {
+                                path,
+                                source: std::io::Error::other(e),
+                                done: report,
+                            });
+                        }
+                    }
+                }
+            }
             Ok(deleted) => {
                 report.events += deleted.events;
                 report.deliveries += deleted.deliveries;
@@ -420,6 +462,13 @@ impl ArchiveFile {
     fn truncate(&self, len: u64) -> std::io::Result<()> {
         self.file.set_len(len)?;
         self.file.sync_data()
+    }
+
+    /// Cuts the file back to `len` and goes on appending from there.
+    fn cut_back(&mut self, len: u64) -> std::io::Result<()> {
+        self.truncate(len)?;
+        self.len = len;
+        Ok(())
     }
 }
 

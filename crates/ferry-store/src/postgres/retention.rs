@@ -183,6 +183,7 @@ impl ExpiredBatch for PgExpired {
         Ok(Deleted {
             events: events as u64,
             deliveries: deliveries as u64,
+            changed: false,
         })
     }
 }

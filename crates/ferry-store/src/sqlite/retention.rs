@@ -234,10 +234,17 @@ impl ExpiredBatch for SqliteExpired {
         let due: HashSet<i64> = due.into_iter().collect();
         let seqs: Vec<i64> = self.events.iter().map(|e| e.seq).filter(|s| due.contains(s)).collect();
         if seqs.len() < self.events.len() {
+            // The read took no lock: delete nothing, so that the batch can
+            // come out of the archive whole; a later run takes what is
+            // still due.
             tracing::info!(
-                kept = self.events.len() - seqs.len(),
-                "retention: events changed since they were archived stay in the table"
+                changed = self.events.len() - seqs.len(),
+                "retention: events changed since they were read; the batch stays, for a later run"
             );
+            return Ok(Deleted {
+                changed: true,
+                ..Deleted::default()
+            });
         }
         let list = serde_json::to_string(&seqs).expect("integers serialise");
         let mut deleted = [0u64; 3];
@@ -269,6 +276,7 @@ impl ExpiredBatch for SqliteExpired {
         Ok(Deleted {
             events: deleted[2],
             deliveries: deleted[1],
+            changed: false,
         })
     }
 }
