@@ -213,6 +213,33 @@ async fn an_enqueue_that_failed_half_way_leaves_nothing_behind() {
     assert_eq!(unrouted, 1);
 }
 
+/// A producer built before the unrouted row came with the event's insert
+/// still writes that row itself: it must go on working against the
+/// migrated schema (the relay may be upgraded first).
+#[tokio::test]
+async fn a_producer_of_the_release_before_still_enqueues() {
+    let h = harness().await;
+    let mut tx = h.pool.begin().await.unwrap();
+    let seq: i64 = sqlx::query_scalar(
+        "INSERT INTO ferry_events (id, type, key, partition, payload, created_at)
+         VALUES ('0190a0a0-0000-7000-8000-000000000001', 'order.created', 'k', 3, x'7b7d', 0) RETURNING seq",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO ferry_unrouted (seq, partition) VALUES (?1, 3)")
+        .bind(seq)
+        .execute(&mut *tx)
+        .await
+        .expect("the old second insert is taken as done");
+    tx.commit().await.unwrap();
+    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_unrouted")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(unrouted, 1);
+}
+
 #[tokio::test]
 async fn a_committed_event_is_stored_whole() {
     let h = harness().await;
