@@ -478,6 +478,24 @@ impl Inbox {
             }
         };
         let error = match (result, left) {
+            (result, Left::Aborted(e)) => {
+                tx.rollback().await?;
+                // The transaction a failed statement aborted can be one the
+                // handler began after a COMMIT of its own, which took the
+                // claim with it: now that it is rolled back, read whether
+                // the done row is this attempt's claim.
+                if self.claim_committed(event.id, xid).await? {
+                    return self.committed_by_handler(event, result.err()).await;
+                }
+                match result {
+                    Ok(()) => HandlerError::transient(format!(
+                        "a statement in the handler failed and the handler did not return the error, so \
+                         PostgreSQL rolled back the whole transaction ({e}); return the error, or run the \
+                         statement in a savepoint"
+                    )),
+                    Err(error) => error,
+                }
+            }
             (result, Left::Committed) => {
                 // Ends whatever the handler began after its COMMIT; after a
                 // bare COMMIT there is nothing to end (PostgreSQL warns).
@@ -492,13 +510,6 @@ impl Inbox {
                 Ok(Some(error)) => error,
                 Err(lost) => return self.lost_mid_attempt(event, lost).await,
             },
-            (Ok(()), Left::Aborted(e)) => {
-                tx.rollback().await?;
-                HandlerError::transient(format!(
-                    "a statement in the handler failed and the handler did not return the error, so PostgreSQL \
-                     rolled back the whole transaction ({e}); return the error, or run the statement in a savepoint"
-                ))
-            }
             (Ok(()), Left::RolledBack) => {
                 tx.rollback().await?;
                 HandlerError::transient(
@@ -569,6 +580,21 @@ impl Inbox {
     /// the first writes again and acknowledging it as processed would hide
     /// the rest: the event is recorded dead and dead-lettered with the
     /// reason, loudly, as the handler bug it is, the attempt counted.
+    /// Whether the done row of `id` is the claim of the attempt whose
+    /// transaction was `xid`: committed by the handler itself.
+    async fn claim_committed(&self, id: EventId, xid: i64) -> Result<bool, InboxError> {
+        let ours: Option<bool> = sqlx::query_scalar(
+            "SELECT xmin::text::bigint = $3 % 4294967296 FROM ferry.inbox \
+              WHERE consumer = $1 AND event_id = $2 AND state = 'done'",
+        )
+        .bind(&self.consumer)
+        .bind(id.0)
+        .bind(xid)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(ours == Some(true))
+    }
+
     async fn committed_by_handler(
         &self,
         event: &ReceivedEvent,

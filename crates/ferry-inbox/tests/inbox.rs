@@ -396,6 +396,36 @@ async fn a_handler_that_commits_itself_is_dead_not_acknowledged() {
         "the handler's second transaction rolled back"
     );
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+
+    // COMMIT, then a transaction of its own that a failed statement
+    // aborted: the claim committed all the same. It was taken for another
+    // delivery's, a duplicate, and acknowledged with its failure unsaid.
+    for swallowed in [true, false] {
+        let ev = event();
+        let outcome = inbox
+            .process(&ev, async |tx, ev| {
+                effect(tx, ev, "billing").await?;
+                sqlx::query("COMMIT").execute(&mut *tx).await?;
+                sqlx::query("BEGIN").execute(&mut *tx).await?;
+                let failed = sqlx::query("INSERT INTO no_such_table VALUES (1)")
+                    .execute(&mut *tx)
+                    .await;
+                if swallowed {
+                    Ok(())
+                } else {
+                    failed.map(|_| ()).map_err(HandlerError::from)
+                }
+            })
+            .await
+            .unwrap();
+        match outcome {
+            Outcome::Dead { attempts: 1, reason } => {
+                assert!(reason.contains("COMMIT inside the handler"), "{reason}")
+            }
+            other => panic!("swallowed {swallowed}: {other:?}"),
+        }
+        assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
+    }
 }
 
 /// A deferred constraint the handler's writes break fails the `COMMIT`, the
