@@ -99,9 +99,17 @@ async fn write_one(conn: &mut SqliteConnection, event: &Event) -> Result<Enqueue
         }
         _ => e.into(),
     })?;
-    if stored.is_some() {
-        // Its unrouted row came with it: the insert's trigger (migration 4)
-        // writes it in the same statement, so neither is ever left alone.
+    if let Some(seq) = stored {
+        // From migration 4 on, the insert's trigger wrote the unrouted row
+        // in the same statement, so neither is ever left alone, and this
+        // insert is skipped (a trigger ignores a row that exists). It stays
+        // for a database not migrated yet: a producer can be upgraded
+        // before `ferry migrate` runs.
+        sqlx::query("INSERT INTO ferry_unrouted (seq, partition) VALUES (?1, ?2)")
+            .bind(seq)
+            .bind(partition)
+            .execute(&mut *conn)
+            .await?;
         return Ok(Enqueued { id, duplicate: false });
     }
     let existing: String = sqlx::query_scalar("SELECT id FROM ferry_events WHERE dispatch_key = ?1")

@@ -213,6 +213,38 @@ async fn an_enqueue_that_failed_half_way_leaves_nothing_behind() {
     assert_eq!(unrouted, 1);
 }
 
+/// A producer upgraded before `ferry migrate` ran writes to a schema
+/// without the trigger that writes the unrouted row: it writes that row
+/// itself, or its events would never be delivered.
+#[tokio::test]
+async fn a_producer_ahead_of_the_schema_still_writes_the_unrouted_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("old.db").to_str().unwrap())
+        .await
+        .unwrap();
+    for (version, _, sql) in ferry_store::sqlite::MIGRATIONS {
+        if *version < 4 {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(*sql))
+                .execute(store.pool())
+                .await
+                .unwrap();
+        }
+    }
+    let mut tx = store.pool().begin().await.unwrap();
+    enqueue(&mut tx, Event::new("order.created", json!({ "n": 1 })))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_unrouted")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(
+        unrouted, 1,
+        "an event enqueued on the old schema was never to be delivered"
+    );
+}
+
 /// A producer built before the unrouted row came with the event's insert
 /// still writes that row itself: it must go on working against the
 /// migrated schema (the relay may be upgraded first).
