@@ -164,6 +164,12 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     let prepared = source.prepare().await?;
     report_prepared(&prepared, &source.config().slot);
     let unswept = prepared.unswept;
+    // Before the stream opens: a relay whose stream PostgreSQL took for a
+    // synchronous standby would have committing writers wait for it, and
+    // it for them.
+    if unswept && !await_writers(shared, source).await? {
+        return Ok(());
+    }
     let mut stream: WalStream = tokio::select! {
         s = source.open() => s?,
         _ = shared.cancel.cancelled() => return Ok(()),
@@ -178,10 +184,6 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     // order with the tableless events around it.
     let mut retired = prepared.retired;
     if unswept {
-        if !await_writers(shared, source).await? {
-            stream.close().await;
-            return Ok(());
-        }
         sweep(shared, source, Sweep::Unrouted).await?;
         retired = !source.mark_swept(&prepared).await?;
     }

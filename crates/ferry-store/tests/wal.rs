@@ -366,11 +366,13 @@ async fn a_relay_that_found_no_slot_does_not_undo_another_relays_sweep() {
         .execute(&pool)
         .await
         .unwrap();
-    sqlx::query("INSERT INTO ferry.wal_slots (slot, publication, ready, swept) VALUES ($1, 'ferry', true, true)")
-        .bind(&slot)
-        .execute(&mut *first)
-        .await
-        .unwrap();
+    sqlx::query(
+        "INSERT INTO ferry.wal_slots (slot, publication, ready, swept_generation) VALUES ($1, 'ferry', true, 0)",
+    )
+    .bind(&slot)
+    .execute(&mut *first)
+    .await
+    .unwrap();
     first.commit().await.unwrap();
     let prepared = seen(second.await.unwrap().unwrap());
     assert_eq!(prepared, (false, None));

@@ -253,7 +253,7 @@ impl WalSource {
                 // still the lost one: another relay may have replaced it
                 // meanwhile, and its new slot must survive.
                 sqlx::query(
-                    "UPDATE ferry.wal_slots SET ready = false, swept = false, retired = false, settled_lsn = NULL, \
+                    "UPDATE ferry.wal_slots SET ready = false, retired = false, settled_lsn = NULL, \
                             part_lsn = NULL, part_events = NULL, generation = generation + 1, lost = coalesce(lost, 'lost') \
                       WHERE slot = $1 AND EXISTS (SELECT 1 FROM pg_replication_slots \
                                                    WHERE slot_name = $1 AND wal_status = 'lost')",
@@ -296,7 +296,7 @@ impl WalSource {
             sqlx::query(
                 "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
                  ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
-                 swept = false, retired = false, settled_lsn = NULL, part_lsn = NULL, part_events = NULL, \
+                 retired = false, settled_lsn = NULL, part_lsn = NULL, part_events = NULL, \
                  generation = ferry.wal_slots.generation + 1, \
                  lost = coalesce(ferry.wal_slots.lost, CASE WHEN ferry.wal_slots.ready THEN 'vanished' END) \
                  WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots s \
@@ -350,12 +350,14 @@ impl WalSource {
         .map_err(store_error)?;
         // Ready means swept too: a relay of the release before schema 19,
         // during a rolling upgrade, marks the slot ready only.
-        let (swept, retired, generation): (bool, bool, i64) =
-            sqlx::query_as("SELECT swept OR ready, retired, generation FROM ferry.wal_slots WHERE slot = $1")
-                .bind(slot)
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(store_error)?;
+        let (swept, retired, generation): (bool, bool, i64) = sqlx::query_as(
+            "SELECT ready OR coalesce(swept_generation = generation, false), retired, generation \
+               FROM ferry.wal_slots WHERE slot = $1",
+        )
+        .bind(slot)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(store_error)?;
         Ok(Prepared {
             unswept: !swept,
             replaced: reported.as_deref().and_then(SlotLoss::parse),
@@ -386,8 +388,8 @@ impl WalSource {
             return Err(StoreError::config(another_slot(other, slot)));
         }
         let marked: Option<bool> = sqlx::query_scalar(
-            "UPDATE ferry.wal_slots SET ready = NOT retired, swept = true WHERE slot = $1 AND generation = $2 \
-             RETURNING ready",
+            "UPDATE ferry.wal_slots SET ready = NOT retired, swept_generation = generation \
+              WHERE slot = $1 AND generation = $2 RETURNING ready",
         )
         .bind(slot)
         .bind(prepared.generation)
@@ -419,7 +421,9 @@ impl WalSource {
             "SELECT l.transactionid::text FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
               WHERE l.locktype = 'transactionid' AND l.mode = 'ExclusiveLock' AND l.granted \
                 AND l.pid IS DISTINCT FROM pg_backend_pid() \
-                AND (a.datname = current_database() OR l.pid IS NULL)",
+                AND (a.datname = current_database() \
+                     OR l.pid IS NULL AND l.transactionid IN (SELECT p.transaction FROM pg_prepared_xacts p \
+                                                               WHERE p.database = current_database()))",
         )
         .fetch_all(&self.pool)
         .await
