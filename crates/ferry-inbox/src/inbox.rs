@@ -573,13 +573,6 @@ impl Inbox {
         }
     }
 
-    /// The handler ran `COMMIT` itself, so the event's inbox row committed
-    /// done with the writes the handler made before it, and what it did
-    /// afterwards (a failure it returned, or writes that each committed on
-    /// their own) was outside the inbox's transaction. A retry would apply
-    /// the first writes again and acknowledging it as processed would hide
-    /// the rest: the event is recorded dead and dead-lettered with the
-    /// reason, loudly, as the handler bug it is, the attempt counted.
     /// Whether the done row of `id` is the claim of the attempt whose
     /// transaction was `xid`: committed by the handler itself.
     async fn claim_committed(&self, id: EventId, xid: i64) -> Result<bool, InboxError> {
@@ -595,6 +588,13 @@ impl Inbox {
         Ok(ours == Some(true))
     }
 
+    /// The handler ran `COMMIT` itself, so the event's inbox row committed
+    /// done with the writes the handler made before it, and what it did
+    /// afterwards (a failure it returned, or writes that each committed on
+    /// their own) was outside the inbox's transaction. A retry would apply
+    /// the first writes again and acknowledging it as processed would hide
+    /// the rest: the event is recorded dead and dead-lettered with the
+    /// reason, loudly, as the handler bug it is, the attempt counted.
     async fn committed_by_handler(
         &self,
         event: &ReceivedEvent,
