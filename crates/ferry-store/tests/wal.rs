@@ -452,6 +452,21 @@ async fn a_retired_slot_stays_swept() {
     drop_slot(&pool, db.name()).await;
     let made = source.prepare().await.unwrap();
     assert_eq!(seen(made), (true, None), "a new slot was taken as swept");
+    assert!(source.mark_swept(&made).await.unwrap());
+    // A relay of the release before schema 19 resets the record for a new
+    // slot as it knows it: not ready, the next generation. The new slot is
+    // not swept, whoever reset the record.
+    sqlx::query("UPDATE ferry.wal_slots SET ready = false, generation = generation + 1 WHERE slot = $1")
+        .bind(db.name())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let reset = source.prepare().await.unwrap();
+    assert_eq!(
+        seen(reset),
+        (true, None),
+        "a slot reset by an older relay was taken as swept"
+    );
     pool.close().await;
     db.drop_db().await;
 }
