@@ -17,7 +17,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, BufWriter, Write};
+use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
@@ -32,12 +32,26 @@ struct Open {
 }
 
 impl Open {
+    /// Opens `path` for appending. A file that ends in part of a line, left
+    /// by a writer killed mid-write (or whose cut-back failed), is first cut
+    /// back to its last whole line: those bytes were never reported
+    /// written, and the retry's line would otherwise be glued to them.
     fn append(path: &Path, created: &mut BTreeSet<PathBuf>) -> io::Result<Self> {
         if !path.exists() {
             created.insert(parent(path).to_owned());
         }
-        let file = OpenOptions::new().create(true).append(true).open(path)?;
-        let size = file.metadata()?.len();
+        let mut file = OpenOptions::new().create(true).read(true).append(true).open(path)?;
+        let mut size = file.metadata()?.len();
+        let whole = whole_lines_len(&mut file, size)?;
+        if whole < size {
+            file.set_len(whole)?;
+            warn!(
+                path = %path.display(),
+                bytes = size - whole,
+                "cut a partial line off the end of the file, left by an interrupted write; its event is written again"
+            );
+            size = whole;
+        }
         Ok(Self {
             writer: BufWriter::with_capacity(64 * 1024, file),
             size,
@@ -57,6 +71,28 @@ impl Open {
         self.writer.flush()?;
         self.writer.get_ref().sync_data()
     }
+}
+
+/// The length of `file` up to and including its last newline.
+fn whole_lines_len(file: &mut File, size: u64) -> io::Result<u64> {
+    let mut buf = [0u8; 8192];
+    let mut end = size;
+    while end > 0 {
+        // The last byte alone first: almost always a newline.
+        let start = if end == size {
+            end - 1
+        } else {
+            end.saturating_sub(buf.len() as u64)
+        };
+        let chunk = &mut buf[..(end - start) as usize];
+        file.seek(SeekFrom::Start(start))?;
+        file.read_exact(chunk)?;
+        if let Some(at) = chunk.iter().rposition(|&b| b == b'\n') {
+            return Ok(start + at as u64 + 1);
+        }
+        end = start;
+    }
+    Ok(0)
 }
 
 /// One line of a batch: the file it goes to, its bytes (ending in a
@@ -211,7 +247,7 @@ impl<'a> Batch<'a> {
             warn!(
                 path = %path.display(),
                 error = %e,
-                "could not cut the file back after a failed write; it may end in a partial line"
+                "could not cut the file back after a failed write; the next batch to open it cuts any partial line"
             );
         }
         let lines = self.written.remove(path).unwrap_or_default();
@@ -261,15 +297,43 @@ fn lock_dir(_dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// `<name>.<UTC timestamp>.<n>` beside `path`, with the smallest `n` from 1
-/// not yet taken.
+/// `<name>.<UTC timestamp>.<n>` beside `path`, sorting after every file
+/// already rotated from it, so that timestamp-then-`n` order is write order:
+/// the stamp is `now`'s, or the newest rotated file's when that is later (a
+/// writer whose clock is behind, or that read it before waiting its turn for
+/// the lock), and `n` follows the highest taken under that stamp.
 pub(crate) fn rotated_name(path: &Path, now: DateTime<Utc>) -> PathBuf {
-    let stamp = now.format("%Y%m%dT%H%M%SZ");
     let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
-    (1u64..)
+    let mut stamp = now.format(STAMP).to_string();
+    let mut n = 1;
+    if let Some((newest, last)) = newest_rotated(path, &name)
+        && newest >= stamp
+    {
+        n = last + 1;
+        stamp = newest;
+    }
+    (n..)
         .map(|n| path.with_file_name(format!("{name}.{stamp}.{n}")))
         .find(|candidate| !candidate.exists())
         .expect("some suffix is free")
+}
+
+const STAMP: &str = "%Y%m%dT%H%M%SZ";
+
+/// The latest `(stamp, n)` among the files rotated from `path` (named
+/// `name`); none when the directory cannot be read.
+fn newest_rotated(path: &Path, name: &str) -> Option<(String, u64)> {
+    let prefix = format!("{name}.");
+    fs::read_dir(parent(path))
+        .ok()?
+        .filter_map(|entry| {
+            let entry = entry.ok()?.file_name();
+            let (stamp, n) = entry.to_str()?.strip_prefix(&prefix)?.split_once('.')?;
+            let n: u64 = n.parse().ok()?;
+            chrono::NaiveDateTime::parse_from_str(stamp, STAMP).ok()?;
+            Some((stamp.to_owned(), n))
+        })
+        .max()
 }
 
 pub(crate) fn parent(path: &Path) -> &Path {
@@ -328,6 +392,51 @@ mod tests {
             rotated_name(&path, now),
             dir.path().join("events.jsonl.20261130T082231Z.2")
         );
+    }
+
+    #[test]
+    fn a_rotated_name_sorts_after_every_file_rotated_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let now = DateTime::parse_from_rfc3339("2026-11-30T08:22:31Z").unwrap().to_utc();
+        // Another writer, whose clock is ahead or who took the lock first,
+        // rotated at 08:22:40; the first of its files was archived since.
+        fs::write(dir.path().join("events.jsonl.20261130T082240Z.2"), b"").unwrap();
+        fs::write(dir.path().join("events.jsonl.20261130T082239Z.7"), b"").unwrap();
+        fs::write(dir.path().join("events.jsonl.notes"), b"").unwrap();
+        assert_eq!(
+            rotated_name(&path, now),
+            dir.path().join("events.jsonl.20261130T082240Z.3")
+        );
+        let later = DateTime::parse_from_rfc3339("2026-11-30T08:23:00Z").unwrap().to_utc();
+        assert_eq!(
+            rotated_name(&path, later),
+            dir.path().join("events.jsonl.20261130T082300Z.1")
+        );
+    }
+
+    /// What a writer killed in the middle of a line leaves: the retry's
+    /// line starts on a line of its own, and the whole lines stay.
+    #[test]
+    fn a_partial_line_left_by_a_crash_is_cut_before_the_next_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        let mut long = vec![b'x'; 20_000];
+        long.push(b'\n');
+        let mut before = b"{\"a\":1}\n".to_vec();
+        before.extend_from_slice(&long);
+        let mut crashed = before.clone();
+        crashed.extend_from_slice(&vec![b'y'; 10_000]);
+        fs::write(&path, &crashed).unwrap();
+        let lines: [(&Path, &[u8]); 1] = [(path.as_path(), b"{\"b\":2}\n")];
+        all_written(&write_lines(&unkeyed(&lines), 1 << 20, Utc::now()));
+        let mut expected = before.clone();
+        expected.extend_from_slice(b"{\"b\":2}\n");
+        assert_eq!(fs::read(&path).unwrap(), expected);
+        // A file holding nothing but a partial line.
+        fs::write(&path, b"{\"cut").unwrap();
+        all_written(&write_lines(&unkeyed(&lines), 1 << 20, Utc::now()));
+        assert_eq!(fs::read(&path).unwrap(), b"{\"b\":2}\n");
     }
 
     #[test]
