@@ -28,7 +28,7 @@ pub use clock::{Clock, SystemClock};
 pub use error::{ErrorKind, ValidationError};
 pub use event::{Event, EventId, EventType, Headers, MAX_KEY_BYTES, MAX_PAYLOAD_BYTES, Payload, StoredEvent};
 pub use lifecycle::{RetryPolicy, Transition, decide};
-pub use route::{Glob, Route, render_template};
+pub use route::{Glob, Route, render_template, render_template_with};
 pub use sink::{PublishOutcome, Sink, SinkError, prepare_in_key_order};
 pub use store::{
     Claimed, DeliveryState, DirectBatch, DirectOutcome, DirectRecord, NO_ROUTE, Ownership, Partition, Recorded,

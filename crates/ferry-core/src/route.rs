@@ -76,21 +76,75 @@ pub struct Route {
 /// assert_eq!(render_template("events.{domain}.{type}", &e), "events.order.order.created");
 /// ```
 pub fn render_template(template: &str, event: &StoredEvent) -> String {
+    render_template_with(template, event, str::to_owned)
+}
+
+/// [`render_template`], passing each placeholder's value through `escape`
+/// (a URL sink percent-encodes them). One pass over the template: a value
+/// that itself holds a placeholder's name (a key `"a{id}"`) is not
+/// rendered again.
+pub fn render_template_with(template: &str, event: &StoredEvent, escape: impl Fn(&str) -> String) -> String {
     if !template.contains('{') {
         return template.to_owned();
     }
     let domain = event.event_type.split('.').next().unwrap_or_default();
     let id = event.id.to_string();
-    template
-        .replace("{type}", &event.event_type)
-        .replace("{domain}", domain)
-        .replace("{key}", event.key.as_deref().unwrap_or(""))
-        .replace("{id}", &id)
+    let values = [
+        ("{type}", event.event_type.as_str()),
+        ("{domain}", domain),
+        ("{key}", event.key.as_deref().unwrap_or("")),
+        ("{id}", id.as_str()),
+    ];
+    let mut out = String::with_capacity(template.len() + 64);
+    let mut rest = template;
+    while let Some(at) = rest.find('{') {
+        out.push_str(&rest[..at]);
+        rest = &rest[at..];
+        match values.iter().find(|(name, _)| rest.starts_with(name)) {
+            Some((name, value)) => {
+                out.push_str(&escape(value));
+                rest = &rest[name.len()..];
+            }
+            None => {
+                out.push('{');
+                rest = &rest[1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn event(key: Option<&str>) -> StoredEvent {
+        StoredEvent {
+            id: crate::EventId::new(),
+            seq: 1,
+            event_type: "order.item.created".into(),
+            key: key.map(str::to_owned),
+            payload: Default::default(),
+            content_type: "application/json".into(),
+            headers: Default::default(),
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn templates_render_each_placeholder_once() {
+        let e = event(Some("k{id}{type}"));
+        assert_eq!(
+            render_template("{domain}/{type}/{key}/{nope}/{", &e),
+            "order/order.item.created/k{id}{type}/{nope}/{"
+        );
+        assert_eq!(render_template("x.{id}", &e), format!("x.{}", e.id));
+        assert_eq!(render_template("plain", &e), "plain");
+        assert_eq!(render_template("k={key}", &event(None)), "k=");
+        let upper = render_template_with("{domain}:{key}", &e, |v| v.to_uppercase());
+        assert_eq!(upper, "ORDER:K{ID}{TYPE}");
+    }
 
     #[test]
     fn globs() {

@@ -7,7 +7,7 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use bytes::Bytes;
 use chrono::SecondsFormat;
-use ferry_core::{Route, SinkError, StoredEvent, redact, render_template};
+use ferry_core::{Route, SinkError, StoredEvent, redact, render_template_with};
 use reqwest::Url;
 use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 
@@ -16,10 +16,12 @@ pub const CONTENT_TYPE: &str = "application/cloudevents+json";
 /// CloudEvents specification version written in `specversion`.
 pub const SPEC_VERSION: &str = "1.0";
 
-/// Producer headers that would corrupt the HTTP framing or the signature;
-/// they are left out rather than failing the event.
+/// Producer headers that would corrupt the HTTP framing, the body's
+/// decoding or the signature; they are left out rather than failing the
+/// event.
 const RESERVED: &[&str] = &[
     "connection",
+    "content-encoding",
     "content-length",
     "content-type",
     "expect",
@@ -118,9 +120,40 @@ impl<'r> Destination<'r> {
     pub(crate) fn url(&self, event: &StoredEvent) -> Result<Url, SinkError> {
         match &self.fixed {
             Some(url) => url.clone(),
-            None => checked_url(self.route, &render_template(&self.route.destination, event)),
+            None => {
+                // Percent-encoded, a key cannot add a path segment, a query
+                // or a fragment; "." and ".." (which URL parsing resolves,
+                // encoded or not) cannot be a segment of their own.
+                if matches!(event.key.as_deref(), Some("." | "..")) && self.route.destination.contains("{key}") {
+                    return Err(SinkError::permanent(format!(
+                        "route {:?}: the key {:?} cannot be placed in the URL {:?}: URL parsing would resolve it \
+                         as a path step",
+                        self.route.name,
+                        event.key.as_deref().unwrap_or_default(),
+                        redact::url(&self.route.destination)
+                    )));
+                }
+                checked_url(
+                    self.route,
+                    &render_template_with(&self.route.destination, event, percent_encoded),
+                )
+            }
         }
     }
+}
+
+/// `value` with every byte outside RFC 3986's unreserved characters
+/// percent-encoded, so that it stays inside the URL component it is put in.
+fn percent_encoded(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for &b in value.as_bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 fn checked_url(route: &Route, rendered: &str) -> Result<Url, SinkError> {
@@ -180,7 +213,11 @@ fn header(name: &str, value: &str) -> Result<(HeaderName, HeaderValue), String> 
 /// The CloudEvents structured-mode body. `data` carries the payload bytes
 /// verbatim when they are JSON, `data_base64` carries them otherwise.
 fn body(event: &StoredEvent, source: &str) -> Vec<u8> {
-    let json = is_json(&event.content_type) && serde_json::from_slice::<serde::de::IgnoredAny>(&event.payload).is_ok();
+    // `IgnoredAny` skips strings without checking their UTF-8: a payload
+    // holding invalid UTF-8 would make the body invalid JSON.
+    let json = is_json(&event.content_type)
+        && std::str::from_utf8(&event.payload).is_ok()
+        && serde_json::from_slice::<serde::de::IgnoredAny>(&event.payload).is_ok();
     let mut out = Vec::with_capacity(event.payload.len() * if json { 1 } else { 2 } + 256);
     field(&mut out, "id", &event.id.to_string());
     field(&mut out, "type", &event.event_type);
@@ -293,6 +330,8 @@ mod tests {
         for (payload, ct) in [
             (&b"\x00\x01raw"[..], "application/octet-stream"),
             (b"{not json", "application/json"),
+            // Well-formed but for a string that is not UTF-8.
+            (b"{\"name\": \"caf\xe9\"}", "application/json"),
         ] {
             let r = prepare("https://hooks.example/in", &event(None, payload, ct)).unwrap();
             let v: Value = serde_json::from_slice(&r.body).unwrap();
@@ -307,6 +346,34 @@ mod tests {
         let e = event(Some("o-1"), b"{}", "application/json");
         let r = prepare("https://hooks.example/{domain}/{key}", &e).unwrap();
         assert_eq!(r.url.as_str(), "https://hooks.example/order/o-1");
+        // A key stays inside its component: no extra path segment, query
+        // or fragment, whatever it holds.
+        for (key, url) in [
+            (
+                "a/../../admin",
+                "https://hooks.example/order/a%2F..%2F..%2Fadmin?k=a%2F..%2F..%2Fadmin",
+            ),
+            (
+                "x#y?z=1&w",
+                "https://hooks.example/order/x%23y%3Fz%3D1%26w?k=x%23y%3Fz%3D1%26w",
+            ),
+            ("café 1", "https://hooks.example/order/caf%C3%A9%201?k=caf%C3%A9%201"),
+        ] {
+            let r = prepare(
+                "https://hooks.example/{domain}/{key}?k={key}",
+                &event(Some(key), b"{}", "application/json"),
+            );
+            assert_eq!(r.unwrap().url.as_str(), url, "{key}");
+        }
+        for key in [".", ".."] {
+            let err = prepare(
+                "https://hooks.example/{key}",
+                &event(Some(key), b"{}", "application/json"),
+            )
+            .unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Permanent, "{err}");
+            assert!(err.message.contains("path step"), "{err}");
+        }
 
         let err = prepare("ftp://hooks.example/x", &e).unwrap_err();
         assert_eq!(err.kind, ErrorKind::Config);
@@ -354,11 +421,14 @@ mod tests {
         e.headers.insert("authorization".into(), "forged".into());
         e.headers.insert("Content-Type".into(), "text/evil".into());
         e.headers.insert("webhook-id".into(), "forged".into());
+        // The body is sent as it is: a receiver told it is gzip fails to read it.
+        e.headers.insert("Content-Encoding".into(), "gzip".into());
         let configured = configured_headers(&[("Authorization".to_owned(), "Bearer t".to_owned())].into()).unwrap();
         let r = Request::prepare(&Destination::new(&route("http://h/")), &e, "s", &configured, 1 << 20).unwrap();
         assert_eq!(r.headers["authorization"], "Bearer t");
         assert_eq!(r.headers["content-type"], CONTENT_TYPE);
         assert!(r.headers.get("webhook-id").is_none());
+        assert!(r.headers.get("content-encoding").is_none());
 
         // A producer's UTF-8 value goes as it is.
         e.headers.insert("x-customer".into(), "Müller".into());

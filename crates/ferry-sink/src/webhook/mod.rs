@@ -252,7 +252,10 @@ impl WebhookSink {
             return Err(SinkError::transient(format!(
                 "not sent, next attempt in {} ms; the last one failed: {last}",
                 wait.as_millis()
-            )));
+            ))
+            // The relay's next attempt waits as long: one made sooner would
+            // be refused here again and spend an attempt unsent.
+            .with_retry_after(wait));
         }
         // A 429 or 503 with Retry-After speaks for the endpoint, not for one
         // event: the requests after it wait too, rather than each earning

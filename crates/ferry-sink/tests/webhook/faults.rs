@@ -95,6 +95,10 @@ async fn a_receiver_that_never_answers_times_out_transiently() {
         // And says why, with the failure that started the backoff.
         expect_err(outcome, ErrorKind::Transient, "the last one failed: ");
         expect_err(outcome, ErrorKind::Transient, "timed out");
+        // The relay waits out the backoff rather than spend attempts on
+        // requests that would not be sent.
+        let wait = outcome.as_ref().unwrap_err().retry_after;
+        assert!(wait.is_some_and(|w| w > Duration::ZERO), "{wait:?}");
     }
 
     receiver.set_gate(true);
