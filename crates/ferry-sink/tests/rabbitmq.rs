@@ -433,6 +433,29 @@ async fn an_oversized_event_holds_back_later_events_of_its_key_only() {
     topology.delete().await;
 }
 
+/// Headers that fit one AMQP frame go; headers past it, which RabbitMQ
+/// answers by closing the connection, are refused before sending, and the
+/// events after them on the same connection go.
+#[tokio::test]
+async fn headers_past_one_frame_are_refused_before_they_cost_the_connection() {
+    let topology = TestTopology::create("frame").await;
+    let sink = sink_at(amqp_url());
+    let mut fits = event(0, "test.item.created", Some("a"), json!({ "seq": 0 }));
+    fits.headers.insert("x-big".into(), "x".repeat(120_000));
+    let mut too_big = event(1, "test.item.created", Some("b"), json!({ "seq": 1 }));
+    too_big.headers.insert("x-big".into(), "x".repeat(140_000));
+    let after = event(2, "test.item.created", Some("c"), json!({ "seq": 2 }));
+    let events = vec![fits, too_big, after];
+    let outcomes = sink.publish(&route(topology.exchange(), None), &events).await;
+    assert_eq!(outcomes[0], Ok(()));
+    expect_err(&outcomes[1], ErrorKind::Permanent, "frame_max");
+    assert_eq!(outcomes[2], Ok(()));
+    let received = topology.receive(2, QUIET_PERIOD).await;
+    assert_eq!(received_ids(&received), ids(&[events[0].clone(), events[2].clone()]));
+    sink.close().await;
+    topology.delete().await;
+}
+
 #[tokio::test]
 async fn a_test_topology_dropped_without_delete_leaves_no_exchange() {
     let sink = sink_at(amqp_url());

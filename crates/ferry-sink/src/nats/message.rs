@@ -27,6 +27,16 @@ const CE_SOURCE: HeaderName = HeaderName::from_static("ce-source");
 const CE_TIME: HeaderName = HeaderName::from_static("ce-time");
 const CE_SUBJECT: HeaderName = HeaderName::from_static("ce-subject");
 const CONTENT_TYPE: HeaderName = HeaderName::from_static("content-type");
+/// The headers Ferry writes.
+const OWN: [HeaderName; 7] = [
+    CE_SPECVERSION,
+    CE_ID,
+    CE_TYPE,
+    CE_SOURCE,
+    CE_TIME,
+    CE_SUBJECT,
+    CONTENT_TYPE,
+];
 
 /// One event, ready for `HPUB`.
 #[derive(Debug, Clone)]
@@ -67,6 +77,15 @@ impl Message {
             // included, and a `Nats-Expected-*` would refuse the publish for
             // ever. They are the server's, not the event's: not sent.
             if name.get(..5).is_some_and(|p| p.eq_ignore_ascii_case("nats-")) {
+                continue;
+            }
+            // Nor Ferry's own, in any case: where Ferry writes none (a
+            // keyless event's `ce-subject`), a producer's copy would stand
+            // in for it, and a consumer would take it for the key.
+            if OWN
+                .iter()
+                .any(|own| AsRef::<str>::as_ref(own).eq_ignore_ascii_case(name))
+            {
                 continue;
             }
             headers.insert(header_name(name)?, header_value(name, value)?);
@@ -225,11 +244,19 @@ mod tests {
         let mut e = event(None);
         e.headers.insert("Nats-Msg-Id".into(), "forged".into());
         e.headers.insert("ce-id".into(), "forged".into());
+        e.headers.insert("CE-ID".into(), "forged".into());
+        // The event has no key: no ce-subject may reach the consumer.
+        e.headers.insert("ce-subject".into(), "forged".into());
+        e.headers.insert("Ce-Subject".into(), "forged".into());
         let m = Message::prepare(&route("events"), &e, "ferry", 100, 0).unwrap();
         let id = e.id.to_string();
         assert_eq!(m.headers.get_all("Nats-Msg-Id").count(), 1);
         assert_eq!(header(&m, "Nats-Msg-Id"), Some(format!("{id}:events")));
         assert_eq!(header(&m, "ce-id").as_deref(), Some(id.as_str()));
+        for name in ["CE-ID", "ce-subject", "Ce-Subject"] {
+            assert_eq!(header(&m, name), None, "{name}");
+        }
+        assert_eq!(header(&m, "traceparent").as_deref(), Some("00-abc-01"));
     }
 
     #[test]

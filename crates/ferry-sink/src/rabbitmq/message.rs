@@ -11,6 +11,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 const PERSISTENT: u8 = 2;
 /// The header carrying the event's aggregate key.
 pub const KEY_HEADER: &str = "ferry-key";
+/// RabbitMQ's default, and largest usual, `frame_max`.
+const FRAME_MAX: usize = 131_072;
 /// CloudEvents specification version written in `cloudEvents:specversion`.
 pub const SPEC_VERSION: &str = "1.0";
 
@@ -56,9 +58,32 @@ impl Message {
 /// Refused (permanently) when a value does not fit an AMQP short string.
 pub fn properties(event: &StoredEvent, source: &str) -> Result<BasicProperties, SinkError> {
     let mut headers = FieldTable::default();
+    // Fixed fields, the CloudEvents headers and the content header frame's
+    // own framing, generously: the producer's headers are what varies.
+    let mut size = 1024 + event.content_type.len() + event.event_type.len() * 2 + source.len();
+    size += event.key.as_ref().map_or(0, |k| 2 * k.len());
     for (name, value) in &event.headers {
+        // Ferry's own names, whatever their case: a producer's copy would
+        // stand in for them where Ferry writes none (a keyless event has no
+        // `ferry-key`, which a consumer would take for its key).
+        let lower = name.to_ascii_lowercase();
+        if lower == KEY_HEADER || lower.starts_with("cloudevents:") {
+            continue;
+        }
         let name = short("header name", "the producer's headers", name.clone())?;
+        // A short-string name, a type tag and a long-string value.
+        size += 1 + name.as_str().len() + 1 + 4 + value.len();
         headers.insert(name, long(value));
+    }
+    // The properties travel in one content header frame, which RabbitMQ
+    // refuses (closing the connection) when it passes the negotiated
+    // frame_max: a refusal every retry would meet again.
+    if size > FRAME_MAX {
+        return Err(SinkError::permanent(format!(
+            "the message's properties, mostly the event's headers, come to about {size} bytes; AMQP carries them \
+             in one frame, at most {FRAME_MAX} bytes (RabbitMQ's frame_max): send less in the event's headers and \
+             more in its payload"
+        )));
     }
     // Inserted after the producer's headers so a producer cannot spoof them.
     let id = event.id.to_string();
@@ -159,11 +184,31 @@ mod tests {
     }
 
     #[test]
-    fn producer_headers_cannot_spoof_the_id() {
+    fn producer_headers_cannot_spoof_the_id_or_the_key() {
         let mut e = event(None);
         e.headers.insert("cloudEvents:id".into(), "forged".into());
+        e.headers.insert("CloudEvents:Subject".into(), "forged".into());
+        e.headers.insert("ferry-key".into(), "forged".into());
+        e.headers.insert("Ferry-Key".into(), "forged".into());
         let m = Message::prepare(&route("ex", None), &e, "ferry", 100).unwrap();
         assert_eq!(header(&m, "cloudEvents:id"), Some(e.id.to_string()));
+        for name in ["CloudEvents:Subject", "ferry-key", "Ferry-Key", "cloudEvents:subject"] {
+            assert_eq!(header(&m, name), None, "{name}");
+        }
+        assert_eq!(header(&m, "traceparent").as_deref(), Some("00-abc-01"));
+    }
+
+    /// Headers past one AMQP frame would have RabbitMQ close the connection
+    /// on every attempt: refused before sending, for good.
+    #[test]
+    fn headers_past_one_frame_are_refused() {
+        let mut e = event(Some("o-1"));
+        e.headers.insert("big".into(), "x".repeat(100_000));
+        Message::prepare(&route("ex", None), &e, "ferry", 1 << 20).unwrap();
+        e.headers.insert("bigger".into(), "x".repeat(40_000));
+        let err = Message::prepare(&route("ex", None), &e, "ferry", 1 << 20).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert!(err.message.contains("frame_max"), "{}", err.message);
     }
 
     #[test]
