@@ -8,7 +8,7 @@ use tokio::sync::{Notify, RwLock, watch};
 use tokio::task::JoinSet;
 use tokio::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::{RelaySettings, lease, router, worker};
 
@@ -35,6 +35,11 @@ pub enum RelayError {
     DuplicateRoute(String),
     #[error("the store is not usable: {0}")]
     Store(StoreError),
+    /// A task of the relay ended on its own (a panic, which is a bug): the
+    /// relay stopped, as on a signal, rather than run on with events that
+    /// nothing routes or delivers.
+    #[error("the relay's {task} stopped unexpectedly: {reason}")]
+    TaskEnded { task: String, reason: String },
 }
 
 /// What a relay did before it stopped.
@@ -377,7 +382,15 @@ impl<S: Store, C: Clock> Relay<S, C> {
             // timeout; a shutdown meanwhile ends the wait.
             let tick = tokio::select! {
                 tick = store.tick(&settings.id, settings.lease, &[]) => tick,
-                _ = &mut shutdown => return Ok(RunReport::default()),
+                _ = &mut shutdown => {
+                    // The tick given up on may still have run on the server
+                    // and taken partitions: hand back whatever it took.
+                    let farewell = settings.shutdown_timeout.min(FAREWELL_TIMEOUT);
+                    if !matches!(tokio::time::timeout(farewell, store.leave(&settings.id)).await, Ok(Ok(()))) {
+                        warn!("could not hand back what the first lease request may have taken; it expires on its own");
+                    }
+                    return Ok(RunReport::default());
+                }
             };
             match tick {
                 Ok(own) => break (own, sent),
@@ -416,20 +429,26 @@ impl<S: Store, C: Clock> Relay<S, C> {
         });
         info!(relay = %shared.settings.id, routes = shared.routes.len(), "relay started");
 
+        // Each task by name, so that one ending early is named.
         let mut work = JoinSet::new();
+        let mut names = HashMap::new();
         #[cfg(feature = "wal")]
         match wal {
             Some(wal) => {
-                work.spawn(crate::wal::run(shared.clone(), wal));
+                names.insert(
+                    work.spawn(crate::wal::run(shared.clone(), wal)).id(),
+                    "WAL streamer".to_owned(),
+                );
             }
             None => {
-                work.spawn(router::run(shared.clone()));
+                names.insert(work.spawn(router::run(shared.clone())).id(), "router".to_owned());
             }
         }
         #[cfg(not(feature = "wal"))]
-        work.spawn(router::run(shared.clone()));
+        names.insert(work.spawn(router::run(shared.clone())).id(), "router".to_owned());
         for route in shared.routes.clone() {
-            work.spawn(worker::run(shared.clone(), route));
+            let name = format!("worker for route {:?}", route.name);
+            names.insert(work.spawn(worker::run(shared.clone(), route)).id(), name);
         }
         // Aborted on drop like the workers in `work`: a `run` future dropped
         // half-way (its task aborted, a lost `select!`) must not leave a
@@ -438,7 +457,22 @@ impl<S: Store, C: Clock> Relay<S, C> {
         let mut keeper = AbortOnDrop(tokio::spawn(lease::keep(shared.clone(), lease_tx, keeper_stop.clone())));
         let listener = AbortOnDrop(tokio::spawn(lease::listen(shared.clone())));
 
-        shutdown.await;
+        // The tasks run until cancelled: one that ends before (a panic in
+        // a sink's client, a bug) stops the relay, which a supervisor then
+        // restarts, instead of leaving its events undelivered behind a
+        // relay that looks healthy.
+        let ended = tokio::select! {
+            () = &mut shutdown => None,
+            Some(ended) = work.join_next_with_id() => Some(match ended {
+                Ok((id, ())) => (names.remove(&id), "it returned".to_owned()),
+                Err(e) => (names.remove(&e.id()), panic_text(e)),
+            }),
+        };
+        let ended = ended.map(|(task, reason)| {
+            let task = task.unwrap_or_else(|| "task".to_owned());
+            error!(%task, %reason, "a relay task stopped unexpectedly; stopping the relay");
+            RelayError::TaskEnded { task, reason }
+        });
         info!("shutting down: no new claims; waiting for in-flight publishes");
         shared.cancel.cancel();
         let drained = tokio::time::timeout(shared.settings.shutdown_timeout, async {
@@ -450,14 +484,29 @@ impl<S: Store, C: Clock> Relay<S, C> {
             work.abort_all();
             while work.join_next().await.is_some() {}
         }
-        // The leases were renewed until here: another relay taking them
-        // while publishes drained would publish the same events beside them.
-        keeper_stop.cancel();
         // Nothing below may hold the exit up: with the database or a broker
         // unreachable, a lease renewal, the hand-back or a sink's close could
         // each wait out a connect timeout. Leases not handed back expire.
         drop(listener);
         let farewell = shared.settings.shutdown_timeout.min(FAREWELL_TIMEOUT);
+        // The sinks close while the leases are still held and renewed: a
+        // publish the timeout cut short may have left messages in a client's
+        // queue (librdkafka's), which closing flushes. Sent after the
+        // hand-back, they would reach the destination beside, or after, the
+        // next relay's copies of the same events and of later ones of their
+        // keys. A close that does not finish keeps the leases, to expire.
+        let closing = futures::future::join_all(shared.sinks.values().map(|sink| sink.close()));
+        let closed = tokio::time::timeout(farewell, closing).await.is_ok();
+        if !closed {
+            warn!(
+                ?farewell,
+                "closing the sinks took too long; the leases are left to expire, so that no other relay publishes \
+                 beside what they may still send"
+            );
+        }
+        // The leases were renewed until here: another relay taking them
+        // while publishes drained would publish the same events beside them.
+        keeper_stop.cancel();
         // A renewal in flight finishes first (the keeper stops at its next
         // wait): aborted half-way, its statement would still run on the
         // server and could take the leases again after the hand-back.
@@ -465,14 +514,12 @@ impl<S: Store, C: Clock> Relay<S, C> {
             keeper.0.abort();
             let _ = (&mut keeper.0).await;
         }
-        match tokio::time::timeout(farewell, shared.store.leave(&shared.settings.id)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!(error = %e, "could not hand leases back; they expire on their own"),
-            Err(_) => warn!(?farewell, "handing leases back took too long; they expire on their own"),
-        }
-        let closing = futures::future::join_all(shared.sinks.values().map(|sink| sink.close()));
-        if tokio::time::timeout(farewell, closing).await.is_err() {
-            warn!(?farewell, "closing the sinks took too long; exiting anyway");
+        if closed {
+            match tokio::time::timeout(farewell, shared.store.leave(&shared.settings.id)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => warn!(error = %e, "could not hand leases back; they expire on their own"),
+                Err(_) => warn!(?farewell, "handing leases back took too long; they expire on their own"),
+            }
         }
         let c = &shared.counters;
         let report = RunReport {
@@ -483,7 +530,25 @@ impl<S: Store, C: Clock> Relay<S, C> {
             order_breaks: c.order_breaks.load(Ordering::Relaxed),
         };
         info!(?report, "relay stopped");
-        Ok(report)
+        match ended {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+}
+
+/// What a task that failed said: its panic message, when it has one.
+fn panic_text(e: tokio::task::JoinError) -> String {
+    if !e.is_panic() {
+        return e.to_string();
+    }
+    let payload = e.into_panic();
+    match payload.downcast::<String>() {
+        Ok(text) => format!("panicked: {text}"),
+        Err(payload) => match payload.downcast::<&'static str>() {
+            Ok(text) => format!("panicked: {text}"),
+            Err(_) => "panicked".to_owned(),
+        },
     }
 }
 

@@ -942,6 +942,103 @@ async fn shutdown_hands_the_leases_back() {
     b.stop().await;
 }
 
+/// A publish the shutdown timeout cut short may leave messages in a client's
+/// queue, which the sink's close flushes: it must run while the leases are
+/// still held, or those messages could reach the destination beside (or
+/// after) the next relay's copies.
+#[tokio::test]
+async fn the_sinks_close_before_the_leases_are_handed_back() {
+    let e = env().await;
+    let sink = e.sink.clone();
+    let closed_at_leave = Arc::new(std::sync::Mutex::new(None));
+    let seen = closed_at_leave.clone();
+    let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
+        if called == "leave" {
+            *seen.lock().unwrap() = Some(sink.closed());
+        }
+        Box::pin(async { Ok(()) })
+    });
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let relay = start_on(&e, store, settings("a", 4), vec![route("orders", "order.**")]);
+    produce(&e.pool, orders(10, 2)).await;
+    eventually("delivered", Duration::from_secs(20), || {
+        e.sink.delivered("orders").len() >= 10
+    })
+    .await;
+    relay.stop().await;
+    assert_eq!(
+        *closed_at_leave.lock().unwrap(),
+        Some(true),
+        "the leases were handed back before the sinks closed"
+    );
+}
+
+/// A task that panics (here in a sink's client: the router, which publishes
+/// fresh events itself) stops the relay with an error naming it, so that a
+/// supervisor restarts it, rather than leave events undelivered behind a
+/// relay that runs on.
+#[tokio::test]
+async fn a_task_that_panics_stops_the_relay_with_an_error() {
+    let e = env().await;
+    e.sink.fail_when(|ev| {
+        assert_ne!(ev.key.as_deref(), Some("k0"), "a bug in the sink");
+        None
+    });
+    let sinks: HashMap<String, Arc<dyn Sink>> = [("mock".to_string(), e.sink.clone() as Arc<dyn Sink>)].into();
+    let relay = Relay::new(
+        PgStore::new(e.pool.clone()),
+        SystemClock,
+        settings("a", 4),
+        vec![route("orders", "order.**")],
+        sinks,
+    )
+    .unwrap();
+    produce(&e.pool, orders(1, 1)).await;
+    let result = tokio::time::timeout(Duration::from_secs(30), relay.run(std::future::pending()))
+        .await
+        .expect("the relay stops on its own");
+    let error = result.expect_err("a relay whose worker died reports it");
+    let text = error.to_string();
+    assert!(matches!(error, ferry_relay::RelayError::TaskEnded { .. }), "{text}");
+    assert!(
+        text.contains("the relay's router stopped unexpectedly: panicked"),
+        "{text}"
+    );
+    assert!(text.contains("a bug in the sink"), "{text}");
+    // Stopped as on a signal: the leases are handed back.
+    let owned: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner IS NOT NULL")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(owned, 0);
+}
+
+/// A sink that cannot finish closing may still send what it holds: its
+/// relay keeps the leases, to expire, rather than hand them to a relay that
+/// would publish beside it.
+#[tokio::test]
+async fn a_sink_that_does_not_close_in_time_leaves_the_leases_to_expire() {
+    let e = env().await;
+    e.sink.delay_close(Duration::from_secs(60));
+    let relay = start(&e, "a", vec![route("orders", "order.**")]);
+    produce(&e.pool, orders(10, 2)).await;
+    eventually("delivered", Duration::from_secs(20), || {
+        e.sink.delivered("orders").len() >= 10
+    })
+    .await;
+    tokio::time::timeout(Duration::from_secs(30), relay.stop())
+        .await
+        .expect("the close is bounded");
+    let owned: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner = 'a'")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert!(
+        owned > 0,
+        "the leases were handed back while the sink was still closing"
+    );
+}
+
 /// A lease renewal in flight when the relay stops must not take the leases
 /// again after the hand-back. A client that gives up on a statement already
 /// sent leaves it running on the server; here the renewal's statement runs

@@ -21,6 +21,8 @@ pub struct MockSink {
     admits_in_publish: AtomicBool,
     down: AtomicBool,
     attempts: AtomicU64,
+    closed: AtomicBool,
+    close_delay: Mutex<Option<std::time::Duration>>,
 }
 
 impl MockSink {
@@ -63,6 +65,17 @@ impl MockSink {
 
     pub fn delivered_ids(&self, route: &str) -> Vec<EventId> {
         self.delivered(route).iter().map(|e| e.id).collect()
+    }
+
+    /// Whether the relay has closed it.
+    pub fn closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    /// Makes `close` take `delay`, as flushing a client's queue to a slow
+    /// broker does.
+    pub fn delay_close(&self, delay: std::time::Duration) {
+        *self.close_delay.lock().unwrap() = Some(delay);
     }
 
     /// Publish attempts, successful or not.
@@ -123,6 +136,14 @@ impl Sink for MockSink {
                 Ok(())
             })
             .collect()
+    }
+
+    async fn close(&self) {
+        let delay = *self.close_delay.lock().unwrap();
+        if let Some(delay) = delay {
+            tokio::time::sleep(delay).await;
+        }
+        self.closed.store(true, Ordering::SeqCst);
     }
 
     async fn check(&self, _route: &Route) -> Result<(), SinkError> {

@@ -152,10 +152,15 @@ impl Started {
         let result = relay.run(shutdown).await;
         let _ = stop_tx.send(true);
         let _ = stopped_tx.send(true);
-        for task in beside {
-            if tokio::time::timeout(Duration::from_secs(10), task).await.is_err() {
-                warn!("a background task did not stop within 10s");
-            }
+        // Together, under one deadline: each waited for in turn, a few slow
+        // ones could outlast the grace period a supervisor gives the exit.
+        let aborts: Vec<_> = beside.iter().map(|task| task.abort_handle()).collect();
+        if tokio::time::timeout(Duration::from_secs(10), futures::future::join_all(beside))
+            .await
+            .is_err()
+        {
+            warn!("background tasks did not stop within 10s; stopping them");
+            aborts.iter().for_each(tokio::task::AbortHandle::abort);
         }
         #[cfg(feature = "otel")]
         if let Some(exporting) = exporting {
