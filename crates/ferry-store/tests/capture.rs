@@ -1104,6 +1104,71 @@ async fn tables_captured_before_the_upgrade_fire_always_and_are_guarded() {
     assert_eq!(drift[0].table, "public.notes");
 }
 
+/// Upgrading from schema 11: 0012 locks `ferry.events` against producers
+/// and 0013 alters each captured table. Applied in one transaction, the
+/// events lock was held while 0013 waited for a transaction writing a
+/// captured table, whose capture trigger then waited for the events lock: a
+/// deadlock, in which PostgreSQL aborted the business write. Each migration
+/// commits on its own, so the write waits only for 0012.
+#[tokio::test]
+async fn an_upgrade_does_not_deadlock_a_write_to_a_captured_table() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate_up_to(&pool, 11).await;
+    exec(&pool, ORDERS).await;
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "INSERT INTO orders (id, status) VALUES (1, 'new')").await;
+    let before = events(&pool).await.len();
+
+    // A business transaction that has written to the table, but not yet a
+    // captured row: it holds the table's lock, not the outbox's.
+    let mut business = pool.begin().await.unwrap();
+    sqlx::query("UPDATE orders SET status = status WHERE false")
+        .execute(&mut *business)
+        .await
+        .unwrap();
+    let upgrade = tokio::spawn({
+        let pool = pool.clone();
+        async move { migrate(&mut pool.acquire().await.unwrap()).await }
+    });
+    // The upgrade reaches 0013, waiting for the table.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'public.orders'::regclass",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the upgrade never waited for the table"
+        );
+        assert!(!upgrade.is_finished(), "the upgrade finished: {:?}", upgrade.await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The business write now fires the capture trigger.
+    sqlx::query("UPDATE orders SET status = 'paid' WHERE id = 1")
+        .execute(&mut *business)
+        .await
+        .expect("the captured write waits for no migration");
+    business.commit().await.unwrap();
+    let applied = tokio::time::timeout(Duration::from_secs(30), upgrade)
+        .await
+        .expect("the upgrade finishes once the write commits")
+        .unwrap()
+        .unwrap();
+    assert_eq!(applied.first(), Some(&12), "{applied:?}");
+    let after = events(&pool).await;
+    assert_eq!(after.len(), before + 1);
+    assert_eq!(after.last().unwrap().event_type, "shop.order.updated");
+}
+
 /// Ferry's schema as migration `last` left it.
 async fn migrate_up_to(pool: &PgPool, last: i32) {
     exec(

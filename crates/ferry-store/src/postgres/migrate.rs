@@ -61,37 +61,46 @@ pub enum MigrateError {
 
 /// Brings the `ferry` schema up to date; safe to run again and concurrently.
 /// Returns the versions applied by this call.
+///
+/// Each migration commits on its own, under the migrators' lock: what one
+/// locks (0012 locks `ferry.events` against producers) is held for that
+/// migration only, not until the last one commits; a migration that fails
+/// leaves the ones before it applied, and the next run goes on from there.
 pub async fn migrate(conn: &mut PgConnection) -> Result<Vec<i32>, MigrateError> {
-    let mut tx = conn.begin().await?;
-    // One migrator at a time; the lock goes with the transaction.
-    sqlx::query("SELECT pg_advisory_xact_lock(1178948185, 0)")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query("CREATE SCHEMA IF NOT EXISTS ferry")
-        .execute(&mut *tx)
-        .await?;
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS ferry.schema_migrations (
-             version int PRIMARY KEY,
-             name text NOT NULL,
-             applied_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .execute(&mut *tx)
-    .await?;
-    let applied: Vec<i32> = sqlx::query_scalar("SELECT version FROM ferry.schema_migrations ORDER BY version")
-        .fetch_all(&mut *tx)
-        .await?;
-    let known = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
-    if let Some(&found) = applied.iter().max()
-        && found > known
-    {
-        return Err(MigrateError::TooNew { found, known });
-    }
     let mut done = Vec::new();
-    for &(version, name, sql) in MIGRATIONS {
-        if applied.contains(&version) {
-            continue;
+    loop {
+        let mut tx = conn.begin().await?;
+        // One migrator at a time; the lock goes with the transaction. What
+        // is applied is read under it, so two migrators never both apply one.
+        sqlx::query("SELECT pg_advisory_xact_lock(1178948185, 0)")
+            .execute(&mut *tx)
+            .await?;
+        if done.is_empty() {
+            sqlx::query("CREATE SCHEMA IF NOT EXISTS ferry")
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "CREATE TABLE IF NOT EXISTS ferry.schema_migrations (
+                     version int PRIMARY KEY,
+                     name text NOT NULL,
+                     applied_at timestamptz NOT NULL DEFAULT now())",
+            )
+            .execute(&mut *tx)
+            .await?;
         }
+        let applied: Vec<i32> = sqlx::query_scalar("SELECT version FROM ferry.schema_migrations ORDER BY version")
+            .fetch_all(&mut *tx)
+            .await?;
+        let known = MIGRATIONS.last().map(|m| m.0).unwrap_or(0);
+        if let Some(&found) = applied.iter().max()
+            && found > known
+        {
+            return Err(MigrateError::TooNew { found, known });
+        }
+        let Some(&(version, name, sql)) = MIGRATIONS.iter().find(|m| !applied.contains(&m.0)) else {
+            tx.commit().await?;
+            return Ok(done);
+        };
         sqlx::raw_sql(sql)
             .execute(&mut *tx)
             .await
@@ -101,8 +110,7 @@ pub async fn migrate(conn: &mut PgConnection) -> Result<Vec<i32>, MigrateError> 
             .bind(name)
             .execute(&mut *tx)
             .await?;
+        tx.commit().await?;
         done.push(version);
     }
-    tx.commit().await?;
-    Ok(done)
 }
