@@ -53,6 +53,48 @@ async fn the_sql_door_agrees_on_dispatch_keys() {
     assert_eq!(n, 1);
 }
 
+/// `ferry.enqueue_with_outcome` tells a new event from a repeat of its
+/// dispatch key, whichever door stored the first, and checks the event as
+/// `ferry.enqueue` does.
+#[tokio::test]
+async fn the_sql_door_reports_a_repeat() {
+    let h = harness().await;
+    let call = "SELECT id, duplicate FROM ferry.enqueue_with_outcome('order.created', 'k', '{\"n\": 1}', '{}', $1)";
+    let (first, repeat): (uuid::Uuid, bool) = sqlx::query_as(call).bind("dk-1").fetch_one(&h.pool).await.unwrap();
+    assert!(!repeat);
+    let (again, repeat): (uuid::Uuid, bool) = sqlx::query_as(call).bind("dk-1").fetch_one(&h.pool).await.unwrap();
+    assert_eq!((again, repeat), (first, true));
+    // Without a dispatch key, every call stores an event.
+    let (other, repeat): (uuid::Uuid, bool) = sqlx::query_as(call)
+        .bind(None::<&str>)
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert!(other != first && !repeat);
+    // A key the Rust door stored first.
+    let mut tx = h.pool.begin().await.unwrap();
+    let rust = enqueue(
+        &mut tx,
+        Event::new("order.created", json!({"n": 2})).dispatch_key("dk-2"),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let (id, repeat): (uuid::Uuid, bool) = sqlx::query_as(call).bind("dk-2").fetch_one(&h.pool).await.unwrap();
+    assert_eq!((id, repeat), (rust.id.0, true));
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 3);
+    // Checked as ferry.enqueue is.
+    let err = sqlx::query("SELECT * FROM ferry.enqueue_with_outcome('Order', 'k', '{}')")
+        .execute(&h.pool)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("invalid event type"), "{err}");
+}
+
 /// In one batch, an event is a repeat when another of the batch or an
 /// earlier transaction wrote its dispatch key, also when it is the very
 /// same event (same id).

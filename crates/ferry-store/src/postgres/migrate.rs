@@ -42,6 +42,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "capture_partition_check",
         include_str!("migrations/0020_capture_partition_check.sql"),
     ),
+    (
+        21,
+        "enqueue_outcome",
+        include_str!("migrations/0021_enqueue_outcome.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
