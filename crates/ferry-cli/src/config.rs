@@ -749,7 +749,14 @@ fn relay(check: &mut Checker, raw: RawRelay) -> RelaySettings {
             DEFAULT_POLL_INTERVAL,
             millisecond,
         ),
-        shutdown_timeout: check.duration("relay.shutdown_timeout", raw.shutdown_timeout, DEFAULT_SHUTDOWN_TIMEOUT),
+        // Zero would abort every publish in flight at a stop and leave no
+        // time to close the sinks and hand the leases back.
+        shutdown_timeout: check.duration_at_least(
+            "relay.shutdown_timeout",
+            raw.shutdown_timeout,
+            DEFAULT_SHUTDOWN_TIMEOUT,
+            Duration::from_secs(1),
+        ),
         mode: match raw.mode.as_deref() {
             None | Some("poll") => RelayMode::Poll,
             Some("wal") => {

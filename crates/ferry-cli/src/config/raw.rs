@@ -199,6 +199,38 @@ pub(super) struct EnvOverrides(Vec<(Vec<String>, String)>);
 /// section is named `test`.
 const OTHER_USES: [&str; 2] = ["CONFIG", "TEST_"];
 
+/// Whether `FERRY_<rest>=value` is one of the variables Kubernetes (and
+/// Docker links) give every pod for a Service whose name starts with
+/// `ferry` (`ferry`, `ferry-metrics`): `<SVC>_SERVICE_HOST=10.0.0.1`,
+/// `<SVC>_SERVICE_PORT[_<NAME>]=9464`, `<SVC>_PORT=tcp://10.0.0.1:9464`,
+/// `<SVC>_PORT_9464_TCP[_PROTO|_PORT|_ADDR]`. Refused, they would stop
+/// every `ferry` in the namespace. Matched by name and value, so that a
+/// setting mistyped with one underscore (`FERRY_METRICS_PORT=9464`) is
+/// still refused.
+fn service_variable(rest: &str, value: &str) -> bool {
+    let parts: Vec<&str> = rest.split('_').collect();
+    let number = |v: &str| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit());
+    let address = |v: &str| v.parse::<std::net::IpAddr>().is_ok();
+    let link = |v: &str| {
+        ["tcp://", "udp://", "sctp://"]
+            .iter()
+            .any(|scheme| v.starts_with(scheme))
+    };
+    (0..parts.len()).any(|i| match (parts[i], &parts[i + 1..]) {
+        ("SERVICE", ["HOST"]) => address(value),
+        ("SERVICE", ["PORT", ..]) => number(value),
+        ("PORT", []) => link(value),
+        ("PORT", [port, proto, more @ ..]) if number(port) && matches!(*proto, "TCP" | "UDP" | "SCTP") => match more {
+            [] => link(value),
+            ["PROTO"] => matches!(value, "tcp" | "udp" | "sctp"),
+            ["PORT"] => number(value),
+            ["ADDR"] => address(value),
+            _ => false,
+        },
+        _ => false,
+    })
+}
+
 impl EnvOverrides {
     pub(super) fn new(env: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
         let mut vars = Vec::new();
@@ -219,7 +251,7 @@ impl EnvOverrides {
                     } else {
                         upper == *other
                     }
-                });
+                }) || service_variable(&upper, &value);
                 if !other_use {
                     problems.push(Problem {
                         message: single_underscore(&upper),
@@ -394,7 +426,15 @@ fn figment_problem(error: figment::Error, file: &str) -> Problem {
         kind => format!("{kind}{}", env_source(&error, path)),
     };
     if path.is_empty() {
-        // No field: a syntax error in the file, whose message has the line.
+        // No field: a syntax error in the file, whose message has the line
+        // and column. Not the line's text, which the parser quotes: it may
+        // hold a secret (an unclosed quote after a password in a URL).
+        let message = message
+            .lines()
+            .map(str::trim)
+            .filter(|line| !line.is_empty() && !quotes_the_source(line))
+            .collect::<Vec<_>>()
+            .join(": ");
         return Problem {
             field: file.to_owned(),
             message,
@@ -404,6 +444,13 @@ fn figment_problem(error: figment::Error, file: &str) -> Problem {
         field: field_path(path),
         message,
     }
+}
+
+/// A line of a parse error that shows the file: `3 | url = "..."`, or the
+/// `|` and `^` lines around it.
+fn quotes_the_source(line: &str) -> bool {
+    let rest = line.trim_start_matches(|c: char| c.is_ascii_digit()).trim_start();
+    rest.starts_with('|')
 }
 
 /// ` (set by FERRY_X__Y)` when the value came from the environment, which the

@@ -22,10 +22,13 @@ fn the_example_file_parses_to_its_documented_values() {
     let c = from_toml_str(EXAMPLE).unwrap();
     assert_eq!(c.database.url, "postgres://root@127.0.0.1:5432/test");
     assert_eq!(c.database.max_connections, 10);
+    // Unset, so that relays sharing the file do not share an id: each run
+    // draws its own.
+    assert_ne!(c.relay.id, from_toml_str(EXAMPLE).unwrap().relay.id);
     assert_eq!(
         c.relay,
         RelaySettings {
-            id: "relay-a".into(),
+            id: c.relay.id.clone(),
             batch_size: 500,
             lease: Duration::from_secs(30),
             max_attempts: 12,
@@ -342,6 +345,8 @@ fn bad_durations() {
     assert_eq!(e, "relay.lease: 1s is too short; it must be at least 2s");
     let e = errors_with("[relay]\npoll_interval = \"0s\"\n");
     assert_eq!(e, "relay.poll_interval: 0s is too short; it must be more than 0s");
+    let e = errors_with("[relay]\nshutdown_timeout = \"0s\"\n");
+    assert_eq!(e, "relay.shutdown_timeout: 0s is too short; it must be at least 1s");
     let e = errors_with("[relay]\nbackoff_base = \"10s\"\nbackoff_max = \"1s\"\n");
     assert_eq!(
         e,
@@ -852,6 +857,15 @@ fn a_value_of_the_wrong_kind_is_not_echoed() {
     }
 }
 
+/// A syntax error is placed by line and column, without the line's text,
+/// which may hold a secret.
+#[test]
+fn a_syntax_error_does_not_quote_the_file() {
+    let e = errors("[database]\nurl = \"postgres://app:s3cret-pw@db:5432/prod\n");
+    assert!(!e.contains("s3cret-pw"), "{e}");
+    assert!(e.contains("line 2"), "{e}");
+}
+
 #[test]
 fn a_name_without_a_double_underscore_is_refused_with_the_name_meant() {
     // Read as nothing, it would leave the file's URL in force unsaid.
@@ -884,6 +898,28 @@ fn a_name_without_a_double_underscore_is_refused_with_the_name_meant() {
     let lines: Vec<&str> = e.lines().skip(1).map(str::trim).collect();
     assert!(lines[0].starts_with("FERRY_SINKS_RABBIT_URL: ") && lines[0].contains("FERRY_SINKS__<NAME>__URL"));
     assert!(lines[1].starts_with("ferry_relay_batch_size: ") && lines[1].contains("write FERRY_RELAY__BATCH_SIZE"));
+    // What Kubernetes gives every pod for Services named ferry and
+    // ferry-metrics is not refused; a setting mistyped so still is.
+    let service = [
+        ("FERRY_SERVICE_HOST", "10.96.0.12"),
+        ("FERRY_SERVICE_PORT", "9464"),
+        ("FERRY_SERVICE_PORT_METRICS", "9464"),
+        ("FERRY_PORT", "tcp://10.96.0.12:9464"),
+        ("FERRY_PORT_9464_TCP", "tcp://10.96.0.12:9464"),
+        ("FERRY_PORT_9464_TCP_PROTO", "tcp"),
+        ("FERRY_PORT_9464_TCP_PORT", "9464"),
+        ("FERRY_PORT_9464_TCP_ADDR", "10.96.0.12"),
+        ("FERRY_METRICS_SERVICE_HOST", "fd00::12"),
+        ("FERRY_METRICS_PORT", "tcp://10.96.0.13:9464"),
+        ("FERRY_DATABASE__URL", "postgres://h/db"),
+    ];
+    load_with_env(None, env(&service)).unwrap();
+    for (name, value) in [("FERRY_METRICS_PORT", "9464"), ("FERRY_RELAY_SERVICE_HOST", "relay-a")] {
+        let e = load_with_env(None, env(&[("FERRY_DATABASE__URL", "postgres://h/db"), (name, value)]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with(&format!("{name}: not a setting Ferry reads")), "{e}");
+    }
     // Names Ferry reads for something else stay allowed.
     for name in ["FERRY_CONFIG", "FERRY_TEST_AMQP_URL", "FERRY_TEST_KAFKA_PORT"] {
         load_with_env(None, env(&[("FERRY_DATABASE__URL", "postgres://h/db"), (name, "x")]))
