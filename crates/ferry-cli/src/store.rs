@@ -90,7 +90,7 @@ impl AnyStore {
                 let found = sqlx::query_scalar("SELECT max(version) FROM ferry.schema_migrations")
                     .fetch_one(&mut *conn)
                     .await;
-                Ok((found.unwrap_or(None), known))
+                Ok((no_table_is_none(found, "42P01")?, known))
             }
             #[cfg(feature = "sqlite")]
             AnyStore::Sqlite(s) => {
@@ -99,9 +99,25 @@ impl AnyStore {
                 let found = sqlx::query_scalar("SELECT max(version) FROM ferry_schema_migrations")
                     .fetch_one(&mut *conn)
                     .await;
-                Ok((found.unwrap_or(None), known))
+                // SQLite has no SQLSTATE: "no such table" is its generic error.
+                Ok((no_table_is_none(found, "1")?, known))
             }
         }
+    }
+}
+
+/// The version read, `None` when the table is missing (SQLSTATE or SQLite
+/// code `missing`). Any other failure (a permission, a timeout) is an error,
+/// not a missing schema.
+fn no_table_is_none(found: Result<Option<i32>, sqlx::Error>, missing: &str) -> Result<Option<i32>, sqlx::Error> {
+    match found {
+        Ok(version) => Ok(version),
+        Err(sqlx::Error::Database(e))
+            if e.code().as_deref() == Some(missing) && (missing != "1" || e.message().contains("no such table")) =>
+        {
+            Ok(None)
+        }
+        Err(e) => Err(e),
     }
 }
 

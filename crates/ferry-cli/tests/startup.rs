@@ -70,6 +70,46 @@ async fn run_refuses_a_config_without_routes_that_migrate_and_status_accept() {
     db.drop_db().await;
 }
 
+/// A role that may not read the Ferry schema is told so: the schema is
+/// there, and `ferry migrate` is not the fix.
+#[tokio::test]
+async fn check_tells_a_schema_it_may_not_read_from_a_missing_one() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    ferry_store::postgres::migrate(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    let role = &format!("{}_no_access", db.name());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let url = db.url().replacen("://root@", &format!("://{role}@"), 1);
+    assert_ne!(url, db.url(), "the test database's URL names another user");
+    let out = ferry_env(
+        &[("FERRY_DATABASE__URL", url.as_str())],
+        &["check"],
+        Duration::from_secs(60),
+    );
+    let stdout = text(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("database "))
+        .unwrap_or_else(|| panic!("no line for the database: {stdout}{}", text(&out.stderr)));
+    assert!(line.starts_with("FAIL"), "{line}");
+    assert!(line.contains("permission denied"), "{line}");
+    assert!(!line.contains("no ferry schema"), "{line}");
+    pool.close().await;
+    db.drop_db().await;
+    let admin = sqlx::PgPool::connect(&ferry_testkit::pg::admin_url()).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP ROLE IF EXISTS {role}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+}
+
 /// `FERRY_DATABASE_URL` (one underscore) is no setting: read as nothing, it
 /// would leave the file's URL in force without a word. Every command
 /// refuses it, naming the variable and the name meant.

@@ -127,7 +127,7 @@ async fn check_database(cfg: &Config) -> Finding {
     let found = match super::store(cfg) {
         Ok(store) => store.schema_version().await.map_err(|e| {
             format!(
-                "cannot connect to the database ({}): {e}",
+                "cannot read the schema version from the database ({}): {e}",
                 ferry_core::redact::url(&cfg.database.url)
             )
         }),
