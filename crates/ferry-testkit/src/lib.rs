@@ -13,7 +13,8 @@
 //!   and sink implementation runs against the real thing; [`admin_suite`]
 //!   and [`retention_suite`], the operator's commands, retention and gauges
 //!   every store offers on top; [`producer_suite`], its `enqueue`.
-//! - [`process`]: child processes that end with their test.
+//! - [`process`]: child processes that end with their test;
+//!   [`redis_server`]: a redis-server of a test's own.
 
 pub mod admin_suite;
 pub mod clock;
@@ -27,6 +28,7 @@ pub mod process;
 pub mod producer_suite;
 pub mod proxy;
 pub mod rabbit;
+pub mod redis_server;
 pub mod retention_suite;
 pub mod sink_suite;
 pub mod store_suite;

@@ -3,101 +3,22 @@
 //! the PATH, or `FERRY_TEST_REDIS_SERVER`), on free ports, without
 //! persistence.
 
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ::redis::aio::MultiplexedConnection;
 use ferry_core::{ErrorKind, Sink};
 use ferry_sink::redis::RedisOptions;
+use ferry_testkit::redis_server::RedisServer;
 
 use crate::support::{expect_err, keyed, route, sink_with};
 
-/// A redis-server process, ended when dropped.
-struct Server {
-    child: Child,
-    port: u16,
-    /// Its working directory: a replica writes the copy it is sent there,
-    /// and a server loads what it finds there when it starts.
-    _dir: tempfile::TempDir,
-}
-
-impl Server {
-    /// Starts one on a free port. Another process may take the port between
-    /// the probe and the bind: the server is ours only if it answers with
-    /// our child's process id, so a port another listener holds is given up
-    /// and another tried.
-    fn start(extra: &[&str]) -> Server {
-        for _ in 0..5 {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port();
-            let program = std::env::var("FERRY_TEST_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-            let dir = tempfile::tempdir().unwrap();
-            let child = Command::new(program)
-                .current_dir(dir.path())
-                .args([
-                    "--bind",
-                    "127.0.0.1",
-                    "--port",
-                    &port.to_string(),
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                // A replica asks for a full copy at once, not after the default 5 s.
-                .args(["--repl-diskless-sync-delay", "0"])
-                .args(["--dir".as_ref(), dir.path().as_os_str()])
-                .args(extra)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start redis-server (set FERRY_TEST_REDIS_SERVER to its path)");
-            let mut server = Server { child, port, _dir: dir };
-            if server.answers_as_itself() {
-                return server;
-            }
-            drop(server);
-        }
-        panic!("no free port for a redis-server in five tries");
-    }
-
-    fn answers_as_itself(&mut self) -> bool {
-        let pid = format!("process_id:{}", self.child.id());
-        for _ in 0..400 {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return false;
-            }
-            if let Ok(mut conn) = ::redis::Client::open(self.url()).and_then(|c| c.get_connection())
-                && let Ok(info) = ::redis::cmd("INFO").arg("server").query::<String>(&mut conn)
-            {
-                return info.lines().any(|l| l.trim() == pid);
-            }
-            std::thread::sleep(Duration::from_millis(25));
-        }
-        false
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    async fn connect(&self) -> MultiplexedConnection {
-        ::redis::Client::open(self.url())
-            .unwrap()
-            .get_multiplexed_async_connection()
-            .await
-            .expect("connect to the test's redis-server")
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A connection to a test's own server.
+async fn connect(server: &RedisServer) -> MultiplexedConnection {
+    ::redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to the test's redis-server")
 }
 
 async fn info(conn: &mut MultiplexedConnection, field: &str) -> String {
@@ -113,8 +34,8 @@ async fn xlen(conn: &mut MultiplexedConnection, key: &str) -> u64 {
 
 #[tokio::test]
 async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
-    let primary = Server::start(&[]);
-    let mut admin = primary.connect().await;
+    let primary = RedisServer::start(&[]);
+    let mut admin = connect(&primary).await;
     let key = &crate::support::unique("replicas");
     let _: () = ::redis::cmd("XGROUP")
         .arg(&["CREATE", key, "billing", "0", "MKSTREAM"][..])
@@ -154,8 +75,8 @@ async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
     // With a replica in sync, the same batch is delivered, and the replica
     // holds every entry sent: three unconfirmed, three refused WAIT and
     // three confirmed.
-    let replica = Server::start(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
-    let mut copy = replica.connect().await;
+    let replica = RedisServer::start(&["--replicaof", "127.0.0.1", &primary.port().to_string()]);
+    let mut copy = connect(&replica).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     while info(&mut copy, "master_link_status").await != "up" || info(&mut admin, "connected_slaves").await != "1" {
         assert!(
@@ -174,7 +95,7 @@ async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
         .await
         .unwrap();
     let refused = sink_with(RedisOptions {
-        url: format!("redis://nowait:x@127.0.0.1:{}", primary.port),
+        url: format!("redis://nowait:x@127.0.0.1:{}", primary.port()),
         wait_replicas: 1,
         ..RedisOptions::default()
     });
@@ -204,7 +125,7 @@ async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
         .await
         .unwrap();
     let hardened = sink_with(RedisOptions {
-        url: format!("redis://hardened:x@127.0.0.1:{}", primary.port),
+        url: format!("redis://hardened:x@127.0.0.1:{}", primary.port()),
         wait_replicas: 1,
         ..RedisOptions::default()
     });
@@ -224,8 +145,8 @@ async fn a_batch_counts_only_once_the_replicas_asked_for_hold_it() {
 
 #[tokio::test]
 async fn an_abandoned_batch_does_not_leave_its_wait_on_the_connection() {
-    let primary = Server::start(&[]);
-    let mut admin = primary.connect().await;
+    let primary = RedisServer::start(&[]);
+    let mut admin = connect(&primary).await;
     let key = &crate::support::unique("abandoned");
     // No replica: the batch's WAIT blocks its connection for 30 s.
     let sink = sink_with(RedisOptions {
@@ -281,9 +202,9 @@ async fn an_abandoned_batch_does_not_leave_its_wait_on_the_connection() {
 /// batch connects anew.
 #[tokio::test]
 async fn a_connection_that_reaches_a_replica_is_replaced() {
-    let server = Server::start(&[]);
-    let other = Server::start(&[]);
-    let mut admin = server.connect().await;
+    let server = RedisServer::start(&[]);
+    let other = RedisServer::start(&[]);
+    let mut admin = connect(&server).await;
     let key = &crate::support::unique("demoted");
     let sink = sink_with(RedisOptions {
         url: server.url(),
@@ -309,7 +230,7 @@ async fn a_connection_that_reaches_a_replica_is_replaced() {
     // The server becomes a replica of another: it refuses writes.
     let _: () = ::redis::cmd("REPLICAOF")
         .arg("127.0.0.1")
-        .arg(other.port)
+        .arg(other.port())
         .query_async(&mut admin)
         .await
         .unwrap();
