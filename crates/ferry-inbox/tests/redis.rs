@@ -19,6 +19,7 @@ use ferry_sink::redis::{RedisOptions, RedisSink};
 use ferry_testkit::metrics::Counts;
 use ferry_testkit::proxy::Proxy;
 use ferry_testkit::rabbit::unique_name;
+use ferry_testkit::redis_server::RedisServer;
 use redis::aio::MultiplexedConnection;
 use serde_json::json;
 use sqlx::PgConnection;
@@ -378,6 +379,44 @@ async fn bad_options_name_the_field() {
 /// read them, and `XREADGROUP >` goes on after the gap without a word. The
 /// consumer reports such a gap when it starts (the group has not read past
 /// it yet) and while it runs (the group has read past it), each loss once.
+/// A server that refuses the trim check's script (EVAL renamed away, as
+/// some hosted services do) is consumed without the check, instead of the
+/// consumer failing its start and reconnecting for ever.
+#[tokio::test]
+async fn a_server_that_refuses_scripts_is_consumed_without_the_trim_check() {
+    let server = RedisServer::start(&["--rename-command", "EVAL", ""]);
+    let env = Env::new("inbox-redis-noeval").await;
+    let mut conn = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let mut add = redis::cmd("XADD");
+    ferry_entry(add.arg(&env.stream).arg("*"));
+    let _: String = add.query_async(&mut conn).await.unwrap();
+    let refused = redis::cmd("EVAL")
+        .arg("return 1")
+        .arg(0)
+        .query_async::<i64>(&mut conn)
+        .await;
+    assert!(refused.is_err(), "EVAL is still there: {refused:?}");
+    let name = unique_name("billing");
+    let inbox = Inbox::new(env.db.pool.clone(), name.as_str()).unwrap();
+    let consumer = RedisConsumer::new(inbox, env.options(server.url(), "only")).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("the entry handled", || async { consumer.report().processed == 1 }).await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(async |_: &mut PgConnection, _: &ReceivedEvent| Ok(()), async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    assert_eq!(report.unwrap().processed, 1);
+}
+
 #[tokio::test]
 async fn entries_trimmed_before_the_group_read_them_are_reported() {
     let env = Env::new("inbox-redis-trim").await;

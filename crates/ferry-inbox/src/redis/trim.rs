@@ -69,6 +69,12 @@ pub(super) async fn unread_lost(
         Err(e) if e.code() == Some("NOPERM") => Ok(Unread::Unsupported(format!(
             "the user may not run the check's script ({e}); allow it EVAL"
         ))),
+        // The server refused the script itself (EVAL renamed or disabled, a
+        // script error): a refusal every session would meet again, which
+        // must not stop the consumer from consuming.
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) => Ok(
+            Unread::Unsupported(format!("the server refused the check's script: {e}")),
+        ),
         Err(e) => Err(e),
     }
 }
