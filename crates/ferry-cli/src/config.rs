@@ -572,6 +572,7 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
     }
     let routes = routes(&mut check, raw.routes, &declared);
     maxlen_routes(&mut check, &sinks, &routes);
+    routing_keys(&mut check, &sinks, &routes);
     check.finish(Config {
         database,
         relay,
@@ -1082,6 +1083,33 @@ fn maxlen_routes(check: &mut Checker, sinks: &BTreeMap<String, SinkSpec>, routes
             };
             check.problem(format!("sinks.{name}.maxlen_per_route.{route}"), message);
         }
+    }
+}
+
+/// Only RabbitMQ routes by a routing key: on a route to any other sink it
+/// would be read by nothing, and the events sent where `destination` says.
+fn routing_keys(check: &mut Checker, sinks: &BTreeMap<String, SinkSpec>, routes: &[Route]) {
+    for (i, route) in routes.iter().enumerate() {
+        let (Some(_), Some(sink)) = (&route.routing_key, sinks.get(&route.sink)) else {
+            continue;
+        };
+        let kind = match sink {
+            SinkSpec::RabbitMq { .. } => continue,
+            SinkSpec::Kafka(_) => "kafka",
+            SinkSpec::Nats(_) => "nats",
+            SinkSpec::Redis(_) => "redis",
+            SinkSpec::Webhook(_) => "webhook",
+            SinkSpec::File(_) => "file",
+            SinkSpec::Stdout => "stdout",
+        };
+        check.problem(
+            format!("routes[{i}].routing_key"),
+            format!(
+                "sink {:?} is a {kind} sink, which takes no routing key (only rabbitmq does); remove it, and \
+                 put what it should select in destination (a template may use {{type}}, {{domain}}, {{key}}, {{id}})",
+                route.sink
+            ),
+        );
     }
 }
 

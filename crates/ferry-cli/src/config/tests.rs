@@ -422,6 +422,26 @@ fn a_destination_with_credentials_needs_a_name_of_its_own() {
     assert_eq!(c.routes[0].name, "hooks:https://hooks.example/in?tenant={key}");
 }
 
+/// A routing key on a route to a sink that has none would be read by
+/// nothing: refused, naming the route and the sink's kind.
+#[test]
+fn only_rabbitmq_routes_take_a_routing_key() {
+    let e = errors_with(
+        "[sinks.bus]\nkind = \"nats\"\n\n[[routes]]\nmatch = \"order.*\"\nsink = \"bus\"\n\
+         destination = \"orders\"\nrouting_key = \"orders.{type}\"\n",
+    );
+    assert!(
+        e.starts_with("routes[0].routing_key: sink \"bus\" is a nats sink, which takes no routing key"),
+        "{e}"
+    );
+    assert!(e.contains("put what it should select in destination"), "{e}");
+    // The example's RabbitMQ route keeps its own.
+    assert_eq!(
+        from_toml_str(EXAMPLE).unwrap().routes[0].routing_key.as_deref(),
+        Some("{type}")
+    );
+}
+
 #[test]
 fn bad_template_placeholders() {
     let e = errors(&EXAMPLE.replace("routing_key = \"{type}\"", "routing_key = \"{tpye}.{key}\""));
