@@ -80,6 +80,34 @@ impl AnyStore {
         })
     }
 
+    /// How long ago the relay named `id` last renewed its leases; `None`
+    /// when no relay of that name is registered (it never ran, or handed
+    /// its leases back when it stopped).
+    pub async fn heartbeat_age(&self, id: &str) -> Result<Option<Duration>, sqlx::Error> {
+        let micros: Option<i64> = match self {
+            AnyStore::Postgres(s) => {
+                sqlx::query_scalar(
+                    "SELECT (extract(epoch FROM clock_timestamp() - heartbeat_at) * 1000000)::bigint
+                       FROM ferry.relays WHERE id = $1",
+                )
+                .bind(id)
+                .fetch_optional(s.pool())
+                .await?
+            }
+            #[cfg(feature = "sqlite")]
+            AnyStore::Sqlite(s) => {
+                sqlx::query_scalar(
+                    "SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) - heartbeat_at
+                       FROM ferry_relays WHERE id = ?1",
+                )
+                .bind(id)
+                .fetch_optional(s.pool())
+                .await?
+            }
+        };
+        Ok(micros.map(|us| Duration::from_micros(us.max(0).unsigned_abs())))
+    }
+
     /// The schema version the database is at (`None`: no Ferry schema) and
     /// the newest this binary knows. An unreachable database is an error.
     pub async fn schema_version(&self) -> Result<(Option<i32>, i32), sqlx::Error> {

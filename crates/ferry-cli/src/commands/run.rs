@@ -73,6 +73,7 @@ async fn start(cfg: Config) -> anyhow::Result<Started> {
     if !refused.is_empty() {
         return Err(UsageError(format!("routes reach no destination:\n  {}", refused.join("\n  "))).into());
     }
+    wait_for_own_id(&store, &cfg.relay.id, cfg.relay.lease).await;
     // Beside the start, not before it: a database that is down would hold
     // the relay up, and the relay itself retries.
     tokio::spawn(report_unserved(store.clone(), cfg.clone()));
@@ -174,6 +175,38 @@ impl Started {
             "bye"
         );
         Ok(ExitCode::SUCCESS)
+    }
+}
+
+/// Waits while a relay of this id renewed its leases within the lease.
+/// Leases are held by relay id, so two relays of one id would both take
+/// them and publish the same events out of order. Such a heartbeat is
+/// another relay running with this id (`relay.id` set in a file several
+/// relays read), or this relay's previous run, ended without handing its
+/// leases back (`kill -9`), whose heartbeat then ages past the lease, as
+/// its leases expire. Until then this relay waits, saying why: a duplicate
+/// stands by, and takes over when the other stops. A database that does
+/// not answer is left to the relay, which retries.
+async fn wait_for_own_id(store: &crate::store::AnyStore, id: &str, lease: Duration) {
+    loop {
+        match store.heartbeat_age(id).await {
+            Ok(Some(age)) if age < lease => {
+                error!(
+                    relay = id,
+                    last_seen_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
+                    "a relay with this relay.id renewed its leases {}ms ago: another relay runs with the same id \
+                     (give each its own, or leave relay.id unset), or this relay's previous run was killed; \
+                     waiting until its leases expire",
+                    age.as_millis()
+                );
+                tokio::time::sleep((lease - age).max(Duration::from_millis(200))).await;
+            }
+            Ok(_) => return,
+            Err(e) => {
+                warn!(error = %e, "could not read whether another relay runs with this relay.id; starting");
+                return;
+            }
+        }
     }
 }
 

@@ -82,6 +82,44 @@ async fn two_relays_at_once_share_the_work_with_no_loss_duplicates_or_reordering
     assert!(b.terminate().success());
 }
 
+/// Leases are held by relay id: a second relay given the id of one that
+/// runs would take the same leases and publish the same events. It waits,
+/// saying why, and takes over once the first has stopped.
+#[tokio::test]
+async fn a_relay_given_the_id_of_a_running_one_waits_for_it_to_stop() {
+    let s = Stack::new(TestTopology::create("e2e-same-id").await).await;
+    produce(&s.pool, 1_000, 10).await;
+    let cfg = s.config(&Overrides {
+        lease: Some("4s".into()),
+        ..Overrides::default()
+    });
+    let first = s.spawn(&cfg, "relay-same");
+    let mut tally = Tally::default();
+    tally.collect(&s.topo, 1_000, PATIENCE).await;
+    assert_eq!(tally.unique(), 1_000, "lost events; log:\n{}", first.log());
+    let second = s.spawn(&cfg, "relay-same");
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !second.log().contains("another relay runs with the same id") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no word of the other relay; log:\n{}",
+            second.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Waiting, the second publishes nothing beside the first.
+    produce_from(&s.pool, 1_000, 1_000, 10).await;
+    tally.collect(&s.topo, 2_000, PATIENCE).await;
+    assert!(first.terminate().success());
+    produce_from(&s.pool, 2_000, 1_000, 10).await;
+    tally.collect(&s.topo, 3_000, PATIENCE).await;
+    assert_eq!(tally.unique(), 3_000, "lost events; log:\n{}", second.log());
+    tally.collect(&s.topo, 3_001, Duration::from_millis(500)).await;
+    assert_eq!(tally.duplicates(), 0);
+    tally.assert_per_key_order();
+    assert!(second.terminate().success());
+}
+
 #[tokio::test]
 async fn an_exchange_with_no_bound_queue_is_refused_and_marks_nothing_published() {
     let s = Stack::new(TestTopology::create_unbound("e2e-nobody").await).await;
