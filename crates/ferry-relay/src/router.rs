@@ -768,6 +768,7 @@ impl<'a> Direct<'a> {
 async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool {
     let mut backoff = Duration::from_millis(20);
     let mut whole = true;
+    let mut failures = 0u32;
     loop {
         let started = Instant::now();
         match shared.store.settle(&u.owned, &u.seqs, &u.records, u.now).await {
@@ -794,7 +795,12 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool
                     warn!(events = u.seqs.len(), error = %e, "could not settle published events; they will be published again");
                     return false;
                 }
-                debug!(events = u.seqs.len(), error = %e, "settling failed; retrying");
+                failures += 1;
+                if crate::worker::loud(failures) {
+                    warn!(events = u.seqs.len(), failures, error = %e, "settling published events keeps failing; routing waits for it; retrying");
+                } else {
+                    debug!(events = u.seqs.len(), error = %e, "settling failed; retrying");
+                }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }

@@ -270,6 +270,7 @@ async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch:
     let owned = &owned;
     let recorded = &recorded[..];
     let mut backoff = Duration::from_millis(20);
+    let mut failures = 0u32;
     loop {
         match shared.store.record(owned, &route.name, recorded, now).await {
             Ok(applied) => {
@@ -287,12 +288,26 @@ async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch:
                     warn!(route = %route.name, events = recorded.len(), error = %e, "could not record outcomes before the lease ran out; they will be published again");
                     return false;
                 }
-                debug!(route = %route.name, events = recorded.len(), error = %e, "recording outcomes failed; retrying");
+                failures += 1;
+                if loud(failures) {
+                    // The route waits on this write: a refusal that does not
+                    // pass must be seen, not only counted.
+                    warn!(route = %route.name, events = recorded.len(), failures, error = %e, "recording outcomes keeps failing; the route waits for it; retrying");
+                } else {
+                    debug!(route = %route.name, events = recorded.len(), error = %e, "recording outcomes failed; retrying");
+                }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
         }
     }
+}
+
+/// Whether the `failures`th failure in a row of a write the relay waits on
+/// is logged as a warning: the fifth, then every fiftieth (about one a
+/// minute at the 1 s retry interval).
+pub(crate) fn loud(failures: u32) -> bool {
+    failures == 5 || failures.is_multiple_of(50)
 }
 
 pub(crate) fn account<S: Store, C: Clock>(
