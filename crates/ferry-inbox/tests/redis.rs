@@ -417,6 +417,84 @@ async fn a_server_that_refuses_scripts_is_consumed_without_the_trim_check() {
     assert_eq!(report.unwrap().processed, 1);
 }
 
+/// Entries a member keeps for a backoff longer than `claim_idle` stay its
+/// own: another member does not claim them meanwhile and try them early.
+/// A whole batch waits, so the member claims nothing itself (which would
+/// refresh them as a side effect).
+#[tokio::test]
+async fn entries_waiting_out_a_backoff_are_not_claimed_by_another_member() {
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    let env = Env::new("inbox-redis-keep").await;
+    env.create_group().await;
+    let batch = env.options(redis_url(), "a").batch;
+    for _ in 0..batch {
+        env.add(None).await;
+    }
+    let name = unique_name("billing");
+    let inbox = || {
+        Inbox::new(env.db.pool.clone(), name.as_str())
+            .unwrap()
+            .with_retry(ferry_core::RetryPolicy {
+                max_attempts: 10,
+                base_delay: Duration::from_secs(3),
+                max_delay: Duration::from_secs(3),
+                jitter: 0.0,
+            })
+    };
+    // claim_idle is 500 ms: six claim intervals pass during the backoff.
+    let a = RedisConsumer::new(inbox(), env.options(redis_url(), "a")).unwrap();
+    let b = RedisConsumer::new(inbox(), env.options(redis_url(), "b")).unwrap();
+    let tried: Mutex<HashSet<EventId>> = Mutex::new(HashSet::new());
+    let by_b = AtomicU32::new(0);
+    // Each event's first attempt fails.
+    let attempt = |member: &str, event: &ReceivedEvent| {
+        if member == "b" {
+            by_b.fetch_add(1, Ordering::SeqCst);
+        }
+        if tried.lock().unwrap().insert(event.id) {
+            Err(HandlerError::transient("the first attempt fails"))
+        } else {
+            Ok(())
+        }
+    };
+    let (stop_a, stopped_a) = oneshot::channel::<()>();
+    let (stop_b, stopped_b) = oneshot::channel::<()>();
+    let (start_b, b_may_start) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("a's first attempts", || async { a.report().retried == batch as u64 }).await;
+        let _ = start_b.send(());
+        wait("every entry processed", || async {
+            a.report().processed + b.report().processed == batch as u64
+        })
+        .await;
+        let _ = stop_a.send(());
+        let _ = stop_b.send(());
+    };
+    let run_b = async {
+        let _ = b_may_start.await;
+        b.run(async |_: &mut PgConnection, e: &ReceivedEvent| attempt("b", e), async {
+            let _ = stopped_b.await;
+        })
+        .await
+    };
+    let (ra, rb, ()) = tokio::join!(
+        a.run(async |_: &mut PgConnection, e: &ReceivedEvent| attempt("a", e), async {
+            let _ = stopped_a.await;
+        }),
+        run_b,
+        scenario
+    );
+    ra.unwrap();
+    rb.unwrap();
+    assert_eq!(
+        by_b.load(Ordering::SeqCst),
+        0,
+        "another member tried them during the backoff"
+    );
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn entries_trimmed_before_the_group_read_them_are_reported() {
     let env = Env::new("inbox-redis-trim").await;

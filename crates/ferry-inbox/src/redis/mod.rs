@@ -68,9 +68,11 @@ pub struct RedisConsumerOptions {
     /// How long one read waits for new entries. Default 1 s.
     pub block: Duration,
     /// Entries pending longer than this are taken from their consumer,
-    /// presumed dead. Keep it above the longest handler run and retry
-    /// backoff, or a slow consumer's entries are handled twice (harmlessly,
-    /// through the inbox, but wastefully). Default 60 s.
+    /// presumed dead. Keep it above the longest handler run, or a slow
+    /// consumer's entries are handled twice (harmlessly, through the inbox,
+    /// but wastefully). Entries a live member keeps for a retry backoff are
+    /// not taken, however long the backoff: it renews them every
+    /// `claim_idle / 2`. Default 60 s.
     pub claim_idle: Duration,
     /// Where dead and malformed entries are added, with the reason in
     /// [`DEAD_REASON_FIELD`], before they are acknowledged.

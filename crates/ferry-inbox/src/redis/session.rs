@@ -134,6 +134,7 @@ where
                 self.handle(&mut conn, l.entry).await?;
             }
             if Instant::now() >= next_claim {
+                self.keep_waiting(&mut conn).await?;
                 if !self.full() {
                     claim_cursor = self.claim(&mut conn, &claim_cursor).await?;
                 }
@@ -184,6 +185,27 @@ where
             Some(waiting) => waiting.due = waiting.due.max(due),
             None => self.later.push(Later { due, entry }),
         }
+    }
+
+    /// Resets the idle time of the entries this member keeps for a backoff
+    /// (`XCLAIM` to itself, `JUSTID`: no delivery counted), every claim
+    /// interval, half of `claim_idle`. A backoff longer than `claim_idle`
+    /// (the inbox's reaches a minute, plus jitter) would otherwise let
+    /// another member's `XAUTOCLAIM` take such an entry and try it early:
+    /// attempts spent, the event dead sooner, perhaps dead-lettered twice.
+    async fn keep_waiting(&self, conn: &mut MultiplexedConnection) -> Result<(), RedisError> {
+        if self.later.is_empty() {
+            return Ok(());
+        }
+        let o = self.options;
+        let mut cmd = redis::cmd("XCLAIM");
+        cmd.arg(&o.stream).arg(&o.group).arg(&o.consumer).arg(0);
+        for waiting in &self.later {
+            cmd.arg(&waiting.entry.id);
+        }
+        cmd.arg("JUSTID");
+        let _: redis::Value = cmd.query_async(conn).await?;
+        Ok(())
     }
 
     /// `XREADGROUP`: `>` for new entries, an id for this member's pending ones.
