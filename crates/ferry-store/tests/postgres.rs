@@ -28,6 +28,35 @@ async fn migrate_is_idempotent() {
     assert!(migrate(&mut conn).await.unwrap().is_empty());
 }
 
+/// Migrators run at once (every replica's start-up job) apply each
+/// migration once between them, in order, and none fails.
+#[tokio::test]
+async fn migrators_at_once_apply_each_migration_once() {
+    let db = TestDb::create().await;
+    let runs = (0..4).map(|_| {
+        let url = db.url().to_owned();
+        tokio::spawn(async move {
+            let mut conn = sqlx::PgConnection::connect(&url).await.unwrap();
+            migrate(&mut conn).await.unwrap()
+        })
+    });
+    let mut applied: Vec<i32> = Vec::new();
+    for run in runs.collect::<Vec<_>>() {
+        let done = run.await.unwrap();
+        assert!(done.windows(2).all(|w| w[0] < w[1]), "{done:?}");
+        applied.extend(done);
+    }
+    applied.sort_unstable();
+    let every: Vec<i32> = ferry_store::postgres::MIGRATIONS.iter().map(|m| m.0).collect();
+    assert_eq!(applied, every);
+    let mut conn = sqlx::PgConnection::connect(db.url()).await.unwrap();
+    let recorded: Vec<i32> = sqlx::query_scalar("SELECT version FROM ferry.schema_migrations ORDER BY version")
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(recorded, every);
+}
+
 /// The SQL door and the Rust API share dispatch keys.
 #[tokio::test]
 async fn the_sql_door_agrees_on_dispatch_keys() {

@@ -6,5 +6,6 @@ mod crash;
 #[cfg(feature = "demo")]
 mod demo;
 mod fanout;
+mod file;
 mod relay;
 mod support;
