@@ -495,6 +495,82 @@ async fn entries_waiting_out_a_backoff_are_not_claimed_by_another_member() {
     env.cleanup().await;
 }
 
+/// An entry another member took while this one kept it for a backoff (this
+/// member's loop ran late) is theirs: it is not taken back in the middle of
+/// their run, and this member does not try it again.
+#[tokio::test]
+async fn an_entry_another_member_took_is_not_taken_back() {
+    let env = Env::new("inbox-redis-taken").await;
+    env.create_group().await;
+    let id = env.add(None).await;
+    let inbox = Inbox::new(env.db.pool.clone(), unique_name("billing").as_str())
+        .unwrap()
+        .with_retry(ferry_core::RetryPolicy {
+            max_attempts: 10,
+            base_delay: Duration::from_secs(2),
+            max_delay: Duration::from_secs(2),
+            jitter: 0.0,
+        });
+    let a = RedisConsumer::new(inbox, env.options(redis_url(), "a")).unwrap();
+    let attempts = AtomicU32::new(0);
+    let owner = async || -> String {
+        let reply: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+            .arg(&env.stream)
+            .arg("billing")
+            .arg(&id)
+            .arg(&id)
+            .arg(1)
+            .query_async(&mut env.redis.clone())
+            .await
+            .unwrap();
+        reply.first().map(|r| r.1.clone()).unwrap_or_default()
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("a's first attempt", || async { a.report().retried == 1 }).await;
+        assert_eq!(owner().await, "a");
+        // What another member's XAUTOCLAIM does, then its handler's run,
+        // which keeps the entry fresh (as its own renewal would): past a's
+        // backoff, and many of a's claim intervals (250 ms).
+        for _ in 0..15 {
+            let _: redis::Value = redis::cmd("XCLAIM")
+                .arg(&env.stream)
+                .arg("billing")
+                .arg("b")
+                .arg(0)
+                .arg(&id)
+                .arg("JUSTID")
+                .query_async(&mut env.redis.clone())
+                .await
+                .unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let owner = owner().await;
+        let _ = stop.send(());
+        owner
+    };
+    let (report, owner) = tokio::join!(
+        a.run(
+            async |_: &mut PgConnection, _: &ReceivedEvent| {
+                attempts.fetch_add(1, Ordering::SeqCst);
+                Err(HandlerError::transient("down"))
+            },
+            async {
+                let _ = stopped.await;
+            }
+        ),
+        scenario
+    );
+    report.unwrap();
+    assert_eq!(owner, "b", "taken back from the member that took it");
+    assert_eq!(
+        attempts.load(Ordering::SeqCst),
+        1,
+        "tried again by the member it was taken from"
+    );
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn entries_trimmed_before_the_group_read_them_are_reported() {
     let env = Env::new("inbox-redis-trim").await;

@@ -2,7 +2,7 @@
 //! group read them, read this member's own pending entries, then claim idle
 //! ones and read new ones, handling each.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::time::Duration;
 
@@ -34,6 +34,9 @@ impl From<RedisError> for Failure {
 
 /// An entry waiting out its retry backoff; still pending in the group, so
 /// if this session ends it is read again from the pending list.
+/// One entry of `XPENDING`'s extended form: id, owner, idle ms, deliveries.
+type Pending = (String, String, u64, u64);
+
 struct Later {
     due: Instant,
     entry: StreamId,
@@ -46,6 +49,8 @@ pub(super) struct Session<'a, H> {
     counters: &'a Counters,
     later: Vec<Later>,
     started: bool,
+    /// The server refused the renewal of waiting entries ([`Self::keep_waiting`]).
+    renew_refused: bool,
 }
 
 impl<'a, H> Session<'a, H>
@@ -64,6 +69,7 @@ where
             handler,
             counters,
             later: Vec::new(),
+            renew_refused: false,
             started: false,
         }
     }
@@ -193,19 +199,71 @@ where
     /// (the inbox's reaches a minute, plus jitter) would otherwise let
     /// another member's `XAUTOCLAIM` take such an entry and try it early:
     /// attempts spent, the event dead sooner, perhaps dead-lettered twice.
-    async fn keep_waiting(&self, conn: &mut MultiplexedConnection) -> Result<(), RedisError> {
-        if self.later.is_empty() {
+    ///
+    /// Only entries the pending list still gives this member are renewed:
+    /// one another member took meanwhile (this loop ran late) is theirs to
+    /// handle, and is forgotten here rather than taken back in the middle
+    /// of their run. A user not allowed `XPENDING` or `XCLAIM` keeps the
+    /// consumer going without the renewal, said once.
+    async fn keep_waiting(&mut self, conn: &mut MultiplexedConnection) -> Result<(), RedisError> {
+        if self.later.is_empty() || self.renew_refused {
             return Ok(());
         }
         let o = self.options;
+        let mut owners = redis::pipe();
+        for waiting in &self.later {
+            owners
+                .cmd("XPENDING")
+                .arg(&o.stream)
+                .arg(&o.group)
+                .arg(&waiting.entry.id)
+                .arg(&waiting.entry.id)
+                .arg(1);
+        }
+        let owners: Vec<Vec<Pending>> = match owners.query_async(conn).await {
+            Ok(owners) => owners,
+            Err(e) if e.code() == Some("NOPERM") => {
+                self.renewal_refused(&e);
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let mine: HashSet<String> = owners
+            .into_iter()
+            .flatten()
+            .filter(|(_, owner, _, _)| *owner == o.consumer)
+            .map(|(id, ..)| id)
+            .collect();
+        // Taken by another member, or trimmed (which XAUTOCLAIM reports).
+        self.later.retain(|waiting| mine.contains(&waiting.entry.id));
+        if mine.is_empty() {
+            return Ok(());
+        }
         let mut cmd = redis::cmd("XCLAIM");
         cmd.arg(&o.stream).arg(&o.group).arg(&o.consumer).arg(0);
-        for waiting in &self.later {
-            cmd.arg(&waiting.entry.id);
+        for id in &mine {
+            cmd.arg(id);
         }
         cmd.arg("JUSTID");
-        let _: redis::Value = cmd.query_async(conn).await?;
-        Ok(())
+        match cmd.query_async::<redis::Value>(conn).await {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some("NOPERM") => {
+                self.renewal_refused(&e);
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn renewal_refused(&mut self, e: &RedisError) {
+        self.renew_refused = true;
+        warn!(
+            stream = %self.options.stream,
+            error = %e,
+            "the user may not run XPENDING or XCLAIM: entries kept for a retry backoff longer than claim_idle may be \
+             taken and tried early by another member; allow both, or raise claim_idle above the inbox's longest \
+             backoff"
+        );
     }
 
     /// `XREADGROUP`: `>` for new entries, an id for this member's pending ones.
