@@ -6,6 +6,8 @@
 //! unclear state; Ferry instead treats any broken link as "everything in
 //! flight failed transiently", drops it, and reconnects on the next call.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use ferry_core::{ErrorKind, SinkError};
@@ -42,12 +44,21 @@ pub(crate) struct Connector {
     backoff: Backoff,
     /// The broker refused the last connect for its credentials or vhost.
     refused: bool,
+    /// Where each connection's negotiated frame size is told to the sink.
+    frame_max: Arc<AtomicUsize>,
 }
 
 impl Connector {
     /// A connector whose links publish over `lanes` channels (at least one).
-    pub(crate) fn new(url: String, timeout: Duration, reconnect_max_delay: Duration, lanes: usize) -> Self {
+    pub(crate) fn new(
+        url: String,
+        timeout: Duration,
+        reconnect_max_delay: Duration,
+        lanes: usize,
+        frame_max: Arc<AtomicUsize>,
+    ) -> Self {
         Self {
+            frame_max,
             display_url: ferry_core::redact::url(&url),
             url,
             timeout,
@@ -296,6 +307,10 @@ impl Connector {
         let error = match timeout(self.timeout, Connection::connect(&self.url, properties)).await {
             Ok(Ok(connection)) => {
                 self.refused = false;
+                let frame_max = connection.configuration().frame_max();
+                if frame_max > 0 {
+                    self.frame_max.store(frame_max as usize, Ordering::Relaxed);
+                }
                 self.backoff.succeeded();
                 info!(url = %self.display_url, "connected to RabbitMQ");
                 crate::connected("rabbitmq");

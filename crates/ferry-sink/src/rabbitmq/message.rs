@@ -11,8 +11,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 const PERSISTENT: u8 = 2;
 /// The header carrying the event's aggregate key.
 pub const KEY_HEADER: &str = "ferry-key";
-/// RabbitMQ's default, and largest usual, `frame_max`.
-const FRAME_MAX: usize = 131_072;
+/// RabbitMQ's default `frame_max`, assumed until a connection negotiates one.
+pub(crate) const DEFAULT_FRAME_MAX: usize = 131_072;
 /// CloudEvents specification version written in `cloudEvents:specversion`.
 pub const SPEC_VERSION: &str = "1.0";
 
@@ -35,6 +35,7 @@ impl Message {
         event: &StoredEvent,
         source: &str,
         max_message_bytes: usize,
+        frame_max: usize,
     ) -> Result<Self, SinkError> {
         crate::limits::check_payload_size(route, event, max_message_bytes)?;
         let exchange = render_template(&route.destination, event);
@@ -42,7 +43,17 @@ impl Message {
         let routing_key = render_template(route.routing_key.as_deref().unwrap_or("{type}"), event);
         let routing_key = short("routing key", "routes[].routing_key", routing_key)?;
 
-        let properties = properties(event, source)?;
+        let (properties, size) = sized_properties(event, source)?;
+        // The properties travel in one content header frame, which RabbitMQ
+        // refuses (closing the connection) when it passes the negotiated
+        // frame_max: a refusal every retry would meet again.
+        if size > frame_max {
+            return Err(SinkError::permanent(format!(
+                "the message's properties, mostly the event's headers, come to about {size} bytes; AMQP carries \
+                 them in one frame, at most {frame_max} bytes (the broker's frame_max): send less in the event's \
+                 headers and more in its payload"
+            )));
+        }
         Ok(Self {
             exchange,
             routing_key,
@@ -57,6 +68,11 @@ impl Message {
 /// CloudEvents 1.0 binary-mode headers (`source` is their `source`).
 /// Refused (permanently) when a value does not fit an AMQP short string.
 pub fn properties(event: &StoredEvent, source: &str) -> Result<BasicProperties, SinkError> {
+    sized_properties(event, source).map(|(properties, _)| properties)
+}
+
+/// [`properties`], and about how many bytes their frame takes, generously.
+fn sized_properties(event: &StoredEvent, source: &str) -> Result<(BasicProperties, usize), SinkError> {
     let mut headers = FieldTable::default();
     // Fixed fields, the CloudEvents headers and the content header frame's
     // own framing, generously: the producer's headers are what varies.
@@ -75,16 +91,6 @@ pub fn properties(event: &StoredEvent, source: &str) -> Result<BasicProperties, 
         size += 1 + name.as_str().len() + 1 + 4 + value.len();
         headers.insert(name, long(value));
     }
-    // The properties travel in one content header frame, which RabbitMQ
-    // refuses (closing the connection) when it passes the negotiated
-    // frame_max: a refusal every retry would meet again.
-    if size > FRAME_MAX {
-        return Err(SinkError::permanent(format!(
-            "the message's properties, mostly the event's headers, come to about {size} bytes; AMQP carries them \
-             in one frame, at most {FRAME_MAX} bytes (RabbitMQ's frame_max): send less in the event's headers and \
-             more in its payload"
-        )));
-    }
     // Inserted after the producer's headers so a producer cannot spoof them.
     let id = event.id.to_string();
     let time = event.created_at.to_rfc3339_opts(SecondsFormat::AutoSi, true);
@@ -98,7 +104,7 @@ pub fn properties(event: &StoredEvent, source: &str) -> Result<BasicProperties, 
         headers.insert(KEY_HEADER.into(), long(key));
     }
 
-    Ok(BasicProperties::default()
+    let properties = BasicProperties::default()
         .with_message_id(id.into())
         .with_content_type(short(
             "content type",
@@ -108,7 +114,8 @@ pub fn properties(event: &StoredEvent, source: &str) -> Result<BasicProperties, 
         .with_type(short("event type", "the event's type", event.event_type.clone())?)
         .with_timestamp(u64::try_from(event.created_at.timestamp()).unwrap_or(0))
         .with_delivery_mode(PERSISTENT)
-        .with_headers(headers))
+        .with_headers(headers);
+    Ok((properties, size))
 }
 
 fn long(value: &str) -> AMQPValue {
@@ -151,17 +158,17 @@ mod tests {
     #[test]
     fn addresses_default_to_the_event_type() {
         let e = event(Some("o-1"));
-        let m = Message::prepare(&route("ex.{domain}", None), &e, "ferry", 100).unwrap();
+        let m = Message::prepare(&route("ex.{domain}", None), &e, "ferry", 100, DEFAULT_FRAME_MAX).unwrap();
         assert_eq!(m.exchange.as_str(), "ex.order");
         assert_eq!(m.routing_key.as_str(), "order.item.created");
-        let m = Message::prepare(&route("ex", Some("{type}.{key}")), &e, "ferry", 100).unwrap();
+        let m = Message::prepare(&route("ex", Some("{type}.{key}")), &e, "ferry", 100, DEFAULT_FRAME_MAX).unwrap();
         assert_eq!(m.routing_key.as_str(), "order.item.created.o-1");
     }
 
     #[test]
     fn properties_and_cloudevents_headers() {
         let e = event(Some("o-1"));
-        let m = Message::prepare(&route("ex", None), &e, "shop", 100).unwrap();
+        let m = Message::prepare(&route("ex", None), &e, "shop", 100, DEFAULT_FRAME_MAX).unwrap();
         let p = &m.properties;
         assert_eq!(p.message_id().as_ref().unwrap().as_str(), e.id.to_string());
         assert_eq!(p.content_type().as_ref().unwrap().as_str(), "application/json");
@@ -178,7 +185,7 @@ mod tests {
         assert_eq!(chrono::DateTime::parse_from_rfc3339(&time).unwrap(), e.created_at);
         assert_eq!(&m.payload[..], b"{\"n\":1}");
 
-        let m = Message::prepare(&route("ex", None), &event(None), "shop", 100).unwrap();
+        let m = Message::prepare(&route("ex", None), &event(None), "shop", 100, DEFAULT_FRAME_MAX).unwrap();
         assert_eq!(header(&m, "cloudEvents:subject"), None);
         assert_eq!(header(&m, "ferry-key"), None);
     }
@@ -190,7 +197,7 @@ mod tests {
         e.headers.insert("CloudEvents:Subject".into(), "forged".into());
         e.headers.insert("ferry-key".into(), "forged".into());
         e.headers.insert("Ferry-Key".into(), "forged".into());
-        let m = Message::prepare(&route("ex", None), &e, "ferry", 100).unwrap();
+        let m = Message::prepare(&route("ex", None), &e, "ferry", 100, DEFAULT_FRAME_MAX).unwrap();
         assert_eq!(header(&m, "cloudEvents:id"), Some(e.id.to_string()));
         for name in ["CloudEvents:Subject", "ferry-key", "Ferry-Key", "cloudEvents:subject"] {
             assert_eq!(header(&m, name), None, "{name}");
@@ -204,21 +211,23 @@ mod tests {
     fn headers_past_one_frame_are_refused() {
         let mut e = event(Some("o-1"));
         e.headers.insert("big".into(), "x".repeat(100_000));
-        Message::prepare(&route("ex", None), &e, "ferry", 1 << 20).unwrap();
+        Message::prepare(&route("ex", None), &e, "ferry", 1 << 20, DEFAULT_FRAME_MAX).unwrap();
         e.headers.insert("bigger".into(), "x".repeat(40_000));
-        let err = Message::prepare(&route("ex", None), &e, "ferry", 1 << 20).unwrap_err();
+        let err = Message::prepare(&route("ex", None), &e, "ferry", 1 << 20, DEFAULT_FRAME_MAX).unwrap_err();
         assert_eq!(err.kind, ErrorKind::Permanent);
         assert!(err.message.contains("frame_max"), "{}", err.message);
+        // A broker that negotiated larger frames takes them.
+        Message::prepare(&route("ex", None), &e, "ferry", 1 << 20, 1 << 20).unwrap();
     }
 
     #[test]
     fn refusals_are_permanent_and_name_the_field() {
         let e = event(Some(&"k".repeat(300)));
-        let err = Message::prepare(&route("ex", Some("{key}")), &e, "ferry", 100).unwrap_err();
+        let err = Message::prepare(&route("ex", Some("{key}")), &e, "ferry", 100, DEFAULT_FRAME_MAX).unwrap_err();
         assert_eq!(err.kind, ErrorKind::Permanent);
         assert!(err.message.contains("routes[].routing_key"), "{}", err.message);
 
-        let err = Message::prepare(&route("ex", None), &event(None), "ferry", 3).unwrap_err();
+        let err = Message::prepare(&route("ex", None), &event(None), "ferry", 3, DEFAULT_FRAME_MAX).unwrap_err();
         assert_eq!(err.kind, ErrorKind::Permanent);
         assert_eq!(
             err.message,
@@ -229,7 +238,7 @@ mod tests {
     #[test]
     fn the_w3c_trace_context_is_forwarded_unchanged() {
         let e = fixtures::traced_event();
-        let m = Message::prepare(&route("ex", None), &e, "ferry", 100).unwrap();
+        let m = Message::prepare(&route("ex", None), &e, "ferry", 100, DEFAULT_FRAME_MAX).unwrap();
         for (name, value) in fixtures::TRACE_CONTEXT {
             assert_eq!(header(&m, name).as_deref(), Some(value), "{name}");
         }

@@ -23,6 +23,8 @@ mod message;
 mod publish;
 mod reply;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -124,21 +126,27 @@ impl std::fmt::Debug for RabbitMqOptions {
 pub struct RabbitMqSink {
     options: RabbitMqOptions,
     connector: Mutex<Connector>,
+    /// The frame size the last connection negotiated: a message's
+    /// properties must fit one frame. RabbitMQ's default until connected.
+    frame_max: Arc<AtomicUsize>,
 }
 
 impl RabbitMqSink {
     /// Creates the sink without connecting: the connection is made on first
     /// use, so a relay can start while the broker is still down.
     pub fn new(options: RabbitMqOptions) -> Self {
+        let frame_max = Arc::new(AtomicUsize::new(message::DEFAULT_FRAME_MAX));
         let connector = Connector::new(
             options.url.clone(),
             options.publish_timeout,
             options.reconnect_max_delay,
             options.channels,
+            frame_max.clone(),
         );
         Self {
             options,
             connector: Mutex::new(connector),
+            frame_max,
         }
     }
 
@@ -184,7 +192,8 @@ impl Sink for RabbitMqSink {
 
     fn admit(&self, route: &Route, event: &StoredEvent) -> Result<(), SinkError> {
         let opts = &self.options;
-        Message::prepare(route, event, &opts.source, opts.max_message_bytes).map(drop)
+        let frame_max = self.frame_max.load(Ordering::Relaxed);
+        Message::prepare(route, event, &opts.source, opts.max_message_bytes, frame_max).map(drop)
     }
 
     /// `publish` prepares the batch in key order before it sends any of it.
@@ -199,8 +208,9 @@ impl Sink for RabbitMqSink {
         let opts = &self.options;
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
+        let frame_max = self.frame_max.load(Ordering::Relaxed);
         let prepared = prepare_in_key_order(events, |event| {
-            Message::prepare(route, event, &opts.source, opts.max_message_bytes)
+            Message::prepare(route, event, &opts.source, opts.max_message_bytes, frame_max)
         });
         let mut batch = InFlight {
             connector: self.connector.lock().await,
