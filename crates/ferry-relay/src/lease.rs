@@ -70,7 +70,10 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                     );
                 }
                 ::metrics::gauge!(metrics::LEASED_PARTITIONS).set(owned.leases.len() as f64);
-                release = if owned.leases.len() > fair {
+                // Stopping, nothing is handed back early: the sinks may still
+                // be flushing those partitions' messages; every lease goes
+                // back at once after they closed.
+                release = if owned.leases.len() > fair && !shared.cancel.is_cancelled() {
                     owned.partitions()[fair..].to_vec()
                 } else {
                     Vec::new()

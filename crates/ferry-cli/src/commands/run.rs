@@ -73,7 +73,6 @@ async fn start(cfg: Config) -> anyhow::Result<Started> {
     if !refused.is_empty() {
         return Err(UsageError(format!("routes reach no destination:\n  {}", refused.join("\n  "))).into());
     }
-    wait_for_own_id(&store, &cfg.relay.id, cfg.relay.lease).await;
     // Beside the start, not before it: a database that is down would hold
     // the relay up, and the relay itself retries.
     tokio::spawn(report_unserved(store.clone(), cfg.clone()));
@@ -117,6 +116,12 @@ async fn start(cfg: Config) -> anyhow::Result<Started> {
             stopped_rx,
         )));
         info!(%addr, "serving /metrics, /healthz and /readyz");
+    }
+    // After the endpoints are up, so that a liveness probe does not kill a
+    // relay waiting here. SQLite runs one relay per file, under a lock the
+    // relay takes, which a killed relay's process gave up already.
+    if !crate::store::is_sqlite(&cfg.database.url) {
+        wait_for_own_id(&store, &cfg.relay.id, cfg.relay.lease).await;
     }
     if cfg.retention.enabled {
         beside.push(tokio::spawn(purge::background(
