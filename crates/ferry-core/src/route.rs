@@ -120,16 +120,7 @@ mod tests {
     use super::*;
 
     fn event(key: Option<&str>) -> StoredEvent {
-        StoredEvent {
-            id: crate::EventId::new(),
-            seq: 1,
-            event_type: "order.item.created".into(),
-            key: key.map(str::to_owned),
-            payload: Default::default(),
-            content_type: "application/json".into(),
-            headers: Default::default(),
-            created_at: chrono::Utc::now(),
-        }
+        crate::sink::tests::ev(1, key)
     }
 
     #[test]
@@ -137,13 +128,13 @@ mod tests {
         let e = event(Some("k{id}{type}"));
         assert_eq!(
             render_template("{domain}/{type}/{key}/{nope}/{", &e),
-            "order/order.item.created/k{id}{type}/{nope}/{"
+            "test/test.item.created/k{id}{type}/{nope}/{"
         );
         assert_eq!(render_template("x.{id}", &e), format!("x.{}", e.id));
         assert_eq!(render_template("plain", &e), "plain");
         assert_eq!(render_template("k={key}", &event(None)), "k=");
         let upper = render_template_with("{domain}:{key}", &e, |v| v.to_uppercase());
-        assert_eq!(upper, "ORDER:K{ID}{TYPE}");
+        assert_eq!(upper, "TEST:K{ID}{TYPE}");
     }
 
     #[test]

@@ -171,11 +171,11 @@ pub fn prepare_in_key_order<'a, T>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::EventId;
 
-    fn ev(seq: i64, key: Option<&str>) -> StoredEvent {
+    pub(crate) fn ev(seq: i64, key: Option<&str>) -> StoredEvent {
         StoredEvent {
             id: EventId::new(),
             seq,
