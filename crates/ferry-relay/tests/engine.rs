@@ -106,6 +106,15 @@ fn delay_first_publish(e: &Env, id: EventId, delay: Duration) -> Arc<AtomicBool>
     started
 }
 
+/// Partitions leased to `owner`, or to anyone.
+async fn leased(pool: &PgPool, owner: Option<&str>) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner IS NOT NULL AND owner = coalesce($1, owner)")
+        .bind(owner)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 fn orders(n: usize, keys: usize) -> Vec<Event> {
     (0..n)
         .map(|i| Event::new("order.item.created", json!({ "n": i })).key(format!("k{}", i % keys)))
@@ -927,10 +936,7 @@ async fn shutdown_hands_the_leases_back() {
     })
     .await;
     relay.stop().await;
-    let owned: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner IS NOT NULL")
-        .fetch_one(&e.pool)
-        .await
-        .unwrap();
+    let owned = leased(&e.pool, None).await;
     assert_eq!(owned, 0);
     // A new relay takes over at once, without waiting for a lease to expire.
     let b = start(&e, "b", vec![route("orders", "order.**")]);
@@ -1006,10 +1012,7 @@ async fn a_task_that_panics_stops_the_relay_with_an_error() {
     );
     assert!(text.contains("a bug in the sink"), "{text}");
     // Stopped as on a signal: the leases are handed back.
-    let owned: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner IS NOT NULL")
-        .fetch_one(&e.pool)
-        .await
-        .unwrap();
+    let owned = leased(&e.pool, None).await;
     assert_eq!(owned, 0);
 }
 
@@ -1029,10 +1032,7 @@ async fn a_sink_that_does_not_close_in_time_leaves_the_leases_to_expire() {
     tokio::time::timeout(Duration::from_secs(30), relay.stop())
         .await
         .expect("the close is bounded");
-    let owned: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner = 'a'")
-        .fetch_one(&e.pool)
-        .await
-        .unwrap();
+    let owned = leased(&e.pool, Some("a")).await;
     assert!(
         owned > 0,
         "the leases were handed back while the sink was still closing"
@@ -1077,10 +1077,7 @@ async fn a_renewal_in_flight_at_shutdown_does_not_keep_the_leases() {
     relay.stop().await;
     // Past the moment the late statement would have run.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let owned: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.partitions WHERE owner IS NOT NULL")
-        .fetch_one(&e.pool)
-        .await
-        .unwrap();
+    let owned = leased(&e.pool, None).await;
     assert_eq!(owned, 0, "the renewal took leases after the relay handed them back");
 }
 
