@@ -32,11 +32,11 @@ impl From<RedisError> for Failure {
     }
 }
 
-/// An entry waiting out its retry backoff; still pending in the group, so
-/// if this session ends it is read again from the pending list.
 /// One entry of `XPENDING`'s extended form: id, owner, idle ms, deliveries.
 type Pending = (String, String, u64, u64);
 
+/// An entry waiting out its retry backoff; still pending in the group, so
+/// if this session ends it is read again from the pending list.
 struct Later {
     due: Instant,
     entry: StreamId,
@@ -228,20 +228,21 @@ where
             }
             Err(e) => return Err(e),
         };
-        let mine: HashSet<String> = owners
+        let (mine, theirs): (Vec<Pending>, Vec<Pending>) = owners
             .into_iter()
             .flatten()
-            .filter(|(_, owner, _, _)| *owner == o.consumer)
-            .map(|(id, ..)| id)
-            .collect();
-        // Taken by another member, or trimmed (which XAUTOCLAIM reports).
-        self.later.retain(|waiting| mine.contains(&waiting.entry.id));
+            .partition(|(_, owner, _, _)| *owner == o.consumer);
+        // Taken by another member: theirs to handle. One no longer pending
+        // at all (trimmed from the stream, which Redis 7 then drops from the
+        // pending list) is still here in memory, and handled when due.
+        let theirs: HashSet<String> = theirs.into_iter().map(|(id, ..)| id).collect();
+        self.later.retain(|waiting| !theirs.contains(&waiting.entry.id));
         if mine.is_empty() {
             return Ok(());
         }
         let mut cmd = redis::cmd("XCLAIM");
         cmd.arg(&o.stream).arg(&o.group).arg(&o.consumer).arg(0);
-        for id in &mine {
+        for (id, ..) in &mine {
             cmd.arg(id);
         }
         cmd.arg("JUSTID");
