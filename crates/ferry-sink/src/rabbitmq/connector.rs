@@ -281,6 +281,13 @@ impl Connector {
         }
     }
 
+    /// Connects unless connected: what the broker negotiates (its frame
+    /// size) is then known. A failure is left to the publish that follows,
+    /// which meets it again and reports it.
+    pub(crate) async fn connect_if_needed(&mut self) {
+        let _ = self.connection().await;
+    }
+
     async fn connection(&mut self) -> Result<&Connection, SinkError> {
         self.discard_dead();
         if self.link.is_none() {

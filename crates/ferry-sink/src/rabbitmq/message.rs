@@ -11,7 +11,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 const PERSISTENT: u8 = 2;
 /// The header carrying the event's aggregate key.
 pub const KEY_HEADER: &str = "ferry-key";
-/// RabbitMQ's default `frame_max`, assumed until a connection negotiates one.
+/// RabbitMQ's default `frame_max`, the limit assumed (transiently) until a
+/// connection negotiates one.
 pub(crate) const DEFAULT_FRAME_MAX: usize = 131_072;
 /// CloudEvents specification version written in `cloudEvents:specversion`.
 pub const SPEC_VERSION: &str = "1.0";
@@ -47,12 +48,25 @@ impl Message {
         // The properties travel in one content header frame, which RabbitMQ
         // refuses (closing the connection) when it passes the negotiated
         // frame_max: a refusal every retry would meet again.
-        if size > frame_max {
-            return Err(SinkError::permanent(format!(
+        // Not connected yet (0), the broker's frame size is unknown: past
+        // RabbitMQ's default, the event waits for a connection to tell.
+        let limit = if frame_max == 0 { DEFAULT_FRAME_MAX } else { frame_max };
+        if size > limit {
+            let message = format!(
                 "the message's properties, mostly the event's headers, come to about {size} bytes; AMQP carries \
-                 them in one frame, at most {frame_max} bytes (the broker's frame_max): send less in the event's \
-                 headers and more in its payload"
-            )));
+                 them in one frame, at most {limit} bytes (the broker's frame_max{}): send less in the event's \
+                 headers and more in its payload",
+                if frame_max == 0 {
+                    ", RabbitMQ's default until connected"
+                } else {
+                    ""
+                }
+            );
+            return Err(if frame_max == 0 {
+                SinkError::transient(message)
+            } else {
+                SinkError::permanent(message)
+            });
         }
         Ok(Self {
             exchange,
@@ -218,6 +232,9 @@ mod tests {
         assert!(err.message.contains("frame_max"), "{}", err.message);
         // A broker that negotiated larger frames takes them.
         Message::prepare(&route("ex", None), &e, "ferry", 1 << 20, 1 << 20).unwrap();
+        // Before any connection told the frame size, such an event waits.
+        let err = Message::prepare(&route("ex", None), &e, "ferry", 1 << 20, 0).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Transient, "{err}");
     }
 
     #[test]

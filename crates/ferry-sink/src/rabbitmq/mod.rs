@@ -127,7 +127,7 @@ pub struct RabbitMqSink {
     options: RabbitMqOptions,
     connector: Mutex<Connector>,
     /// The frame size the last connection negotiated: a message's
-    /// properties must fit one frame. RabbitMQ's default until connected.
+    /// properties must fit one frame. 0 until the first connection.
     frame_max: Arc<AtomicUsize>,
 }
 
@@ -135,7 +135,8 @@ impl RabbitMqSink {
     /// Creates the sink without connecting: the connection is made on first
     /// use, so a relay can start while the broker is still down.
     pub fn new(options: RabbitMqOptions) -> Self {
-        let frame_max = Arc::new(AtomicUsize::new(message::DEFAULT_FRAME_MAX));
+        // 0 until a connection negotiates it.
+        let frame_max = Arc::new(AtomicUsize::new(0));
         let connector = Connector::new(
             options.url.clone(),
             options.publish_timeout,
@@ -208,14 +209,17 @@ impl Sink for RabbitMqSink {
         let opts = &self.options;
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
-        let frame_max = self.frame_max.load(Ordering::Relaxed);
-        let prepared = prepare_in_key_order(events, |event| {
-            Message::prepare(route, event, &opts.source, opts.max_message_bytes, frame_max)
-        });
         let mut batch = InFlight {
             connector: self.connector.lock().await,
             finished: false,
         };
+        // Connected first, so that the events are checked against the frame
+        // size the broker negotiated, not refused for RabbitMQ's default.
+        batch.connector.connect_if_needed().await;
+        let frame_max = self.frame_max.load(Ordering::Relaxed);
+        let prepared = prepare_in_key_order(events, |event| {
+            Message::prepare(route, event, &opts.source, opts.max_message_bytes, frame_max)
+        });
         let outcomes = publish::publish_batch(&mut batch.connector, events, prepared, opts.publish_timeout).await;
         batch.finished = true;
         log_published("RabbitMQ", route, events, &outcomes);
