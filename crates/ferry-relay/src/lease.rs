@@ -48,6 +48,12 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                 return;
             }
         }
+        // A hand-back decided before the stop, whose quiesce ended as the
+        // stopping workers let go of the gate, waits too: the sinks may still
+        // be flushing those partitions' messages.
+        if shared.cancel.is_cancelled() {
+            release.clear();
+        }
         let sent = Instant::now();
         match shared.store.tick(&settings.id, settings.lease, &release).await {
             Ok(mut owned) => {
