@@ -111,6 +111,11 @@ impl Health {
                 failing.as_secs_f64(),
                 self.stalled_after.as_secs()
             )
+        } else if self.progress.since_renewed().is_none() {
+            // Before its first lease: starting, waiting for a database
+            // that does not answer, or for the leases of a relay of its id.
+            ready = false;
+            "not started: no lease taken yet (its log says why)".to_owned()
         } else if self.progress.idle() {
             "idle: nothing to do".to_owned()
         } else if since <= self.stalled_after {
@@ -365,7 +370,9 @@ mod tests {
 
     #[test]
     fn ready_needs_the_database_every_destination_and_progress() {
-        let health = Health::new(&[route("a"), route("b")], Progress::default(), Duration::from_secs(60));
+        let progress = Progress::default();
+        progress.renewed();
+        let health = Health::new(&[route("a"), route("b")], progress, Duration::from_secs(60));
         let r = health.readiness();
         assert!(!r.ready, "nothing probed yet");
         assert_eq!(r.database, "not probed recently");
@@ -406,11 +413,28 @@ mod tests {
         assert!(!health.readiness().relay.starts_with("no lease renewal"));
     }
 
+    /// Waiting before its first lease (the leases of a killed run of its
+    /// id, a database that does not answer), a relay works nothing.
+    #[test]
+    fn a_relay_that_has_taken_no_lease_yet_is_not_ready() {
+        let progress = Progress::default();
+        let health = Health::new(&[], progress.clone(), Duration::from_secs(60));
+        *health.database.lock().unwrap() = Some(probed(None));
+        let r = health.readiness();
+        assert!(!r.ready);
+        assert!(r.relay.starts_with("not started"), "{}", r.relay);
+        progress.renewed();
+        assert!(health.readiness().ready);
+    }
+
     #[test]
     fn a_relay_without_progress_and_with_work_is_not_ready() {
-        let health = Health::new(&[], Progress::default(), Duration::ZERO);
+        let progress = Progress::default();
+        let health = Health::new(&[], progress.clone(), Duration::from_millis(50));
         *health.database.lock().unwrap() = Some(probed(None));
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(100));
+        // Its leases renewed just now; no progress since it started.
+        progress.renewed();
         let r = health.readiness();
         assert!(!r.ready);
         assert!(r.relay.starts_with("no progress for"), "{}", r.relay);
