@@ -437,14 +437,21 @@ async fn entries_waiting_out_a_backoff_are_not_claimed_by_another_member() {
             .unwrap()
             .with_retry(ferry_core::RetryPolicy {
                 max_attempts: 10,
-                base_delay: Duration::from_secs(3),
-                max_delay: Duration::from_secs(3),
+                base_delay: Duration::from_secs(8),
+                max_delay: Duration::from_secs(8),
                 jitter: 0.0,
             })
     };
-    // claim_idle is 500 ms: six claim intervals pass during the backoff.
-    let a = RedisConsumer::new(inbox(), env.options(redis_url(), "a")).unwrap();
-    let b = RedisConsumer::new(inbox(), env.options(redis_url(), "b")).unwrap();
+    // Renewed every second, idle for 2 s at most before another member may
+    // claim them (a margin for a loaded machine): eight intervals pass
+    // during the backoff.
+    let options = |member| {
+        let mut o = env.options(redis_url(), member);
+        o.claim_idle = Duration::from_secs(2);
+        o
+    };
+    let a = RedisConsumer::new(inbox(), options("a")).unwrap();
+    let b = RedisConsumer::new(inbox(), options("b")).unwrap();
     let tried: Mutex<HashSet<EventId>> = Mutex::new(HashSet::new());
     let by_b = AtomicU32::new(0);
     // Each event's first attempt fails.

@@ -59,7 +59,11 @@ impl Db {
             .collect();
         let settings = RelaySettings {
             batch_size: 100,
-            lease: Duration::from_secs(3),
+            // Longer than the sinks' publish timeouts (10 s by default), as
+            // `ferry run` requires: on a loaded machine a shorter lease lapses
+            // under a slow confirm, and the relay publishes again, a duplicate
+            // the tests that count dead letters would take for a bug.
+            lease: Duration::from_secs(15),
             retry: RetryPolicy {
                 max_attempts: 20,
                 base_delay: Duration::from_millis(20),
