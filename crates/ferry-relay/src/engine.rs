@@ -157,10 +157,24 @@ pub(crate) struct LeaseView {
 }
 
 impl LeaseView {
+    /// The view a tick sent at `sent` answered with: a lease runs from the
+    /// request, not from its answer, which may come late.
+    pub fn granted(owned: Ownership, sent: Instant, settings: &RelaySettings) -> Self {
+        Self {
+            owned,
+            valid_until: sent + settings.lease.saturating_sub(settings.lease_margin()),
+        }
+    }
+
+    /// Holding partitions, under a lease that has not run out at `now`.
+    pub fn valid_at(&self, now: Instant) -> bool {
+        !self.owned.is_empty() && now < self.valid_until
+    }
+
     /// Valid at `now`, and holding each of `partitions` under the token
     /// `owned` had for it.
     pub fn holds(&self, owned: &Ownership, partitions: impl IntoIterator<Item = Partition>, now: Instant) -> bool {
-        if self.owned.is_empty() || now >= self.valid_until {
+        if !self.valid_at(now) {
             return false;
         }
         let token = |o: &Ownership, p: Partition| o.leases.iter().find(|(q, _)| *q == p).map(|(_, t)| *t);
@@ -197,7 +211,7 @@ impl<S: Store, C: Clock> Shared<S, C> {
     /// The leases, if they are still safely inside their deadline.
     pub fn valid_ownership(&self) -> Option<Ownership> {
         let view = self.lease.borrow();
-        (!view.owned.is_empty() && Instant::now() < view.valid_until).then(|| view.owned.clone())
+        view.valid_at(Instant::now()).then(|| view.owned.clone())
     }
 
     /// Whether the lease view is valid and still holds each of
@@ -385,8 +399,7 @@ impl<S: Store, C: Clock> Relay<S, C> {
                 _ = &mut shutdown => {
                     // The tick given up on may still have run on the server
                     // and taken partitions: hand back whatever it took.
-                    let farewell = settings.shutdown_timeout.min(FAREWELL_TIMEOUT);
-                    if !matches!(tokio::time::timeout(farewell, store.leave(&settings.id)).await, Ok(Ok(()))) {
+                    if !matches!(tokio::time::timeout(farewell(&settings), store.leave(&settings.id)).await, Ok(Ok(()))) {
                         warn!("could not hand back what the first lease request may have taken; it expires on its own");
                     }
                     return Ok(RunReport::default());
@@ -407,10 +420,7 @@ impl<S: Store, C: Clock> Relay<S, C> {
         let mut first = first;
         first.relay = settings.id.clone();
         progress.renewed();
-        let (lease_tx, lease_rx) = watch::channel(LeaseView {
-            owned: first,
-            valid_until: sent + settings.lease.saturating_sub(settings.lease_margin()),
-        });
+        let (lease_tx, lease_rx) = watch::channel(LeaseView::granted(first, sent, &settings));
         let route_wake = routes.iter().map(|r| (r.name.clone(), Notify::new())).collect();
         let shared = Arc::new(Shared {
             store,
@@ -488,7 +498,7 @@ impl<S: Store, C: Clock> Relay<S, C> {
         // unreachable, a lease renewal, the hand-back or a sink's close could
         // each wait out a connect timeout. Leases not handed back expire.
         drop(listener);
-        let farewell = shared.settings.shutdown_timeout.min(FAREWELL_TIMEOUT);
+        let farewell = farewell(&shared.settings);
         // The sinks close while the leases are still held and renewed: a
         // publish the timeout cut short may have left messages in a client's
         // queue (librdkafka's), which closing flushes. Sent after the
@@ -535,6 +545,12 @@ impl<S: Store, C: Clock> Relay<S, C> {
             None => Ok(report),
         }
     }
+}
+
+/// The bound on each step after the drain: closing the sinks, a renewal in
+/// flight, the hand-back.
+fn farewell(settings: &RelaySettings) -> Duration {
+    settings.shutdown_timeout.min(FAREWELL_TIMEOUT)
 }
 
 /// What a task that failed said: its panic message, when it has one.

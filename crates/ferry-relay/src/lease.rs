@@ -84,10 +84,7 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                 } else {
                     Vec::new()
                 };
-                tx.send_replace(LeaseView {
-                    owned,
-                    valid_until: sent + settings.lease.saturating_sub(settings.lease_margin()),
-                });
+                tx.send_replace(LeaseView::granted(owned, sent, settings));
                 drop(gate);
                 if gained {
                     shared.wake_all();
@@ -135,10 +132,7 @@ async fn renew<S: Store, C: Clock>(shared: &Shared<S, C>, tx: &watch::Sender<Lea
             // units holding the gate were planned without them.
             let before = tx.borrow().owned.partitions();
             owned.leases.retain(|(p, _)| before.contains(p));
-            tx.send_replace(LeaseView {
-                owned,
-                valid_until: sent + settings.lease.saturating_sub(settings.lease_margin()),
-            });
+            tx.send_replace(LeaseView::granted(owned, sent, settings));
         }
         Err(e) => {
             ::metrics::counter!(metrics::STORE_ERRORS, "op" => "tick").increment(1);
