@@ -206,10 +206,7 @@ async fn an_enqueue_that_failed_half_way_leaves_nothing_behind() {
         !again.duplicate,
         "the retry was taken for a duplicate of an event never sent"
     );
-    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_unrouted")
-        .fetch_one(&h.pool)
-        .await
-        .unwrap();
+    let unrouted = count(&h.pool, "SELECT count(*) FROM ferry_unrouted").await;
     assert_eq!(unrouted, 1);
 }
 
@@ -235,10 +232,7 @@ async fn a_producer_ahead_of_the_schema_still_writes_the_unrouted_row() {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_unrouted")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
+    let unrouted = count(store.pool(), "SELECT count(*) FROM ferry_unrouted").await;
     assert_eq!(
         unrouted, 1,
         "an event enqueued on the old schema was never to be delivered"
@@ -265,10 +259,7 @@ async fn a_producer_of_the_release_before_still_enqueues() {
         .await
         .expect("the old second insert is taken as done");
     tx.commit().await.unwrap();
-    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry_unrouted")
-        .fetch_one(&h.pool)
-        .await
-        .unwrap();
+    let unrouted = count(&h.pool, "SELECT count(*) FROM ferry_unrouted").await;
     assert_eq!(unrouted, 1);
 }
 
