@@ -75,11 +75,16 @@ impl Counters {
 }
 
 /// The pause between broker sessions: from 100 ms, doubling up to the
-/// runner's `reconnect_max_delay`, and back to 100 ms after a session that
-/// got as far as consuming.
+/// runner's `reconnect_max_delay`. It goes back to 100 ms only after a
+/// session that got as far as consuming and then lasted at least that
+/// longest pause: a broker that accepts the connection but fails every
+/// session at once (a command the user may not run, a key of the wrong
+/// type) is retried at the growing pace, not ten times a second.
 pub(crate) struct Reconnect {
     delay: std::time::Duration,
     max: std::time::Duration,
+    /// When the current session began: after the last pause ended.
+    began: tokio::time::Instant,
 }
 
 impl Reconnect {
@@ -89,6 +94,7 @@ impl Reconnect {
         Self {
             delay: Self::FIRST,
             max,
+            began: tokio::time::Instant::now(),
         }
     }
 
@@ -103,18 +109,20 @@ impl Reconnect {
         error: &(impl std::fmt::Display + Sync),
         shutdown: std::pin::Pin<&mut impl Future<Output = ()>>,
     ) -> bool {
-        if started {
+        if started && self.began.elapsed() >= self.max {
             self.delay = Self::FIRST;
         }
         Counters::bump(&counters.reconnects);
         let delay = self.delay;
         tracing::warn!(consumer = what, %error, ?delay, "consumer lost its broker; reconnecting");
         self.delay = (delay * 2).min(self.max);
-        tokio::select! {
+        let go_on = tokio::select! {
             biased;
             () = shutdown => false,
             () = tokio::time::sleep(delay) => true,
-        }
+        };
+        self.began = tokio::time::Instant::now();
+        go_on
     }
 }
 
@@ -128,5 +136,40 @@ mod tests {
         let cut = bounded_reason(&long);
         assert!(cut.len() <= MAX_REASON_BYTES && cut.len() >= MAX_REASON_BYTES - 1);
         assert_eq!(bounded_reason("short"), "short");
+    }
+}
+
+#[cfg(test)]
+mod reconnect_tests {
+    use super::*;
+    use std::time::Duration;
+
+    async fn lose(reconnect: &mut Reconnect, started: bool) {
+        let counters = Counters::default();
+        let shutdown = std::pin::pin!(std::future::pending::<()>());
+        assert!(
+            reconnect
+                .after_loss(started, &counters, "test", &"lost", shutdown)
+                .await
+        );
+    }
+
+    #[tokio::test]
+    async fn a_session_that_fails_at_once_does_not_reset_the_pause() {
+        let mut reconnect = Reconnect::new(Duration::from_millis(400));
+        lose(&mut reconnect, true).await;
+        assert_eq!(reconnect.delay, Duration::from_millis(200));
+        // Consumed, but failed at once: the pause keeps growing.
+        lose(&mut reconnect, true).await;
+        assert_eq!(reconnect.delay, Duration::from_millis(400));
+        // A session that lasted the longest pause starts over from 100 ms.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        lose(&mut reconnect, true).await;
+        assert_eq!(reconnect.delay, Duration::from_millis(200));
+        // One that never got as far as consuming never resets it.
+        lose(&mut reconnect, false).await;
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        lose(&mut reconnect, false).await;
+        assert_eq!(reconnect.delay, Duration::from_millis(400));
     }
 }
