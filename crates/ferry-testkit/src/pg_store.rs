@@ -154,6 +154,9 @@ impl ProducerHarness for PgHarness {
     async fn enqueue_on(conn: &mut PgConnection, event: Event) -> Result<Enqueued, EnqueueError> {
         enqueue(conn, event).await
     }
+    async fn enqueue_batch_on(conn: &mut PgConnection, events: Vec<Event>) -> Result<Vec<Enqueued>, EnqueueError> {
+        enqueue_batch(conn, events).await
+    }
     async fn counts(&self) -> (i64, i64) {
         sqlx::query_as("SELECT (SELECT count(*) FROM ferry.events), (SELECT count(*) FROM ferry.unrouted)")
             .fetch_one(&self.pool)

@@ -25,6 +25,11 @@ pub trait ProducerHarness: StoreHarness {
     async fn begin(pool: &Pool<Self::Db>) -> Transaction<'static, Self::Db>;
     /// The store's `enqueue`, on any connection the suite chooses.
     async fn enqueue_on(conn: &mut <Self::Db as Database>::Connection, event: Event) -> Result<Enqueued, EnqueueError>;
+    /// The store's `enqueue_batch`.
+    async fn enqueue_batch_on(
+        conn: &mut <Self::Db as Database>::Connection,
+        events: Vec<Event>,
+    ) -> Result<Vec<Enqueued>, EnqueueError>;
     /// Rows in the events table and in the queue of unrouted events.
     async fn counts(&self) -> (i64, i64);
 }
@@ -120,6 +125,41 @@ pub async fn an_event_enqueued_again_without_a_dispatch_key_is_refused_by_id<H: 
     assert_eq!(h.counts().await, (1, 1));
 }
 
+/// A batch refused part-way writes none of its events: the caller, told
+/// the call failed, may still commit its own writes, and must not commit
+/// the events before the one refused with them.
+pub async fn a_batch_that_fails_writes_none_of_its_events<H: ProducerHarness>(h: &H) {
+    let stored = Event::new("order.created", json!({"n": 6})).key("k");
+    enqueue_each(h, vec![stored.clone()], true).await;
+    let mut tx = H::begin(h.pool()).await;
+    let batch = vec![
+        Event::new("order.created", json!({"n": 7})).key("k"),
+        Event::new("order.created", json!({"n": 8})).key("other"),
+        stored,
+    ];
+    let err = H::enqueue_batch_on(&mut tx, batch).await.unwrap_err();
+    assert!(matches!(err, EnqueueError::Invalid(ref v) if v.field == "id"), "{err}");
+    // PostgreSQL aborts the whole transaction, SQLite only the batch: the
+    // commit goes through or reports the abort, and in neither case does
+    // an event of the failed batch come with it.
+    let _ = tx.commit().await;
+    assert_eq!(h.counts().await, (1, 1));
+    // A batch that succeeds after a failed one in the same transaction
+    // still commits.
+    let stored = Event::new("order.created", json!({"n": 9})).key("k");
+    enqueue_each(h, vec![stored.clone()], true).await;
+    let mut tx = H::begin(h.pool()).await;
+    let failed = H::enqueue_batch_on(&mut tx, vec![Event::new("order.created", json!({"n": 10})), stored]).await;
+    assert!(failed.is_err());
+    if H::enqueue_batch_on(&mut tx, vec![Event::new("order.created", json!({"n": 11}))])
+        .await
+        .is_ok()
+    {
+        tx.commit().await.unwrap();
+        assert_eq!(h.counts().await, (3, 3), "only the batch that succeeded is written");
+    }
+}
+
 /// A second producer of a key waits for the first one's commit (the key's
 /// lock, or a single writer), so it draws a later seq: per key, outbox
 /// order is commit order.
@@ -167,6 +207,7 @@ macro_rules! producer_conformance {
             a_rolled_back_transaction_leaves_no_event,
             dispatch_keys_make_repeats_a_reported_no_op,
             an_event_enqueued_again_without_a_dispatch_key_is_refused_by_id,
+            a_batch_that_fails_writes_none_of_its_events,
             per_key_seq_order_is_commit_order
         );
     };

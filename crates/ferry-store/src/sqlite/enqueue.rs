@@ -30,8 +30,9 @@ pub async fn enqueue(conn: &mut SqliteConnection, event: Event) -> Result<Enqueu
     Ok(out.remove(0))
 }
 
-/// Writes many events, in order, in the caller's transaction. Every event is
-/// validated before the first is written.
+/// Writes many events, in order, in the caller's transaction: all of them,
+/// or none when the call fails. Every event is validated before the first
+/// is written.
 pub async fn enqueue_batch(conn: &mut SqliteConnection, events: Vec<Event>) -> Result<Vec<Enqueued>, EnqueueError> {
     if !conn.is_in_transaction() {
         return Err(EnqueueError::NotInTransaction);
@@ -46,10 +47,34 @@ pub async fn enqueue_batch(conn: &mut SqliteConnection, events: Vec<Event>) -> R
     for event in &events {
         event.validate()?;
     }
+    if let [event] = events.as_slice() {
+        // One statement: a failure writes nothing.
+        return Ok(vec![write_one(conn, event).await?]);
+    }
+    // A failed statement undoes only itself in SQLite, and the transaction
+    // goes on: without the savepoint a batch refused at its third event
+    // would leave the first two in the caller's transaction, committed with
+    // it although the call failed. All or nothing, as on PostgreSQL.
+    sqlx::query("SAVEPOINT ferry_enqueue_batch").execute(&mut *conn).await?;
     let mut out = Vec::with_capacity(events.len());
     for event in &events {
-        out.push(write_one(conn, event).await?);
+        match write_one(conn, event).await {
+            Ok(enqueued) => out.push(enqueued),
+            Err(e) => {
+                // Fails only when SQLite already rolled the whole
+                // transaction back, which the caller's commit reports.
+                if sqlx::query("ROLLBACK TO ferry_enqueue_batch")
+                    .execute(&mut *conn)
+                    .await
+                    .is_ok()
+                {
+                    let _ = sqlx::query("RELEASE ferry_enqueue_batch").execute(&mut *conn).await;
+                }
+                return Err(e);
+            }
+        }
     }
+    sqlx::query("RELEASE ferry_enqueue_batch").execute(&mut *conn).await?;
     Ok(out)
 }
 

@@ -106,6 +106,9 @@ impl ProducerHarness for SqliteHarness {
     async fn enqueue_on(conn: &mut SqliteConnection, event: Event) -> Result<Enqueued, EnqueueError> {
         enqueue(conn, event).await
     }
+    async fn enqueue_batch_on(conn: &mut SqliteConnection, events: Vec<Event>) -> Result<Vec<Enqueued>, EnqueueError> {
+        enqueue_batch(conn, events).await
+    }
     async fn counts(&self) -> (i64, i64) {
         (
             count(&self.pool, "SELECT count(*) FROM ferry_events").await,
