@@ -576,3 +576,59 @@ async fn a_handler_that_ends_the_transaction_itself_is_caught() {
     assert_eq!(outcome, Outcome::Processed);
     assert_eq!(effects(&e.pool, next.id).await, 1);
 }
+
+/// A delivery whose transaction is rolled back, and a second delivery of
+/// the same event that claims it in the same instant (it waited on the
+/// write lock) and commits: the first must not take the second's committed
+/// claim for its own, and neither mark it dead nor, having begun a
+/// transaction of its own, commit that as processed.
+#[tokio::test]
+async fn an_attempt_rolled_back_does_not_take_another_deliverys_claim_for_its_own() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(5));
+    for begins_again in [false, true] {
+        let ev = event();
+        let other = e.pool.clone();
+        let outcome = inbox
+            .process(&ev, async |tx, ev| {
+                let stamp: i64 = sqlx::query_scalar(
+                    "SELECT processed_at FROM ferry_inbox WHERE consumer = 'billing' AND event_id = ?1",
+                )
+                .bind(ev.id.to_string())
+                .fetch_one(&mut *tx)
+                .await?;
+                sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+                // The second delivery, claiming at the same millisecond and
+                // committing its effect with its claim.
+                let mut second = other.begin_with("BEGIN IMMEDIATE").await?;
+                sqlx::query(
+                    "INSERT INTO ferry_inbox (consumer, event_id, state, attempts, event_type, processed_at, claim) \
+                     VALUES ('billing', ?1, 'done', 1, ?2, ?3, ?4)",
+                )
+                .bind(ev.id.to_string())
+                .bind(&ev.event_type)
+                .bind(stamp)
+                .bind(rand::random::<i64>())
+                .execute(&mut *second)
+                .await?;
+                effect(&mut second, ev, "billing").await?;
+                second.commit().await?;
+                if begins_again {
+                    sqlx::query("BEGIN").execute(&mut *tx).await?;
+                    effect(tx, ev, "billing").await?;
+                    Ok(())
+                } else {
+                    Err(HandlerError::transient("boom"))
+                }
+            })
+            .await
+            .unwrap();
+        assert!(
+            !matches!(outcome, Outcome::Dead { .. } | Outcome::Processed),
+            "begins again: {begins_again}: {outcome:?}"
+        );
+        let r = inbox.record(ev.id).await.unwrap().unwrap();
+        assert_eq!(r.state, "done", "the second delivery's claim stands");
+        assert_eq!(effects(&e.pool, ev.id).await, 1, "the effect applied once");
+    }
+}

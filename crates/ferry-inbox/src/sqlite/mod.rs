@@ -32,9 +32,8 @@ const CLAIM: &str = include_str!("sql/claim.sql");
 const FAIL: &str = include_str!("sql/fail.sql");
 const DEAD: &str = include_str!("sql/dead.sql");
 const PURGE: &str = include_str!("sql/purge.sql");
-/// This attempt's claim, by its stamp.
-const HELD: &str =
-    "SELECT 1 FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2 AND state = 'done' AND processed_at = ?3";
+/// This attempt's claim, by its number.
+const HELD: &str = "SELECT 1 FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2 AND state = 'done' AND claim = ?3";
 const RECORD: &str =
     "SELECT state, attempts, last_error, processed_at FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2";
 
@@ -122,13 +121,18 @@ impl Inbox {
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
         // Inserts the row, or takes over a failing one; a done or dead row
         // returns nothing.
-        let claimed: Option<(i32, i64)> = sqlx::query_as(CLAIM)
+        // This attempt's own: a second delivery of the event, claiming in
+        // the same instant after this one's transaction was rolled back,
+        // draws another.
+        let claim: i64 = rand::random();
+        let claimed: Option<i32> = sqlx::query_scalar(CLAIM)
             .bind(&self.consumer)
             .bind(&id)
             .bind(stored_type(&event.event_type))
+            .bind(claim)
             .fetch_optional(&mut *tx)
             .await?;
-        let Some((attempts, stamp)) = claimed else {
+        let Some(attempts) = claimed else {
             // Read under the same lock, so the row cannot change in between.
             let record = read(&mut tx, &self.consumer, event.id).await?;
             tx.rollback().await?;
@@ -148,26 +152,26 @@ impl Inbox {
                 drop(tx);
                 let _ = conn.close().await;
             }
-            return self.ended_by_handler(event, result.err(), stamp).await;
+            return self.ended_by_handler(event, result.err(), claim).await;
         }
         if !open {
             // sqlx still counts the transaction SQLite ended: the connection
             // is closed, not handed back to the pool so counting.
             drop(tx);
             let _ = conn.close().await;
-            return self.ended_by_handler(event, result.err(), stamp).await;
+            return self.ended_by_handler(event, result.err(), claim).await;
         }
         // Open, but perhaps a transaction the handler began after ending the
         // inbox's: then the claim is not in it.
         let held: Option<i32> = sqlx::query_scalar(HELD)
             .bind(&self.consumer)
             .bind(&id)
-            .bind(stamp)
+            .bind(claim)
             .fetch_optional(&mut *tx)
             .await?;
         if held.is_none() {
             tx.rollback().await?;
-            return self.ended_by_handler(event, result.err(), stamp).await;
+            return self.ended_by_handler(event, result.err(), claim).await;
         }
         let error = match result {
             Ok(()) => match tx.commit().await {
@@ -203,18 +207,18 @@ impl Inbox {
         &self,
         event: &ReceivedEvent,
         failure: Option<HandlerError>,
-        stamp: i64,
+        claim: i64,
     ) -> Result<Outcome, InboxError> {
         let reason = committed_by_handler(failure);
-        // This attempt's own claim, committed: done, with its stamp.
+        // This attempt's own claim, committed: done, with its number.
         let committed: Option<i32> = sqlx::query_scalar(
             "UPDATE ferry_inbox SET state = 'dead', last_error = ?3 \
-             WHERE consumer = ?1 AND event_id = ?2 AND state = 'done' AND processed_at = ?4 RETURNING attempts",
+             WHERE consumer = ?1 AND event_id = ?2 AND state = 'done' AND claim = ?4 RETURNING attempts",
         )
         .bind(&self.consumer)
         .bind(event.id.to_string())
         .bind(&reason)
-        .bind(stamp)
+        .bind(claim)
         .fetch_optional(&self.pool)
         .await?;
         if let Some(attempts) = committed {

@@ -11,6 +11,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "unrouted_trigger",
         include_str!("migrations/0004_unrouted_trigger.sql"),
     ),
+    (5, "inbox_claim", include_str!("migrations/0005_inbox_claim.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
