@@ -212,8 +212,9 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
         // Busy, the stream never waits on the timer below: read the lag here.
         if lag_at.elapsed() >= wal.options.lag_every {
             lag_at = Instant::now();
-            read_lag(source, &wal.options).await;
-            sweep_requeued(shared, source).await;
+            if let Err(e) = now_and_then(shared, wal).await {
+                return Err(settle_then_fail(shared, wal, &stream, unsettled.take(), e).await);
+            }
         }
         let first = if unsettled.is_some() {
             let next = match stream.try_next() {
@@ -237,8 +238,7 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
                 item = stream.next() => item?,
                 _ = tokio::time::sleep_until(lag_at + wal.options.lag_every) => {
                     lag_at = Instant::now();
-                    read_lag(source, &wal.options).await;
-                    sweep_requeued(shared, source).await;
+                    now_and_then(shared, wal).await?;
                     continue;
                 }
                 _ = shared.cancel.cancelled() => continue,
@@ -464,6 +464,26 @@ async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource, wh
 
 /// Takes requeued events into the table path, every `lag_every` while
 /// streaming; a failure waits for the next time, the stream goes on.
+/// What the streaming relay does every `lag_every`: reads the slot's lag,
+/// takes requeued events into the table path, and checks the publication.
+/// An error only when the publication no longer carries the outbox's
+/// inserts ([`WalSource::check_publication`]): the stream stops.
+async fn now_and_then<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result<(), StoreError> {
+    read_lag(&wal.source, &wal.options).await;
+    sweep_requeued(shared, &wal.source).await;
+    match wal.source.check_publication().await {
+        Err(e) if e.kind == ErrorKind::Config => {
+            error!(error = %e, "the publication no longer carries the outbox's events; the WAL stream stops");
+            Err(e)
+        }
+        Err(e) => {
+            debug!(error = %e, "could not check the publication");
+            Ok(())
+        }
+        Ok(()) => Ok(()),
+    }
+}
+
 async fn sweep_requeued<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource) {
     if let Err(e) = sweep(shared, source, Sweep::Requeued).await {
         warn!(error = %e, "could not take requeued events into the table path; trying again shortly");

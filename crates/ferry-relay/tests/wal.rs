@@ -63,6 +63,15 @@ fn start(e: &Env, id: &str, routes: Vec<Route>) -> Running {
 
 /// A relay streaming from the WAL (`stream`), or polling the table.
 fn start_in(e: &Env, id: &str, routes: Vec<Route>, stream: bool) -> Running {
+    let options = WalOptions {
+        publish_timeout: Duration::from_secs(2),
+        ..WalOptions::default()
+    };
+    start_with(e, id, routes, stream.then_some(options))
+}
+
+/// A relay streaming from the WAL with `options`, or polling the table.
+fn start_with(e: &Env, id: &str, routes: Vec<Route>, options: Option<WalOptions>) -> Running {
     let sinks: HashMap<String, Arc<dyn Sink>> = [
         ("mock".to_string(), e.sink.clone() as Arc<dyn Sink>),
         ("other".to_string(), e.other.clone() as Arc<dyn Sink>),
@@ -77,13 +86,7 @@ fn start_in(e: &Env, id: &str, routes: Vec<Route>, stream: bool) -> Running {
         },
     )
     .unwrap();
-    let wal = Wal {
-        source,
-        options: WalOptions {
-            publish_timeout: Duration::from_secs(2),
-            ..WalOptions::default()
-        },
-    };
+
     let relay = Relay::new(
         PgStore::new(e.pool.clone()),
         SystemClock,
@@ -92,7 +95,10 @@ fn start_in(e: &Env, id: &str, routes: Vec<Route>, stream: bool) -> Running {
         sinks,
     )
     .unwrap();
-    let relay = if stream { relay.with_wal(wal) } else { relay };
+    let relay = match options {
+        Some(options) => relay.with_wal(Wal { source, options }),
+        None => relay,
+    };
     let (stop, rx) = oneshot::channel();
     let handle = tokio::spawn(async move {
         relay
@@ -1361,5 +1367,64 @@ async fn a_slot_set_back_by_a_server_crash_replays_no_settled_large_transaction(
     assert_complete_and_ordered(&ids, &got);
     let again = arrivals(&got).values().filter(|n| **n > 1).count();
     assert_eq!(again, 0, "{again} events settled before the crash were published again");
+    e.db.drop_db().await;
+}
+
+/// A publication that stops carrying the outbox's inserts (an administrator
+/// dropped the table from it, or made one without it) streams the
+/// tableless events and none of the rows: the slot would pass the rows
+/// committed meanwhile and leave them unrouted for good. The relay stops
+/// streaming instead, and once the publication is mended takes them into
+/// the table path: none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publication_that_stops_carrying_the_outbox_loses_no_event() {
+    let e = env().await;
+    let options = WalOptions {
+        publish_timeout: Duration::from_secs(2),
+        lag_every: Duration::from_millis(200),
+        ..WalOptions::default()
+    };
+    let relay = start_with(&e, "wal-a", vec![route("all", "mock")], Some(options.clone()));
+    streaming(&e).await;
+    let mut expected = enqueue_rows(&e.pool, "before", 30).await;
+    eventually("the first events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= expected.len()
+    })
+    .await;
+    let alter = async |sql: &str| sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&e.pool).await.unwrap();
+    alter("ALTER PUBLICATION ferry DROP TABLE ferry.events").await;
+    expected.extend(enqueue_rows(&e.pool, "unpublished", 40).await);
+    // Past a few checks; the stream stops at the first.
+    eventually_async("the stream to stop", Duration::from_secs(30), async || {
+        !ferry_store::postgres::wal::streaming(&e.pool, &e.slot).await.unwrap()
+    })
+    .await;
+    alter("ALTER PUBLICATION ferry ADD TABLE ferry.events").await;
+    expected.extend(enqueue_rows(&e.pool, "mended", 30).await);
+    eventually("every event", Duration::from_secs(60), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    relay.stop().await;
+
+    // A relay that starts on a publication without the table streams
+    // nothing until it is mended, and loses nothing either.
+    alter("ALTER PUBLICATION ferry SET (publish = 'update')").await;
+    let relay = start_with(&e, "wal-b", vec![route("all", "mock")], Some(options));
+    let more = enqueue_rows(&e.pool, "at start", 30).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(!ferry_store::postgres::wal::streaming(&e.pool, &e.slot).await.unwrap());
+    alter("ALTER PUBLICATION ferry SET (publish = 'insert')").await;
+    expected.extend(more);
+    eventually("every event", Duration::from_secs(60), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    relay.stop().await;
+    e.pool.close().await;
     e.db.drop_db().await;
 }

@@ -73,14 +73,7 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
     });
 
     let what = format!("publication {publication}");
-    let publication_row: Option<(bool, bool)> = sqlx::query_as(
-        "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t \
-                 WHERE t.pubname = p.pubname AND t.schemaname = 'ferry' AND t.tablename = 'events') \
-           FROM pg_publication p WHERE p.pubname = $1",
-    )
-    .bind(publication)
-    .fetch_optional(pool)
-    .await?;
+    let publication_row = super::publication_fault(pool, publication).await?;
     let create = format!("CREATE PUBLICATION {publication} FOR TABLE ferry.events WITH (publish = 'insert')");
     out.push(match publication_row {
         None => finding(
@@ -88,17 +81,8 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
             true,
             format!("not created yet; the relay creates it at start (as the owner of ferry.events), or run {create}"),
         ),
-        Some((true, true)) => finding(what, true, "publishes inserts into ferry.events"),
-        Some((false, _)) => finding(
-            what,
-            false,
-            format!("does not publish inserts; run ALTER PUBLICATION {publication} SET (publish = 'insert')"),
-        ),
-        Some((_, false)) => finding(
-            what,
-            false,
-            format!("does not include ferry.events; run ALTER PUBLICATION {publication} ADD TABLE ferry.events"),
-        ),
+        Some(None) => finding(what, true, "publishes inserts into ferry.events"),
+        Some(Some(wrong)) => finding(what, false, wrong),
     });
 
     let what = format!("replication slot {slot}");

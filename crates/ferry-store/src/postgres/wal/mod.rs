@@ -227,6 +227,7 @@ impl WalSource {
                 return Err(explain(e, "create the publication"));
             }
         }
+        self.check_publication().await?;
         type SlotRow = (Option<String>, Option<String>, Option<String>);
         const SLOT_ROW: &str =
             "SELECT database::text, plugin::text, wal_status FROM pg_replication_slots WHERE slot_name = $1";
@@ -364,6 +365,32 @@ impl WalSource {
             generation,
             retired,
         })
+    }
+
+    /// Checks that the publication carries the inserts into `ferry.events`,
+    /// as the relay creates it. One made by an administrator without the
+    /// table or without inserts (or altered so since) streams the tableless
+    /// events but none of the outbox rows: the slot would move past them,
+    /// and they would wait in `ferry.unrouted` for ever, nothing said. So a
+    /// publication found so stops the stream, and marks the slot's record
+    /// for a sweep: once it is mended, the relay takes what is unrouted into
+    /// the table path before it streams again, as for a new slot (PostgreSQL
+    /// never streams inserts made while they were not published, even from
+    /// a slot that had not passed them yet).
+    pub async fn check_publication(&self) -> Result<(), StoreError> {
+        let WalConfig { slot, publication, .. } = &self.config;
+        let Some(Some(wrong)) = publication_fault(&self.pool, publication).await.map_err(store_error)? else {
+            return Ok(());
+        };
+        sqlx::query("UPDATE ferry.wal_slots SET ready = false, swept_generation = NULL WHERE slot = $1")
+            .bind(slot)
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Err(StoreError::config(format!(
+            "publication {publication} {wrong}; the outbox's events are not streamed until it does (they wait, \
+             and are taken into the table path once it is mended)"
+        )))
     }
 
     /// Records that the events committed before the slot existed are swept
@@ -1059,6 +1086,32 @@ pub async fn emit(conn: &mut PgConnection, event: Event) -> Result<EventId, Enqu
         .fetch_one(&mut *conn)
         .await?;
     Ok(EventId(id))
+}
+
+/// Whether `publication` exists (`None` when not) and, if so, what is wrong
+/// with it for the relay, with the fix (`Some(None)` when it publishes
+/// inserts into `ferry.events`).
+pub(crate) async fn publication_fault<'c>(
+    conn: impl sqlx::PgExecutor<'c>,
+    publication: &str,
+) -> Result<Option<Option<String>>, sqlx::Error> {
+    let row: Option<(bool, bool)> = sqlx::query_as(
+        "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t \
+                 WHERE t.pubname = p.pubname AND t.schemaname = 'ferry' AND t.tablename = 'events') \
+           FROM pg_publication p WHERE p.pubname = $1",
+    )
+    .bind(publication)
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.map(|row| match row {
+        (true, true) => None,
+        (false, _) => Some(format!(
+            "does not publish inserts; run ALTER PUBLICATION {publication} SET (publish = 'insert')"
+        )),
+        (_, false) => Some(format!(
+            "does not include ferry.events; run ALTER PUBLICATION {publication} ADD TABLE ferry.events"
+        )),
+    }))
 }
 
 #[cfg(test)]
