@@ -22,7 +22,7 @@ const LIBRDKAFKA_MAX_MESSAGE_BYTES: usize = 1_000_000_000;
 
 /// Properties the sink sets itself. Each is either what the ordering and
 /// delivery guarantees depend on, or has its own field in [`KafkaOptions`].
-const RESERVED: [(&str, &str); 12] = [
+const RESERVED: [(&str, &str); 14] = [
     ("bootstrap.servers", "use bootstrap_servers"),
     ("metadata.broker.list", "use bootstrap_servers"),
     ("message.timeout.ms", "use publish_timeout"),
@@ -44,6 +44,14 @@ const RESERVED: [(&str, &str); 12] = [
         "Ferry never creates topics; create them yourself",
     ),
     ("transactional.id", "Ferry's producer is idempotent, not transactional"),
+    (
+        "enable.gapless.guarantee",
+        "a key's later events must not pass one the broker refused",
+    ),
+    (
+        "delivery.report.only.error",
+        "an event is published only when its delivery report says so",
+    ),
 ];
 
 /// librdkafka's partitioners that put every record of one key on one
@@ -148,6 +156,13 @@ impl KafkaOptions {
             config.set(name, value);
         }
         config.set("enable.idempotence", "true");
+        // A record batch the broker refuses for good would otherwise leave
+        // a gap: librdkafka goes on with the partition's later batches, and
+        // a key's later events get through while its earlier one failed.
+        // With the guarantee the producer fails fatally at the gap, every
+        // event after it fails (transient) with it, and the sink replaces
+        // the producer. Expiry (`message.timeout.ms`) is not covered.
+        config.set("enable.gapless.guarantee", "true");
         config.set("acks", "all");
         config.set("max.in.flight.requests.per.connection", "5");
         config.set("allow.auto.create.topics", "false");

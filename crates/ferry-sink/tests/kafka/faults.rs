@@ -208,3 +208,52 @@ async fn a_record_batch_refused_as_too_large_is_retried_not_dead() {
     explain_missing(&bootstrap, &topic, &events, &consumed).await;
     sink.close().await;
 }
+
+/// A record batch the broker refuses for good (here `INVALID_RECORD`) while
+/// later batches of the same partition are in flight: librdkafka would go
+/// on with those, and a key's later events would reach Kafka while its
+/// earlier one failed. With the gapless guarantee the producer stops at the
+/// gap instead: every event after the refused one fails too, and the relay
+/// sends them again in order.
+#[tokio::test]
+async fn a_record_batch_refused_for_good_lets_no_later_event_of_its_key_through() {
+    let cluster = MockCluster::new(1).expect("a mock cluster");
+    let topic = unique("refused-gap");
+    cluster.create_topic(&topic, 1, 1).expect("a topic");
+    let bootstrap = cluster.bootstrap_servers();
+    let mut opts = options(&bootstrap);
+    // One record per request, several requests in flight.
+    opts.extra.insert("batch.num.messages".into(), "1".into());
+    opts.extra.insert("linger.ms".into(), "5".into());
+    let sink = KafkaSink::new(opts).expect("a sink");
+    let to = route(&topic);
+    let events = keyed(20, |_| "k".to_owned());
+    cluster.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_INVALID_RECORD],
+    );
+    let outcomes = sink.publish(&to, &events).await;
+    assert!(outcomes[0].is_err(), "the injected error was not used: {outcomes:?}");
+    // What was already in flight with it (up to 4 requests) a real broker
+    // refuses by its sequence numbers; the mock cluster takes them. Nothing
+    // sent after the refusal came back gets through.
+    let breaks = order_breaks(&events, &outcomes);
+    assert!(
+        breaks <= 4,
+        "{breaks} events confirmed after an earlier event of their key failed: {outcomes:?}"
+    );
+    assert!(outcomes.last().unwrap().is_err(), "{outcomes:?}");
+    // The relay sends the rest again (the refused one is dead): the sink
+    // has replaced its stopped producer, and they go through.
+    let rest: Vec<StoredEvent> = events
+        .iter()
+        .zip(&outcomes)
+        .skip(1)
+        .filter(|(_, o)| o.is_err())
+        .map(|(e, _)| e.clone())
+        .collect();
+    for (e, o) in rest.iter().zip(sink.publish(&to, &rest).await) {
+        assert_eq!(o, Ok(()), "event {}", e.seq);
+    }
+    sink.close().await;
+}
