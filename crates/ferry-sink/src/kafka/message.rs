@@ -22,12 +22,20 @@ const RESERVED: [&str; 7] = [
 ];
 /// The longest topic name Kafka accepts.
 const MAX_TOPIC_BYTES: usize = 249;
-/// Framing of one record in a v2 record batch (length, attributes, deltas,
-/// and the varints around key, value and headers), rounded up.
-pub(crate) const RECORD_OVERHEAD: usize = 64;
 /// The fixed header of a record batch, which a topic's `max.message.bytes`
 /// also counts.
 pub(crate) const BATCH_OVERHEAD: usize = 61;
+
+/// Bytes of `value` as Kafka's zigzag varint.
+fn varint_len(value: i64) -> usize {
+    let mut zigzag = ((value << 1) ^ (value >> 63)) as u64;
+    let mut len = 1;
+    while zigzag >= 0x80 {
+        zigzag >>= 7;
+        len += 1;
+    }
+    len
+}
 
 /// One event, ready for the producer.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,11 +96,18 @@ impl Record {
         })
     }
 
-    /// An upper bound of the record's size on the wire, as librdkafka
-    /// measures it against `message.max.bytes`.
+    /// The record's size in a v2 record batch of its own, the size a
+    /// topic's `max.message.bytes` is measured against (with the batch's
+    /// header): its length, attributes, timestamp and offset deltas (zero,
+    /// alone in its batch), then key, value and headers, each behind its
+    /// length as a zigzag varint. An estimate rounded up would refuse, for
+    /// good, records the broker takes.
     pub(crate) fn wire_bytes(&self) -> usize {
-        let headers: usize = self.headers.iter().map(|(n, v)| n.len() + v.len() + 10).sum();
-        RECORD_OVERHEAD + self.key.as_ref().map_or(0, String::len) + self.payload.len() + headers
+        let sized = |len: usize| varint_len(len as i64) + len;
+        let key = self.key.as_ref().map_or(varint_len(-1), |k| sized(k.len()));
+        let headers: usize = self.headers.iter().map(|(n, v)| sized(n.len()) + sized(v.len())).sum();
+        let body = 3 + key + sized(self.payload.len()) + varint_len(self.headers.len() as i64) + headers;
+        varint_len(body as i64) + body
     }
 
     /// Refuses (permanently) a record over any of `limits`, naming the limit.
@@ -261,6 +276,14 @@ mod tests {
 
         let wire = r.wire_bytes();
         assert!(wire > r.payload.len() + 100, "headers count: {wire}");
+        let headers: usize = r.headers.iter().map(|(n, v)| 2 + n.len() + v.len()).sum();
+        // Attributes, two deltas, the key's and value's lengths, the header
+        // count, and the record's length (two bytes past 127).
+        assert_eq!(
+            wire,
+            2 + 1 + 1 + 1 + 1 + r.key.as_ref().map_or(0, String::len) + 1 + r.payload.len() + 1 + headers,
+            "{r:?}"
+        );
         let err = r
             .admit(
                 "kafka",
@@ -284,6 +307,23 @@ mod tests {
             ..ROOMY
         };
         assert_eq!(r.admit("kafka", fits), Ok(()));
+    }
+
+    #[test]
+    fn varints_are_counted_as_kafka_writes_them() {
+        for (value, len) in [
+            (0, 1),
+            (-1, 1),
+            (63, 1),
+            (64, 2),
+            (-64, 1),
+            (-65, 2),
+            (8191, 2),
+            (8192, 3),
+        ] {
+            assert_eq!(varint_len(value), len, "{value}");
+        }
+        assert_eq!(varint_len(1_000_000), 3);
     }
 
     #[test]
