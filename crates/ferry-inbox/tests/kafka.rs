@@ -769,3 +769,40 @@ async fn a_dead_letter_the_topic_refuses_for_good_stops_the_consumer() {
     assert!(err.contains("refuses this record for good"), "{err}");
     assert!(err.contains("max.message.bytes"), "{err}");
 }
+
+/// A dead letter carries its record and a reason, so it can be larger than
+/// any record the consumer read: a record near the sink's limit is
+/// dead-lettered, not refused by the dead-letter producer's own default
+/// limit (which would stop the consumer).
+#[tokio::test]
+async fn a_record_near_the_size_limit_is_dead_lettered() {
+    let env = Env::new("inbox-kafka-dlq-large").await;
+    let relay = env.relay(&["orders"]);
+    let pad = "x".repeat(999_900);
+    env.db
+        .produce(vec![
+            Event::new("order.poison.created", json!({ "pad": pad })).key("k1"),
+        ])
+        .await;
+    env.db.all_published(1).await;
+    relay.stop().await;
+    let consumer = KafkaConsumer::new(env.db.inbox_giving_up_after(1), env.options()).unwrap();
+    let handler = async |_: &mut PgConnection, _: &ReceivedEvent| Err(HandlerError::permanent("refused"));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        consumer
+            .run(handler, async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let dead = env.dead_letters(1).await;
+    assert!(
+        dead[0].1.len() > 999_900,
+        "the record's payload: {} bytes",
+        dead[0].1.len()
+    );
+    let _ = stop.send(());
+    let report = run.await.unwrap().unwrap();
+    assert_eq!(report.dead, 1, "{report:?}");
+}

@@ -91,6 +91,11 @@ pub struct KafkaConsumerOptions {
     pub extra: BTreeMap<String, String>,
 }
 
+/// The dead-letter producer's local limit on a request, unless `extra`
+/// sets `message.max.bytes`: librdkafka's default of 1,000,000 bytes is
+/// below what a topic may hold with a reason added.
+const DEAD_LETTER_MAX_BYTES: &str = "16777216";
+
 impl KafkaConsumerOptions {
     pub fn new(
         bootstrap_servers: impl Into<String>,
@@ -156,18 +161,25 @@ impl KafkaConsumerOptions {
         config
     }
 
+    /// The dead-letter producer: `extra` as the consumer has it (security,
+    /// TLS verification, DNS and address family alike: a producer that
+    /// cannot reach the cluster the consumer reads would leave a dead record
+    /// stuck for ever), librdkafka ignoring the consumer's own properties,
+    /// then what a dead letter needs. A dead letter carries the record and a
+    /// reason, so it may be larger than any record the consumer read: the
+    /// local limit is raised (the topic's own still applies) unless `extra`
+    /// sets one.
     fn producer(&self) -> Result<FutureProducer, String> {
         let mut config = ClientConfig::new();
+        config.set("message.max.bytes", DEAD_LETTER_MAX_BYTES);
+        for (k, v) in &self.extra {
+            config.set(k, v);
+        }
         config
             .set("bootstrap.servers", &self.bootstrap_servers)
             .set("enable.idempotence", "true")
             .set("acks", "all")
             .set("message.timeout.ms", self.timeout.as_millis().to_string());
-        for (k, v) in &self.extra {
-            if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
-                config.set(k, v);
-            }
-        }
         config
             .create()
             .map_err(|e| format!("creating the dead-letter producer: {}", kafka_config_error(&e)))
