@@ -259,6 +259,15 @@ async fn requeue_refuses_pending_and_confirms_large_sets() {
     assert!(reasons.iter().any(|r| r.contains("in flight")), "{reasons:?}");
     assert_eq!(f.state("p1"), "pending");
     assert_eq!(f.state("r1"), "retrying");
+    // A dry run of it exits as the real run does.
+    let dry = json_of(&f.ferry(&["requeue", &f.id("p1"), "--dry-run", "--json"]), 1);
+    assert_eq!(dry["refused"].as_array().unwrap().len(), 1);
+
+    // A window that ends before it starts: a usage error, not "nothing
+    // matches".
+    let empty_window = f.ferry(&["requeue", "--state", "dead", "--since", "1h", "--until", "2h"]);
+    assert_eq!(empty_window.status.code(), Some(2));
+    assert!(stderr(&empty_window).contains("--since"), "{}", stderr(&empty_window));
 
     // A dry run lists what would change and changes nothing.
     let before = f.dead_count().await;

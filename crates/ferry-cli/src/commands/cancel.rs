@@ -35,5 +35,5 @@ fn non_empty(text: &str) -> Result<String, String> {
 
 pub async fn run(cfg: &Config, args: CancelArgs) -> anyhow::Result<ExitCode> {
     let action = Action::Cancel { reason: args.reason };
-    change(cfg, &action, args.filter.to_filter(&args.ids), &args.change).await
+    change(cfg, &action, args.filter.to_filter(&args.ids)?, &args.change).await
 }

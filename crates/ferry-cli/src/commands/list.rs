@@ -40,8 +40,22 @@ pub struct FilterArgs {
 }
 
 impl FilterArgs {
-    pub fn to_filter(&self, ids: &[Uuid]) -> Filter {
-        Filter {
+    /// The filter, or what is wrong with the options: a window that ends
+    /// before it starts matches nothing, and "no deliveries match" would
+    /// tell the operator nothing needs doing.
+    pub fn to_filter(&self, ids: &[Uuid]) -> anyhow::Result<Filter> {
+        if let (Some(since), Some(until)) = (self.since, self.until)
+            && since >= until
+        {
+            return Err(super::UsageError(format!(
+                "--since ({}) is not before --until ({}): no event could match; an age counts back from now, \
+                 so `--since 2h --until 1h` selects the hour before the last one",
+                since.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                until.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+            ))
+            .into());
+        }
+        Ok(Filter {
             ids: ids.iter().copied().map(EventId).collect(),
             states: self.states.clone(),
             route: self.route.clone(),
@@ -50,7 +64,7 @@ impl FilterArgs {
             since: self.since,
             until: self.until,
             error: self.error.clone(),
-        }
+        })
     }
 }
 
@@ -105,7 +119,7 @@ pub async fn run(cfg: &Config, args: ListArgs) -> anyhow::Result<ExitCode> {
         limit: args.limit as usize,
     };
     let listed = store
-        .list(&args.filter.to_filter(&[]), &page)
+        .list(&args.filter.to_filter(&[])?, &page)
         .await
         .context("listing deliveries")?;
     if args.json {

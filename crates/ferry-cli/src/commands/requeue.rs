@@ -61,7 +61,7 @@ pub async fn run(cfg: &Config, args: RequeueArgs) -> anyhow::Result<ExitCode> {
     let action = Action::Requeue {
         include_published: args.include_published,
     };
-    change(cfg, &action, args.filter.to_filter(&args.ids), &args.change).await
+    change(cfg, &action, args.filter.to_filter(&args.ids)?, &args.change).await
 }
 
 /// Who ran the command, for the admin log.
@@ -121,7 +121,11 @@ pub(super) async fn change(
         } else {
             print!("{}", render_plan(verb, &plan));
         }
-        return Ok(if unmatched.is_empty() {
+        // The real run's code: 1 when anything would be refused.
+        if !plan.refused.is_empty() {
+            eprintln!("{} deliveries would be refused (reasons above)", plan.refused.len());
+        }
+        return Ok(if unmatched.is_empty() && plan.refused.is_empty() {
             ExitCode::SUCCESS
         } else {
             ExitCode::from(1)
