@@ -923,3 +923,47 @@ async fn a_stream_reads_ahead_of_the_relay_only_as_far_as_its_byte_budget() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// A settle whose tableless events were all published writes no row, only
+/// the position the relay confirms right after: that commit must reach the
+/// disk even where commits default to asynchronous, or a server crash takes
+/// the position back and the events are published again.
+#[tokio::test]
+async fn a_settle_that_records_only_a_position_commits_durably() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let generation = source_of(&db, &pool).prepare().await.unwrap().generation;
+    // The generated name of the test's own database.
+    let setup = format!(
+        "ALTER DATABASE \"{}\" SET synchronous_commit = off;
+         CREATE TABLE seen (setting text);
+         CREATE FUNCTION note() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN INSERT INTO seen VALUES (current_setting('synchronous_commit')); RETURN NEW; END $$;
+         CREATE TRIGGER note AFTER UPDATE ON ferry.wal_slots FOR EACH ROW EXECUTE FUNCTION note();",
+        db.name()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(setup)).execute(&pool).await.unwrap();
+    pool.close().await;
+    let pool = db.pool().await;
+    let event = tableless_event();
+    let settlement = Settlement {
+        outcomes: vec![(&event, "all".to_owned(), Outcome::Published { at: chrono::Utc::now() })],
+        through: 1 << 40,
+        generation,
+        part: None,
+    };
+    let written = source_of(&db, &pool)
+        .settle(&settlement, chrono::Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(written.written, 0, "a published tableless event is not written");
+    assert_eq!(positions(&pool, db.name()).await.0, Some(1 << 40));
+    let seen: Vec<String> = sqlx::query_scalar("SELECT setting FROM seen")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(seen, ["local"], "the position's commit was asynchronous");
+    pool.close().await;
+    db.drop_db().await;
+}

@@ -281,6 +281,12 @@ impl WalSource {
         // Without that, a replay after a server crash would stream it again
         // with no record of its settled part and publish its tableless
         // events twice.
+        //
+        // The position is confirmed to the server right after: it must be
+        // on disk first even where commits default to asynchronous, or a
+        // server crash takes it back with the slot's and the tableless
+        // events of a batch that wrote no row (all published) go again.
+        // A settle that wrote rows made its commit durable already.
         if (s.through > 0 || s.part.is_some()) && s.outcomes.iter().any(|(e, _, _)| e.tableless()) {
             let (part_lsn, part_events) = s.part.unzip();
             sqlx::query(
@@ -291,6 +297,8 @@ impl WalSource {
                                         THEN $4 ELSE part_lsn END, \
                         part_events = CASE WHEN ($4, $5) > (coalesce(part_lsn, 0), coalesce(part_events, 0)) \
                                            THEN $5 ELSE part_events END \
+                   FROM (SELECT CASE WHEN current_setting('synchronous_commit') = 'off' \
+                                     THEN set_config('synchronous_commit', 'local', true) END) durable \
                   WHERE slot = $1 AND generation = $3",
             )
             .bind(&self.config.slot)
