@@ -5,11 +5,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// The longest dead-letter reason a header carries: a handler's error text
 /// (a panic's, say) can be long, and the dead letter must fit the broker's
 /// message size.
-#[cfg(any(feature = "nats", feature = "kafka"))]
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
 pub(crate) const MAX_REASON_BYTES: usize = 4096;
 
 /// `reason`, cut at a character boundary to [`MAX_REASON_BYTES`].
-#[cfg(any(feature = "nats", feature = "kafka"))]
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
 pub(crate) fn bounded_reason(reason: &str) -> &str {
     let mut end = reason.len().min(MAX_REASON_BYTES);
     while !reason.is_char_boundary(end) {
@@ -126,7 +126,7 @@ impl Reconnect {
     }
 }
 
-#[cfg(all(test, any(feature = "nats", feature = "kafka")))]
+#[cfg(all(test, any(feature = "rabbitmq", feature = "nats", feature = "kafka")))]
 mod tests {
     use super::*;
 

@@ -501,6 +501,65 @@ async fn a_panicking_handler_is_dead_lettered_after_its_attempts() {
     env.cleanup().await;
 }
 
+/// A handler's error text can be long (a panic's, a remote body): the dead
+/// letter carries it cut to 4 KiB, since headers over the connection's
+/// frame_max close the connection, and the message, back first in the
+/// queue, would be refused again for ever with nothing behind it handled.
+#[tokio::test]
+async fn a_long_error_is_dead_lettered_cut_short_and_the_rest_flow() {
+    let env = Env::new("inbox-long-reason").await;
+    let inbox = env.db.inbox_giving_up_after(3);
+    let consumer = RabbitMqConsumer::new(inbox.clone(), env.options(amqp_url())).unwrap();
+    env.declare(&consumer).await;
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if event.event_type == "order.poison.created" {
+            return Err(HandlerError::permanent("é".repeat(100_000)));
+        }
+        effect(tx, event).await
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(handler, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        env.db
+            .produce(vec![
+                Event::new("order.poison.created", json!({ "n": 1000 })).key("k"),
+                Event::new("order.item.created", json!({ "n": 1 })).key("k"),
+            ])
+            .await;
+        let dead = env.dead_letters(1).await;
+        wait("the other processed", || async { consumer.report().processed == 1 }).await;
+        relay.stop().await;
+        let _ = stop.send(());
+        dead
+    };
+    let (report, dead) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!((report.processed, report.reconnects), (1, 0), "{report:?}");
+    env.db.assert_effects_once(1).await;
+    match dead[0]
+        .properties
+        .headers()
+        .as_ref()
+        .unwrap()
+        .inner()
+        .get(DEAD_REASON_HEADER)
+    {
+        Some(AMQPValue::LongString(s)) => {
+            let reason = s.to_string();
+            assert!(
+                reason.len() <= 4096 && reason.starts_with("é"),
+                "{} bytes",
+                reason.len()
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    env.cleanup().await;
+}
+
 #[tokio::test]
 async fn an_inbox_database_outage_delays_events_and_loses_none() {
     const N: usize = 30;

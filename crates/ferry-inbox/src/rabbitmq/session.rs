@@ -18,7 +18,7 @@ use tokio::time::timeout;
 use tracing::{debug, error, warn};
 
 use super::{DEAD_CONSUMER_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, RabbitMqConsumerOptions, decode};
-use crate::runner::Counters;
+use crate::runner::{Counters, bounded_reason};
 use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
 
 pub(super) enum Ended {
@@ -302,7 +302,10 @@ where
     async fn dead_letter(&mut self, delivery: Delivery, channel: &Channel, reason: &str) -> Result<(), Stop> {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         let long = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
-        headers.insert(DEAD_REASON_HEADER.into(), long(reason));
+        // Bounded: the headers travel in one frame, and a frame over the
+        // connection's frame_max closes the connection, the message comes
+        // back first in the queue, and is refused again, for ever.
+        headers.insert(DEAD_REASON_HEADER.into(), long(bounded_reason(reason)));
         headers.insert(DEAD_CONSUMER_HEADER.into(), long(self.inbox.consumer()));
         headers.insert(DEAD_QUEUE_HEADER.into(), long(&self.options.queue));
         let properties = dead_letter_properties(&delivery.properties, headers);
@@ -341,7 +344,18 @@ where
                 )));
             }
             Ok(Err(e)) => return Err(Stop::Channel(format!("dead-lettering: {e}"))),
-            Err(_) => format!("dead-letter exchange {exchange:?} did not confirm in time"),
+            // The confirm may still come, and lapin hands a basic.return to
+            // whichever confirm it processes next: a later dead letter the
+            // broker returns could then read as confirmed, and its message
+            // be acknowledged and lost. The session ends; the closing
+            // connection puts the message back in the queue.
+            Err(_) => {
+                return Err(Stop::Channel(format!(
+                    "dead-letter exchange {exchange:?} did not confirm within {:?}; reconnecting, the message goes \
+                     back to the queue",
+                    self.options.timeout
+                )));
+            }
         };
         warn!(consumer = self.inbox.consumer(), error = %failure, "dead-lettering failed; the message goes back to the queue");
         self.requeue_after(delivery.acker, self.options.database_retry_delay);
