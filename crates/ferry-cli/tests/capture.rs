@@ -49,6 +49,37 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// A capture by a nullable key column is taken, with the warning `ferry
+/// check` would give and its fix.
+#[tokio::test]
+async fn adding_a_capture_by_a_nullable_key_warns() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    let cli = Cli::new(&db);
+    cli.expect(0, &["migrate"]);
+    sqlx::raw_sql("CREATE TABLE notes (id bigint NOT NULL, author text)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = cli.expect(
+        0,
+        &[
+            "capture",
+            "add",
+            "notes",
+            "--type-prefix",
+            "app.note",
+            "--key",
+            "author",
+        ],
+    );
+    assert!(
+        out.contains("warning: public.notes: its key column author may be NULL"),
+        "{out}"
+    );
+    assert!(out.contains("SET NOT NULL"), "{out}");
+}
+
 #[tokio::test]
 async fn add_list_check_refresh_and_remove() {
     let db = TestDb::create().await;
@@ -79,6 +110,7 @@ async fn add_list_check_refresh_and_remove() {
         ],
     );
     assert!(out.contains("capturing public.orders"), "{out}");
+    assert!(!out.contains("warning"), "{out}");
 
     let listed: Value = serde_json::from_str(&cli.expect(0, &["capture", "list", "--json"])).unwrap();
     let entry = &listed[0];

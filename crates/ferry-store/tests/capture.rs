@@ -1188,3 +1188,90 @@ async fn migrate_up_to(pool: &PgPool, last: i32) {
             .unwrap();
     }
 }
+
+/// Row triggers fire for the table a row is in, and a plain inheritance
+/// child has none of its parent's: capturing the parent alone would let
+/// writes to the child's rows pass with no event. Refused until the child
+/// is captured; a child added later is reported.
+#[tokio::test]
+async fn an_inheritance_child_must_be_captured_before_its_parent() {
+    let (_db, pool) = database(
+        "CREATE TABLE items (id bigint NOT NULL, name text);
+         CREATE TABLE gadgets (watts int) INHERITS (items);",
+    )
+    .await;
+    let err = add(&pool, CaptureSpec::new("items", "shop.item", "id"))
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("public.gadgets") && text.contains("no event"), "{text}");
+    assert!(text.contains("ferry capture add public.gadgets"), "{text}");
+    add(&pool, CaptureSpec::new("gadgets", "shop.gadget", "id"))
+        .await
+        .unwrap();
+    add(&pool, CaptureSpec::new("items", "shop.item", "id")).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    // A write through the parent to a child's row reaches the child's trigger.
+    exec(&pool, "INSERT INTO gadgets (id, name, watts) VALUES (1, 'lamp', 40)").await;
+    exec(&pool, "UPDATE items SET name = 'desk lamp' WHERE id = 1").await;
+    let types: Vec<String> = events(&pool).await.into_iter().map(|e| e.event_type).collect();
+    assert_eq!(types, ["shop.gadget.created", "shop.gadget.updated"]);
+
+    exec(&pool, "CREATE TABLE cables (metres int) INHERITS (items)").await;
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].table, "public.items");
+    assert!(found[0].problem.contains("public.cables"), "{found:?}");
+    assert!(found[0].fix.contains("ferry capture add public.cables"), "{found:?}");
+}
+
+/// A row whose key is NULL writes keyless events, which keep no order:
+/// `ferry check` says so, with the statement that fixes it.
+#[tokio::test]
+async fn a_nullable_key_column_is_reported() {
+    let (_db, pool) = database("CREATE TABLE notes (id bigint NOT NULL, author text, body text)").await;
+    add(&pool, CaptureSpec::new("notes", "app.note", "author"))
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].problem.contains("author") && found[0].problem.contains("NULL"),
+        "{found:?}"
+    );
+    exec(&pool, found[0].fix.split(", or ").next().unwrap()).await;
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+}
+
+/// A table renamed after it was captured: `ferry check` reports it gone
+/// by its name and suggests removing the capture, which must work (its
+/// trigger still calls the capture's function on the renamed table).
+#[tokio::test]
+async fn a_capture_of_a_renamed_table_can_be_removed() {
+    let (_db, pool) = database(ORDERS).await;
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "ALTER TABLE orders RENAME TO orders_v2").await;
+    let mut conn = pool.acquire().await.unwrap();
+    let found = capture::check(&mut conn).await.unwrap();
+    assert!(
+        found
+            .iter()
+            .any(|d| d.fix.contains("ferry capture remove public.orders")),
+        "{found:?}"
+    );
+    capture::remove(&mut conn, "public.orders").await.unwrap();
+    let triggers: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'orders_v2'::regclass AND NOT tgisinternal",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(triggers, 0, "the renamed table kept a trigger");
+    exec(&pool, "INSERT INTO orders_v2 (id, status) VALUES (1, 'new')").await;
+    assert!(events(&pool).await.is_empty());
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+}

@@ -109,6 +109,12 @@ pub async fn run(cfg: &Config, args: CaptureArgs) -> anyhow::Result<ExitCode> {
             if spec.on_error == OnError::Warn {
                 println!("warning: on-error warn drops events it cannot write; watch `ferry capture list`");
             }
+            // What `ferry check` would say of it now (a nullable key column).
+            for drift in capture::check(&mut conn).await.map_err(usage)? {
+                if drift.table == table {
+                    println!("warning: {table}: {}; fix: {}", drift.problem, drift.fix);
+                }
+            }
         }
         CaptureCommand::Refresh { table } => {
             let which = table.as_deref().map_or(Tables::All, Tables::One);

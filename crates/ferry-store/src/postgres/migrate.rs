@@ -47,6 +47,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "enqueue_outcome",
         include_str!("migrations/0021_enqueue_outcome.sql"),
     ),
+    (22, "capture_gaps", include_str!("migrations/0022_capture_gaps.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
