@@ -211,6 +211,26 @@ async fn check_refuses_a_stream_that_never_acknowledges_and_warns_of_a_short_dup
     sink.close().await;
 }
 
+/// A stream with interest retention and no consumer acknowledges every
+/// publish and deletes the message at once: a route to it reaches nobody,
+/// and check says so before an event is lost to it. With a consumer it is
+/// usable.
+#[tokio::test]
+async fn check_refuses_an_interest_stream_that_no_consumer_wants() {
+    let sink = sink_at(nats_url());
+    let stream = TestStream::create_with("interest", json!({ "retention": "interest" })).await;
+    let err = sink.check(&route(&stream.subject)).await.expect_err("nobody wants it");
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    assert!(
+        err.message.contains("interest") && err.message.contains("no consumer"),
+        "{err}"
+    );
+    stream.add_consumer("readers").await;
+    sink.check(&route(&stream.subject)).await.expect("a consumer wants it");
+    stream.delete().await;
+    sink.close().await;
+}
+
 #[tokio::test]
 async fn a_message_over_the_streams_max_msg_size_is_permanent_and_holds_nothing_else() {
     let stream = TestStream::create_with("small", json!({ "max_msg_size": 1024 })).await;

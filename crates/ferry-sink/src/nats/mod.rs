@@ -177,7 +177,14 @@ struct StreamNames {
 #[derive(Deserialize)]
 struct StreamInfo {
     config: Option<StreamConfig>,
+    state: Option<StreamState>,
     error: Option<ApiError>,
+}
+
+#[derive(Deserialize, Default)]
+struct StreamState {
+    #[serde(default)]
+    consumer_count: u64,
 }
 
 /// What of a stream's config decides whether Ferry's publishes can be
@@ -189,6 +196,9 @@ struct StreamConfig {
     /// Nanoseconds; 0 when the server did not say (its default is 2 min).
     #[serde(default)]
     duplicate_window: u64,
+    /// `limits`, `interest` or `workqueue`.
+    #[serde(default)]
+    retention: String,
 }
 
 /// The relay's default longest retry delay (`relay.backoff_max`): a stream
@@ -242,9 +252,25 @@ async fn ask(
 }
 
 /// Refuses a stream that never acknowledges (every event would wait out its
-/// PubAck and go dead, stored or not); warns of a duplicate window shorter
-/// than a retry may come.
-fn stream_caveats(route: &Route, stream: &str, config: &StreamConfig) -> Result<Vec<String>, SinkError> {
+/// PubAck and go dead, stored or not) or that would delete every event on
+/// arrival (interest retention with no consumer); warns of a duplicate
+/// window shorter than a retry may come.
+fn stream_caveats(
+    route: &Route,
+    stream: &str,
+    config: &StreamConfig,
+    state: &StreamState,
+) -> Result<Vec<String>, SinkError> {
+    // Acknowledged, then deleted on arrival: nobody wants it.
+    if config.retention == "interest" && state.consumer_count == 0 {
+        return Err(SinkError::config(format!(
+            "route {:?}: stream {stream:?} keeps a message only while a consumer wants it (interest \
+             retention) and has no consumer, so every event sent to it would be confirmed and deleted at \
+             once; add the consumers first (`nats consumer add {stream}`), or give the stream limits \
+             retention",
+            route.name
+        )));
+    }
     if config.no_ack {
         return Err(SinkError::config(format!(
             "route {:?}: stream {stream:?} is set not to acknowledge publishes (no_ack), so no \
@@ -386,7 +412,12 @@ impl Sink for NatsSink {
                         format!("asking JetStream about stream {stream:?}: {}", err.description),
                     ));
                 }
-                stream_caveats(route, stream, &info.config.unwrap_or_default())
+                stream_caveats(
+                    route,
+                    stream,
+                    &info.config.unwrap_or_default(),
+                    &info.state.unwrap_or_default(),
+                )
             }
             None => Err(SinkError::config(format!(
                 "route {:?}: no JetStream stream captures subject {subject:?}; create one whose subjects \

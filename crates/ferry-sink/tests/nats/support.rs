@@ -119,6 +119,18 @@ impl TestStream {
         }
     }
 
+    /// Adds a durable pull consumer named `name`.
+    pub async fn add_consumer(&self, name: &str) {
+        let config = json!({ "stream_name": self.name, "config": { "durable_name": name, "ack_policy": "explicit" } });
+        let answer = api(
+            &self.client,
+            &format!("$JS.API.CONSUMER.CREATE.{}.{name}", self.name),
+            config,
+        )
+        .await;
+        assert!(answer.get("error").is_none(), "creating consumer {name}: {answer}");
+    }
+
     /// Messages the stream holds.
     pub async fn count(&self) -> u64 {
         let info = api(&self.client, &format!("$JS.API.STREAM.INFO.{}", self.name), json!({})).await;
