@@ -131,6 +131,35 @@ pub async fn settled_events_go_after_their_window_archived_first<H: RetentionHar
         settle(h, &o, "orders", *id, published()).await;
     }
     settle(h, &o, "files", blob, published()).await;
+    // Two rounds of failures, the second after a requeue: attempt numbers
+    // repeat, and the archive keeps them in the order they happened.
+    let retry = Transition::Retry {
+        attempts: 1,
+        next_at: Utc::now(),
+        error: "first".into(),
+    };
+    settle(h, &o, "orders", failing[0], retry).await;
+    settle(
+        h,
+        &o,
+        "orders",
+        failing[0],
+        Transition::Dead {
+            attempts: 2,
+            reason: "second".into(),
+        },
+    )
+    .await;
+    let requeue = Action::Requeue {
+        include_published: false,
+    };
+    let only = Filter {
+        ids: vec![failing[0]],
+        ..Filter::default()
+    };
+    let plan = h.store().plan(&requeue, &only).await.unwrap();
+    assert_eq!(plan.changes.len(), 1, "{plan:?}");
+    h.store().apply(&requeue, "test", &plan.changes).await.unwrap();
     settle(h, &o, "orders", failing[0], dead("broker said no")).await;
     let everything = h.event_ids().await;
 
@@ -182,8 +211,15 @@ pub async fn settled_events_go_after_their_window_archived_first<H: RetentionHar
     assert_eq!(h.event_ids().await, set(&stay));
     let archive = read_archive(&report.archive_file.unwrap()).unwrap();
     let d = archive.iter().find(|e| e.id == failing[0].0).unwrap();
-    assert_eq!(d.deliveries[0].failures.len(), 1);
-    assert!(d.deliveries[0].failures[0].dead);
+    let history: Vec<(i32, &str, bool)> = d.deliveries[0]
+        .failures
+        .iter()
+        .map(|f| (f.attempt, f.error.as_str(), f.dead))
+        .collect();
+    assert_eq!(
+        history,
+        [(1, "first", false), (2, "second", true), (1, "broker said no", true)]
+    );
     assert!(archive.iter().any(|e| e.id == unroutable[0].0));
     assert_eq!(h.failures().await, 0, "failures go with their events");
 }

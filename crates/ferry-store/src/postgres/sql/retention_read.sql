@@ -8,7 +8,7 @@ SELECT e.seq, e.id, e.type, e.key, e.payload, e.content_type, e.headers, e.dispa
                    'last_error', d.last_error, 'published_at', d.published_at, 'updated_at', d.updated_at,
                    'failures', (SELECT coalesce(jsonb_agg(jsonb_build_object(
                                            'attempt', f.attempt, 'at', f.at, 'dead', f.dead, 'error', f.error)
-                                       ORDER BY f.attempt), '[]'::jsonb)
+                                       ORDER BY f.id), '[]'::jsonb)
                                   FROM ferry.failures f WHERE f.seq = d.seq AND f.route = d.route))
                ORDER BY d.route)
           FROM ferry.deliveries d WHERE d.seq = e.seq) AS deliveries
