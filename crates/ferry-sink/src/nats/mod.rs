@@ -174,6 +174,20 @@ struct StreamNames {
     error: Option<ApiError>,
 }
 
+/// Forgets the connection of a batch cut short (the relay's bound passed,
+/// or its lease ran out): PubAcks are still owed on it, and a server that
+/// stalled would hold the next batch for its whole timeout too. The next
+/// batch connects anew.
+struct Abandoned<'a>(Option<&'a mut Connector>);
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some(connector) = self.0.take() {
+            connector.lost(SinkError::transient("a publish was abandoned mid-batch"));
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct StreamInfo {
     config: Option<StreamConfig>,
@@ -325,7 +339,10 @@ impl Sink for NatsSink {
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
-        let outcomes = publish::publish_batch(&mut connector, prepared, self.options.publish_timeout).await;
+        let mut held = Abandoned(Some(&mut connector));
+        let link = held.0.as_deref_mut().expect("held until the batch ends");
+        let outcomes = publish::publish_batch(link, prepared, self.options.publish_timeout).await;
+        held.0 = None;
         log_published("NATS", route, events, &outcomes);
         outcomes
     }

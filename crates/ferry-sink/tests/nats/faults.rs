@@ -165,3 +165,32 @@ async fn a_cut_mid_drain_loses_nothing_and_keeps_key_order() {
     sink.close().await;
     stream.delete().await;
 }
+
+/// A publish the relay gives up on (its bound passed) leaves PubAcks owed on
+/// the connection, which may have stalled: the sink forgets it, and the next
+/// batch connects anew rather than wait on it for its whole timeout.
+#[tokio::test]
+async fn a_publish_cut_short_leaves_its_connection_behind() {
+    let stream = TestStream::create("abandoned").await;
+    let proxy = Proxy::start(upstream()).unwrap();
+    let sink = sink_through(proxy.addr(), Duration::from_secs(5));
+    let to = route(&stream.subject);
+    let events = keyed(6, |_| "k".to_owned());
+    let outcomes = sink.publish(&to, &events[..3]).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert_eq!(proxy.live_connections(), 1);
+    // The server stalls; the relay gives up on the batch before its PubAcks.
+    proxy.set_delay(Duration::from_secs(3));
+    let cut_short = tokio::time::timeout(Duration::from_millis(300), sink.publish(&to, &events[3..])).await;
+    assert!(cut_short.is_err(), "the batch finished in spite of the stall");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proxy.live_connections() > 0 {
+        assert!(Instant::now() < deadline, "the abandoned connection is still open");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.set_delay(Duration::ZERO);
+    let outcomes = sink.publish(&to, &events[3..]).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    sink.close().await;
+    stream.delete().await;
+}
