@@ -46,7 +46,7 @@ const RESERVED: [(&str, &str); 14] = [
     ("transactional.id", "Ferry's producer is idempotent, not transactional"),
     (
         "enable.gapless.guarantee",
-        "a key's later events must not pass one the broker refused",
+        "one route's refused batch would stop the producer every route of the sink shares",
     ),
     (
         "delivery.report.only.error",
@@ -156,13 +156,6 @@ impl KafkaOptions {
             config.set(name, value);
         }
         config.set("enable.idempotence", "true");
-        // A record batch the broker refuses for good would otherwise leave
-        // a gap: librdkafka goes on with the partition's later batches, and
-        // a key's later events get through while its earlier one failed.
-        // With the guarantee the producer fails fatally at the gap, every
-        // event after it fails (transient) with it, and the sink replaces
-        // the producer. Expiry (`message.timeout.ms`) is not covered.
-        config.set("enable.gapless.guarantee", "true");
         config.set("acks", "all");
         config.set("max.in.flight.requests.per.connection", "5");
         config.set("allow.auto.create.topics", "false");

@@ -12,7 +12,12 @@
 //! longer than `publish_timeout`, a key's queued messages expire in order and
 //! fail transiently; in the rare case that the cluster comes back between the
 //! expiry of two messages of one key, the later one is delivered and the relay
-//! counts an order break. Retried events may arrive twice (a message whose
+//! counts an order break. Likewise when the broker refuses a record batch for
+//! good (`INVALID_RECORD`, a policy violation) while later batches of its
+//! partition are queued: librdkafka goes on with those. Its
+//! `enable.gapless.guarantee` would stop there, but by stopping the producer,
+//! which every route of the sink shares: one route's bad record would fail
+//! the batches of all of them, so it is not set (and refused in `extra`). Retried events may arrive twice (a message whose
 //! report timed out may have been written); consumers deduplicate on `ce_id`.
 //!
 //! ```no_run
