@@ -773,7 +773,8 @@ async fn a_dead_letter_the_topic_refuses_for_good_stops_the_consumer() {
 /// A dead letter carries its record and a reason, so it can be larger than
 /// any record the consumer read: a record near the sink's limit is
 /// dead-lettered, not refused by the dead-letter producer's own default
-/// limit (which would stop the consumer).
+/// limit (which would stop the consumer). And the consumer's `extra` gives
+/// the producer nothing it could not be created with.
 #[tokio::test]
 async fn a_record_near_the_size_limit_is_dead_lettered() {
     let env = Env::new("inbox-kafka-dlq-large").await;
@@ -786,7 +787,13 @@ async fn a_record_near_the_size_limit_is_dead_lettered() {
         .await;
     env.db.all_published(1).await;
     relay.stop().await;
-    let consumer = KafkaConsumer::new(env.db.inbox_giving_up_after(1), env.options()).unwrap();
+    // A producer's setting among the consumer's, which an idempotent
+    // dead-letter producer could not be created with.
+    let mut options = env.options();
+    options
+        .extra
+        .insert("max.in.flight.requests.per.connection".into(), "10".into());
+    let consumer = KafkaConsumer::new(env.db.inbox_giving_up_after(1), options).unwrap();
     let handler = async |_: &mut PgConnection, _: &ReceivedEvent| Err(HandlerError::permanent("refused"));
     let (stop, stopped) = oneshot::channel::<()>();
     let run = tokio::spawn(async move {

@@ -96,6 +96,25 @@ pub struct KafkaConsumerOptions {
 /// below what a topic may hold with a reason added.
 const DEAD_LETTER_MAX_BYTES: &str = "16777216";
 
+/// What the dead-letter producer sets itself, or must not take from the
+/// consumer's `extra`: an idempotent producer with `acks=all` refuses to be
+/// created with more than 5 requests in flight, say, and a consumer that
+/// could never dead-letter would never start.
+const DEAD_LETTER_OWN: [&str; 12] = [
+    "bootstrap.servers",
+    "enable.idempotence",
+    "acks",
+    "request.required.acks",
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+    "max.in.flight.requests.per.connection",
+    "max.in.flight",
+    "transactional.id",
+    "enable.gapless.guarantee",
+    "retries",
+    "message.send.max.retries",
+];
+
 impl KafkaConsumerOptions {
     pub fn new(
         bootstrap_servers: impl Into<String>,
@@ -165,7 +184,7 @@ impl KafkaConsumerOptions {
     /// TLS verification, DNS and address family alike: a producer that
     /// cannot reach the cluster the consumer reads would leave a dead record
     /// stuck for ever), librdkafka ignoring the consumer's own properties,
-    /// then what a dead letter needs. A dead letter carries the record and a
+    /// but for [`DEAD_LETTER_OWN`], then what a dead letter needs. A dead letter carries the record and a
     /// reason, so it may be larger than any record the consumer read: the
     /// local limit is raised (the topic's own still applies) unless `extra`
     /// sets one.
@@ -173,7 +192,9 @@ impl KafkaConsumerOptions {
         let mut config = ClientConfig::new();
         config.set("message.max.bytes", DEAD_LETTER_MAX_BYTES);
         for (k, v) in &self.extra {
-            config.set(k, v);
+            if !DEAD_LETTER_OWN.contains(&k.as_str()) {
+                config.set(k, v);
+            }
         }
         config
             .set("bootstrap.servers", &self.bootstrap_servers)
