@@ -114,7 +114,7 @@ where
                 return Ok(Ended::Refused(missing(&self.options.dead_letter_exchange)));
             }
         }
-        let (channel, dead_letters) = timeout(limit, self.open(connection))
+        let (channel, mut dead_letters) = timeout(limit, self.open(connection))
             .await
             .map_err(|_| format!("opening channels took longer than {limit:?}"))?
             .map_err(|e| format!("opening channels and declaring: {e}"))?;
@@ -148,7 +148,7 @@ where
                 }
             };
             match delivery {
-                Some(Ok(delivery)) => match self.handle(delivery, &dead_letters).await {
+                Some(Ok(delivery)) => match self.handle(delivery, connection, &mut dead_letters).await {
                     Ok(()) => {}
                     Err(Stop::Channel(e)) => {
                         warn!(error = %e, "the channel failed while handling a delivery");
@@ -221,14 +221,17 @@ where
                 )
                 .await?;
         }
-        let dead_letters = connection.create_channel().await?;
-        dead_letters.confirm_select(ConfirmSelectOptions::default()).await?;
-        Ok((channel, dead_letters))
+        Ok((channel, dead_letter_channel(connection).await?))
     }
 
     /// One delivery. An error means the channel is gone: the session ends and
     /// the broker redelivers whatever was not acknowledged.
-    async fn handle(&mut self, delivery: Delivery, dead_letters: &Channel) -> Result<(), Stop> {
+    async fn handle(
+        &mut self,
+        delivery: Delivery,
+        connection: &Connection,
+        dead_letters: &mut Channel,
+    ) -> Result<(), Stop> {
         let consumer = self.inbox.consumer();
         let event = match decode(&delivery.properties, &delivery.data) {
             Ok(event) => event,
@@ -236,7 +239,9 @@ where
                 Counters::bump(&self.counters.malformed);
                 metrics::malformed(consumer);
                 warn!(consumer, routing_key = %delivery.routing_key, error = %e, "malformed message");
-                return self.dead_letter(delivery, dead_letters, &e.to_string()).await;
+                return self
+                    .dead_letter(delivery, connection, dead_letters, &e.to_string())
+                    .await;
             }
         };
         let handler = self.handler;
@@ -255,7 +260,7 @@ where
             }
             Ok(Outcome::Dead { reason, .. }) => {
                 Counters::bump(&self.counters.dead);
-                return self.dead_letter(delivery, dead_letters, &reason).await;
+                return self.dead_letter(delivery, connection, dead_letters, &reason).await;
             }
             Err(e) => {
                 Counters::bump(&self.counters.inbox_unavailable);
@@ -299,7 +304,13 @@ where
     /// Publishes the message to the dead-letter exchange with its reason and
     /// acknowledges it once the broker confirmed. Unconfirmed or unroutable,
     /// it goes back to the queue after a pause instead: never dropped.
-    async fn dead_letter(&mut self, delivery: Delivery, channel: &Channel, reason: &str) -> Result<(), Stop> {
+    async fn dead_letter(
+        &mut self,
+        delivery: Delivery,
+        connection: &Connection,
+        channel: &mut Channel,
+        reason: &str,
+    ) -> Result<(), Stop> {
         let mut headers = delivery.properties.headers().clone().unwrap_or_default();
         let long = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes()));
         // Bounded: the headers travel in one frame, and a frame over the
@@ -347,20 +358,35 @@ where
             // The confirm may still come, and lapin hands a basic.return to
             // whichever confirm it processes next: a later dead letter the
             // broker returns could then read as confirmed, and its message
-            // be acknowledged and lost. The session ends; the closing
-            // connection puts the message back in the queue.
+            // be acknowledged and lost. The next dead letter goes on a
+            // channel of its own; the message goes back to the queue.
             Err(_) => {
-                return Err(Stop::Channel(format!(
-                    "dead-letter exchange {exchange:?} did not confirm within {:?}; reconnecting, the message goes \
-                     back to the queue",
+                let fresh = timeout(self.options.timeout, dead_letter_channel(connection))
+                    .await
+                    .map_err(|_| Stop::Channel("opening a dead-letter channel took too long".into()))?
+                    .map_err(|e| Stop::Channel(format!("opening a dead-letter channel: {e}")))?;
+                let late = std::mem::replace(channel, fresh);
+                // Closed in the background: the broker may be slow to answer.
+                tokio::spawn(async move {
+                    let _ = late.close(200, "unconfirmed".into()).await;
+                });
+                format!(
+                    "dead-letter exchange {exchange:?} did not confirm within {:?}",
                     self.options.timeout
-                )));
+                )
             }
         };
         warn!(consumer = self.inbox.consumer(), error = %failure, "dead-lettering failed; the message goes back to the queue");
         self.requeue_after(delivery.acker, self.options.database_retry_delay);
         Ok(())
     }
+}
+
+/// A channel for dead letters, with publisher confirms.
+async fn dead_letter_channel(connection: &Connection) -> Result<Channel, lapin::Error> {
+    let channel = connection.create_channel().await?;
+    channel.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok(channel)
 }
 
 /// Whether `exchange` exists: a passive declare, on a channel of its own
