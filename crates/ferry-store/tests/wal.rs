@@ -967,3 +967,57 @@ async fn a_settle_that_records_only_a_position_commits_durably() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// A publication that does not carry the outbox's inserts stops the stream
+/// and marks the slot for a sweep once it is mended; a retired slot, which
+/// the relays leave for polling, keeps its sweep.
+#[tokio::test]
+async fn a_wrong_publication_marks_the_slot_for_a_sweep_unless_it_is_retired() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    source.check_publication().await.expect("the relay's own publication");
+    let publication = config_of(&db).publication;
+    let alter = |what: &str| format!("ALTER PUBLICATION {publication} {what}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(alter("SET (publish = 'update')")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let err = source.prepare().await.unwrap_err();
+    assert!(err.message.contains("does not publish inserts"), "{err}");
+    assert!(err.message.contains(&alter("SET (publish = 'insert')")), "{err}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(alter("SET (publish = 'insert')")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mended = source.prepare().await.unwrap();
+    assert_eq!(seen(mended), (true, None), "rows committed meanwhile are not swept");
+    assert!(source.mark_swept(&mended).await.unwrap());
+
+    // Retired, it stays swept.
+    let retiring = {
+        let (pool, slot) = (pool.clone(), db.name().to_owned());
+        tokio::spawn(async move { ferry_store::postgres::wal::retire(&pool, &slot, |_| {}).await })
+    };
+    while !emit_one(&pool).await {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    retiring.abort();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(alter("DROP TABLE ferry.events")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let err = source.check_publication().await.unwrap_err();
+    assert!(err.message.contains("does not include ferry.events"), "{err}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(alter("ADD TABLE ferry.events")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let again = source.prepare().await.unwrap();
+    assert_eq!(seen(again), (false, None), "a retired slot was taken as unswept");
+    pool.close().await;
+    db.drop_db().await;
+}

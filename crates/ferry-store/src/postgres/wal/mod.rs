@@ -382,11 +382,24 @@ impl WalSource {
         let Some(Some(wrong)) = publication_fault(&self.pool, publication).await.map_err(store_error)? else {
             return Ok(());
         };
-        sqlx::query("UPDATE ferry.wal_slots SET ready = false, swept_generation = NULL WHERE slot = $1")
-            .bind(slot)
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
+        // Only while it is still wrong, in the same statement: a relay that
+        // read it a moment before it was mended must not undo the sweep
+        // another relay has made since. A retired slot is not swept again
+        // (the relays leave it for polling, which takes what is unrouted).
+        sqlx::query(
+            "UPDATE ferry.wal_slots SET ready = false, swept_generation = NULL \
+              WHERE slot = $1 AND NOT retired \
+                AND NOT EXISTS (SELECT 1 FROM pg_publication p \
+                                 WHERE p.pubname = $2 AND p.pubinsert \
+                                   AND EXISTS (SELECT 1 FROM pg_publication_tables t \
+                                                WHERE t.pubname = p.pubname AND t.schemaname = 'ferry' \
+                                                  AND t.tablename = 'events'))",
+        )
+        .bind(slot)
+        .bind(publication)
+        .execute(&self.pool)
+        .await
+        .map_err(store_error)?;
         Err(StoreError::config(format!(
             "publication {publication} {wrong}; the outbox's events are not streamed until it does (they wait, \
              and are taken into the table path once it is mended)"
