@@ -111,6 +111,19 @@ impl Health {
                 failing.as_secs_f64(),
                 self.stalled_after.as_secs()
             )
+        } else if let Some(failing) = self
+            .progress
+            .router_failing_for()
+            .filter(|failing| *failing > self.stalled_after)
+        {
+            // The route workers have nothing to claim, which reads as idle.
+            ready = false;
+            format!(
+                "the router has failed for {:.0}s (limit {}s): new events are not routed to their \
+                 destinations (its log says why)",
+                failing.as_secs_f64(),
+                self.stalled_after.as_secs()
+            )
         } else if self.progress.since_renewed().is_none() {
             // Before its first lease: starting, waiting for a database
             // that does not answer, or for the leases of a relay of its id.
@@ -411,6 +424,28 @@ mod tests {
         assert!(r.relay.starts_with("no lease renewal for"), "{}", r.relay);
         progress.renewed();
         assert!(!health.readiness().relay.starts_with("no lease renewal"));
+    }
+
+    /// A router that keeps failing leaves new events unrouted while the
+    /// route workers, with nothing to claim, look idle: not ready once it
+    /// has failed for longer than the limit, ready again after a step
+    /// succeeds.
+    #[test]
+    fn a_relay_whose_router_keeps_failing_is_not_ready() {
+        let progress = Progress::default();
+        let health = Health::new(&[], progress.clone(), Duration::from_millis(20));
+        *health.database.lock().unwrap() = Some(probed(None));
+        progress.renewed();
+        progress.router_step(false);
+        assert!(health.readiness().ready, "one failure is retried");
+        std::thread::sleep(Duration::from_millis(40));
+        progress.router_step(false);
+        progress.renewed();
+        let r = health.readiness();
+        assert!(!r.ready);
+        assert!(r.relay.starts_with("the router has failed for"), "{}", r.relay);
+        progress.router_step(true);
+        assert!(!health.readiness().relay.starts_with("the router"));
     }
 
     /// Waiting before its first lease (the leases of a killed run of its

@@ -81,6 +81,9 @@ struct ProgressState {
     /// Milliseconds after `origin` of the last lease renewal the database
     /// accepted; `u64::MAX` before the first.
     renewed: AtomicU64,
+    /// Milliseconds after `origin` of the router's first failure in a row;
+    /// `u64::MAX` while its last step succeeded.
+    router_failing: AtomicU64,
 }
 
 impl Default for Progress {
@@ -91,6 +94,7 @@ impl Default for Progress {
             idle: AtomicUsize::new(0),
             workers: AtomicUsize::new(0),
             renewed: AtomicU64::new(u64::MAX),
+            router_failing: AtomicU64::new(u64::MAX),
         }))
     }
 }
@@ -106,6 +110,29 @@ impl Progress {
     pub fn idle(&self) -> bool {
         let workers = self.0.workers.load(Ordering::Relaxed);
         workers > 0 && self.0.idle.load(Ordering::Relaxed) >= workers
+    }
+
+    /// How long the router has failed without a step succeeding in
+    /// between; `None` while it works. Its failures leave new events
+    /// unrouted while every route worker, with nothing to claim, looks idle.
+    pub fn router_failing_for(&self) -> Option<Duration> {
+        let since = self.0.router_failing.load(Ordering::Relaxed);
+        (since != u64::MAX).then(|| self.0.origin.elapsed().saturating_sub(Duration::from_millis(since)))
+    }
+
+    /// A step of the router succeeded (`ok`) or failed. Called by the
+    /// relay's router.
+    pub fn router_step(&self, ok: bool) {
+        if ok {
+            self.0.router_failing.store(u64::MAX, Ordering::Relaxed);
+        } else {
+            let now = self.0.origin.elapsed().as_millis().min(u64::MAX as u128 - 1) as u64;
+            // The first failure in a row is when it began.
+            let _ = self
+                .0
+                .router_failing
+                .compare_exchange(u64::MAX, now, Ordering::Relaxed, Ordering::Relaxed);
+        }
     }
 
     pub(crate) fn advanced(&self) {

@@ -79,12 +79,14 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
                 continue;
             }
             Step::Failed => {
+                shared.progress.router_step(false);
                 shared.sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(5));
                 continue;
             }
         };
         backoff = Duration::from_millis(50);
+        shared.progress.router_step(true);
         // Caught up: settle the last batch while waiting for the next
         // commit, and let the gate go before the wait can outlast it.
         let settling = async {

@@ -1603,3 +1603,60 @@ async fn a_failed_read_of_the_next_retry_time_does_not_leave_the_retry_to_the_sl
     );
     relay.stop().await;
 }
+
+/// A router that keeps failing leaves new events unrouted while the route
+/// workers, with nothing to claim, look idle: its progress handle says how
+/// long it has failed (which the readiness probe reports), and stops saying
+/// so once a step succeeds.
+#[tokio::test]
+async fn a_failing_router_shows_in_the_progress_handle_until_it_recovers() {
+    let e = env().await;
+    let failing = Arc::new(AtomicBool::new(true));
+    let fail = failing.clone();
+    let hook: ferry_testkit::hooked::Hook = Arc::new(move |called| {
+        let refuse = fail.load(Ordering::SeqCst) && called.starts_with("fetch_");
+        Box::pin(async move {
+            if refuse {
+                Err(ferry_core::StoreError::transient(
+                    "permission denied for table deliveries",
+                ))
+            } else {
+                Ok(())
+            }
+        })
+    });
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let sinks: HashMap<String, Arc<dyn Sink>> = [("mock".to_string(), e.sink.clone() as Arc<dyn Sink>)].into();
+    let relay = Relay::new(
+        store,
+        SystemClock,
+        settings("a", 4),
+        vec![route("orders", "order.**")],
+        sinks,
+    )
+    .unwrap();
+    let progress = relay.progress();
+    let (stop, rx) = oneshot::channel::<()>();
+    let handle = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap()
+    });
+    produce(&e.pool, orders(5, 1)).await;
+    eventually("the router's failure to show", Duration::from_secs(20), || {
+        progress.router_failing_for().is_some()
+    })
+    .await;
+    assert!(e.sink.delivered("orders").is_empty());
+    failing.store(false, Ordering::SeqCst);
+    eventually("delivered", Duration::from_secs(20), || {
+        e.sink.delivered("orders").len() >= 5
+    })
+    .await;
+    assert_eq!(progress.router_failing_for(), None);
+    let _ = stop.send(());
+    handle.await.unwrap();
+}
