@@ -431,6 +431,39 @@ async fn warn_mode_keeps_the_write_and_counts_the_dropped_event() {
     // What the relay exports as `ferry_capture_dropped_events`.
     let gauges = ferry_store::Gauges::gauges(&PgStore::new(pool.clone())).await.unwrap();
     assert_eq!(gauges.capture_dropped, vec![("public.orders".to_owned(), 2)]);
+    // A read of the counts that fails fails the gauges: taken as no drops,
+    // it would set the exported count back to zero.
+    // Roles are the server's: one named after the test's own database.
+    let role = format!("{}_gauges", _db.name());
+    exec(
+        &pool,
+        &format!(
+            "CREATE ROLE \"{role}\" NOLOGIN;
+             GRANT USAGE ON SCHEMA ferry TO \"{role}\";
+             GRANT SELECT ON ALL TABLES IN SCHEMA ferry TO \"{role}\";
+             REVOKE SELECT ON ferry.capture_dropped FROM \"{role}\";"
+        ),
+    )
+    .await;
+    let set_role = format!("SET ROLE \"{role}\"");
+    let limited = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(move |conn, _| {
+            let set_role = set_role.clone();
+            Box::pin(async move {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(set_role)).execute(conn).await?;
+                Ok(())
+            })
+        })
+        .connect(_db.url())
+        .await
+        .unwrap();
+    let err = ferry_store::Gauges::gauges(&PgStore::new(limited.clone()))
+        .await
+        .unwrap_err();
+    assert!(err.message.contains("capture_dropped"), "{err}");
+    limited.close().await;
+    exec(&pool, &format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).await;
 }
 
 /// Writes under a role with exactly the producer grants OPERATIONS.md lists

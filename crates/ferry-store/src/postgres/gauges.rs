@@ -84,18 +84,23 @@ impl Gauges for PgStore {
         report.expired_leases = row.get::<i64, _>(0) as u64;
         report.oldest_lease_seconds = row.get(1);
 
-        // A database migrated before table capture existed has no such table.
-        let dropped = sqlx::query(
-            "SELECT table_schema || '.' || table_name, count FROM ferry.capture_dropped
-              WHERE to_regclass('ferry.capture_dropped') IS NOT NULL ORDER BY 1",
-        )
-        .fetch_all(pool)
-        .await;
-        if let Ok(rows) = dropped {
-            report.capture_dropped = rows
-                .into_iter()
-                .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) as u64))
-                .collect();
+        // A database migrated before table capture existed has no such
+        // table, and counts nothing. Any other error fails the read: taken
+        // as no drops, it would set a table's count of dropped events back
+        // to zero while events were being dropped.
+        let dropped =
+            sqlx::query("SELECT table_schema || '.' || table_name, count FROM ferry.capture_dropped ORDER BY 1")
+                .fetch_all(pool)
+                .await;
+        match dropped {
+            Ok(rows) => {
+                report.capture_dropped = rows
+                    .into_iter()
+                    .map(|r| (r.get::<String, _>(0), r.get::<i64, _>(1) as u64))
+                    .collect();
+            }
+            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("42P01") => {}
+            Err(e) => return Err(store_error(e)),
         }
         Ok(report)
     }
