@@ -320,14 +320,17 @@ pub fn render(r: &StatusReport, configured: impl Fn(&str) -> Option<bool>) -> St
         let _ = writeln!(out, "  none running");
     }
     for l in &r.leases {
+        let expiry = match l.expires_in_seconds {
+            Some(s) if s < 0.0 => format!("expired {} ago", age(Some(-s))),
+            other => format!("expires in {}", age(other)),
+        };
         let _ = writeln!(
             out,
-            "  {:<32} {:>3} partitions, heartbeat {} ago, oldest lease held {}, expires in {}{}",
+            "  {:<32} {:>3} partitions, heartbeat {} ago, oldest lease held {}, {expiry}{}",
             l.relay,
             l.partitions,
             age(Some(l.heartbeat_age_seconds)),
             age(l.oldest_lease_seconds),
-            age(l.expires_in_seconds),
             if l.sleeping { ", idle" } else { "" }
         );
     }
@@ -338,7 +341,7 @@ pub fn render(r: &StatusReport, configured: impl Fn(&str) -> Option<bool>) -> St
 mod tests {
     use ferry_store::postgres::wal::SlotStatus;
 
-    use super::{bytes, render_slot, slot_breaches};
+    use super::{StatusReport, bytes, render, render_slot, slot_breaches};
 
     fn slot(wal_status: Option<&str>, pid: Option<i32>, ready: bool, safe: Option<i64>) -> SlotStatus {
         SlotStatus {
@@ -392,6 +395,32 @@ mod tests {
         assert!(at_risk.contains("the next checkpoint invalidates it"), "{at_risk}");
         assert!(render_slot(&slot(Some("lost"), None, false, None)).contains("LOST"));
         assert!(render_slot(&slot(None, None, false, None)).contains("missing"));
+    }
+
+    /// A relay that died leaves its leases to expire: the line says how
+    /// long ago they did, not a negative countdown.
+    #[test]
+    fn an_expired_lease_reads_as_expired() {
+        let lease = |expires_in: f64| ferry_store::LeaseInfo {
+            relay: "relay-a".into(),
+            partitions: 3,
+            heartbeat_age_seconds: 1.0,
+            expires_in_seconds: Some(expires_in),
+            oldest_lease_seconds: Some(60.0),
+            sleeping: false,
+        };
+        let report = |l| StatusReport {
+            unrouted: 0,
+            oldest_unrouted_seconds: None,
+            routes: Vec::new(),
+            dead_reasons: Vec::new(),
+            leases: vec![l],
+            partitions: 3,
+        };
+        let text = render(&report(lease(-30.0)), |_| Some(true));
+        assert!(text.contains("expired 30.0s ago"), "{text}");
+        let text = render(&report(lease(12.0)), |_| Some(true));
+        assert!(text.contains("expires in 12.0s"), "{text}");
     }
 
     #[test]
