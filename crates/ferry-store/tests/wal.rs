@@ -422,6 +422,19 @@ async fn a_sweep_of_a_slot_since_replaced_does_not_mark_the_new_slot_swept() {
     db.drop_db().await;
 }
 
+/// Retires `slot`, with no relay streaming from it: `retire` marks it, then
+/// waits for a relay to finish with it, which is not waited for here.
+async fn retire_now(pool: &PgPool, slot: &str) {
+    let retiring = {
+        let (pool, slot) = (pool.clone(), slot.to_owned());
+        tokio::spawn(async move { ferry_store::postgres::wal::retire(&pool, &slot, |_| {}).await })
+    };
+    while !emit_one(pool).await {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    retiring.abort();
+}
+
 /// `retire` takes the slot out of `ferry.emit`'s use, but its sweep stays
 /// done: a relay returning to it must not sweep again (rows written since
 /// would overtake tableless events the slot still holds).
@@ -433,15 +446,7 @@ async fn a_retired_slot_stays_swept() {
     let source = source_of(&db, &pool);
     let prepared = source.prepare().await.unwrap();
     assert!(source.mark_swept(&prepared).await.unwrap());
-    // No relay streams from it: retire marks it, then waits for one.
-    let retiring = {
-        let (pool, slot) = (pool.clone(), db.name().to_owned());
-        tokio::spawn(async move { ferry_store::postgres::wal::retire(&pool, &slot, |_| {}).await })
-    };
-    while !emit_one(&pool).await {
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    retiring.abort();
+    retire_now(&pool, db.name()).await;
     let again = source.prepare().await.unwrap();
     assert_eq!(seen(again), (false, None), "a retired slot was taken as unswept");
     assert!(
@@ -998,14 +1003,7 @@ async fn a_wrong_publication_marks_the_slot_for_a_sweep_unless_it_is_retired() {
     assert!(source.mark_swept(&mended).await.unwrap());
 
     // Retired, it stays swept.
-    let retiring = {
-        let (pool, slot) = (pool.clone(), db.name().to_owned());
-        tokio::spawn(async move { ferry_store::postgres::wal::retire(&pool, &slot, |_| {}).await })
-    };
-    while !emit_one(&pool).await {
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
-    retiring.abort();
+    retire_now(&pool, db.name()).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(alter("DROP TABLE ferry.events")))
         .execute(&pool)
         .await
