@@ -59,6 +59,9 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
         let Some(owned) = shared.valid_ownership() else {
             direct.finish(shared).await;
             drop(gate);
+            // Nothing to route without partitions: not failing (a relay
+            // whose renewals fail is reported as such).
+            shared.progress.router_step(true);
             shared.wait_for_lease().await;
             continue;
         };
@@ -775,6 +778,7 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool
         let started = Instant::now();
         match shared.store.settle(&u.owned, &u.seqs, &u.records, u.now).await {
             Ok(taken) => {
+                shared.progress.router_step(true);
                 debug!(events = u.seqs.len(), took = ?started.elapsed(), "settled");
                 ::metrics::counter!(metrics::ROUTED).increment(taken);
                 let refused = u.seqs.len() as u64 - taken.min(u.seqs.len() as u64);
@@ -798,6 +802,8 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool
                     return false;
                 }
                 failures += 1;
+                // Routing waits for it: the router fails as long as this does.
+                shared.progress.router_step(false);
                 if crate::worker::loud(failures) {
                     warn!(events = u.seqs.len(), failures, error = %e, "settling published events keeps failing; routing waits for it; retrying");
                 } else {

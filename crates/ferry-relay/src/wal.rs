@@ -69,11 +69,16 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, wal: Wal)
             Err(e) => {
                 ::metrics::gauge!(metrics::WAL_STREAMING).set(0.0);
                 // Another relay holding the slot is the normal standby state.
+                // Otherwise nothing new reaches the routes while this lasts:
+                // the streamer is the router of WAL mode, for readiness too.
                 if e.message.contains("is active for PID") {
+                    shared.progress.router_step(true);
                     info!(slot = %wal.source.config().slot, "another relay streams from the slot; standing by");
                 } else if e.kind == ErrorKind::Config {
+                    shared.progress.router_step(false);
                     warn!(error = %e, "WAL streaming cannot start; retrying");
                 } else {
+                    shared.progress.router_step(false);
                     warn!(error = %e, "WAL stream lost; reconnecting");
                     ::metrics::counter!(metrics::RECONNECTS, "component" => "wal").increment(1);
                 }
@@ -175,6 +180,7 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
         _ = shared.cancel.cancelled() => return Ok(()),
     };
     info!(slot = %source.config().slot, publication = %source.config().publication, "streaming from the WAL");
+    shared.progress.router_step(true);
     ::metrics::gauge!(metrics::WAL_STREAMING).set(1.0);
     // The slot is ours now. On a new slot, what is still unrouted was
     // committed before the slot existed and will never be streamed: the

@@ -67,11 +67,12 @@ fn start_in(e: &Env, id: &str, routes: Vec<Route>, stream: bool) -> Running {
         publish_timeout: Duration::from_secs(2),
         ..WalOptions::default()
     };
-    start_with(e, id, routes, stream.then_some(options))
+    start_with(e, id, routes, stream.then_some(options)).0
 }
 
 /// A relay streaming from the WAL with `options`, or polling the table.
-fn start_with(e: &Env, id: &str, routes: Vec<Route>, options: Option<WalOptions>) -> Running {
+/// Also returns the relay's progress handle.
+fn start_with(e: &Env, id: &str, routes: Vec<Route>, options: Option<WalOptions>) -> (Running, ferry_relay::Progress) {
     let sinks: HashMap<String, Arc<dyn Sink>> = [
         ("mock".to_string(), e.sink.clone() as Arc<dyn Sink>),
         ("other".to_string(), e.other.clone() as Arc<dyn Sink>),
@@ -99,6 +100,7 @@ fn start_with(e: &Env, id: &str, routes: Vec<Route>, options: Option<WalOptions>
         Some(options) => relay.with_wal(Wal { source, options }),
         None => relay,
     };
+    let progress = relay.progress();
     let (stop, rx) = oneshot::channel();
     let handle = tokio::spawn(async move {
         relay
@@ -108,7 +110,7 @@ fn start_with(e: &Env, id: &str, routes: Vec<Route>, options: Option<WalOptions>
             .await
             .unwrap()
     });
-    Running { stop, handle }
+    (Running { stop, handle }, progress)
 }
 
 /// Waits until a relay streams from the slot.
@@ -1384,7 +1386,7 @@ async fn a_publication_that_stops_carrying_the_outbox_loses_no_event() {
         lag_every: Duration::from_millis(200),
         ..WalOptions::default()
     };
-    let relay = start_with(&e, "wal-a", vec![route("all", "mock")], Some(options.clone()));
+    let (relay, progress) = start_with(&e, "wal-a", vec![route("all", "mock")], Some(options.clone()));
     streaming(&e).await;
     let mut expected = enqueue_rows(&e.pool, "before", 30).await;
     eventually("the first events", Duration::from_secs(30), || {
@@ -1399,6 +1401,11 @@ async fn a_publication_that_stops_carrying_the_outbox_loses_no_event() {
         !ferry_store::postgres::wal::streaming(&e.pool, &e.slot).await.unwrap()
     })
     .await;
+    // The streamer is WAL mode's router: readiness sees it fail.
+    eventually("the streamer's failure to show", Duration::from_secs(30), || {
+        progress.router_failing_for().is_some()
+    })
+    .await;
     alter("ALTER PUBLICATION ferry ADD TABLE ferry.events").await;
     expected.extend(enqueue_rows(&e.pool, "mended", 30).await);
     eventually("every event", Duration::from_secs(60), || {
@@ -1407,12 +1414,13 @@ async fn a_publication_that_stops_carrying_the_outbox_loses_no_event() {
     })
     .await;
     assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    assert_eq!(progress.router_failing_for(), None, "streaming again");
     relay.stop().await;
 
     // A relay that starts on a publication without the table streams
     // nothing until it is mended, and loses nothing either.
     alter("ALTER PUBLICATION ferry SET (publish = 'update')").await;
-    let relay = start_with(&e, "wal-b", vec![route("all", "mock")], Some(options));
+    let (relay, _) = start_with(&e, "wal-b", vec![route("all", "mock")], Some(options));
     let more = enqueue_rows(&e.pool, "at start", 30).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(!ferry_store::postgres::wal::streaming(&e.pool, &e.slot).await.unwrap());
