@@ -793,6 +793,7 @@ async fn a_record_near_the_size_limit_is_dead_lettered() {
     options
         .extra
         .insert("max.in.flight.requests.per.connection".into(), "10".into());
+    options.extra.insert("delivery.report.only.error".into(), "true".into());
     let consumer = KafkaConsumer::new(env.db.inbox_giving_up_after(1), options).unwrap();
     let handler = async |_: &mut PgConnection, _: &ReceivedEvent| Err(HandlerError::permanent("refused"));
     let (stop, stopped) = oneshot::channel::<()>();
@@ -810,6 +811,10 @@ async fn a_record_near_the_size_limit_is_dead_lettered() {
         dead[0].1.len()
     );
     let _ = stop.send(());
-    let report = run.await.unwrap().unwrap();
+    let report = tokio::time::timeout(WITHIN, run)
+        .await
+        .expect("the consumer stops: no dead letter waits for a report that never comes")
+        .unwrap()
+        .unwrap();
     assert_eq!(report.dead, 1, "{report:?}");
 }

@@ -100,7 +100,7 @@ const DEAD_LETTER_MAX_BYTES: &str = "16777216";
 /// consumer's `extra`: an idempotent producer with `acks=all` refuses to be
 /// created with more than 5 requests in flight, say, and a consumer that
 /// could never dead-letter would never start.
-const DEAD_LETTER_OWN: [&str; 12] = [
+const DEAD_LETTER_OWN: [&str; 13] = [
     "bootstrap.servers",
     "enable.idempotence",
     "acks",
@@ -111,6 +111,9 @@ const DEAD_LETTER_OWN: [&str; 12] = [
     "max.in.flight",
     "transactional.id",
     "enable.gapless.guarantee",
+    // Without a report for what it delivered, a dead letter would wait for
+    // ever.
+    "delivery.report.only.error",
     "retries",
     "message.send.max.retries",
 ];
