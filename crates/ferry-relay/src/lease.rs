@@ -148,6 +148,10 @@ pub(crate) async fn listen<S: Store, C: Clock>(shared: Arc<Shared<S, C>>) {
         let mut source = match shared.store.listen().await {
             Ok(s) => s,
             Err(e) => {
+                // Stopping, the sleep returns at once: a loop of refusals.
+                if shared.cancel.is_cancelled() {
+                    return;
+                }
                 warn!(error = %e, "cannot listen for commits; relying on polls until it reconnects");
                 shared.sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(10));

@@ -796,7 +796,7 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool
             Err(e) => {
                 ::metrics::counter!(metrics::STORE_ERRORS, "op" => "settle").increment(1);
                 if shared.valid_ownership().is_none()
-                    || shared.cancel.is_cancelled() && backoff > Duration::from_secs(1)
+                    || shared.cancel.is_cancelled() && backoff >= Duration::from_secs(1)
                 {
                     warn!(events = u.seqs.len(), error = %e, "could not settle published events; they will be published again");
                     return false;

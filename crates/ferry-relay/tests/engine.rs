@@ -741,6 +741,97 @@ async fn a_stopping_relay_keeps_its_leases_until_its_publishes_are_done() {
     assert_complete_and_ordered(&ids, &got);
 }
 
+/// A stopping relay whose settle of a published batch keeps failing gives
+/// up after a few tries (the events stay unrouted, and the next owner
+/// publishes them again) rather than retry until the shutdown timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_relay_whose_settle_keeps_failing_gives_up_soon() {
+    use ferry_testkit::hooked::Hook;
+    let e = env().await;
+    let ids = produce(&e.pool, orders(1, 1)).await;
+    let once = delay_first_publish(&e, ids[0], Duration::from_millis(1500));
+    let failing = Arc::new(AtomicBool::new(false));
+    let fail = failing.clone();
+    let hook: Hook = Arc::new(move |called| {
+        let refuse = called == "settle" && fail.load(Ordering::SeqCst);
+        Box::pin(async move {
+            if refuse {
+                Err(ferry_core::StoreError::transient(
+                    "the settle cannot reach the database",
+                ))
+            } else {
+                Ok(())
+            }
+        })
+    });
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let relay = start_on(
+        &e,
+        store,
+        RelaySettings {
+            shutdown_timeout: Duration::from_secs(30),
+            ..settings("a", 4)
+        },
+        vec![route("orders", "order.**")],
+    );
+    eventually("the slow publish under way", Duration::from_secs(20), || {
+        once.load(Ordering::SeqCst)
+    })
+    .await;
+    failing.store(true, Ordering::SeqCst);
+    let started = std::time::Instant::now();
+    relay.stop().await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(15),
+        "the relay retried the settle for {took:?}, towards its 30 s shutdown timeout"
+    );
+    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.unrouted")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(unrouted, 1, "the event waits for the next owner");
+}
+
+/// A stopping relay that cannot listen for commits stops trying: its
+/// backoff sleep returns at once once the relay is told to stop, and it
+/// asked again and again, warning each time, for as long as the shutdown
+/// lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopping_relay_does_not_spin_on_a_listen_that_fails() {
+    use ferry_testkit::hooked::Hook;
+    let e = env().await;
+    let ids = produce(&e.pool, orders(1, 1)).await;
+    let once = delay_first_publish(&e, ids[0], Duration::from_millis(1500));
+    let listens = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let count = listens.clone();
+    let hook: Hook = Arc::new(move |called| {
+        let listen = called == "listen";
+        if listen {
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+        Box::pin(async move {
+            if listen {
+                // A refused connection still goes through the reactor.
+                tokio::task::yield_now().await;
+                Err(ferry_core::StoreError::transient("LISTEN refused"))
+            } else {
+                Ok(())
+            }
+        })
+    });
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook);
+    let relay = start_on(&e, store, settings("a", 4), vec![route("orders", "order.**")]);
+    eventually("the slow publish under way", Duration::from_secs(20), || {
+        once.load(Ordering::SeqCst)
+    })
+    .await;
+    let before = listens.load(Ordering::SeqCst);
+    relay.stop().await;
+    let during = listens.load(Ordering::SeqCst) - before;
+    assert!(during <= 2, "{during} listens tried while stopping");
+}
+
 /// A relay above its fair share hands partitions back in a tick. When that
 /// tick commits but its answer is lost, the partitions are another relay's
 /// to take at once: the relay must stop working them then. It kept them
