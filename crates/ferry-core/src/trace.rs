@@ -33,10 +33,12 @@ pub fn current_context() -> Context {
 }
 
 /// Writes `cx` into `headers` as `traceparent` and `tracestate`. Headers that
-/// already carry a `traceparent` are left alone: a context the caller set
-/// explicitly wins. A context without a valid span writes nothing.
+/// already carry a `traceparent`, in any case (HTTP header names are
+/// case-insensitive, and a webhook sends one of the two), are left alone: a
+/// context the caller set explicitly wins. A context without a valid span
+/// writes nothing.
 pub fn inject(cx: &Context, headers: &mut Headers) {
-    if headers.contains_key(TRACEPARENT) {
+    if headers.keys().any(|name| name.eq_ignore_ascii_case(TRACEPARENT)) {
         return;
     }
     TraceContextPropagator::new().inject_context(cx, &mut HeaderWriter(headers));
@@ -114,6 +116,17 @@ mod tests {
         });
         assert_eq!(event.headers()[TRACEPARENT], EXPLICIT);
         assert!(!event.headers().contains_key(TRACESTATE));
+    }
+
+    #[test]
+    fn an_explicit_traceparent_in_another_case_wins() {
+        let (_, event) = in_span(|| {
+            Event::new("order.paid", serde_json::json!({}))
+                .header("Traceparent", EXPLICIT)
+                .with_current_trace_context()
+        });
+        assert_eq!(event.headers().len(), 1, "{:?}", event.headers());
+        assert_eq!(event.headers()["Traceparent"], EXPLICIT);
     }
 
     #[test]
