@@ -16,6 +16,11 @@ pub const MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
 pub const MAX_KEY_BYTES: usize = 512;
 /// The longest content type accepted: RabbitMQ carries it in 255 bytes.
 const MAX_CONTENT_TYPE_BYTES: usize = 255;
+/// The most bytes an event's header names and values may take together.
+/// RabbitMQ refuses message properties over its frame size (128 KiB by
+/// default), and Kafka counts headers in a record's size: an event over
+/// this would commit and then go dead at every destination.
+pub const MAX_HEADER_BYTES: usize = 64 * 1024;
 const MAX_TYPE_BYTES: usize = 255;
 
 /// A unique, time-ordered event id (UUID v7). Sinks carry it as the message id.
@@ -335,6 +340,14 @@ impl Event {
                 "store large bodies elsewhere and put a reference in the event",
             ));
         }
+        let header_bytes: usize = self.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        if header_bytes > MAX_HEADER_BYTES {
+            return Err(ValidationError::new(
+                "headers",
+                format!("take {header_bytes} bytes (names and values), the limit is {MAX_HEADER_BYTES}"),
+                "carry large values in the payload; keep headers to routing and tracing metadata",
+            ));
+        }
         for name in self.headers.keys() {
             if name.is_empty() || name.len() > 255 {
                 return Err(ValidationError::new(
@@ -493,6 +506,19 @@ mod tests {
         // A NUL inside a JSON string is escaped (\u0000) in the payload's
         // bytes: nothing to refuse.
         assert!(Event::new("a.b", json!({"s": nul})).validate().is_ok());
+    }
+
+    #[test]
+    fn headers_over_the_limit_are_refused_naming_the_field() {
+        let at_limit = Event::new("a.b", json!({})).header("x", "a".repeat(MAX_HEADER_BYTES - 1));
+        assert!(at_limit.validate().is_ok(), "{:?}", at_limit.validate());
+        let err = Event::new("a.b", json!({}))
+            .header("x", "a".repeat(MAX_HEADER_BYTES - 1))
+            .header("y", "b")
+            .validate()
+            .unwrap_err();
+        assert_eq!(err.field, "headers");
+        assert!(err.to_string().contains("the limit is 65536"), "{err}");
     }
 
     #[test]

@@ -26,7 +26,9 @@ pub mod trace;
 
 pub use clock::{Clock, SystemClock};
 pub use error::{ErrorKind, ValidationError};
-pub use event::{Event, EventId, EventType, Headers, MAX_KEY_BYTES, MAX_PAYLOAD_BYTES, Payload, StoredEvent};
+pub use event::{
+    Event, EventId, EventType, Headers, MAX_HEADER_BYTES, MAX_KEY_BYTES, MAX_PAYLOAD_BYTES, Payload, StoredEvent,
+};
 pub use lifecycle::{RetryPolicy, Transition, decide};
 pub use route::{Glob, Route, render_template, render_template_with};
 pub use sink::{PublishOutcome, Sink, SinkError, prepare_in_key_order};

@@ -267,6 +267,16 @@ async fn the_sql_door_validates_and_returns_v7_ids() {
             "headers: a header name of 300 bytes",
         ),
         ("SELECT ferry.emit('order.created', 'k', NULL)", "payload: it is NULL"),
+        // Headers over 64 KiB in all: RabbitMQ refuses properties over its
+        // frame size, Kafka counts them in a record's size.
+        (
+            "SELECT ferry.enqueue('order.created', NULL, '{}', jsonb_build_object('x', repeat('a', 65536)))",
+            "headers: they take 65537 bytes",
+        ),
+        (
+            "SELECT ferry.emit('order.created', NULL, '{}', jsonb_build_object('x', repeat('a', 40000), 'y', repeat('b', 40000)))",
+            "headers: they take 80002 bytes",
+        ),
     ] {
         let err = sqlx::query(sql).execute(&h.pool).await.unwrap_err();
         let db = err.as_database_error().expect("a database error");
@@ -276,6 +286,11 @@ async fn the_sql_door_validates_and_returns_v7_ids() {
             .and_then(|e| e.hint());
         assert!(hint.is_some_and(|h| !h.is_empty()), "{sql}: no hint");
     }
+    // Headers of 64 KiB in all pass.
+    sqlx::query("SELECT ferry.enqueue('order.created', NULL, '{}', jsonb_build_object('x', repeat('a', 65535)))")
+        .execute(&h.pool)
+        .await
+        .unwrap();
     // The longest accepted name: 255 bytes of token characters.
     let name = format!("{}h", "x-".repeat(127));
     sqlx::query("SELECT ferry.enqueue('order.created', NULL, '{}', jsonb_build_object($1::text, 'x'))")

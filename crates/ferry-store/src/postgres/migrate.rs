@@ -48,6 +48,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("migrations/0021_enqueue_outcome.sql"),
     ),
     (22, "capture_gaps", include_str!("migrations/0022_capture_gaps.sql")),
+    (23, "header_limit", include_str!("migrations/0023_header_limit.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
