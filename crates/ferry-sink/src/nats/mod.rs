@@ -215,6 +215,20 @@ struct StreamConfig {
     retention: String,
 }
 
+/// A subject rendered with the event key holds it as one token: a key
+/// that cannot be one (empty, or with a space, `.`, `*` or `>`) makes an
+/// event no subject can carry, dead at its first attempt.
+fn key_in_subject_caveat(route: &Route) -> Option<String> {
+    route.destination.contains("{key}").then(|| {
+        format!(
+            "route {:?}: subject template {:?} holds the event key; an event whose key is empty or \
+             has a space, '.', '*' or '>' in it cannot be published and goes dead (keep such keys \
+             out of the template's events, or use {{domain}} and {{type}} instead)",
+            route.name, route.destination
+        )
+    })
+}
+
 /// The relay's default longest retry delay (`relay.backoff_max`): a stream
 /// that forgets a message id sooner may store a retried publish twice.
 const RECOMMENDED_DUPLICATE_WINDOW: Duration = Duration::from_secs(300);
@@ -394,7 +408,7 @@ impl Sink for NatsSink {
             }
         };
         if templated {
-            return Ok(Vec::new());
+            return Ok(key_in_subject_caveat(route).into_iter().collect());
         }
         let names: StreamNames = serde_json::from_slice(&answer.payload)
             .map_err(|e| SinkError::transient(format!("unreadable answer to {api}: {e}")))?;
@@ -452,6 +466,21 @@ impl Sink for NatsSink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_subject_holding_the_key_carries_a_caveat() {
+        let route = |destination: &str| Route {
+            name: "orders".into(),
+            matcher: ferry_core::Glob::new("order.**").unwrap(),
+            sink: "nats".into(),
+            destination: destination.into(),
+            routing_key: None,
+        };
+        let caveat = key_in_subject_caveat(&route("orders.{key}")).expect("a caveat");
+        assert!(caveat.contains("\"orders.{key}\""), "{caveat}");
+        assert!(caveat.contains("goes dead"), "{caveat}");
+        assert_eq!(key_in_subject_caveat(&route("orders.{domain}.{type}")), None);
+    }
 
     #[test]
     fn validation_names_the_field() {
