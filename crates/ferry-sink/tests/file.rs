@@ -177,9 +177,21 @@ async fn a_failing_file_fails_only_its_events_and_holds_back_their_keys() {
     fs::create_dir(dir.path().join("blocked.jsonl")).unwrap();
     let by_directory = route(&dir.path().join("{domain}").join("events.jsonl"));
     fs::create_dir(dir.path().join("fine")).unwrap();
-    for (route, blocked) in [
-        (&templated, dir.path().join("blocked.jsonl")),
-        (&by_directory, dir.path().join("blocked").join("events.jsonl")),
+    // A directory in the way stays in the way on every retry: permanent.
+    // A missing directory may yet be created: transient.
+    for (route, blocked, kind, why) in [
+        (
+            &templated,
+            dir.path().join("blocked.jsonl"),
+            ErrorKind::Permanent,
+            "retrying cannot help",
+        ),
+        (
+            &by_directory,
+            dir.path().join("blocked").join("events.jsonl"),
+            ErrorKind::Transient,
+            "not reported written",
+        ),
     ] {
         let batch = vec![
             event(10, "fine.item.created", Some("a"), json!({ "seq": 10 })),
@@ -190,8 +202,8 @@ async fn a_failing_file_fails_only_its_events_and_holds_back_their_keys() {
         let outcomes = sink.publish(route, &batch).await;
         assert_eq!(outcomes.len(), 4);
         assert_eq!(outcomes[0], Ok(()));
-        expect_err(&outcomes[1], ErrorKind::Transient, &blocked.display().to_string());
-        expect_err(&outcomes[1], ErrorKind::Transient, "not reported written");
+        expect_err(&outcomes[1], kind, &blocked.display().to_string());
+        expect_err(&outcomes[1], kind, why);
         assert_eq!(outcomes[2], Ok(()));
         expect_err(&outcomes[3], ErrorKind::Transient, "held back");
         assert!(outcomes[3].as_ref().unwrap_err().held_back);
@@ -200,8 +212,8 @@ async fn a_failing_file_fails_only_its_events_and_holds_back_their_keys() {
     assert_eq!(err.kind, ErrorKind::Config);
     assert!(err.message.contains("is a directory"), "{err}");
 
-    // Once the path is free again the failed event and the one held back
-    // behind it go through, in order.
+    // Once the path is free again the failed event (requeued) and the one
+    // held back behind it go through, in order.
     fs::remove_dir(dir.path().join("blocked.jsonl")).unwrap();
     let retried = vec![
         event(11, "blocked.item.created", Some("b"), json!({ "seq": 11 })),
@@ -260,4 +272,151 @@ async fn a_key_that_would_leave_the_directory_is_refused_and_holds_back_its_key(
     assert_eq!(outcomes[2], Ok(()));
     assert_eq!(lines(&dir.path().join("by-key-fine.jsonl")).len(), 1);
     assert!(!dir.path().parent().unwrap().join("escape.jsonl").exists());
+}
+
+/// Parsing a JSON payload into a value and printing it again changed it:
+/// big integers were rounded, `1.10` became `1.1`, keys were sorted and
+/// duplicate keys collapsed. The line carries the payload's own bytes.
+#[tokio::test]
+async fn a_json_payload_is_written_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = dir.path().join("events.jsonl");
+    let sink = sink(1024 * 1024);
+    let payload: &[u8] = br#"{"z":12345678901234567890123,"price":1.10,"a":[1e2,-0.0],"dup":1,"dup":2}"#;
+    let mut compact = event(0, "test.item.created", Some("k"), json!(null));
+    compact.payload = bytes::Bytes::from_static(payload);
+    // Line breaks between tokens would split the line: they become spaces.
+    let mut spread = event(1, "test.item.created", Some("k"), json!(null));
+    spread.payload = bytes::Bytes::from_static(b"{\r\n  \"n\": 1.10,\n  \"s\": \"a\\nb\"\n}\n");
+    // A raw line break inside a string is not JSON: it goes as base64.
+    let mut broken = event(2, "test.item.created", Some("k"), json!(null));
+    broken.payload = bytes::Bytes::from_static(b"{\"s\":\"a\nb\"}");
+    let outcomes = sink.publish(&route(&base), &[compact, spread, broken]).await;
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+
+    let text = fs::read(&base).unwrap();
+    let written: Vec<&[u8]> = text.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
+    assert_eq!(written.len(), 3, "{}", String::from_utf8_lossy(&text));
+    let mut data = b",\"data\":".to_vec();
+    data.extend_from_slice(payload);
+    data.push(b'}');
+    assert!(
+        written[0].ends_with(&data),
+        "the payload is not carried byte for byte: {}",
+        String::from_utf8_lossy(written[0])
+    );
+    assert!(
+        written[1].ends_with(b",\"data\":{    \"n\": 1.10,   \"s\": \"a\\nb\" } }"),
+        "{}",
+        String::from_utf8_lossy(written[1])
+    );
+    let all = lines(&base);
+    assert_eq!(all[1]["data"]["s"], "a\nb");
+    assert!(all[2].get("data").is_none());
+    assert_eq!(all[2]["data_base64"], "eyJzIjoiYQpiIn0=");
+}
+
+/// Two paths naming one directory (a symlink, `a/../a`) in one batch: the
+/// second `flock` on it, from the same process, waited for ever, holding
+/// the sink's lock, and every later batch with it.
+#[test]
+fn two_paths_to_one_directory_in_a_batch_do_not_wait_for_ever() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::create_dir(dir.path().join("a")).unwrap();
+    std::os::unix::fs::symlink(dir.path().join("a"), dir.path().join("b")).unwrap();
+    let by_domain = route(&dir.path().join("{domain}").join("{key}.jsonl"));
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Not a tokio test: a runtime waits for a hung blocking task as it
+    // shuts down, so the test would hang instead of failing.
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let batch = [
+            event(0, "a.item.created", Some("x"), json!({ "seq": 0 })),
+            event(1, "b.item.created", Some("y"), json!({ "seq": 1 })),
+        ];
+        let sink = sink(1024 * 1024);
+        let outcomes = runtime.block_on(sink.publish(&by_domain, &batch));
+        let _ = tx.send(outcomes);
+    });
+    let outcomes = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the batch waited for ever on a directory it had locked itself");
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    assert_eq!(lines(&dir.path().join("a").join("x.jsonl")).len(), 1);
+    assert_eq!(lines(&dir.path().join("a").join("y.jsonl")).len(), 1);
+}
+
+/// A path that no retry can write was retried until max_attempts, holding
+/// its key back all along: it fails as permanent, naming the destination
+/// and the fix. A name too long for the file system is refused before any
+/// write, leaving room for the suffix rotation adds.
+#[tokio::test]
+async fn a_path_no_retry_can_write_is_permanent() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = sink(1024 * 1024);
+    // A file where a directory of the path should be.
+    fs::write(dir.path().join("order"), b"").unwrap();
+    let by_directory = route(&dir.path().join("{domain}").join("events.jsonl"));
+    let outcomes = sink
+        .publish(
+            &by_directory,
+            &[event(0, "order.item.created", Some("k"), json!({ "seq": 0 }))],
+        )
+        .await;
+    expect_err(&outcomes[0], ErrorKind::Permanent, "retrying cannot help");
+    expect_err(&outcomes[0], ErrorKind::Permanent, "a file is where a directory");
+    expect_err(&outcomes[0], ErrorKind::Permanent, &by_directory.destination);
+
+    let by_key = route(&dir.path().join("{key}.jsonl"));
+    for len in [250, 240] {
+        let key = "k".repeat(len);
+        let long = event(1, "test.item.created", Some(&key), json!({ "seq": 1 }));
+        let err = sink.admit(&by_key, &long).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Permanent, "{err}");
+        assert!(err.message.contains("a file system takes"), "{err}");
+        assert!(err.message.contains("routes[].destination"), "{err}");
+        assert!(err.message.contains(&format!("the event's key is \"{key}\"")), "{err}");
+        let outcomes = sink.publish(&by_key, &[long]).await;
+        expect_err(&outcomes[0], ErrorKind::Permanent, "a file system takes");
+    }
+    let fits = "k".repeat(200);
+    let outcomes = sink
+        .publish(
+            &by_key,
+            &[event(2, "test.item.created", Some(&fits), json!({ "seq": 2 }))],
+        )
+        .await;
+    assert_eq!(outcomes[0], Ok(()));
+}
+
+/// `/var/f/{key}/x.jsonl` with no key, or the key ".", is `/var/f/x.jsonl`:
+/// the event landed a level up, among other routes' files.
+#[tokio::test]
+async fn a_key_that_would_drop_a_directory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = sink(1024 * 1024);
+    let by_key = route(&dir.path().join("{key}").join("x.jsonl"));
+    // A literal `..` in the template does not let the key add one.
+    let up_and_back = route(&dir.path().join("sub").join("..").join("{key}").join("x.jsonl"));
+    fs::create_dir(dir.path().join("sub")).unwrap();
+    for (route, key, says) in [
+        (&by_key, None, "the event has no key"),
+        (&by_key, Some(""), "the event's key is \"\""),
+        (&by_key, Some("."), "the event's key is \".\""),
+        (&by_key, Some(".."), "the event's key is \"..\""),
+        (&up_and_back, Some(".."), "the event's key is \"..\""),
+    ] {
+        let outcomes = sink
+            .publish(route, &[event(0, "test.item.created", key, json!({ "seq": 0 }))])
+            .await;
+        expect_err(&outcomes[0], ErrorKind::Permanent, says);
+        expect_err(&outcomes[0], ErrorKind::Permanent, "routes[].destination");
+    }
+    let stray: Vec<_> = fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n != "sub")
+        .collect();
+    assert!(stray.is_empty(), "written outside a key's directory: {stray:?}");
+    assert!(!dir.path().parent().unwrap().join("x.jsonl").exists());
 }

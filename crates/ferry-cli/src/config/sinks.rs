@@ -33,11 +33,20 @@ const NATS_DEFAULT_MAX_MESSAGE_BYTES: usize = 1024 * 1024;
 const REDIS_DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 const WEBHOOK_DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 const WEBHOOK_DEFAULT_CONCURRENCY: usize = 8;
+/// Requests in flight per destination URL. Far past what one endpoint
+/// serves in parallel; and tokio's `Semaphore::new` panics past
+/// `usize::MAX >> 3`, which an unbounded value would reach at the first send.
+const WEBHOOK_MAX_CONCURRENCY: i64 = 1024;
 const WEBHOOK_DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
 const WEBHOOK_DEFAULT_ERROR_RESPONSE_BYTES: usize = 256;
 /// The sink reads at most 64 KiB of an error response.
 const WEBHOOK_MAX_ERROR_RESPONSE_BYTES: i64 = 64 * 1024;
 const FILE_DEFAULT_MAX_FILE_BYTES: u64 = 100 * 1024 * 1024;
+/// A file must hold the line of any event the outbox accepts, or that event
+/// is refused (permanent): a payload of up to `MAX_PAYLOAD_BYTES` (1 MiB),
+/// base64-encoded when it is not JSON (4/3 of it), with its key, headers
+/// and fields. Twice the payload limit, 2 MiB.
+const FILE_MIN_MAX_FILE_BYTES: i64 = 2 * ferry_core::MAX_PAYLOAD_BYTES as i64;
 
 /// Every sink kind, and whether this binary was built with it.
 pub(super) const SINK_KINDS: [(&str, bool); 7] = [
@@ -453,7 +462,7 @@ pub(super) fn sink_spec(check: &mut Checker, name: &str, raw: RawSink) -> Option
                 raw.concurrency,
                 WEBHOOK_DEFAULT_CONCURRENCY,
                 1,
-                None,
+                Some(WEBHOOK_MAX_CONCURRENCY),
             ),
             max_body_bytes: check.integer(
                 &field("max_body_bytes"),
@@ -477,7 +486,7 @@ pub(super) fn sink_spec(check: &mut Checker, name: &str, raw: RawSink) -> Option
                 &field("max_file_bytes"),
                 raw.max_file_bytes,
                 FILE_DEFAULT_MAX_FILE_BYTES,
-                1,
+                FILE_MIN_MAX_FILE_BYTES,
                 None,
             ),
         }),

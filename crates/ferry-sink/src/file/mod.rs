@@ -17,7 +17,7 @@
 mod writer;
 
 use std::io;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
@@ -55,9 +55,11 @@ impl Default for FileOptions {
 /// or fails alone: if a write or a sync of one fails (a templated path whose
 /// directory is missing, a full disk), that file is cut back to its length
 /// before the batch and its events fail (transient), while the other files'
-/// events are written. Later events of a failed event's key are held back;
-/// one already written to another file fails too, so its key is retried in
-/// order. Lines in a file rotated away during the batch stay, so a retried
+/// events are written. A path that no retry can write (a name too long, a
+/// directory where the file should be, a file where a directory should be)
+/// fails its events as permanent. Later events of a failed event's key are
+/// held back; one already written to another file fails too, so its key is
+/// retried in order. Lines in a file rotated away during the batch stay, so a retried
 /// event can appear twice. Readers drop duplicates by `id`.
 ///
 /// Several sinks, in this process or in other relays, may write one file: a
@@ -108,36 +110,76 @@ impl std::fmt::Debug for FileSink {
     }
 }
 
+/// The longest file or directory name most file systems take (`NAME_MAX`).
+const MAX_NAME_BYTES: usize = 255;
+/// The longest path Linux opens (`PATH_MAX`, less its NUL).
+const MAX_PATH_BYTES: usize = 4095;
+/// What rotation adds to a file's name: `.<UTC timestamp>.<n>`, with room
+/// for `n` up to six digits.
+const ROTATION_SUFFIX_BYTES: usize = ".20261130T082231Z.".len() + 6;
+
 /// Renders the destination. A value substituted into a template may not add
 /// path separators or `..`, so an event's key cannot write outside the
-/// directory the operator chose.
+/// directory the operator chose; nor may it make a name of the path empty,
+/// `.` or `..`, which would drop a level of it (`/var/f/{key}/x.jsonl` with
+/// no key is `/var/f/x.jsonl`), nor too long for the file system.
 fn destination_path(route: &Route, event: &StoredEvent) -> Result<PathBuf, SinkError> {
     let template = &route.destination;
     let rendered = render_template(template, event);
     let last = rendered.rsplit('/').next().unwrap_or_default();
     let problem = if matches!(last, "" | "." | "..") {
-        Some("does not name a file")
+        Some("does not name a file".to_owned())
     } else if rendered.contains('\0') {
-        Some("contains a NUL byte")
-    } else if rendered.matches('/').count() != template.matches('/').count()
-        || Path::new(&rendered).components().any(|c| c == Component::ParentDir)
-            && !Path::new(template).components().any(|c| c == Component::ParentDir)
+        Some("contains a NUL byte".to_owned())
+    } else if rendered.matches('/').count() != template.matches('/').count() {
+        Some("has a template value that adds a directory (a \"/\" in the event's type or key)".to_owned())
+    } else if let Some(name) = template
+        .split('/')
+        .zip(rendered.split('/'))
+        .find(|(t, r)| t != r && matches!(*r, "" | "." | ".."))
+        .map(|(_, r)| r)
     {
-        Some("has a template value that adds a directory (a \"/\" or \"..\" in the event's type or key)")
+        Some(if name.is_empty() {
+            "has a template value that renders as an empty name, which would drop a directory of the path".to_owned()
+        } else {
+            format!("has a template value that renders as the name {name:?}, which would change the directory")
+        })
+    } else if let Some(name) = rendered.split('/').find(|name| name.len() > MAX_NAME_BYTES) {
+        Some(format!(
+            "has a name of {} bytes, more than the {MAX_NAME_BYTES} a file system takes",
+            name.len()
+        ))
+    } else if last.len() > MAX_NAME_BYTES - ROTATION_SUFFIX_BYTES {
+        Some(format!(
+            "has a file name of {} bytes: with the {ROTATION_SUFFIX_BYTES} bytes rotation adds, more than the \
+             {MAX_NAME_BYTES} a file system takes",
+            last.len()
+        ))
+    } else if rendered.len() > MAX_PATH_BYTES {
+        Some(format!(
+            "is {} bytes, more than the {MAX_PATH_BYTES} a path may have",
+            rendered.len()
+        ))
     } else {
         None
     };
     let Some(problem) = problem else {
         return Ok(PathBuf::from(rendered));
     };
-    let message = format!(
-        "route {:?}: the file path {rendered:?} {problem}; fix routes[].destination",
-        route.name
-    );
     if template.contains('{') {
-        Err(SinkError::permanent(message))
+        let key = event.key.as_deref().map_or_else(
+            || "the event has no key".to_owned(),
+            |key| format!("the event's key is {key:?}"),
+        );
+        Err(SinkError::permanent(format!(
+            "route {:?}: the file path {rendered:?} {problem} ({key}); fix routes[].destination {template:?}",
+            route.name
+        )))
     } else {
-        Err(SinkError::config(message))
+        Err(SinkError::config(format!(
+            "route {:?}: the file path {rendered:?} {problem}; fix routes[].destination",
+            route.name
+        )))
     }
 }
 
@@ -202,6 +244,11 @@ impl Sink for FileSink {
                 Unwritten::Failed(message) => {
                     SinkError::transient(format!("{message}; the event is not reported written"))
                 }
+                Unwritten::Refused(message) => SinkError::permanent(format!(
+                    "{message}; retrying cannot help: fix routes[].destination {:?} of route {:?} (or \
+                     move what is in the way), then requeue the event",
+                    route.destination, route.name
+                )),
                 Unwritten::HeldBack(first) => SinkError::held_back_behind(&events[sent[first]]),
                 Unwritten::Behind(first) => SinkError::transient(format!(
                     "written, but event {} of its key, earlier in this batch, failed in another file: it is \

@@ -12,10 +12,13 @@
 //! writers of one file (two relays, or two sinks of one relay, naming the
 //! same path) therefore take turns: neither cuts back lines the other has
 //! synced and reported written, their lines never interleave, and two
-//! rotations in one second cannot pick the same name. The locks are taken in
-//! path order, so batches writing several directories cannot deadlock.
+//! rotations in one second cannot pick the same name. A directory named by
+//! several paths (a symlink, `a/../a`) is locked once: a second `flock` on
+//! it from this process would wait for ever. The locks are taken in the
+//! order of the directories' identities (device, inode), the same whatever
+//! the paths, so batches writing several directories cannot deadlock.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -111,6 +114,10 @@ pub(crate) enum Unwritten {
     /// batch wrote to the file was cut back, though a line in a file
     /// rotated away during the batch stays there.
     Failed(String),
+    /// Its path cannot be written as it is named, whatever the retries:
+    /// a name too long, a directory where the file should be, a file where
+    /// a directory should be. The text names the file and the error.
+    Refused(String),
     /// Not written: the line at this index, of the same key, failed first.
     HeldBack(usize),
     /// Written to its file, but the line at this index, of the same key
@@ -135,16 +142,7 @@ pub(crate) fn write_lines(lines: &[Line<'_>], max_file_bytes: u64, now: DateTime
         ..Batch::default()
     };
     let dirs: BTreeSet<&Path> = lines.iter().map(|l| parent(l.path)).collect();
-    let mut locks = Vec::with_capacity(dirs.len());
-    let mut unlocked: HashMap<&Path, String> = HashMap::new();
-    for dir in dirs {
-        match lock_dir(dir) {
-            Ok(lock) => locks.push(lock),
-            Err(e) => {
-                unlocked.insert(dir, e.to_string());
-            }
-        }
-    }
+    let (locks, unlocked) = lock_dirs(dirs);
     let mut first_failed: HashMap<&str, usize> = HashMap::new();
     for (i, line) in lines.iter().enumerate() {
         if let Some(&first) = line.key.and_then(|k| first_failed.get(k)) {
@@ -153,23 +151,26 @@ pub(crate) fn write_lines(lines: &[Line<'_>], max_file_bytes: u64, now: DateTime
         }
         let dir = parent(line.path);
         let failed = match unlocked.get(dir) {
-            Some(e) => Some(format!(
-                "writing {}: its directory {} cannot be opened: {e}",
-                line.path.display(),
-                dir.display()
+            Some(e) => Some(classify(
+                e,
+                format!(
+                    "writing {}: its directory {} cannot be opened: {e}",
+                    line.path.display(),
+                    dir.display()
+                ),
             )),
             None => batch.failed.get(line.path).cloned(),
         };
         let mut now_failed = Vec::new();
         if let Some(why) = failed {
-            batch.results[i] = Err(Unwritten::Failed(why));
+            batch.results[i] = Err(why);
             now_failed.push(i);
         } else if let Err(e) = batch.append(line.path, line.bytes, max_file_bytes, now) {
-            let why = failure(line.path, &e);
+            let why = classify(&e, failure(line.path, &e));
             // The lines the failure cuts back count too: a later line of
             // their key must not be written after them.
             now_failed = batch.fail(line.path, why.clone());
-            batch.results[i] = Err(Unwritten::Failed(why));
+            batch.results[i] = Err(why);
             now_failed.push(i);
         } else {
             batch.written.entry(line.path).or_default().push(i);
@@ -203,13 +204,27 @@ fn failure(path: &Path, error: &io::Error) -> String {
     format!("writing {}: {error}", path.display())
 }
 
+/// A failure that retrying cannot mend is [`Unwritten::Refused`]: the path
+/// stays the same on every attempt, and so does what is wrong with it.
+fn classify(error: &io::Error, why: String) -> Unwritten {
+    use io::ErrorKind::{InvalidFilename, IsADirectory, NotADirectory};
+    let what = match error.kind() {
+        InvalidFilename => "a name in the path is too long for the file system",
+        IsADirectory => "a directory is where the file should be",
+        NotADirectory => "a file is where a directory of the path should be",
+        _ => return Unwritten::Failed(why),
+    };
+    Unwritten::Refused(format!("{why}: {what}"))
+}
+
 /// A batch being written: its open files, which lines went to each, and
 /// the files that failed.
 #[derive(Default)]
 struct Batch<'a> {
     open: HashMap<&'a Path, Open>,
     written: HashMap<&'a Path, Vec<usize>>,
-    failed: HashMap<&'a Path, String>,
+    /// Why each failed file failed: a later line of it fails the same way.
+    failed: HashMap<&'a Path, Unwritten>,
     /// Directories whose entries changed (a file created or renamed).
     dirs: BTreeSet<PathBuf>,
     results: Vec<Result<(), Unwritten>>,
@@ -239,8 +254,9 @@ impl<'a> Batch<'a> {
     }
 
     /// Cuts `path` back and fails every line the batch wrote to it, which
-    /// it returns.
-    fn fail(&mut self, path: &'a Path, why: String) -> Vec<usize> {
+    /// it returns. Those lines were written: they fail as [`Unwritten::Failed`],
+    /// to be written again, whatever `why` the file failed.
+    fn fail(&mut self, path: &'a Path, why: Unwritten) -> Vec<usize> {
         if let Some(file) = self.open.remove(path)
             && let Err(e) = file.roll_back()
         {
@@ -251,8 +267,12 @@ impl<'a> Batch<'a> {
             );
         }
         let lines = self.written.remove(path).unwrap_or_default();
+        let cut_back = match &why {
+            Unwritten::Failed(text) | Unwritten::Refused(text) => text.clone(),
+            Unwritten::HeldBack(_) | Unwritten::Behind(_) => unreachable!("a file fails for an error"),
+        };
         for &i in &lines {
-            self.results[i] = Err(Unwritten::Failed(why.clone()));
+            self.results[i] = Err(Unwritten::Failed(cut_back.clone()));
         }
         self.failed.insert(path, why);
         lines
@@ -266,7 +286,7 @@ impl<'a> Batch<'a> {
         for path in paths {
             let synced = self.open.get_mut(path).expect("listed above").sync();
             if let Err(e) = synced {
-                self.fail(path, failure(path, &e));
+                self.fail(path, Unwritten::Failed(failure(path, &e)));
             }
         }
         for dir in std::mem::take(&mut self.dirs) {
@@ -275,26 +295,58 @@ impl<'a> Batch<'a> {
                 let mut inside: Vec<&'a Path> = self.open.keys().copied().filter(|p| parent(p) == dir).collect();
                 inside.sort();
                 for path in inside {
-                    self.fail(path, why.clone());
+                    self.fail(path, Unwritten::Failed(why.clone()));
                 }
             }
         }
     }
 }
 
-/// Waits for the exclusive lock on `dir`; it is released when the returned
-/// handle is dropped. The lock is `flock`'s: it is held per open handle, so
-/// it excludes other handles in this process as well as other processes.
+/// Waits for the exclusive lock on each directory of `dirs`; they are
+/// released when the returned handles are dropped. Returns the handles, and
+/// the error of each directory that could not be opened or locked.
+///
+/// The lock is `flock`'s: it is held per open handle, so it excludes other
+/// handles in this process as well as other processes, and a second handle
+/// on a directory this batch already locked would wait for ever. So the
+/// directories are told apart by what they are, (device, inode) of the open
+/// handle, not by their paths, and locked in that order.
 #[cfg(unix)]
-fn lock_dir(dir: &Path) -> io::Result<File> {
-    let handle = File::open(dir)?;
-    handle.lock()?;
-    Ok(handle)
+fn lock_dirs(dirs: BTreeSet<&Path>) -> (Vec<File>, HashMap<&Path, io::Error>) {
+    use std::os::unix::fs::MetadataExt;
+    let mut unlocked = HashMap::new();
+    let mut by_identity: BTreeMap<(u64, u64), (File, Vec<&Path>)> = BTreeMap::new();
+    for dir in dirs {
+        let opened = File::open(dir).and_then(|handle| {
+            let meta = handle.metadata()?;
+            Ok(((meta.dev(), meta.ino()), handle))
+        });
+        match opened {
+            // A second path to a directory already opened: its handle is
+            // closed unlocked, which leaves the first handle's lock alone.
+            Ok((identity, handle)) => by_identity.entry(identity).or_insert((handle, Vec::new())).1.push(dir),
+            Err(e) => {
+                unlocked.insert(dir, e);
+            }
+        }
+    }
+    let mut locks = Vec::with_capacity(by_identity.len());
+    for (handle, paths) in by_identity.into_values() {
+        match handle.lock() {
+            Ok(()) => locks.push(handle),
+            Err(e) => {
+                for dir in paths {
+                    unlocked.insert(dir, io::Error::new(e.kind(), e.to_string()));
+                }
+            }
+        }
+    }
+    (locks, unlocked)
 }
 
 #[cfg(not(unix))]
-fn lock_dir(_dir: &Path) -> io::Result<()> {
-    Ok(())
+fn lock_dirs(_dirs: BTreeSet<&Path>) -> (Vec<()>, HashMap<&Path, io::Error>) {
+    (Vec::new(), HashMap::new())
 }
 
 /// `<name>.<UTC timestamp>.<n>` beside `path`, sorting after every file
@@ -375,7 +427,9 @@ mod tests {
 
     fn failed_naming(result: &Result<(), Unwritten>, path: &Path) {
         match result {
-            Err(Unwritten::Failed(why)) => assert!(why.contains(&path.display().to_string()), "{why}"),
+            Err(Unwritten::Failed(why) | Unwritten::Refused(why)) => {
+                assert!(why.contains(&path.display().to_string()), "{why}")
+            }
             other => panic!("{other:?}: expected a failure naming {}", path.display()),
         }
     }
@@ -607,6 +661,86 @@ mod tests {
                 &missing[..missing.len().min(20)]
             );
         });
+    }
+
+    /// A second `flock` on a directory this batch locked already, through
+    /// another path to it, waited for ever.
+    #[test]
+    fn paths_naming_one_directory_lock_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a");
+        fs::create_dir(&a).unwrap();
+        std::os::unix::fs::symlink(&a, dir.path().join("b")).unwrap();
+        let paths = [
+            a.join("x.jsonl"),
+            dir.path().join("b").join("y.jsonl"),
+            a.join("..").join("a").join("z.jsonl"),
+            dir.path().join("a").join(".").join("w.jsonl"),
+        ];
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let lines: Vec<Line<'_>> = paths
+                .iter()
+                .map(|path| Line {
+                    path,
+                    bytes: b"{}\n",
+                    key: None,
+                })
+                .collect();
+            let _ = tx.send(write_lines(&lines, 1024, Utc::now()));
+        });
+        let results = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("the batch waited for ever on a directory it had locked itself");
+        all_written(&results);
+        for name in ["x", "y", "z", "w"] {
+            assert_eq!(fs::read(a.join(format!("{name}.jsonl"))).unwrap(), b"{}\n", "{name}");
+        }
+    }
+
+    /// What no retry can mend is refused, the rest fails to be retried.
+    #[test]
+    fn failures_that_retrying_cannot_mend_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let taken = dir.path().join("taken");
+        fs::create_dir(&taken).unwrap();
+        let file = dir.path().join("file");
+        fs::write(&file, b"").unwrap();
+        let under_a_file = file.join("x.jsonl");
+        let long_name = dir.path().join("n".repeat(300));
+        let long_dir = dir.path().join("d".repeat(300)).join("x.jsonl");
+        let missing = dir.path().join("missing").join("x.jsonl");
+        let line = |path| Line {
+            path,
+            bytes: b"x\n",
+            key: None,
+        };
+        let batch = [
+            line(taken.as_path()),
+            line(under_a_file.as_path()),
+            line(long_name.as_path()),
+            line(long_dir.as_path()),
+            line(missing.as_path()),
+            // A second line of a refused file is refused as well.
+            line(taken.as_path()),
+        ];
+        let results = write_lines(&batch, 1024, Utc::now());
+        for (i, what) in [
+            (0, "a directory is where the file should be"),
+            (1, "a file is where a directory"),
+            (2, "too long"),
+            (3, "too long"),
+            (5, "a directory is where the file should be"),
+        ] {
+            match &results[i] {
+                Err(Unwritten::Refused(why)) => {
+                    assert!(why.contains(&batch[i].path.display().to_string()), "{why}");
+                    assert!(why.contains(what), "{why}");
+                }
+                other => panic!("line {i}: {other:?}, expected it refused"),
+            }
+        }
+        assert!(matches!(&results[4], Err(Unwritten::Failed(_))), "{:?}", results[4]);
     }
 
     #[test]

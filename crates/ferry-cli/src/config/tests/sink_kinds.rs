@@ -154,7 +154,7 @@ error_response_bytes = 0
 Authorization = "Bearer t"
 [sinks.f]
 kind = "file"
-max_file_bytes = 1234
+max_file_bytes = 3000000
 [[routes]]
 name = "orders"
 match = "order.*"
@@ -213,7 +213,12 @@ destination = "s:audit"
             error_response_bytes: 0,
         })
     );
-    assert_eq!(c.sinks["f"], SinkSpec::File(FileSpec { max_file_bytes: 1234 }));
+    assert_eq!(
+        c.sinks["f"],
+        SinkSpec::File(FileSpec {
+            max_file_bytes: 3_000_000
+        })
+    );
 }
 
 #[test]
@@ -241,7 +246,7 @@ fn rabbitmq_config_defaults_are_the_sink_options_defaults() {
 
 #[test]
 fn invalid_fields_of_the_new_kinds_are_named() {
-    let cases: [(&str, &str); 18] = [
+    let cases: [(&str, &str); 22] = [
         (
             "kind = \"rabbitmq\"\nurl = \"amqp://h\"\nchannels = 0",
             "sinks.s.channels: must be between 1 and 64, got 0",
@@ -289,7 +294,16 @@ fn invalid_fields_of_the_new_kinds_are_named() {
         ),
         (
             "kind = \"webhook\"\nconcurrency = 0",
-            "sinks.s.concurrency: must be at least 1, got 0",
+            "sinks.s.concurrency: must be between 1 and 1024, got 0",
+        ),
+        // Past tokio's limit `Semaphore::new` panicked at the first send.
+        (
+            "kind = \"webhook\"\nconcurrency = 1025",
+            "sinks.s.concurrency: must be between 1 and 1024, got 1025",
+        ),
+        (
+            "kind = \"webhook\"\nconcurrency = 9223372036854775807",
+            "sinks.s.concurrency: must be between 1 and 1024, got 9223372036854775807",
         ),
         (
             "kind = \"webhook\"\nmax_body_bytes = 0",
@@ -305,7 +319,16 @@ fn invalid_fields_of_the_new_kinds_are_named() {
         ),
         (
             "kind = \"file\"\nmax_file_bytes = 0",
-            "sinks.s.max_file_bytes: must be at least 1, got 0",
+            "sinks.s.max_file_bytes: must be at least 2097152, got 0",
+        ),
+        // A file must hold the line of the largest event the outbox takes.
+        (
+            "kind = \"file\"\nmax_file_bytes = 1",
+            "sinks.s.max_file_bytes: must be at least 2097152, got 1",
+        ),
+        (
+            "kind = \"file\"\nmax_file_bytes = 2097151",
+            "sinks.s.max_file_bytes: must be at least 2097152, got 2097151",
         ),
         (
             "kind = \"file\"\nmax_file_bytes = \"big\"",
