@@ -2,6 +2,8 @@
 //! 127.0.0.1:0) that verifies every signature with its own HMAC code.
 #![cfg(feature = "webhook")]
 
+#[path = "webhook/bound.rs"]
+mod bound;
 #[path = "webhook/faults.rs"]
 mod faults;
 #[path = "webhook/receiver.rs"]

@@ -54,6 +54,9 @@ use signature::{SigningKey, signature_header};
 const MAX_IDLE_LIMITERS: usize = 1024;
 /// The longest an unreachable endpoint is left alone between attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
+/// The share of `timeout` kept free at the end of a batch's bound for the
+/// work around the requests (preparing, signing, collecting the outcomes).
+const BOUND_MARGIN_DIVISOR: u32 = 10;
 
 /// How a [`WebhookSink`] signs and sends.
 #[derive(Clone, PartialEq, Eq)]
@@ -63,6 +66,11 @@ pub struct WebhookOptions {
     /// default) sends unsigned requests.
     pub secrets: Vec<String>,
     /// Bound on one request, from connecting to the end of the response.
+    /// It also bounds a batch: its requests start within the first
+    /// `timeout` (less a tenth), so a publish ends within twice it, the
+    /// least the relay allows a publish (`ferry run` sizes
+    /// `relay.direct_publish_timeout` so). Events of a key not started by
+    /// then are held back (`SinkError::held_back`) for a later batch.
     /// Default 10 s.
     pub timeout: Duration,
     /// Requests in flight at once per destination URL. Default 8.
@@ -130,6 +138,11 @@ impl std::fmt::Debug for WebhookOptions {
 /// ones of its key are held back (`SinkError::held_back`) and not sent. Events of
 /// different keys, and events without a key, go out concurrently, at most
 /// `concurrency` at a time per destination URL.
+///
+/// A batch ends within twice `timeout`: no request starts once one could
+/// outlast that, and the events not started yet are held back too, so the
+/// relay records the ones answered 2xx instead of abandoning the whole batch
+/// (and sending them again) when its publish bound passes.
 pub struct WebhookSink {
     options: WebhookOptions,
     keys: Vec<SigningKey>,
@@ -238,9 +251,30 @@ impl WebhookSink {
         limiter
     }
 
-    async fn send(&self, route: &Route, request: &Request) -> PublishOutcome {
+    /// The last moment a request of a batch that began at `began` may start:
+    /// the relay gives a publish at least twice `timeout`, and a request may
+    /// take all of one `timeout`.
+    fn start_by(&self, began: Instant) -> Instant {
+        let timeout = self.options.timeout;
+        began + timeout - timeout / BOUND_MARGIN_DIVISOR
+    }
+
+    /// Sends one request, unless it cannot start by `start_by` (waiting for
+    /// a slot included): then it is held back, not sent.
+    async fn send(&self, route: &Route, request: &Request, start_by: Instant) -> PublishOutcome {
         let endpoint = self.limiter(request.url.as_str());
-        let _permit = endpoint.slots.acquire().await.expect("limiters are never closed");
+        let acquired = tokio::time::timeout_at(start_by.into(), endpoint.slots.acquire()).await;
+        let _permit = match acquired {
+            Ok(permit) if Instant::now() <= start_by => permit.expect("limiters are never closed"),
+            _ => {
+                return Err(SinkError::held_back(format!(
+                    "held back: not sent in this batch, since a request started now could outlast the \
+                     batch's bound (twice sinks.{}.timeout, {} ms)",
+                    route.sink,
+                    (self.options.timeout * 2).as_millis()
+                )));
+            }
+        };
         let backing_off = {
             let backoff = lock(&endpoint.backoff);
             backoff
@@ -307,24 +341,31 @@ impl WebhookSink {
         }
     }
 
-    /// Sends one key's events in order, holding back the rest after a failure.
+    /// Sends one key's events in order, holding back the rest after a
+    /// failure, or once the batch's time for starting requests is over.
     async fn send_chain(
         &self,
         route: &Route,
         events: &[StoredEvent],
         prepared: &[Result<Request, SinkError>],
         chain: &[usize],
+        start_by: Instant,
     ) -> Vec<(usize, PublishOutcome)> {
         let mut out = Vec::with_capacity(chain.len());
-        let mut failed: Option<usize> = None;
+        // Why the rest of the chain is held back, once it is.
+        let mut stopped: Option<SinkError> = None;
         for &i in chain {
-            let outcome = match (&prepared[i], failed) {
+            let outcome = match (&prepared[i], &stopped) {
                 (Err(e), _) => Err(e.clone()),
-                (Ok(_), Some(first)) => Err(SinkError::held_back_behind(&events[first])),
-                (Ok(request), None) => self.send(route, request).await,
+                (Ok(_), Some(why)) => Err(why.clone()),
+                (Ok(request), None) => self.send(route, request, start_by).await,
             };
-            if outcome.is_err() && failed.is_none() {
-                failed = Some(i);
+            if let (Err(e), None) = (&outcome, &stopped) {
+                stopped = Some(if e.held_back {
+                    e.clone()
+                } else {
+                    SinkError::held_back_behind(&events[i])
+                });
             }
             out.push((i, outcome));
         }
@@ -396,6 +437,7 @@ impl Sink for WebhookSink {
         if events.is_empty() {
             return Vec::new();
         }
+        let start_by = self.start_by(Instant::now());
         let destination = Destination::new(route);
         let prepared = prepare_in_key_order(events, |event| self.prepare(&destination, event));
         let chains = longest_first(chains(events));
@@ -408,7 +450,7 @@ impl Sink for WebhookSink {
         let sent = join_all((0..senders).map(|_| async {
             let mut out = Vec::new();
             while let Some(chain) = chains.get(next.fetch_add(1, Ordering::Relaxed)) {
-                out.extend(self.send_chain(route, events, &prepared, chain).await);
+                out.extend(self.send_chain(route, events, &prepared, chain, start_by).await);
             }
             out
         }))

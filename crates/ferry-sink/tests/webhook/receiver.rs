@@ -4,7 +4,8 @@
 //!
 //! - `POST /hook`: records the request and answers 200, or 500 for an event
 //!   id in the reject list; waits while the gate is closed, and can hold the
-//!   first requests until a number of them are in flight at once.
+//!   first requests until a number of them are in flight at once, and can
+//!   answer each request a while after recording it.
 //! - `POST|HEAD /status/{code}`: answers `code` (with `Retry-After` on 429
 //!   and 503, `Location` on 3xx), recording nothing.
 //! - anything else: 404.
@@ -69,6 +70,8 @@ struct Inner {
     hold: Mutex<Option<usize>>,
     reject: Mutex<HashSet<String>>,
     gate: watch::Sender<bool>,
+    /// How long a recorded `/hook` request waits for its answer.
+    answer_after: Mutex<Duration>,
 }
 
 #[derive(Clone)]
@@ -93,6 +96,7 @@ impl Receiver {
             hold: Mutex::new(None),
             reject: Mutex::default(),
             gate: watch::Sender::new(true),
+            answer_after: Mutex::default(),
         });
         let app = Router::new()
             .route("/hook", post(hook))
@@ -162,6 +166,12 @@ impl Receiver {
         self.inner.reject.lock().unwrap().insert(id.to_owned());
     }
 
+    /// Answers each `/hook` request `delay` after recording it, as a slow
+    /// receiver does.
+    pub fn answer_after(&self, delay: Duration) {
+        *self.inner.answer_after.lock().unwrap() = delay;
+    }
+
     /// While closed, `/hook` requests wait in the handler.
     pub fn set_gate(&self, open: bool) {
         self.inner.gate.send_replace(open);
@@ -227,6 +237,10 @@ async fn hook(State(inner): State<Arc<Inner>>, headers: HeaderMap, body: Bytes) 
             signed_with,
             fresh,
         });
+    }
+    let delay = *inner.answer_after.lock().unwrap();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
     }
     {
         let mut c = inner.counters.lock().unwrap();
