@@ -38,6 +38,10 @@ const FAIL: &str = include_str!("sql/fail.sql");
 const PURGE: &str = include_str!("sql/purge.sql");
 #[cfg(feature = "postgres")]
 const LEFT: &str = include_str!("sql/left.sql");
+/// How long an attempt waits by default for the event's row while another
+/// attempt holds it.
+#[cfg(feature = "postgres")]
+const LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What to do with the broker's message after [`Inbox::process`].
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +61,13 @@ pub enum Outcome {
     /// `reason`, then acknowledge. Recorded dead in the inbox, so every later
     /// delivery of the event is dead-lettered again, never handled.
     Dead { attempts: u32, reason: String },
+    /// Another attempt at the event (a delivery still running elsewhere, or
+    /// one whose consumer stalled with its transaction open) held the
+    /// event's inbox row for longer than the inbox's lock timeout: nothing
+    /// ran and no attempt is counted. Leave the message to be delivered
+    /// again, after `delay`: by then the other attempt has committed (the
+    /// redelivery is a duplicate) or given the row up.
+    InProgress { delay: Duration },
 }
 
 /// The decision after a failed attempt, the `attempts`-th: retry with
@@ -180,6 +191,13 @@ fn refused_by_server(e: &sqlx::Error) -> bool {
         || code == "25P03"
         || code == "25P04";
     !session_ended
+}
+
+/// A lock waited on for longer than `lock_timeout` (SQLSTATE 55P03,
+/// `lock_not_available`).
+#[cfg(feature = "postgres")]
+fn lock_not_available(e: &sqlx::Error) -> bool {
+    e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55P03")
 }
 
 /// A statement cancelled (`pg_cancel_backend`; SQLSTATE 57014).
@@ -351,6 +369,7 @@ pub struct Inbox {
     consumer: String,
     retry: RetryPolicy,
     handler_timeout: Option<Duration>,
+    lock_timeout: Duration,
 }
 
 #[cfg(feature = "postgres")]
@@ -363,12 +382,35 @@ impl Inbox {
             consumer: checked_consumer(consumer.into())?,
             retry: default_retry(),
             handler_timeout: None,
+            lock_timeout: LOCK_TIMEOUT,
         })
     }
 
     /// How failed handlers are retried; default 5 attempts, 1 s doubling to 60 s.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
+        self
+    }
+
+    /// How long an attempt waits for the event's inbox row while another
+    /// attempt at the same event holds it (`lock_timeout` on the inbox's
+    /// own statements; the handler's run under the session's). Default 5 s.
+    ///
+    /// Two deliveries of one event meet when the broker hands it out again
+    /// while a first attempt still runs: a slow handler past NATS
+    /// `ack_wait` or Redis `claim_idle`, a consumer that lost its broker
+    /// connection but not its database session, one paused or hung with its
+    /// transaction open. Past this wait the delivery is
+    /// [`Outcome::InProgress`]: not an attempt, nothing counted, the message
+    /// left to the broker for later (after the retry policy's `max_delay`),
+    /// and this consumer goes on with other messages instead of waiting, as
+    /// long as the other attempt lasts, on a row it cannot have. Each such
+    /// delivery costs its consumer this long, so keep it short; within it, a
+    /// delivery that meets a live attempt finishing sees the event done. A
+    /// table lock held that long (a migration, `VACUUM FULL`) has the same
+    /// outcome. At least 1 ms.
+    pub fn with_lock_timeout(mut self, limit: Duration) -> Self {
+        self.lock_timeout = limit.max(Duration::from_millis(1));
         self
     }
 
@@ -429,29 +471,37 @@ impl Inbox {
         event: &ReceivedEvent,
         handler: impl AsyncFnOnce(&mut PgConnection) -> Result<(), HandlerError>,
     ) -> Result<Outcome, InboxError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.begin().await?;
         // Inserts the row, or takes over a failing one; a done or dead row
         // (committed, or committed while this statement waited on its lock)
-        // returns nothing. Concurrent deliveries of one event serialise here.
-        let claimed: Option<(i32, i64, i32)> = sqlx::query_as(CLAIM)
+        // returns nothing. Concurrent deliveries of one event serialise
+        // here, each waiting at most the lock timeout.
+        //
+        // The claim also sets what the handler runs under: the session's
+        // lock_timeout back, and with a handler timeout, the backstop to the
+        // cancel below: no statement of the attempt outlives the handler's
+        // own limit by much, even if the cancel cannot be delivered. The
+        // second's margin lets the handler's timeout, which names itself,
+        // come first.
+        let statement_timeout = self
+            .handler_timeout
+            .map(|limit| format!("{}ms", (limit + STATEMENT_MARGIN).as_millis()));
+        type Claimed = (i32, i64, i32, String, String);
+        let claimed: Result<Option<Claimed>, sqlx::Error> = sqlx::query_as(CLAIM)
             .bind(&self.consumer)
             .bind(event.id.0)
             .bind(stored_type(&event.event_type))
+            .bind(statement_timeout)
             .fetch_optional(&mut *tx)
-            .await?;
-        let Some((attempts, xid, backend)) = claimed else {
+            .await;
+        let claimed = match claimed {
+            Ok(claimed) => claimed,
+            Err(e) if lock_not_available(&e) => return Ok(self.in_progress(event.id)),
+            Err(e) => return Err(e.into()),
+        };
+        let Some((attempts, xid, backend, _, _)) = claimed else {
             return self.recorded_in(tx, event.id).await;
         };
-        if let Some(limit) = self.handler_timeout {
-            // The backstop to the cancel below: no statement of the attempt
-            // outlives the handler's own limit by much, even if the cancel
-            // cannot be delivered. The second's margin lets the handler's
-            // timeout, which names itself, come first.
-            sqlx::query("SELECT set_config('statement_timeout', $1, true)")
-                .bind(format!("{}ms", (limit + STATEMENT_MARGIN).as_millis()))
-                .execute(&mut *tx)
-                .await?;
-        }
         let ran = run_handler(handler(&mut tx), &self.consumer, event.id, self.handler_timeout).await;
         let timed_out = matches!(ran, Ran::TimedOut(_));
         if timed_out {
@@ -523,6 +573,36 @@ impl Inbox {
             }
         };
         self.failed(event, &error).await
+    }
+
+    /// Begins one of the inbox's transactions, with `lock_timeout` set to
+    /// the inbox's for its own statements, the session's saved in
+    /// `ferry.session_lock_timeout` for `claim.sql` to give back to
+    /// the handler: all in the `BEGIN`'s round trip.
+    async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+        let begin = format!(
+            "BEGIN; SELECT set_config('ferry.session_lock_timeout', current_setting('lock_timeout'), true); \
+             SET LOCAL lock_timeout = '{}ms'",
+            self.lock_timeout.as_millis()
+        );
+        self.pool.begin_with(sqlx::AssertSqlSafe(begin)).await
+    }
+
+    /// A delivery that found another attempt holding the event's row past
+    /// the lock timeout, at its claim (its handler did not run) or when
+    /// counting its failure: no attempt is counted.
+    fn in_progress(&self, id: EventId) -> Outcome {
+        metrics::in_progress(&self.consumer);
+        let delay = self.retry.backoff(u32::MAX, rand::random::<f64>());
+        warn!(
+            consumer = %self.consumer,
+            event = %id,
+            lock_timeout = ?self.lock_timeout,
+            ?delay,
+            "another attempt at the event holds its inbox row (a delivery still running, or a consumer stalled \
+             with its transaction open); no attempt is counted, the message is left for redelivery"
+        );
+        Outcome::InProgress { delay }
     }
 
     /// Cancels the statement, if any, that a handler stopped at its timeout
@@ -646,15 +726,24 @@ impl Inbox {
 
     /// Counts the failed attempt in its own transaction (the handler's was
     /// rolled back) and decides between retry and dead.
+    ///
+    /// Another attempt may have claimed the row since this one's rolled
+    /// back; should it hold it past the lock timeout, this failure goes
+    /// uncounted ([`Outcome::InProgress`]): that attempt's own is.
     async fn failed(&self, event: &ReceivedEvent, error: &HandlerError) -> Result<Outcome, InboxError> {
-        let mut tx = self.pool.begin().await?;
-        let counted: Option<i32> = sqlx::query_scalar(FAIL)
+        let mut tx = self.begin().await?;
+        let counted: Result<Option<i32>, sqlx::Error> = sqlx::query_scalar(FAIL)
             .bind(&self.consumer)
             .bind(event.id.0)
             .bind(stored_type(&event.event_type))
             .bind(error.message())
             .fetch_optional(&mut *tx)
-            .await?;
+            .await;
+        let counted = match counted {
+            Ok(counted) => counted,
+            Err(e) if lock_not_available(&e) => return Ok(self.in_progress(event.id)),
+            Err(e) => return Err(e.into()),
+        };
         let Some(attempts) = counted else {
             // Another delivery of the same event finished it meanwhile.
             return self.recorded_in(tx, event.id).await;

@@ -10,6 +10,10 @@
 //! - A handler is an async closure `async |tx, event| { ... }` that writes
 //!   its effects through `tx`, the inbox's open transaction, and returns a
 //!   [`HandlerError`] to roll back and retry (or give up, if permanent).
+//! - A delivery that meets another attempt at the same event still holding
+//!   its row (a consumer stalled with its transaction open) waits at most
+//!   the inbox's lock timeout, then is [`Outcome::InProgress`]: not an
+//!   attempt, left to the broker for later.
 //! - Runners, one per broker behind a feature, consume, decode, call the
 //!   inbox and acknowledge only after its commit: `rabbitmq`, `redis`
 //!   (Streams), `nats` (JetStream) and `kafka`. They drive the PostgreSQL

@@ -12,6 +12,11 @@ pub const DUPLICATES: &str = "ferry_inbox_duplicates_total";
 pub const RETRIES: &str = "ferry_inbox_retries_total";
 /// Events given up on and dead-lettered (each dead-lettering counts).
 pub const DEAD: &str = "ferry_inbox_dead_total";
+/// Deliveries put back untouched because another attempt at the event held
+/// its inbox row past the inbox's lock timeout (a delivery still running
+/// elsewhere, or a consumer stalled with its transaction open). Not
+/// attempts: a steady rise means a consumer hangs inside a handler.
+pub const IN_PROGRESS: &str = "ferry_inbox_in_progress_total";
 /// Messages that were not Ferry events at all, dead-lettered unhandled.
 pub const MALFORMED: &str = "ferry_inbox_malformed_total";
 /// Messages the broker removed before they were handled: their events are
@@ -29,6 +34,11 @@ pub(crate) fn duplicate(consumer: &str) {
 
 pub(crate) fn retry(consumer: &str) {
     metrics::counter!(RETRIES, "consumer" => consumer.to_owned()).increment(1);
+}
+
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn in_progress(consumer: &str) {
+    metrics::counter!(IN_PROGRESS, "consumer" => consumer.to_owned()).increment(1);
 }
 
 pub(crate) fn dead(consumer: &str) {

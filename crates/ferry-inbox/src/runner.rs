@@ -27,6 +27,43 @@ pub enum ConsumerError {
     Config(String),
 }
 
+/// Refuses a zero `value` for the duration option `field`, saying what zero
+/// would do and how to fix it: accepted, each of them runs a consumer that
+/// never works, or spins (every connect failing, a tight reconnect or read
+/// loop), instead of refusing to start.
+pub(crate) fn nonzero(
+    field: &str,
+    value: std::time::Duration,
+    zero_would: &str,
+    fix: &str,
+) -> Result<(), ConsumerError> {
+    if value.is_zero() {
+        return Err(ConsumerError::Config(format!(
+            "{field} is 0, which {zero_would}; {fix}"
+        )));
+    }
+    Ok(())
+}
+
+/// The checks every runner makes of `timeout` and `reconnect_max_delay`.
+pub(crate) fn check_timeouts(
+    timeout: std::time::Duration,
+    reconnect_max_delay: std::time::Duration,
+) -> Result<(), ConsumerError> {
+    nonzero(
+        "timeout",
+        timeout,
+        "fails every connect and broker call at once, and the consumer reconnects for ever",
+        "set it above the broker's round trip (default 10 s)",
+    )?;
+    nonzero(
+        "reconnect_max_delay",
+        reconnect_max_delay,
+        "reconnects in a tight loop while the broker is away",
+        "set the longest pause between reconnects (default 10 s)",
+    )
+}
+
 /// What a runner did: returned when it stops, and readable while it runs
 /// through each runner's `report()`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -39,6 +76,9 @@ pub struct ConsumerReport {
     pub malformed: u64,
     /// Deliveries put back because the inbox's database was unreachable.
     pub inbox_unavailable: u64,
+    /// Deliveries put back, untouched, because another attempt at the event
+    /// held its inbox row ([`crate::Outcome::InProgress`]).
+    pub in_progress: u64,
     /// Sessions that ended with the connection lost.
     pub reconnects: u64,
 }
@@ -52,6 +92,7 @@ pub(crate) struct Counters {
     pub(crate) dead: AtomicU64,
     pub(crate) malformed: AtomicU64,
     pub(crate) inbox_unavailable: AtomicU64,
+    pub(crate) in_progress: AtomicU64,
     pub(crate) reconnects: AtomicU64,
 }
 
@@ -69,6 +110,7 @@ impl Counters {
             dead: get(&self.dead),
             malformed: get(&self.malformed),
             inbox_unavailable: get(&self.inbox_unavailable),
+            in_progress: get(&self.in_progress),
             reconnects: get(&self.reconnects),
         }
     }

@@ -624,6 +624,175 @@ async fn a_handler_hung_in_a_statement_or_outside_is_stopped_at_its_timeout() {
     assert_eq!(*limit.lock().unwrap(), "1300ms");
 }
 
+/// A member that claimed an event and stalled with its transaction open (a
+/// handler hung without a handler timeout, a paused VM) holds the event's
+/// row. Another member the broker hands the event to waited on that row
+/// for as long as the stall lasted, serving nothing else; it gives up at
+/// the inbox's lock timeout instead, with an outcome that is no attempt:
+/// nothing ran, nothing counted, the message left for later. The handler
+/// of an attempt that does claim the row runs under the session's
+/// lock_timeout, not the inbox's.
+#[tokio::test]
+async fn a_delivery_that_meets_a_stalled_attempt_is_in_progress_not_stuck() {
+    use ferry_inbox::metrics::{IN_PROGRESS, RETRIES};
+    let counts = Counts::by_label("consumer");
+    // The test's runtime has one thread, so a thread-local recorder sees all.
+    let _recorder = metrics::set_default_local_recorder(&counts);
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(policy(3))
+        .with_lock_timeout(Duration::from_millis(200));
+    // A new event (the stalled claim's row is an uncommitted insert) and a
+    // failing one (an update of the committed row).
+    let fresh = event();
+    let failing = event();
+    let flaky = inbox
+        .process(&failing, async |_, _| Err(HandlerError::transient("flaky")))
+        .await
+        .unwrap();
+    assert!(matches!(flaky, Outcome::Retry { attempts: 1, .. }), "{flaky:?}");
+    let mut stalled = Vec::new();
+    for ev in [&fresh, &failing] {
+        let (claimed, has_claimed) = tokio::sync::oneshot::channel();
+        let (holder, ev_) = (inbox.clone(), ev.clone());
+        stalled.push(tokio::spawn(async move {
+            holder
+                .process(&ev_, async move |tx, ev| {
+                    effect(tx, ev, "billing").await?;
+                    let _ = claimed.send(());
+                    std::future::pending::<()>().await;
+                    Ok(())
+                })
+                .await
+        }));
+        has_claimed.await.expect("the stalled attempt claimed the event");
+        let outcome = tokio::time::timeout(
+            WITHIN,
+            inbox.process(ev, async |tx, ev| effect(tx, ev, "billing").await),
+        )
+        .await
+        .expect("the delivery waited on the stalled attempt's row")
+        .unwrap();
+        // Redelivered after the retry policy's longest backoff.
+        assert_eq!(
+            outcome,
+            Outcome::InProgress {
+                delay: Duration::from_millis(50)
+            }
+        );
+    }
+    assert_eq!(inbox.record(fresh.id).await.unwrap(), None);
+    let r = inbox.record(failing.id).await.unwrap().unwrap();
+    assert_eq!((r.state.as_str(), r.attempts), ("failing", 1), "not counted");
+    assert_eq!(counts.get(IN_PROGRESS, "billing"), 2);
+    assert_eq!(counts.get(RETRIES, "billing"), 1);
+
+    // The stalled attempts end (their transactions roll back): the next
+    // delivery runs, its handler under the session's lock_timeout.
+    for task in stalled {
+        task.abort();
+    }
+    let session: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    let patient = inbox.clone().with_lock_timeout(WITHIN);
+    for ev in [&fresh, &failing] {
+        let seen = std::sync::Mutex::new(String::new());
+        let outcome = patient
+            .process(ev, async |tx, ev| {
+                *seen.lock().unwrap() = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                effect(tx, ev, "billing").await
+            })
+            .await
+            .unwrap();
+        assert_eq!(outcome, Outcome::Processed);
+        assert_eq!(*seen.lock().unwrap(), session, "the handler's lock_timeout");
+        assert_eq!(effects(&e.pool, ev.id).await, 1);
+    }
+}
+
+/// The same stall met when counting a failure: the attempt's handler
+/// failed and rolled back, and another delivery claimed the row and stalled
+/// before the failure was counted. The count waited on that row for as
+/// long as the stall lasted; it gives up at the lock timeout, uncounted
+/// (the stalled attempt's own outcome is the one that counts).
+#[tokio::test]
+async fn a_failure_whose_row_a_stalled_attempt_took_is_in_progress_not_stuck() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing")
+        .unwrap()
+        .with_retry(policy(3))
+        .with_lock_timeout(Duration::from_millis(200));
+    let patient = inbox.clone().with_lock_timeout(WITHIN);
+    let ev = event();
+    let (claimed, has_claimed) = tokio::sync::oneshot::channel();
+    let (fail, to_fail) = tokio::sync::oneshot::channel::<()>();
+    let failing = tokio::spawn({
+        let (inbox, ev) = (inbox.clone(), ev.clone());
+        async move {
+            inbox
+                .process(&ev, async move |_, _| {
+                    let _ = claimed.send(());
+                    let _ = to_fail.await;
+                    Err(HandlerError::transient("flaky"))
+                })
+                .await
+        }
+    });
+    has_claimed.await.unwrap();
+    // A second delivery waits on the first's row, then claims it when the
+    // first rolls back, and stalls.
+    let (took, has_taken) = tokio::sync::oneshot::channel();
+    let stalled = tokio::spawn({
+        let ev = ev.clone();
+        async move {
+            patient
+                .process(&ev, async move |_, _| {
+                    let _ = took.send(());
+                    std::future::pending::<()>().await;
+                    Ok(())
+                })
+                .await
+        }
+    });
+    let deadline = tokio::time::Instant::now() + WITHIN;
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the second delivery never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    fail.send(()).unwrap();
+    let outcome = tokio::time::timeout(WITHIN, failing)
+        .await
+        .expect("counting the failure waited on the stalled attempt's row")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        outcome,
+        Outcome::InProgress {
+            delay: Duration::from_millis(50)
+        }
+    );
+    has_taken.await.expect("the second delivery claimed the event");
+    assert_eq!(inbox.record(ev.id).await.unwrap(), None, "nothing counted");
+    stalled.abort();
+}
+
 /// PostgreSQL cannot store a NUL byte in text (SQLSTATE 22021). A handler
 /// error whose text has one must still be recorded and counted: otherwise
 /// the attempt is lost to an error the inbox reports as an outage, and the

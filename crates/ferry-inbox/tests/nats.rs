@@ -264,6 +264,110 @@ async fn a_poison_event_is_dead_lettered_and_the_rest_flow() {
     env.cleanup().await;
 }
 
+/// A message whose event another attempt holds (a client stalled with its
+/// transaction open) is naked for later, not waited on: the client goes on
+/// with the rest, and takes the event when the stall ends.
+#[tokio::test]
+async fn a_message_whose_event_a_stalled_attempt_holds_is_naked_and_the_rest_flow() {
+    let env = Env::new("inbox-nats-held").await;
+    let inbox = env
+        .db
+        .inbox_giving_up_after(3)
+        .with_lock_timeout(Duration::from_millis(200));
+    let ids = env
+        .db
+        .produce(vec![
+            Event::new("order.item.created", json!({ "n": 1 })),
+            Event::new("order.item.created", json!({ "n": 2 })),
+        ])
+        .await;
+    let held = ReceivedEvent::new(ids[0], "order.item.created", &b"{}"[..]);
+    let (claimed, has_claimed) = oneshot::channel();
+    let stalled = tokio::spawn({
+        let inbox = inbox.clone();
+        async move {
+            inbox
+                .process(&held, async move |_, _| {
+                    let _ = claimed.send(());
+                    std::future::pending::<()>().await;
+                    Ok(())
+                })
+                .await
+        }
+    });
+    has_claimed.await.unwrap();
+    let consumer = NatsConsumer::new(inbox, env.options(nats_url())).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        wait("the other event processed, the held one put back", || async {
+            let r = consumer.report();
+            r.processed == 1 && r.in_progress >= 2
+        })
+        .await;
+        stalled.abort();
+        wait("both processed", || async {
+            consumer.report().processed == 2 && env.outstanding().await == 0
+        })
+        .await;
+        relay.stop().await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(async |tx, event| effect(tx, event).await, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!((report.retried, report.dead), (0, 0), "{report:?}");
+    env.db.assert_effects_once(2).await;
+    env.cleanup().await;
+}
+
+/// A handler that runs longer than `ack_wait` (1 s here) has its message
+/// reported in progress meanwhile: not redelivered, and so not handled
+/// again, as a duplicate, once it is done.
+#[tokio::test]
+async fn a_handler_longer_than_ack_wait_keeps_its_message_from_redelivery() {
+    let env = Env::new("inbox-nats-slow").await;
+    let inbox = Inbox::new(env.db.pool.clone(), "billing").unwrap();
+    let consumer = NatsConsumer::new(inbox, env.options(nats_url())).unwrap();
+    env.db
+        .produce(vec![Event::new("order.item.created", json!({ "n": 1 }))])
+        .await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        let relay = env.relay(&["orders"]);
+        wait("the event processed", || async {
+            consumer.report().processed == 1 && env.outstanding().await == 0
+        })
+        .await;
+        relay.stop().await;
+        // Past another ack_wait: a redelivery, had there been one, is
+        // handled by now.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let _ = stop.send(());
+    };
+    let slow = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        effect(tx, event).await
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(slow, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!((report.processed, report.duplicates), (1, 0), "{report:?}");
+    let stream = env.js.get_stream(&env.stream).await.unwrap();
+    let info = stream.consumer_info("billing").await.unwrap();
+    assert_eq!(info.num_redelivered, 0, "{info:?}");
+    env.db.assert_effects_once(1).await;
+    env.cleanup().await;
+}
+
 /// A dead-letter reason with a line break (a handler's multi-line error, a
 /// failed assert's panic text) made the client panic building its header:
 /// the consumer crashed before the ack, and again on every redelivery. And

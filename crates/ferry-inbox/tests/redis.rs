@@ -502,6 +502,77 @@ async fn entries_waiting_out_a_backoff_are_not_claimed_by_another_member() {
     env.cleanup().await;
 }
 
+/// An entry whose event another attempt holds (a member stalled with its
+/// transaction open) is left pending, not waited on: the member goes on
+/// with the rest, and XAUTOCLAIM hands the entry out again after
+/// `claim_idle`, until the stall ends.
+#[tokio::test]
+async fn an_entry_whose_event_a_stalled_attempt_holds_is_left_pending_and_the_rest_flow() {
+    let env = Env::new("inbox-redis-held").await;
+    env.create_group().await;
+    // The held event's entry first: read first.
+    let held = EventId::new();
+    for id in [held, EventId::new()] {
+        let _: String = redis::cmd("XADD")
+            .arg(&env.stream)
+            .arg("*")
+            .arg("id")
+            .arg(id.to_string())
+            .arg("type")
+            .arg("order.item.created")
+            .arg("payload")
+            .arg("{}")
+            .arg("specversion")
+            .arg("1.0")
+            .query_async(&mut env.redis.clone())
+            .await
+            .unwrap();
+    }
+    let inbox = Inbox::new(env.db.pool.clone(), unique_name("billing").as_str())
+        .unwrap()
+        .with_lock_timeout(Duration::from_millis(200));
+    let (claimed, has_claimed) = oneshot::channel();
+    let stalled = tokio::spawn({
+        let inbox = inbox.clone();
+        let event = ReceivedEvent::new(held, "order.item.created", &b"{}"[..]);
+        async move {
+            inbox
+                .process(&event, async move |_, _| {
+                    let _ = claimed.send(());
+                    std::future::pending::<()>().await;
+                    Ok(())
+                })
+                .await
+        }
+    });
+    has_claimed.await.unwrap();
+    let consumer = RedisConsumer::new(inbox, env.options(redis_url(), "only")).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("the other entry processed, the held one claimed again", || async {
+            let r = consumer.report();
+            r.processed == 1 && r.in_progress >= 2
+        })
+        .await;
+        stalled.abort();
+        wait("both processed", || async {
+            consumer.report().processed == 2 && env.pending().await == 0
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(async |tx, event| effect(tx, event).await, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    let report = report.unwrap();
+    assert_eq!((report.retried, report.dead), (0, 0), "{report:?}");
+    env.db.assert_effects_once(2).await;
+    env.cleanup().await;
+}
+
 /// An entry another member took while this one kept it for a backoff (this
 /// member's loop ran late) is theirs: it is not taken back in the middle of
 /// their run, and this member does not try it again.

@@ -160,7 +160,7 @@ impl KafkaConsumerOptions {
                 )));
             }
         }
-        Ok(())
+        crate::runner::check_timeouts(self.timeout, self.reconnect_max_delay)
     }
 
     fn consumer(&self) -> Result<Member, String> {
@@ -457,6 +457,13 @@ impl KafkaConsumer {
                 Counters::bump(&self.counters.retried);
                 delay
             }
+            // Another attempt holds the event (the member that had the
+            // partition before a rebalance, stalled): tried again in place,
+            // the partition paused meanwhile.
+            Ok(Outcome::InProgress { delay }) => {
+                Counters::bump(&self.counters.in_progress);
+                delay
+            }
             Err(e) => {
                 Counters::bump(&self.counters.inbox_unavailable);
                 warn!(consumer = name, event = %event.id, error = %e, "inbox unavailable; the record waits");
@@ -598,6 +605,26 @@ fn commit_stored(consumer: &Member) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each zero duration is refused with its field's name and the fix,
+    /// instead of a consumer that spins or never connects.
+    #[test]
+    fn zero_durations_are_refused_naming_the_field() {
+        let options = || KafkaConsumerOptions::new("127.0.0.1:9092", "orders", "billing", "orders.dead");
+        assert!(options().validate().is_ok());
+        type Zero = fn(&mut KafkaConsumerOptions);
+        let cases: [(&str, Zero); 2] = [
+            ("timeout", |o| o.timeout = Duration::ZERO),
+            ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
+        ];
+        for (field, zero) in cases {
+            let mut o = options();
+            zero(&mut o);
+            let error = o.validate().expect_err(field).to_string();
+            assert!(error.contains(&format!("{field} is 0, which ")), "{error}");
+            assert!(error.contains("; set "), "{error}");
+        }
+    }
 
     #[test]
     fn only_errors_librdkafka_recovers_from_are_read_past() {

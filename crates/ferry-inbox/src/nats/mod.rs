@@ -19,9 +19,11 @@
 //! ```
 //!
 //! A message not acknowledged within `ack_wait` is redelivered by the
-//! server, to this or any other client of the same durable consumer; the
-//! inbox turns a redelivery whose handler had already committed into a
-//! duplicate.
+//! server, to this or any other client of the same durable consumer (while
+//! its handler runs, the runner reports progress, which restarts the
+//! wait); the inbox turns a redelivery whose handler had already committed
+//! into a duplicate, and one that meets an attempt still holding the event
+//! into [`Outcome::InProgress`](crate::Outcome::InProgress), naked for later.
 
 mod decode;
 mod durable;
@@ -72,8 +74,11 @@ pub struct NatsConsumerOptions {
     /// `ack_wait` running: lower it for slow handlers.
     pub max_ack_pending: i64,
     /// Redelivery after this long without an ack, from when the server hands
-    /// the message over. Default 30 s; keep it above `max_ack_pending` times
-    /// the longest handler run, since a message may wait behind that many.
+    /// the message over. While the message's handler runs, the runner
+    /// reports it in progress every half `ack_wait`, which restarts the
+    /// wait, so one long run is not redelivered; before that, the message
+    /// may wait behind `max_ack_pending` others, so keep it above that many
+    /// times the longest handler run. Default 30 s.
     pub ack_wait: Duration,
     /// The server stops delivering a message after this many deliveries,
     /// silently; so it is off (`-1`) by default and, when set, must stay
@@ -133,6 +138,13 @@ impl NatsConsumerOptions {
                 "max_ack_pending is below 1; set at least 1".into(),
             ));
         }
+        crate::runner::nonzero(
+            "ack_wait",
+            self.ack_wait,
+            "JetStream reads as its default (30 s), not as no wait",
+            "set it above max_ack_pending times the longest handler run (default 30 s)",
+        )?;
+        crate::runner::check_timeouts(self.timeout, self.reconnect_max_delay)?;
         if self.max_deliver == 0 || self.max_deliver < -1 {
             return Err(ConsumerError::Config(
                 "max_deliver must be -1 (unlimited) or at least 1".into(),
@@ -221,6 +233,27 @@ impl NatsConsumer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each zero duration is refused with its field's name and the fix,
+    /// instead of a consumer that spins or never connects.
+    #[test]
+    fn zero_durations_are_refused_naming_the_field() {
+        let options = || NatsConsumerOptions::new("nats://127.0.0.1:4222", "ORDERS", "billing", "billing.dead");
+        assert!(options().validate().is_ok());
+        type Zero = fn(&mut NatsConsumerOptions);
+        let cases: [(&str, Zero); 3] = [
+            ("ack_wait", |o| o.ack_wait = Duration::ZERO),
+            ("timeout", |o| o.timeout = Duration::ZERO),
+            ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
+        ];
+        for (field, zero) in cases {
+            let mut o = options();
+            zero(&mut o);
+            let error = o.validate().expect_err(field).to_string();
+            assert!(error.contains(&format!("{field} is 0, which ")), "{error}");
+            assert!(error.contains("; set "), "{error}");
+        }
+    }
 
     #[test]
     fn debug_output_hides_the_password_and_a_token() {

@@ -2,6 +2,7 @@
 //! message decode, run the inbox, and ack, nak with a delay, or dead-letter.
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
 use async_nats::jetstream::{self, AckKind, Context};
@@ -133,7 +134,12 @@ where
             }
         };
         let handler = self.handler;
-        match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+        let process = self.inbox.process(&event, async |tx, ev| handler(tx, ev).await);
+        let outcome = tokio::select! {
+            outcome = process => outcome,
+            () = self.in_progress(&message) => unreachable!("reports progress until the attempt ends"),
+        };
+        match outcome {
             Ok(Outcome::Processed) => {
                 Counters::bump(&self.counters.processed);
                 self.settle(&message, AckKind::Ack).await?;
@@ -144,6 +150,12 @@ where
             }
             Ok(Outcome::Retry { delay, .. }) => {
                 Counters::bump(&self.counters.retried);
+                self.settle(&message, AckKind::Nak(Some(delay))).await?;
+            }
+            Ok(Outcome::InProgress { delay }) => {
+                // Another attempt holds the event: the server hands the
+                // message out again after `delay`, to whichever client.
+                Counters::bump(&self.counters.in_progress);
                 self.settle(&message, AckKind::Nak(Some(delay))).await?;
             }
             Ok(Outcome::Dead { reason, .. }) => {
@@ -158,6 +170,27 @@ where
             }
         }
         Ok(())
+    }
+
+    /// Tells the server, every half `ack_wait` while the inbox runs the
+    /// message's attempt, that it is still being worked on (`+WPI`), which
+    /// restarts its `ack_wait`: a handler that runs longer than `ack_wait`
+    /// is not redelivered meanwhile, to be handled again (a duplicate, at
+    /// best) by whichever client gets it. Never returns; a report that
+    /// cannot be sent is left to the next tick, or to the ack.
+    async fn in_progress(&self, message: &jetstream::Message) {
+        // `interval` refuses a zero period.
+        let every = (self.options.ack_wait / 2).max(Duration::from_millis(1));
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            match timeout(self.options.timeout, message.ack_with(AckKind::Progress)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => debug!(error = %e, "reporting progress failed"),
+                Err(_) => debug!("reporting progress timed out"),
+            }
+        }
     }
 
     /// Acks (or naks) and waits for the server to confirm it, so a lost ack

@@ -139,7 +139,7 @@ impl RabbitMqConsumerOptions {
                 "prefetch is 0, which RabbitMQ reads as unlimited; set at least 1".into(),
             ));
         }
-        Ok(())
+        crate::runner::check_timeouts(self.timeout, self.reconnect_max_delay)
     }
 }
 
@@ -221,6 +221,26 @@ impl RabbitMqConsumer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each zero duration is refused with its field's name and the fix,
+    /// instead of a consumer that spins or never connects.
+    #[test]
+    fn zero_durations_are_refused_naming_the_field() {
+        let options = || RabbitMqConsumerOptions::new("amqp://127.0.0.1:5672/%2f", "orders", "orders.dead");
+        assert!(options().validate().is_ok());
+        type Zero = fn(&mut RabbitMqConsumerOptions);
+        let cases: [(&str, Zero); 2] = [
+            ("timeout", |o| o.timeout = Duration::ZERO),
+            ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
+        ];
+        for (field, zero) in cases {
+            let mut o = options();
+            zero(&mut o);
+            let error = o.validate().expect_err(field).to_string();
+            assert!(error.contains(&format!("{field} is 0, which ")), "{error}");
+            assert!(error.contains("; set "), "{error}");
+        }
+    }
 
     #[test]
     fn debug_output_hides_the_password() {

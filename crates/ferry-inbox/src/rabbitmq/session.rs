@@ -258,6 +258,12 @@ where
                 Counters::bump(&self.counters.retried);
                 self.requeue_after(delivery.acker, delay);
             }
+            Ok(Outcome::InProgress { delay }) => {
+                // Another attempt holds the event: back to the queue later,
+                // for any consumer.
+                Counters::bump(&self.counters.in_progress);
+                self.requeue_after(delivery.acker, delay);
+            }
             Ok(Outcome::Dead { reason, .. }) => {
                 Counters::bump(&self.counters.dead);
                 return self.dead_letter(delivery, connection, dead_letters, &reason).await;

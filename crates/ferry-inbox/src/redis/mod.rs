@@ -68,9 +68,10 @@ pub struct RedisConsumerOptions {
     /// How long one read waits for new entries. Default 1 s.
     pub block: Duration,
     /// Entries pending longer than this are taken from their consumer,
-    /// presumed dead. Keep it above the longest handler run, or a slow
-    /// consumer's entries are handled twice (harmlessly, through the inbox,
-    /// but wastefully). Entries a live member keeps for a retry backoff are
+    /// presumed dead. Keep it above `batch` times the longest handler run
+    /// (an entry read with a batch waits for the entries before it, its
+    /// idle time running), or a slow consumer's entries are handled twice
+    /// (harmlessly, through the inbox, but wastefully). Entries a live member keeps for a retry backoff are
     /// not taken, however long the backoff: it renews them every
     /// `claim_idle / 2`. Default 60 s.
     pub claim_idle: Duration,
@@ -130,9 +131,17 @@ impl RedisConsumerOptions {
         if self.batch == 0 {
             return Err(ConsumerError::Config("batch is 0; set at least 1".into()));
         }
+        crate::runner::nonzero(
+            "block",
+            self.block,
+            "polls Redis for new entries without a pause",
+            "set how long one read waits for new entries (default 1 s)",
+        )?;
+        crate::runner::check_timeouts(self.timeout, self.reconnect_max_delay)?;
         if self.claim_idle.is_zero() {
             return Err(ConsumerError::Config(
-                "claim_idle is 0, which would take entries from live consumers; set it above the longest handler run"
+                "claim_idle is 0, which would take entries from live consumers; set it above batch times the longest \
+                 handler run"
                     .into(),
             ));
         }
@@ -222,6 +231,35 @@ impl RedisConsumer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each zero duration is refused with its field's name and the fix,
+    /// instead of a consumer that spins or never connects.
+    #[test]
+    fn zero_durations_are_refused_naming_the_field() {
+        let options = || {
+            RedisConsumerOptions::new(
+                "redis://127.0.0.1:6379",
+                "orders",
+                "billing",
+                "billing-1",
+                "orders.dead",
+            )
+        };
+        assert!(options().validate().is_ok());
+        type Zero = fn(&mut RedisConsumerOptions);
+        let cases: [(&str, Zero); 3] = [
+            ("block", |o| o.block = Duration::ZERO),
+            ("timeout", |o| o.timeout = Duration::ZERO),
+            ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
+        ];
+        for (field, zero) in cases {
+            let mut o = options();
+            zero(&mut o);
+            let error = o.validate().expect_err(field).to_string();
+            assert!(error.contains(&format!("{field} is 0, which ")), "{error}");
+            assert!(error.contains("; set "), "{error}");
+        }
+    }
 
     #[test]
     fn debug_output_hides_the_password() {

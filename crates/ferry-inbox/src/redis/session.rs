@@ -203,8 +203,10 @@ where
     /// Only entries the pending list still gives this member are renewed:
     /// one another member took meanwhile (this loop ran late) is theirs to
     /// handle, and is forgotten here rather than taken back in the middle
-    /// of their run. A user not allowed `XPENDING` or `XCLAIM` keeps the
-    /// consumer going without the renewal, said once.
+    /// of their run; one they take between the `XPENDING` and the `XCLAIM`
+    /// is left to them too ([`renewal`]), and forgotten at the next round.
+    /// A user not allowed `XPENDING` or `XCLAIM` keeps the consumer going
+    /// without the renewal, said once.
     async fn keep_waiting(&mut self, conn: &mut MultiplexedConnection) -> Result<(), RedisError> {
         if self.later.is_empty() || self.renew_refused {
             return Ok(());
@@ -240,13 +242,7 @@ where
         if mine.is_empty() {
             return Ok(());
         }
-        let mut cmd = redis::cmd("XCLAIM");
-        cmd.arg(&o.stream).arg(&o.group).arg(&o.consumer).arg(0);
-        for (id, ..) in &mine {
-            cmd.arg(id);
-        }
-        cmd.arg("JUSTID");
-        match cmd.query_async::<redis::Value>(conn).await {
+        match renewal(o, &mine).query_async::<redis::Value>(conn).await {
             Ok(_) => Ok(()),
             Err(e) if e.code() == Some("NOPERM") => {
                 self.renewal_refused(&e);
@@ -407,6 +403,13 @@ where
                 Counters::bump(&self.counters.retried);
                 self.defer(entry, Instant::now() + delay);
             }
+            Ok(Outcome::InProgress { .. }) => {
+                // Another attempt holds the event. Left pending and not
+                // kept for renewal: once idle for claim_idle, XAUTOCLAIM
+                // hands it to a member again, by when that attempt has
+                // committed (a duplicate) or given the row up.
+                Counters::bump(&self.counters.in_progress);
+            }
             Ok(Outcome::Dead { reason, .. }) => {
                 Counters::bump(&self.counters.dead);
                 return self.dead_letter(conn, &entry, &reason).await;
@@ -471,6 +474,26 @@ where
     }
 }
 
+/// The `XCLAIM`s that renew this member's waiting entries (`mine`, as
+/// `XPENDING` listed them), one per entry, each with the idle time listed as
+/// its minimum: an entry idle at least that long is untouched since, still
+/// this member's; one another member claimed in between (its idle time
+/// starting over) is skipped, not taken back from them.
+fn renewal(o: &RedisConsumerOptions, mine: &[Pending]) -> redis::Pipeline {
+    let mut renew = redis::pipe();
+    for (id, _, idle, _) in mine {
+        renew
+            .cmd("XCLAIM")
+            .arg(&o.stream)
+            .arg(&o.group)
+            .arg(&o.consumer)
+            .arg(*idle)
+            .arg(id)
+            .arg("JUSTID");
+    }
+    renew
+}
+
 /// The refusal for a dead-letter key that is not a stream.
 fn not_a_stream(o: &RedisConsumerOptions, kind: &str) -> String {
     format!(
@@ -478,4 +501,94 @@ fn not_a_stream(o: &RedisConsumerOptions, kind: &str) -> String {
          come back for ever; remove or rename that key, or name another dead_letter_stream",
         o.dead_letter_stream
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn redis_url() -> String {
+        std::env::var("FERRY_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+    }
+
+    async fn pending(conn: &mut MultiplexedConnection, stream: &str) -> Vec<Pending> {
+        redis::cmd("XPENDING")
+            .arg(stream)
+            .arg("billing")
+            .arg("-")
+            .arg("+")
+            .arg(10)
+            .query_async(conn)
+            .await
+            .unwrap()
+    }
+
+    /// Another member claims an entry between this member's `XPENDING`
+    /// (which still listed it as this member's) and its renewal: the
+    /// renewal leaves it with them. An `XCLAIM` with no minimum idle time
+    /// took it back in the middle of their run.
+    #[tokio::test]
+    async fn a_renewal_leaves_an_entry_another_member_just_claimed() {
+        let stream = format!("inbox-redis-renewal-{}", uuid::Uuid::now_v7());
+        let mut conn = redis::Client::open(redis_url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let _: () = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&stream)
+            .arg("billing")
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        for _ in 0..2 {
+            let _: String = redis::cmd("XADD")
+                .arg(&stream)
+                .arg("*")
+                .arg("id")
+                .arg("x")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+        }
+        let _: redis::Value = redis::cmd("XREADGROUP")
+            .arg("GROUP")
+            .arg("billing")
+            .arg("a")
+            .arg("STREAMS")
+            .arg(&stream)
+            .arg(">")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mine = pending(&mut conn, &stream).await;
+        assert_eq!(mine.len(), 2);
+        assert!(
+            mine.iter().all(|(_, owner, idle, _)| owner == "a" && *idle >= 100),
+            "{mine:?}"
+        );
+        // Another member's XAUTOCLAIM takes the first.
+        let _: redis::Value = redis::cmd("XCLAIM")
+            .arg(&stream)
+            .arg("billing")
+            .arg("b")
+            .arg(0)
+            .arg(&mine[0].0)
+            .arg("JUSTID")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let o = RedisConsumerOptions::new(redis_url(), &stream, "billing", "a", format!("{stream}.dead"));
+        let _: redis::Value = renewal(&o, &mine).query_async(&mut conn).await.unwrap();
+        let after = pending(&mut conn, &stream).await;
+        let _: i64 = redis::cmd("DEL").arg(&stream).query_async(&mut conn).await.unwrap();
+        let owners: Vec<&str> = after.iter().map(|(_, owner, ..)| owner.as_str()).collect();
+        assert_eq!(owners, ["b", "a"], "{after:?}");
+        // The second, untouched, was renewed: its idle time started over.
+        assert!(after[1].2 < 100, "{after:?}");
+    }
 }
