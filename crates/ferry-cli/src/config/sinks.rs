@@ -42,11 +42,11 @@ const WEBHOOK_DEFAULT_ERROR_RESPONSE_BYTES: usize = 256;
 /// The sink reads at most 64 KiB of an error response.
 const WEBHOOK_MAX_ERROR_RESPONSE_BYTES: i64 = 64 * 1024;
 const FILE_DEFAULT_MAX_FILE_BYTES: u64 = 100 * 1024 * 1024;
-/// A file must hold the line of any event the outbox accepts, or that event
-/// is refused (permanent): a payload of up to `MAX_PAYLOAD_BYTES` (1 MiB),
-/// base64-encoded when it is not JSON (4/3 of it), with its key, headers
-/// and fields. Twice the payload limit, 2 MiB.
-const FILE_MIN_MAX_FILE_BYTES: i64 = 2 * ferry_core::MAX_PAYLOAD_BYTES as i64;
+/// Files smaller than this would refuse most events (their lines do not
+/// fit, and they go dead). A line of the largest event the outbox accepts
+/// takes up to 2 MiB (a non-JSON payload is base64); a smaller limit is
+/// allowed for files that only ever take small events.
+const FILE_MIN_MAX_FILE_BYTES: i64 = 64 * 1024;
 
 /// Every sink kind, and whether this binary was built with it.
 pub(super) const SINK_KINDS: [(&str, bool); 7] = [

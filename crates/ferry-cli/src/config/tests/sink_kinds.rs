@@ -319,16 +319,16 @@ fn invalid_fields_of_the_new_kinds_are_named() {
         ),
         (
             "kind = \"file\"\nmax_file_bytes = 0",
-            "sinks.s.max_file_bytes: must be at least 2097152, got 0",
+            "sinks.s.max_file_bytes: must be at least 65536, got 0",
         ),
-        // A file must hold the line of the largest event the outbox takes.
+        // A file too small for most events.
         (
             "kind = \"file\"\nmax_file_bytes = 1",
-            "sinks.s.max_file_bytes: must be at least 2097152, got 1",
+            "sinks.s.max_file_bytes: must be at least 65536, got 1",
         ),
         (
-            "kind = \"file\"\nmax_file_bytes = 2097151",
-            "sinks.s.max_file_bytes: must be at least 2097152, got 2097151",
+            "kind = \"file\"\nmax_file_bytes = 65535",
+            "sinks.s.max_file_bytes: must be at least 65536, got 65535",
         ),
         (
             "kind = \"file\"\nmax_file_bytes = \"big\"",
