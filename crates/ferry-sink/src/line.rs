@@ -29,12 +29,10 @@ struct Line<'a> {
 /// becoming `1.2345678901234568e22`), rewrite `1.10` as `1.1`, sort the keys
 /// and collapse duplicate ones.
 pub(crate) fn render(route: &Route, event: &StoredEvent, destination: &str) -> Vec<u8> {
-    // `IgnoredAny` validates without building a value, but skips strings
-    // without checking their UTF-8: a payload holding invalid UTF-8 would
-    // make the line invalid JSON.
-    let json = is_json(&event.content_type)
-        && std::str::from_utf8(&event.payload).is_ok()
-        && serde_json::from_slice::<serde::de::IgnoredAny>(&event.payload).is_ok();
+    // Parsed only to be checked, as strictly as a reader of the line will:
+    // `IgnoredAny` would pass invalid UTF-8 and lone surrogate escapes
+    // (`"\ud800"`), and a line holding them would be refused whole.
+    let json = is_json(&event.content_type) && serde_json::from_slice::<serde_json::Value>(&event.payload).is_ok();
     let line = Line {
         id: event.id.to_string(),
         event_type: &event.event_type,

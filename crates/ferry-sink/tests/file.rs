@@ -291,12 +291,15 @@ async fn a_json_payload_is_written_byte_for_byte() {
     // A raw line break inside a string is not JSON: it goes as base64.
     let mut broken = event(2, "test.item.created", Some("k"), json!(null));
     broken.payload = bytes::Bytes::from_static(b"{\"s\":\"a\nb\"}");
-    let outcomes = sink.publish(&route(&base), &[compact, spread, broken]).await;
+    // Nor is a lone surrogate escape, which a reader of the line refuses.
+    let mut surrogate = event(3, "test.item.created", Some("k"), json!(null));
+    surrogate.payload = bytes::Bytes::from_static(br#"{"s":"\ud800"}"#);
+    let outcomes = sink.publish(&route(&base), &[compact, spread, broken, surrogate]).await;
     assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
 
     let text = fs::read(&base).unwrap();
     let written: Vec<&[u8]> = text.split(|&b| b == b'\n').filter(|l| !l.is_empty()).collect();
-    assert_eq!(written.len(), 3, "{}", String::from_utf8_lossy(&text));
+    assert_eq!(written.len(), 4, "{}", String::from_utf8_lossy(&text));
     let mut data = b",\"data\":".to_vec();
     data.extend_from_slice(payload);
     data.push(b'}');
@@ -314,6 +317,8 @@ async fn a_json_payload_is_written_byte_for_byte() {
     assert_eq!(all[1]["data"]["s"], "a\nb");
     assert!(all[2].get("data").is_none());
     assert_eq!(all[2]["data_base64"], "eyJzIjoiYQpiIn0=");
+    assert!(all[3].get("data").is_none(), "{}", all[3]);
+    assert!(all[3]["data_base64"].is_string());
 }
 
 /// Two paths naming one directory (a symlink, `a/../a`) in one batch: the

@@ -310,7 +310,7 @@ impl<'a> Batch<'a> {
 /// handles in this process as well as other processes, and a second handle
 /// on a directory this batch already locked would wait for ever. So the
 /// directories are told apart by what they are, (device, inode) of the open
-/// handle, not by their paths, and locked in that order.
+/// handle, not by their paths, and each is locked once.
 #[cfg(unix)]
 fn lock_dirs(dirs: BTreeSet<&Path>) -> (Vec<File>, HashMap<&Path, io::Error>) {
     use std::os::unix::fs::MetadataExt;
@@ -330,8 +330,21 @@ fn lock_dirs(dirs: BTreeSet<&Path>) -> (Vec<File>, HashMap<&Path, io::Error>) {
             }
         }
     }
-    let mut locks = Vec::with_capacity(by_identity.len());
-    for (handle, paths) in by_identity.into_values() {
+    // Locked in the order of their canonical paths: one order for every
+    // writer, whatever paths its batch names them by, and for plain paths
+    // the order earlier releases lock in (by path), so that relays of both
+    // kinds side by side during an upgrade never wait on each other in a
+    // circle.
+    let mut ordered: Vec<(PathBuf, File, Vec<&Path>)> = by_identity
+        .into_values()
+        .map(|(handle, paths)| {
+            let key = fs::canonicalize(paths[0]).unwrap_or_else(|_| paths[0].to_path_buf());
+            (key, handle, paths)
+        })
+        .collect();
+    ordered.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut locks = Vec::with_capacity(ordered.len());
+    for (_, handle, paths) in ordered {
         match handle.lock() {
             Ok(()) => locks.push(handle),
             Err(e) => {
