@@ -408,9 +408,10 @@ impl Inbox {
     /// delivery costs its consumer this long, so keep it short; within it, a
     /// delivery that meets a live attempt finishing sees the event done. A
     /// table lock held that long (a migration, `VACUUM FULL`) has the same
-    /// outcome. At least 1 ms.
+    /// outcome. At least 1 ms, and at most PostgreSQL's largest
+    /// `lock_timeout` (about 24.8 days).
     pub fn with_lock_timeout(mut self, limit: Duration) -> Self {
-        self.lock_timeout = limit.max(Duration::from_millis(1));
+        self.lock_timeout = limit.clamp(Duration::from_millis(1), Duration::from_millis(i32::MAX as u64));
         self
     }
 
