@@ -79,6 +79,10 @@ pub(crate) async fn publish_in_order(
             };
         }
     }
+    let held_back = outcomes.iter().filter(|o| o.is_none()).count() as u64;
+    if held_back > 0 {
+        ::metrics::counter!(crate::metrics::HELD_BACK, "route" => route.name.clone()).increment(held_back);
+    }
     let mut failed: HashSet<&str> = HashSet::new();
     let mut order_breaks = 0;
     for (e, o) in events.iter().zip(&outcomes) {
@@ -214,7 +218,11 @@ mod tests {
                 claimed(3, "j", "a.ok"),
                 claimed(4, "k", "a.ok"),
             ];
+            let counts = ferry_testkit::metrics::Counts::by_label("route");
+            let recording = metrics::set_default_local_recorder(&counts);
             let p = publish_in_order(&sink, &route(), batch, None).await;
+            drop(recording);
+            assert_eq!(counts.get(crate::metrics::HELD_BACK, "r"), 1, "held back, and counted");
             let seqs: Vec<i64> = p.claimed.iter().map(|c| c.event.seq).collect();
             assert_eq!(seqs, [1, 2, 3, 4], "the batch comes back in its order");
             assert!(matches!(p.outcomes[0], Some(Ok(()))));

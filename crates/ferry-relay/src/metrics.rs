@@ -17,6 +17,10 @@ pub const STORE_ERRORS: &str = "ferry_store_errors_total";
 /// Events confirmed after an earlier event of their key was rejected in the
 /// same pipelined batch: they reached the destination out of order.
 pub const ORDER_BREAKS: &str = "ferry_order_breaks_total";
+/// Events of a claimed batch not sent, to keep their key's order: behind a
+/// failure of their key, or left by the sink for a later batch (a webhook
+/// batch out of time). They stay pending, with no attempt counted.
+pub const HELD_BACK: &str = "ferry_deliveries_held_back_total";
 /// The relay got a component back after it failed: `component="database"`
 /// after failed claims, `component="destination"` (with `route`) at the first
 /// confirm after publishes that all failed transiently.
@@ -132,6 +136,10 @@ pub fn describe() {
     describe_counter!(
         ORDER_BREAKS,
         "Events confirmed after an earlier event of their key was rejected."
+    );
+    describe_counter!(
+        HELD_BACK,
+        "Events not sent in their batch, to keep their key's order; they stay pending, no attempt counted."
     );
     describe_counter!(
         "ferry_unroutable_returns_total",
