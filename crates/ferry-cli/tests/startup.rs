@@ -110,6 +110,30 @@ async fn check_tells_a_schema_it_may_not_read_from_a_missing_one() {
         .unwrap();
 }
 
+/// A database address that takes the connection and never answers (a
+/// host dropping packets after the handshake, a proxy with nothing behind
+/// it): `check` says so and ends, rather than wait until the OS gives up.
+#[test]
+fn check_ends_when_the_database_takes_the_connection_and_never_answers() {
+    // Never accepted: the kernel completes the handshake, and the server's
+    // side of the startup exchange never comes.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("postgres://ferry@{}/ferry", silent.local_addr().unwrap());
+    let out = ferry_env(
+        &[("FERRY_DATABASE__URL", url.as_str())],
+        &["check"],
+        Duration::from_secs(90),
+    );
+    assert!(
+        out.status.code().is_some(),
+        "check was still waiting after 90 s (killed): {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert_ne!(out.status.code(), Some(0));
+    drop(silent);
+}
+
 /// `FERRY_DATABASE_URL` (one underscore) is no setting: read as nothing, it
 /// would leave the file's URL in force without a word. Every command
 /// refuses it, naming the variable and the name meant.

@@ -82,13 +82,24 @@ pub(crate) fn relay_store(cfg: &Config) -> anyhow::Result<AnyStore> {
 
 pub(crate) async fn connect(cfg: &Config) -> anyhow::Result<sqlx::PgConnection> {
     use sqlx::Connection;
-    sqlx::PgConnection::connect(&cfg.database.url).await.with_context(|| {
+    // sqlx sets no connect timeout: a server that takes the connection and
+    // never answers (a host dropping packets after the handshake, a proxy
+    // with nothing behind it) would hold the command until the OS gives up.
+    let connecting = sqlx::PgConnection::connect(&cfg.database.url);
+    let connected = match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+        Ok(connected) => connected.map_err(anyhow::Error::from),
+        Err(_) => Err(anyhow::anyhow!("no answer within {}s", CONNECT_TIMEOUT.as_secs())),
+    };
+    connected.with_context(|| {
         format!(
             "cannot connect to the database ({})",
             ferry_core::redact::url(&cfg.database.url)
         )
     })
 }
+
+/// How long a command waits for the database to answer a connection.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// `arg` as one shell word: as is when it is plain, else single-quoted.
 pub(crate) fn shell_quote(arg: &str) -> String {
