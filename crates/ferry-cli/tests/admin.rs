@@ -444,6 +444,53 @@ async fn tail_follows_outcomes_until_interrupted() {
     assert_eq!(status.code(), Some(0), "tail did not stop cleanly on Ctrl-C");
 }
 
+/// `ferry tail | head -1`: once the reader is gone, the tail ends cleanly
+/// at its next line, rather than panic on the closed pipe (exit 101).
+#[tokio::test]
+async fn tail_into_a_reader_that_quits_ends_cleanly() {
+    let f = fixture().await;
+    let mut child = Command::new(BIN)
+        .arg("--config")
+        .arg(f.config(""))
+        .args(["tail", "--since", "1h", "--interval", "50ms"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert!(!first.is_empty(), "a first line");
+    drop(stdout);
+    // What the fixture had may all be in the pipe already: a new outcome's
+    // line meets the closed pipe.
+    let claimed = f.store.claim(&f.owned, ROUTE, 100, Utc::now(), &[]).await.unwrap();
+    let p1 = claimed.iter().find(|c| c.event.id == f.ids["p1"]).unwrap();
+    let published = Recorded {
+        seq: p1.event.seq,
+        expected_attempts: 0,
+        transition: Transition::Published {
+            attempts: 1,
+            at: Utc::now(),
+        },
+    };
+    assert_eq!(
+        f.store.record(&f.owned, ROUTE, &[published], Utc::now()).await.unwrap(),
+        1
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(std::time::Instant::now() < deadline, "tail kept running with no reader");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(0), "{stderr}");
+}
+
 /// The route renamed in the config: its deliveries stay under the old name,
 /// which no relay running the new config claims. `check` fails naming the
 /// route, its counts and the fixes; `status` marks it; `requeue` refuses to

@@ -6,6 +6,7 @@
 //! commits, so each poll looks back a little and skips what it printed.
 
 use std::collections::HashSet;
+use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -65,7 +66,14 @@ pub async fn run(cfg: &Config, args: TailArgs) -> anyhow::Result<ExitCode> {
                     continue;
                 }
                 seen.insert(id);
-                println!("{}", if args.json { line_json(c) } else { line(c) });
+                let text = if args.json { line_json(c) } else { line(c) };
+                // Read by `head` or a pager that quit: the reader is done,
+                // and so is the tail (println! would panic, exit 101).
+                match writeln!(std::io::stdout().lock(), "{text}") {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(ExitCode::SUCCESS),
+                    Err(e) => return Err(e).context("writing to stdout"),
+                }
             }
             // A full page goes on after its last change: many can share
             // one time, and a page that ends among them must not skip the
