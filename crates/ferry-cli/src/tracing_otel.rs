@@ -91,6 +91,11 @@ impl RuntimeClient {
         let client = reqwest::Client::builder()
             .tls_backend_preconfigured(tls)
             .user_agent(concat!("ferry/", env!("CARGO_PKG_VERSION")))
+            // The exporter's own timeout does not reach a client it is given:
+            // a collector that takes a request and never answers would stall
+            // every export after it.
+            .connect_timeout(std::time::Duration::from_secs(5))
+            .timeout(std::time::Duration::from_secs(10))
             .build()
             .context("tracing: the span exporter's HTTP client could not be built")?;
         let runtime = tokio::runtime::Handle::try_current().context("tracing: the exporter needs a tokio runtime")?;
