@@ -17,7 +17,7 @@ pub struct StatusReport {
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct RouteStatus {
     pub route: String,
-    /// Due and not held back: being published now or next.
+    /// Pending and never tried: waiting for their turn, or being published.
     pub pending: u64,
     /// Failed at least once and waiting for the next attempt.
     pub retrying: u64,
