@@ -33,9 +33,9 @@ const NATS_DEFAULT_MAX_MESSAGE_BYTES: usize = 1024 * 1024;
 const REDIS_DEFAULT_URL: &str = "redis://127.0.0.1:6379";
 const WEBHOOK_DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 const WEBHOOK_DEFAULT_CONCURRENCY: usize = 8;
-/// Requests in flight per destination URL. Far past what one endpoint
-/// serves in parallel; and tokio's `Semaphore::new` panics past
-/// `usize::MAX >> 3`, which an unbounded value would reach at the first send.
+/// Requests in flight per destination URL: the webhook sink's own bound
+/// (`ferry_sink::webhook::MAX_CONCURRENCY`), checked here with the other
+/// fields whether or not this binary has the webhook sink.
 const WEBHOOK_MAX_CONCURRENCY: i64 = 1024;
 const WEBHOOK_DEFAULT_MAX_BODY_BYTES: usize = 1024 * 1024;
 const WEBHOOK_DEFAULT_ERROR_RESPONSE_BYTES: usize = 256;

@@ -52,6 +52,8 @@ use signature::{SigningKey, signature_header};
 
 /// Limiters of idle destinations are forgotten once there are this many.
 const MAX_IDLE_LIMITERS: usize = 1024;
+/// The most requests in flight per destination URL (`concurrency`).
+pub const MAX_CONCURRENCY: usize = 1024;
 /// The longest an unreachable endpoint is left alone between attempts.
 const MAX_BACKOFF: Duration = Duration::from_secs(10);
 /// The share of `timeout` kept free at the end of a batch's bound for the
@@ -197,6 +199,14 @@ impl WebhookSink {
             return Err(SinkError::config(
                 "concurrency is 0; allow at least 1 request in flight",
             ));
+        }
+        // Far past what one endpoint serves in parallel; and tokio's
+        // semaphore panics past `usize::MAX >> 3`, at the first send.
+        if options.concurrency > MAX_CONCURRENCY {
+            return Err(SinkError::config(format!(
+                "concurrency is {}; allow at most {MAX_CONCURRENCY} requests in flight per URL",
+                options.concurrency
+            )));
         }
         if options.timeout.is_zero() {
             return Err(SinkError::config("timeout is 0; give a bound such as 10s"));
@@ -632,6 +642,12 @@ mod tests {
         })
         .unwrap_err();
         assert!(err.message.starts_with("concurrency"), "{err}");
+        let err = WebhookSink::new(WebhookOptions {
+            concurrency: usize::MAX,
+            ..WebhookOptions::default()
+        })
+        .unwrap_err();
+        assert!(err.message.contains("at most 1024"), "{err}");
         let err = WebhookSink::new(WebhookOptions {
             timeout: Duration::ZERO,
             ..WebhookOptions::default()
