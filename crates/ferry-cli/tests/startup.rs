@@ -327,3 +327,103 @@ async fn a_signal_during_the_start_exits_cleanly() {
     assert_eq!(out.status.code(), Some(0), "{:?}: {stderr}", out.status);
     db.drop_db().await;
 }
+
+/// A second SIGTERM or Ctrl-C while the relay stops ends it at once, as an
+/// operator's second Ctrl-C means: here the stop would wait out a webhook
+/// request the receiver never answers. Nothing is lost: the delivery stays
+/// pending, to be published again.
+#[tokio::test]
+async fn a_second_signal_while_stopping_exits_at_once() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    ferry_store::postgres::migrate(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    // Answers the start-up check's HEAD; holds every POST unanswered.
+    let receiver = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = receiver.local_addr().unwrap().port();
+    let posted = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = posted.clone();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in receiver.incoming() {
+            let Ok(mut stream) = stream else { break };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && stream.read(&mut byte).is_ok_and(|n| n == 1) {
+                head.push(byte[0]);
+            }
+            if head.starts_with(b"HEAD") {
+                let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+            } else {
+                seen.store(true, std::sync::atomic::Ordering::SeqCst);
+                held.push(stream);
+            }
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ferry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"{}\"\n\n[relay]\nshutdown_timeout = \"60s\"\n\n\
+             [sinks.hook]\nkind = \"webhook\"\ntimeout = \"20s\"\n\n\
+             [[routes]]\nname = \"orders\"\nmatch = \"order.*\"\nsink = \"hook\"\n\
+             destination = \"http://127.0.0.1:{port}/hook\"\n",
+            db.url()
+        ),
+    )
+    .unwrap();
+    let mut command = Command::new(BIN);
+    command
+        .args(["--config", config.to_str().unwrap(), "run"])
+        .env_remove("FERRY_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = dies_with_test(&mut command).spawn().expect("spawn ferry");
+    let mut tx = pool.begin().await.unwrap();
+    ferry_store::postgres::enqueue(
+        &mut tx,
+        ferry_core::Event::new("order.created", serde_json::json!({"n": 1})).key("k"),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let posted_by = Instant::now() + Duration::from_secs(60);
+    while !posted.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(Instant::now() < posted_by, "the relay never posted the event");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let signal = |child: &std::process::Child| {
+        let killed = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+    };
+    signal(&child);
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(child.try_wait().unwrap().is_none(), "the stop waits for the request");
+    let second = Instant::now();
+    signal(&child);
+    let deadline = second + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(130), "{:?}: {stderr}", out.status);
+    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.deliveries WHERE state = 'pending'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.unrouted")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(pending + unrouted, 1, "the event waits to be published again");
+    pool.close().await;
+    db.drop_db().await;
+}

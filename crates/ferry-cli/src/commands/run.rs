@@ -343,7 +343,10 @@ pub(crate) fn relay_settings(cfg: &Config) -> RelaySettings {
 }
 
 /// Listens for SIGTERM and SIGINT from now on; the future resolves on the
-/// first of them.
+/// first of them. A second one, while the relay stops, ends the process at
+/// once (exit 130), as an operator's second Ctrl-C means: like a `kill -9`,
+/// it loses nothing, but leaves the leases to expire and what was in flight
+/// to be published again.
 fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()> + Send> {
     #[cfg(unix)]
     {
@@ -355,6 +358,17 @@ fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()> + Send> {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+                tracing::error!(
+                    "a second signal: exiting now, without waiting for the stop; the leases expire \
+                     after relay.lease and what was in flight is published again"
+                );
+                std::process::exit(130);
+            });
         })
     }
     #[cfg(not(unix))]
