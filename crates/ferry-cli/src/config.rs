@@ -1032,6 +1032,19 @@ fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> 
                 "must not be empty; remove it to use the default <sink>:<destination>",
             );
         }
+        // Names in parentheses are Ferry's own: `(no route)` holds the
+        // dead deliveries of events no route matched, and a route by that
+        // name would share them (its keys held back behind them), and
+        // `(direct)` labels metrics.
+        if name.starts_with('(') {
+            check.problem(
+                field("name"),
+                format!(
+                    "{name:?} starts with '(', which Ferry keeps for its own names such as {:?}; choose another name",
+                    ferry_core::NO_ROUTE
+                ),
+            );
+        }
         if let Some(first) = names.get(&name) {
             let whose = if explicit {
                 "the name"

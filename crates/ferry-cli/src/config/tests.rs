@@ -394,6 +394,21 @@ fn duplicate_route_names() {
 }
 
 #[test]
+fn a_route_may_not_take_a_name_ferry_keeps() {
+    // `(no route)` holds the dead deliveries of events no route matched: a
+    // route by that name would be held back behind them.
+    for name in ["(no route)", "(direct)"] {
+        let e = errors_with(&format!(
+            "[sinks.o]\nkind = \"stdout\"\n[[routes]]\nname = \"{name}\"\nmatch = \"a.*\"\nsink = \"o\"\ndestination = \"d\"\n"
+        ));
+        assert!(
+            e.starts_with(&format!("routes[0].name: \"{name}\" starts with '('")),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn a_destination_with_credentials_needs_a_name_of_its_own() {
     // The name is a metric label, a log field and a column.
     let route = |destination: &str| {
