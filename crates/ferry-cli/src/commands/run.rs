@@ -31,6 +31,9 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// How long after the first stop signal another one means "exit now".
+const SECOND_SIGNAL_AFTER: Duration = Duration::from_secs(2);
+
 /// A relay ready to run, with what runs beside it.
 struct Started {
     relay: Relay<crate::store::AnyStore, SystemClock>,
@@ -343,10 +346,13 @@ pub(crate) fn relay_settings(cfg: &Config) -> RelaySettings {
 }
 
 /// Listens for SIGTERM and SIGINT from now on; the future resolves on the
-/// first of them. A second one, while the relay stops, ends the process at
-/// once (exit 130), as an operator's second Ctrl-C means: like a `kill -9`,
-/// it loses nothing, but leaves the leases to expire and what was in flight
-/// to be published again.
+/// first of them. Another one while the relay stops, 2 s or more after the
+/// first, ends the process at once (exit 128 + the signal: 130 for SIGINT,
+/// 143 for SIGTERM), as an operator's second Ctrl-C means: like a `kill
+/// -9`, it loses nothing, but leaves the leases to expire and what was in
+/// flight to be published again. One sooner is the same stop signalled
+/// twice (systemd's `ExecStop` kill followed by its own, a Ctrl-C that
+/// reached a process runner too), and is ignored.
 fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()> + Send> {
     #[cfg(unix)]
     {
@@ -358,16 +364,23 @@ fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()> + Send> {
                 _ = term.recv() => {}
                 _ = int.recv() => {}
             }
+            let first = tokio::time::Instant::now();
             tokio::spawn(async move {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
-                }
+                let code = loop {
+                    let code = tokio::select! {
+                        _ = term.recv() => 143,
+                        _ = int.recv() => 130,
+                    };
+                    if first.elapsed() >= SECOND_SIGNAL_AFTER {
+                        break code;
+                    }
+                    info!("a repeat of the stop signal: still stopping (another one from 2 s on exits at once)");
+                };
                 tracing::error!(
                     "a second signal: exiting now, without waiting for the stop; the leases expire \
                      after relay.lease and what was in flight is published again"
                 );
-                std::process::exit(130);
+                std::process::exit(code);
             });
         })
     }
