@@ -7,6 +7,8 @@ use crate::StoredEvent;
 pub struct Glob {
     pattern: String,
     segments: Vec<String>,
+    /// More than one `**`: matched by a table (see [`Glob::matches`]).
+    by_table: bool,
 }
 
 impl Glob {
@@ -29,7 +31,12 @@ impl Glob {
                 ));
             }
         }
-        Ok(Self { pattern, segments })
+        let by_table = segments.iter().filter(|s| *s == "**").count() > 1;
+        Ok(Self {
+            pattern,
+            segments,
+            by_table,
+        })
     }
 
     pub fn as_str(&self) -> &str {
@@ -38,7 +45,7 @@ impl Glob {
 
     pub fn matches(&self, event_type: &str) -> bool {
         let parts: Vec<&str> = event_type.split('.').collect();
-        if self.segments.iter().filter(|s| *s == "**").count() > 1 {
+        if self.by_table {
             // Trying every skip of each `**` in turn grows as the number of
             // ways to split the type among them (millions of steps for a
             // long type and a handful of `**`); this is one step per pair.

@@ -15,8 +15,12 @@
 //! rotations in one second cannot pick the same name. A directory named by
 //! several paths (a symlink, `a/../a`) is locked once: a second `flock` on
 //! it from this process would wait for ever. The locks are taken in the
-//! order of the directories' identities (device, inode), the same whatever
-//! the paths, so batches writing several directories cannot deadlock.
+//! order of the directories' canonical paths, the same for every writer
+//! that sees one file tree (and for plain paths the order of earlier
+//! releases), so batches writing several directories cannot deadlock. One
+//! directory reached by writers through different mounts (a bind mount, a
+//! volume mounted at different paths) has different canonical paths to
+//! them: give such writers one path.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions};
