@@ -64,6 +64,29 @@ pub(crate) fn check_timeouts(
     )
 }
 
+/// A field's name, and a change to options that sets it to zero.
+#[cfg(test)]
+pub(crate) type ZeroCase<O> = (&'static str, fn(&mut O));
+
+/// Asserts that each of `cases` (a field's name, and a change that sets it
+/// to zero) makes `validate` refuse the options `options` makes, naming
+/// the field and the fix; the options as made pass.
+#[cfg(test)]
+pub(crate) fn assert_zero_durations_refused<O>(
+    options: impl Fn() -> O,
+    validate: impl Fn(&O) -> Result<(), ConsumerError>,
+    cases: &[ZeroCase<O>],
+) {
+    assert!(validate(&options()).is_ok());
+    for (field, zero) in cases {
+        let mut o = options();
+        zero(&mut o);
+        let error = validate(&o).expect_err(field).to_string();
+        assert!(error.contains(&format!("{field} is 0, which ")), "{error}");
+        assert!(error.contains("; set "), "{error}");
+    }
+}
+
 /// What a runner did: returned when it stops, and readable while it runs
 /// through each runner's `report()`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -610,20 +610,14 @@ mod tests {
     /// instead of a consumer that spins or never connects.
     #[test]
     fn zero_durations_are_refused_naming_the_field() {
-        let options = || KafkaConsumerOptions::new("127.0.0.1:9092", "orders", "billing", "orders.dead");
-        assert!(options().validate().is_ok());
-        type Zero = fn(&mut KafkaConsumerOptions);
-        let cases: [(&str, Zero); 2] = [
-            ("timeout", |o| o.timeout = Duration::ZERO),
-            ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
-        ];
-        for (field, zero) in cases {
-            let mut o = options();
-            zero(&mut o);
-            let error = o.validate().expect_err(field).to_string();
-            assert!(error.contains(&format!("{field} is 0, which ")), "{error}");
-            assert!(error.contains("; set "), "{error}");
-        }
+        crate::runner::assert_zero_durations_refused(
+            || KafkaConsumerOptions::new("127.0.0.1:9092", "orders", "billing", "orders.dead"),
+            KafkaConsumerOptions::validate,
+            &[
+                ("timeout", |o| o.timeout = Duration::ZERO),
+                ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
+            ],
+        );
     }
 
     #[test]

@@ -236,29 +236,23 @@ mod tests {
     /// instead of a consumer that spins or never connects.
     #[test]
     fn zero_durations_are_refused_naming_the_field() {
-        let options = || {
-            RedisConsumerOptions::new(
-                "redis://127.0.0.1:6379",
-                "orders",
-                "billing",
-                "billing-1",
-                "orders.dead",
-            )
-        };
-        assert!(options().validate().is_ok());
-        type Zero = fn(&mut RedisConsumerOptions);
-        let cases: [(&str, Zero); 3] = [
-            ("block", |o| o.block = Duration::ZERO),
-            ("timeout", |o| o.timeout = Duration::ZERO),
-            ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
-        ];
-        for (field, zero) in cases {
-            let mut o = options();
-            zero(&mut o);
-            let error = o.validate().expect_err(field).to_string();
-            assert!(error.contains(&format!("{field} is 0, which ")), "{error}");
-            assert!(error.contains("; set "), "{error}");
-        }
+        crate::runner::assert_zero_durations_refused(
+            || {
+                RedisConsumerOptions::new(
+                    "redis://127.0.0.1:6379",
+                    "orders",
+                    "billing",
+                    "billing-1",
+                    "orders.dead",
+                )
+            },
+            RedisConsumerOptions::validate,
+            &[
+                ("block", |o| o.block = Duration::ZERO),
+                ("timeout", |o| o.timeout = Duration::ZERO),
+                ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
+            ],
+        );
     }
 
     #[test]
