@@ -15,6 +15,7 @@ use ferry_core::{Event, EventId, RetryPolicy, Sink};
 use ferry_inbox::kafka::{DEAD_GROUP_HEADER, DEAD_REASON_HEADER, KafkaConsumer, KafkaConsumerOptions};
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::kafka::{KafkaOptions, KafkaSink};
+use ferry_testkit::kafka::broker;
 use ferry_testkit::rabbit::unique_name;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -647,18 +648,6 @@ async fn bad_options_name_the_field() {
     assert!(err.to_string().contains("extra.enable.auto.commit"), "{err}");
 }
 
-/// The real broker: tansu on 127.0.0.1:19092 (or `FERRY_TEST_KAFKA_URL`),
-/// started by `scripts/test`. Fails, never skips, when it is not running.
-fn tansu() -> String {
-    let url = std::env::var("FERRY_TEST_KAFKA_URL").unwrap_or_else(|_| "127.0.0.1:19092".into());
-    let addr = url.trim_start_matches("kafka://").to_owned();
-    assert!(
-        std::net::TcpStream::connect(&addr).is_ok(),
-        "no Kafka broker at {addr} (FERRY_TEST_KAFKA_URL); run scripts/test, which starts tansu there"
-    );
-    addr
-}
-
 /// On a real broker: a consumer group with the inbox applies each event once
 /// although every event is published twice (two routes to one topic).
 #[tokio::test]
@@ -666,7 +655,7 @@ async fn on_tansu_a_consumer_group_applies_each_event_once() {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
     use rdkafka::client::DefaultClientContext;
     const N: usize = 100;
-    let bootstrap = tansu();
+    let bootstrap = broker();
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", &bootstrap)
         .create()

@@ -19,6 +19,7 @@
 pub mod admin_suite;
 pub mod clock;
 pub mod hooked;
+pub mod kafka;
 pub mod metrics;
 pub mod mock_sink;
 pub mod pg;

@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::time::Duration;
 
+use ferry_testkit::kafka::broker;
 use ferry_testkit::rabbit::TestTopology;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -71,20 +72,6 @@ async fn a_relay_killed_mid_drain_to_kafka_loses_nothing_and_keeps_each_keys_ord
     if let Err(e) = admin.delete_topics(&[topic.as_str()], &options).await {
         eprintln!("could not delete {topic}: {e}");
     }
-}
-
-fn broker() -> String {
-    let url = std::env::var("FERRY_TEST_KAFKA_URL").unwrap_or_else(|_| "127.0.0.1:19092".into());
-    let addr = url.trim_start_matches("kafka://").to_owned();
-    let reachable = std::net::ToSocketAddrs::to_socket_addrs(&addr.as_str())
-        .ok()
-        .and_then(|mut addrs| addrs.next())
-        .is_some_and(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(2)).is_ok());
-    assert!(
-        reachable,
-        "no Kafka broker at {addr} (FERRY_TEST_KAFKA_URL); run scripts/test, which starts tansu there"
-    );
-    addr
 }
 
 async fn create_topic(bootstrap: &str, name: &str, partitions: i32) -> AdminClient<DefaultClientContext> {

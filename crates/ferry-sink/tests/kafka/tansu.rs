@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use ferry_core::{ErrorKind, Sink};
+use ferry_testkit::kafka::broker;
 use ferry_testkit::sink_suite::{self, event};
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -12,20 +13,6 @@ use rdkafka::client::DefaultClientContext;
 use serde_json::json;
 
 use crate::kafka_support::{Harness, TopicReader, route, sink_at, unique};
-
-fn broker() -> String {
-    let url = std::env::var("FERRY_TEST_KAFKA_URL").unwrap_or_else(|_| "127.0.0.1:19092".into());
-    let addr = url.trim_start_matches("kafka://").to_owned();
-    let reachable = std::net::ToSocketAddrs::to_socket_addrs(&addr.as_str())
-        .ok()
-        .and_then(|mut addrs| addrs.next())
-        .is_some_and(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(2)).is_ok());
-    assert!(
-        reachable,
-        "no Kafka broker at {addr} (FERRY_TEST_KAFKA_URL); run scripts/test, which starts tansu there"
-    );
-    addr
-}
 
 /// A topic created with the admin API, deleted on [`TestTopic::delete`].
 struct TestTopic {
