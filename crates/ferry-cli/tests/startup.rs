@@ -36,6 +36,26 @@ fn ferry_env(env: &[(&str, &str)], args: &[&str], within: Duration) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// `ferry run` with `config`, its output captured.
+fn spawn_run(config: &std::path::Path) -> std::process::Child {
+    let mut command = Command::new(BIN);
+    command
+        .args(["--config", config.to_str().unwrap(), "run"])
+        .env_remove("FERRY_CONFIG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    dies_with_test(&mut command).spawn().expect("spawn ferry")
+}
+
+fn sigterm(child: &std::process::Child) {
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -292,14 +312,7 @@ async fn a_signal_during_the_start_exits_cleanly() {
         ),
     )
     .unwrap();
-    let mut command = Command::new(BIN);
-    command
-        .args(["--config", config.to_str().unwrap(), "run"])
-        .env_remove("FERRY_CONFIG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = dies_with_test(&mut command).spawn().expect("spawn ferry");
+    let mut child = spawn_run(&config);
     // The start is under way once the destination's check has connected.
     silent.set_nonblocking(true).unwrap();
     let connected_by = Instant::now() + Duration::from_secs(60);
@@ -312,11 +325,7 @@ async fn a_signal_during_the_start_exits_cleanly() {
             Err(e) => panic!("the destination check never connected: {e}"),
         }
     };
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(killed.success());
+    sigterm(&child);
     let deadline = Instant::now() + Duration::from_secs(20);
     while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
@@ -375,14 +384,7 @@ async fn a_second_signal_while_stopping_exits_at_once() {
         ),
     )
     .unwrap();
-    let mut command = Command::new(BIN);
-    command
-        .args(["--config", config.to_str().unwrap(), "run"])
-        .env_remove("FERRY_CONFIG")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = dies_with_test(&mut command).spawn().expect("spawn ferry");
+    let mut child = spawn_run(&config);
     let mut tx = pool.begin().await.unwrap();
     ferry_store::postgres::enqueue(
         &mut tx,
@@ -396,22 +398,15 @@ async fn a_second_signal_while_stopping_exits_at_once() {
         assert!(Instant::now() < posted_by, "the relay never posted the event");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let signal = |child: &std::process::Child| {
-        let killed = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(killed.success());
-    };
-    signal(&child);
+    sigterm(&child);
     // The same stop signalled twice at once (systemd's ExecStop kill, then
     // its own): not a second signal.
     std::thread::sleep(Duration::from_millis(100));
-    signal(&child);
+    sigterm(&child);
     std::thread::sleep(Duration::from_millis(2500));
     assert!(child.try_wait().unwrap().is_none(), "the stop waits for the request");
     let second = Instant::now();
-    signal(&child);
+    sigterm(&child);
     let deadline = second + Duration::from_secs(10);
     while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
