@@ -181,7 +181,6 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
             claimed,
             outcomes,
             order_breaks,
-            ..
         }) = shared.while_leased(publishing).await
         else {
             warn!(
