@@ -44,7 +44,8 @@ const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
     /// The directory for the demo's database and config file; an earlier
-    /// demo's database there is replaced.
+    /// demo's are replaced, a ferry.db or ferry.toml of anyone else's is
+    /// refused.
     #[arg(long, default_value = "ferry-demo", value_name = "DIR")]
     dir: PathBuf,
     /// How many orders the shop takes.
@@ -144,13 +145,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// The first line of the config the demo writes: what marks a database in
-/// its directory as one the demo may replace.
+/// The first line of the config the demo writes: what marks the config, and
+/// a database beside it, as ones the demo may replace.
 const WRITTEN_BY_DEMO: &str = "# Written by `ferry demo`.";
 
 /// Creates `dir`, removes an earlier demo's database, returns the database
-/// path (absolute, so the printed commands work from anywhere). A database
-/// the demo did not leave, or one a relay is running on, is never removed.
+/// path (absolute, so the printed commands work from anywhere). A config or
+/// database the demo did not leave, or a database a relay is running on, is
+/// never replaced.
 fn prepare_dir(dir: &Path) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("--dir: cannot create {}", dir.display()))?;
     let dir = dir
@@ -165,10 +167,25 @@ fn prepare_dir(dir: &Path) -> anyhow::Result<PathBuf> {
         ))
         .into());
     }
+    let config_path = dir.join("ferry.toml");
+    let config = match std::fs::read_to_string(&config_path) {
+        Ok(config) => Some(config),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(e).with_context(|| format!("--dir: reading {}", config_path.display())),
+    };
+    if let Some(config) = &config
+        && !config.starts_with(WRITTEN_BY_DEMO)
+    {
+        return Err(UsageError(format!(
+            "--dir: {} is not a config an earlier `ferry demo` wrote, and the demo writes its own \
+             there; give the demo another --dir",
+            config_path.display()
+        ))
+        .into());
+    }
     let db = dir.join("ferry.db");
     if db.exists() {
-        let config = std::fs::read_to_string(dir.join("ferry.toml")).unwrap_or_default();
-        if !config.starts_with(WRITTEN_BY_DEMO) {
+        if config.is_none() {
             return Err(UsageError(format!(
                 "--dir: {} holds a database that no earlier `ferry demo` left (no demo ferry.toml \
                  beside it); the demo replaces the database in its directory, so give it another --dir",
@@ -307,6 +324,8 @@ struct Verdict {
     leaked: Vec<String>,
     out_of_order: Vec<String>,
     stdout_published: u64,
+    /// Refunds committed: each one's event goes to stdout too.
+    refunds: u64,
     webhook_dead: u64,
 }
 
@@ -333,12 +352,16 @@ impl Verdict {
             leaked,
             out_of_order: seen.out_of_order.clone(),
             stdout_published: route(STDOUT_ROUTE).map_or(0, |r| r.published),
+            refunds: produced.refunds,
             webhook_dead: route(WEBHOOK_ROUTE).map_or(0, |r| r.dead),
         }
     }
 
     fn holds(&self) -> bool {
-        self.lost.is_empty() && self.leaked.is_empty() && self.out_of_order.is_empty()
+        self.lost.is_empty()
+            && self.leaked.is_empty()
+            && self.out_of_order.is_empty()
+            && self.stdout_published == self.refunds
     }
 
     fn render(&self, produced: &Produced, seen: &Seen, report: &StatusReport, retried: u64, took: Duration) -> String {
@@ -386,8 +409,8 @@ impl Verdict {
             out,
             "  printed to stdout          {:>6}  of {} refunds (route {STDOUT_ROUTE})  [{}]",
             self.stdout_published,
-            produced.refunds,
-            mark(self.stdout_published == produced.refunds)
+            self.refunds,
+            mark(self.stdout_published == self.refunds)
         );
         let _ = writeln!(
             out,
@@ -501,6 +524,44 @@ mod tests {
         let expected = dir.path().canonicalize().unwrap().join("ferry.db");
         assert_eq!(prepare_dir(dir.path()).unwrap(), expected);
         assert!(!db.exists());
+    }
+
+    #[test]
+    fn a_config_the_demo_did_not_write_is_never_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("ferry.toml");
+        let mine = "[database]\nurl = \"postgres://app@db/app\"\n";
+        std::fs::write(&config, mine).unwrap();
+        let err = prepare_dir(dir.path()).unwrap_err();
+        assert!(err.is::<UsageError>(), "{err}");
+        let err = err.to_string();
+        assert!(
+            err.contains("ferry.toml is not a config an earlier `ferry demo` wrote"),
+            "{err}"
+        );
+        assert!(err.contains("another --dir"), "{err}");
+        assert_eq!(std::fs::read_to_string(&config).unwrap(), mine);
+        // One the demo wrote is the demo's to replace.
+        std::fs::write(
+            &config,
+            config_toml(&dir.path().join("ferry.db"), "127.0.0.1:9".parse().unwrap()),
+        )
+        .unwrap();
+        prepare_dir(dir.path()).unwrap();
+    }
+
+    #[test]
+    fn a_refund_missing_from_stdout_fails_the_verdict() {
+        let verdict = |stdout_published| Verdict {
+            lost: Vec::new(),
+            leaked: Vec::new(),
+            out_of_order: Vec::new(),
+            stdout_published,
+            refunds: 4,
+            webhook_dead: 1,
+        };
+        assert!(verdict(4).holds());
+        assert!(!verdict(3).holds());
     }
 
     #[test]
