@@ -15,7 +15,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::{Context, anyhow, bail};
 use bytes::Bytes;
 use chrono::Utc;
 use ferry_core::{EventId, Headers, StoredEvent};
@@ -24,14 +24,17 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Confirmation};
 use tokio::time::Instant;
 
-use super::progress;
 use super::topology::{self, Topology};
-use super::workload;
+use super::{Ctx, progress, workload};
 
 const PERSISTENT: u8 = 2;
 const CONTENT_TYPE: &str = "application/json";
 /// A hyphenated UUID, the plain baseline's message id.
 const MESSAGE_ID_BYTES: usize = 36;
+/// How long one window may wait for its confirms, as long as the drain
+/// waits without progress: RabbitMQ under a memory or disk alarm blocks
+/// publishers and never confirms.
+const CONFIRMS_WITHIN: Duration = Duration::from_secs(60);
 
 /// The plain baseline's encoded properties: the flags (2), the content type
 /// (1 + 16), the delivery mode (1) and the message id (1 + 36).
@@ -81,13 +84,14 @@ pub(crate) fn per_second(n: u64, elapsed: Duration) -> f64 {
 }
 
 pub(crate) async fn run(
-    amqp_url: &str,
+    ctx: &Ctx<'_>,
     events: u64,
     window: usize,
     keys: u64,
     format: Format,
 ) -> anyhow::Result<BrokerResult> {
-    topology::with_topology(amqp_url, "broker", async |t| {
+    let amqp_url = &ctx.args.amqp_url;
+    topology::with_topology(ctx, "broker", async |t| {
         publish_all(amqp_url, t, events, window.max(1), keys, format).await
     })
     .await
@@ -164,7 +168,7 @@ async fn publish_all(
             }
             anyhow::Ok(())
         });
-        futures::future::try_join_all(windows).await?;
+        confirmed_within(CONFIRMS_WITHIN, n, futures::future::try_join_all(windows)).await?;
         sent += n;
         bar.set_position(sent);
     }
@@ -191,6 +195,22 @@ async fn publish_all(
     Ok(result)
 }
 
+/// Waits for a window of `n` publishes and their confirms, for `within` at
+/// most.
+async fn confirmed_within<T>(
+    within: Duration,
+    n: u64,
+    window: impl Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    tokio::time::timeout(within, window).await.map_err(|_| {
+        anyhow!(
+            "RabbitMQ did not confirm a window of {n} publishes within {}s; a memory or disk alarm \
+             blocks publishers until it clears (`rabbitmqctl status` lists alarms)",
+            within.as_secs()
+        )
+    })?
+}
+
 /// The properties the RabbitMQ sink would send for this message as an event
 /// of the bench's type, key and the sink's default source.
 fn ferry_properties(seq: u64, key: String) -> anyhow::Result<BasicProperties> {
@@ -206,4 +226,22 @@ fn ferry_properties(seq: u64, key: String) -> anyhow::Result<BasicProperties> {
     };
     ferry_sink::rabbitmq::properties(&event, &RabbitMqOptions::default().source)
         .map_err(|e| anyhow::anyhow!("building the sink's message properties: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_window_rabbitmq_never_confirms_fails_instead_of_hanging() {
+        let never = std::future::pending::<anyhow::Result<()>>();
+        let err = confirmed_within(Duration::from_millis(20), 500, never)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("did not confirm a window of 500 publishes"), "{err}");
+        assert!(err.contains("alarm"), "{err}");
+        let confirmed = confirmed_within(Duration::from_secs(60), 500, async { anyhow::Ok(7) }).await;
+        assert_eq!(confirmed.unwrap(), 7);
+    }
 }

@@ -4,9 +4,11 @@
 //! publishes from one plain client (the baseline), to hand the relay a sink
 //! and a route destination, and to delete itself.
 //!
-//! Should the bench be killed before it deletes them, the Kafka topic and the
-//! Redis stream stay (named `ferry-bench-…`); the NATS stream is memory-backed
-//! and keeps at most an hour of messages.
+//! Each is noted in the bench's [`Leftovers`] before it is created, so that
+//! it is deleted after Ctrl-C too. Should the bench be killed before it
+//! deletes them, the Kafka topic and the Redis stream stay (named
+//! `ferry-bench-…`); the NATS stream is memory-backed and keeps at most an
+//! hour of messages.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +24,7 @@ use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 use serde_json::{Value, json};
@@ -29,8 +32,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::latency::Arrivals;
-use super::progress;
-use super::workload;
+use super::leftovers::{Leftover, Leftovers};
+use super::{Ctx, progress, workload};
 
 /// Partitions of the bench topic.
 const KAFKA_PARTITIONS: i32 = 3;
@@ -77,7 +80,7 @@ pub(crate) enum Dest {
         /// Records a consumer on every partition has read so far: tansu's
         /// end offsets do not always count records one by one.
         consumed: Arc<AtomicU64>,
-        reader: JoinHandle<()>,
+        reader: Reader,
         topic: String,
     },
     Nats {
@@ -96,6 +99,16 @@ pub(crate) enum Dest {
         received: Arc<AtomicU64>,
         server: JoinHandle<()>,
     },
+}
+
+/// The Kafka reader's task, aborted when dropped: a reader must not outlive
+/// its destination (Ctrl-C drops it) to read a topic about to be deleted.
+pub(crate) struct Reader(JoinHandle<()>);
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// An idempotent Kafka producer that has delivered one message to `topic`:
@@ -127,15 +140,21 @@ fn unique(kind: Kind, phase: &str) -> String {
 }
 
 impl Dest {
-    /// Creates a fresh destination of `kind` for `phase` (`baseline`, `drain`…).
-    pub(crate) async fn create(kind: Kind, phase: &str, at: &Endpoints) -> anyhow::Result<Self> {
+    /// Creates a fresh destination of `kind` for `phase` (`baseline`, `drain`…),
+    /// noting it in `left` first.
+    pub(crate) async fn create(kind: Kind, phase: &str, at: &Endpoints, left: &Leftovers) -> anyhow::Result<Self> {
+        let note = |at: &str, name: &str| {
+            left.add(Leftover::Dest {
+                kind,
+                at: at.to_owned(),
+                name: name.to_owned(),
+            });
+        };
         match kind {
             Kind::Kafka => {
-                let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-                    .set("bootstrap.servers", &at.kafka)
-                    .create()
-                    .context("creating a Kafka admin client")?;
+                let admin = kafka_admin(&at.kafka)?;
                 let topic = unique(kind, phase);
+                note(&at.kafka, &topic);
                 let new = NewTopic::new(&topic, KAFKA_PARTITIONS, TopicReplication::Fixed(1));
                 let options = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
                 let results = admin
@@ -171,11 +190,12 @@ impl Dest {
                         }
                     }
                 });
+                left.track(reader.abort_handle());
                 Ok(Dest::Kafka {
                     bootstrap: at.kafka.clone(),
                     admin,
                     consumed,
-                    reader,
+                    reader: Reader(reader),
                     topic,
                 })
             }
@@ -195,6 +215,7 @@ impl Dest {
                     "max_age": 3_600_000_000_000u64,
                     "duplicate_window": 600_000_000_000u64,
                 });
+                note(&at.nats, &stream);
                 let answer = js_api(&client, &format!("$JS.API.STREAM.CREATE.{stream}"), Some(config)).await?;
                 if let Some(error) = answer.get("error") {
                     bail!("creating NATS stream {stream}: {error}");
@@ -215,6 +236,7 @@ impl Dest {
                 // The stream and its reader's group exist before the relay
                 // starts, as the Redis sink's destination check requires.
                 let key = unique(kind, phase);
+                note(&at.redis, &key);
                 let mut setup = conn.clone();
                 let _: () = redis::cmd("XGROUP")
                     .arg("CREATE")
@@ -493,34 +515,24 @@ impl Dest {
         Ok(elapsed)
     }
 
-    /// Deletes the topic, stream or key, or stops the receiver.
-    pub(crate) async fn delete(self) -> anyhow::Result<()> {
+    /// Deletes the topic, stream or key and forgets it in `left`, or stops
+    /// the receiver.
+    pub(crate) async fn delete(self, left: &Leftovers) -> anyhow::Result<()> {
         match self {
             Dest::Kafka {
                 admin, topic, reader, ..
             } => {
-                reader.abort();
-                let options = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
-                let results = admin
-                    .delete_topics(&[&topic], &options)
-                    .await
-                    .with_context(|| format!("deleting Kafka topic {topic}"))?;
-                for r in results {
-                    r.map_err(|(t, code)| anyhow!("deleting Kafka topic {t}: {code}"))?;
-                }
+                drop(reader);
+                delete_topic(&admin, &topic).await?;
+                left.remove(&topic);
             }
             Dest::Nats { client, stream, .. } => {
-                let answer = js_api(&client, &format!("$JS.API.STREAM.DELETE.{stream}"), None).await?;
-                if let Some(error) = answer.get("error") {
-                    bail!("deleting NATS stream {stream}: {error}");
-                }
+                delete_stream(&client, &stream).await?;
+                left.remove(&stream);
             }
             Dest::Redis { mut conn, key, .. } => {
-                let _: u64 = redis::cmd("DEL")
-                    .arg(&key)
-                    .query_async(&mut conn)
-                    .await
-                    .with_context(|| format!("DEL {key}"))?;
+                delete_key(&mut conn, &key).await?;
+                left.remove(&key);
             }
             Dest::Webhook { server, .. } => server.abort(),
         }
@@ -530,20 +542,93 @@ impl Dest {
 
 /// Runs `body` with a fresh destination and deletes it afterwards, whatever
 /// `body` returned.
-pub(crate) async fn with_dest<T, F>(kind: Kind, phase: &str, at: &Endpoints, body: F) -> anyhow::Result<T>
+pub(crate) async fn with_dest<T, F>(
+    ctx: &Ctx<'_>,
+    kind: Kind,
+    phase: &str,
+    at: &Endpoints,
+    body: F,
+) -> anyhow::Result<T>
 where
     F: AsyncFnOnce(&Dest) -> anyhow::Result<T>,
 {
-    let dest = Dest::create(kind, phase, at).await?;
+    let dest = Dest::create(kind, phase, at, ctx.left).await?;
     let result = body(&dest).await;
-    let deleted = dest.delete().await;
+    let deleted = dest.delete(ctx.left).await;
     let value = result?;
     deleted?;
     Ok(value)
 }
 
+/// Deletes the topic, stream or key `name` a scenario left at `at`, over a
+/// connection of its own; one that was never made counts as deleted.
+pub(crate) async fn delete_named(kind: Kind, at: &str, name: &str) -> anyhow::Result<()> {
+    match kind {
+        Kind::Kafka => delete_topic(&kafka_admin(at)?, name).await,
+        Kind::Nats => {
+            let client = async_nats::connect(at)
+                .await
+                .with_context(|| format!("cannot connect to NATS at {at}"))?;
+            delete_stream(&client, name).await
+        }
+        Kind::Redis => {
+            let client = redis::Client::open(at).context("the Redis URL")?;
+            let mut conn = client
+                .get_multiplexed_async_connection()
+                .await
+                .with_context(|| format!("cannot connect to Redis at {at}"))?;
+            delete_key(&mut conn, name).await
+        }
+        Kind::Webhook => Ok(()),
+    }
+}
+
+fn kafka_admin(bootstrap: &str) -> anyhow::Result<AdminClient<DefaultClientContext>> {
+    ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .context("creating a Kafka admin client")
+}
+
+async fn delete_topic(admin: &AdminClient<DefaultClientContext>, topic: &str) -> anyhow::Result<()> {
+    let options = AdminOptions::new().operation_timeout(Some(ADMIN_TIMEOUT));
+    let results = admin
+        .delete_topics(&[topic], &options)
+        .await
+        .with_context(|| format!("deleting Kafka topic {topic}"))?;
+    for r in results {
+        match r {
+            Ok(_) | Err((_, RDKafkaErrorCode::UnknownTopicOrPartition)) => {}
+            Err((t, code)) => bail!("deleting Kafka topic {t}: {code}"),
+        }
+    }
+    Ok(())
+}
+
+/// JetStream's error code for a stream that does not exist.
+const NATS_STREAM_NOT_FOUND: u64 = 10059;
+
+async fn delete_stream(client: &async_nats::Client, stream: &str) -> anyhow::Result<()> {
+    let answer = js_api(client, &format!("$JS.API.STREAM.DELETE.{stream}"), None).await?;
+    match answer.get("error") {
+        Some(error) if error["err_code"].as_u64() != Some(NATS_STREAM_NOT_FOUND) => {
+            bail!("deleting NATS stream {stream}: {error}")
+        }
+        _ => Ok(()),
+    }
+}
+
+async fn delete_key(conn: &mut redis::aio::MultiplexedConnection, key: &str) -> anyhow::Result<()> {
+    let _: u64 = redis::cmd("DEL")
+        .arg(key)
+        .query_async(conn)
+        .await
+        .with_context(|| format!("DEL {key}"))?;
+    Ok(())
+}
+
 /// A JetStream API request; `None` sends an empty body.
-async fn js_api(client: &async_nats::Client, subject: &str, body: Option<Value>) -> anyhow::Result<Value> {
+pub(crate) async fn js_api(client: &async_nats::Client, subject: &str, body: Option<Value>) -> anyhow::Result<Value> {
     let body = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
     let answer = client
         .request(subject.to_owned(), body)

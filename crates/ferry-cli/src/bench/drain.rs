@@ -60,16 +60,13 @@ impl DrainResult {
 
 /// `scenario` names the topology and the relay; `keys` is 1 for the hot key.
 pub(crate) async fn run(ctx: &Ctx<'_>, scenario: &str, keys: u64) -> anyhow::Result<DrainResult> {
-    topology::with_topology(&ctx.args.amqp_url, scenario, async |t| {
-        drain(ctx, t, scenario, keys, false).await
-    })
-    .await
+    topology::with_topology(ctx, scenario, async |t| drain(ctx, t, scenario, keys, false).await).await
 }
 
 /// The same in WAL streaming mode: the backlog is committed while the slot
 /// exists and no relay reads it, so the relay drains it from the slot.
 pub(crate) async fn run_wal(ctx: &Ctx<'_>) -> anyhow::Result<DrainResult> {
-    topology::with_topology(&ctx.args.amqp_url, "wal-drain", async |t| {
+    topology::with_topology(ctx, "wal-drain", async |t| {
         drain(ctx, t, "wal-drain", ctx.args.keys, true).await
     })
     .await
@@ -87,15 +84,7 @@ async fn drain(
     ctx.db.reset_outbox().await?;
     if wal {
         // Creates the slot (and sweeps the empty outbox), then stops.
-        let relay = relay::start(
-            ctx.db,
-            &ctx.args.amqp_url,
-            topology.exchange(),
-            "bench-wal-setup",
-            batch_size,
-            true,
-        )
-        .await?;
+        let relay = relay::start(ctx, topology.exchange(), "bench-wal-setup", batch_size, true).await?;
         relay
             .wait_until_streaming(ctx.db.pool(), ctx.db.name(), Duration::from_secs(30))
             .await?;
@@ -111,15 +100,7 @@ async fn drain(
     let (rss_before_kib, _) = machine::rss_kib();
     let bar = progress::bar(events, scenario);
     let started = Instant::now();
-    let relay = relay::start(
-        ctx.db,
-        &ctx.args.amqp_url,
-        topology.exchange(),
-        &format!("bench-{scenario}"),
-        batch_size,
-        wal,
-    )
-    .await?;
+    let relay = relay::start(ctx, topology.exchange(), &format!("bench-{scenario}"), batch_size, wal).await?;
     let waited = wait_for_depth(topology, &relay, events, &bar).await;
     let drained = started.elapsed();
     let (_, peak) = machine::rss_kib();

@@ -33,21 +33,13 @@ impl IdleResult {
 }
 
 pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<IdleResult> {
-    topology::with_topology(&ctx.args.amqp_url, "idle", async |t| measure(ctx, t).await).await
+    topology::with_topology(ctx, "idle", async |t| measure(ctx, t).await).await
 }
 
 async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<IdleResult> {
     let window = Duration::from_secs(ctx.args.idle_seconds);
     let mut admin = ctx.db.admin().await?;
-    let relay = relay::start(
-        ctx.db,
-        &ctx.args.amqp_url,
-        topology.exchange(),
-        "bench-idle",
-        ctx.args.batch_size,
-        false,
-    )
-    .await?;
+    let relay = relay::start(ctx, topology.exchange(), "bench-idle", ctx.args.batch_size, false).await?;
     let bar = progress::spinner("idle");
     let measured = async {
         relay

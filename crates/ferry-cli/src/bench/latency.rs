@@ -65,27 +65,19 @@ impl Arrivals {
 }
 
 pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<LatencyResult> {
-    topology::with_topology(&ctx.args.amqp_url, "latency", async |t| measure(ctx, t, false).await).await
+    topology::with_topology(ctx, "latency", async |t| measure(ctx, t, false).await).await
 }
 
 /// The same, with the relay streaming from a WAL slot instead of polling.
 pub(crate) async fn run_wal(ctx: &Ctx<'_>) -> anyhow::Result<LatencyResult> {
-    topology::with_topology(&ctx.args.amqp_url, "wal-latency", async |t| measure(ctx, t, true).await).await
+    topology::with_topology(ctx, "wal-latency", async |t| measure(ctx, t, true).await).await
 }
 
 async fn measure(ctx: &Ctx<'_>, topology: &Topology, wal: bool) -> anyhow::Result<LatencyResult> {
     ctx.db.reset_outbox().await?;
     let arrivals = Arc::new(Arrivals::default());
     let consumer = consume(topology, arrivals.clone()).await?;
-    let relay = relay::start(
-        ctx.db,
-        &ctx.args.amqp_url,
-        topology.exchange(),
-        "bench-latency",
-        ctx.args.batch_size,
-        wal,
-    )
-    .await?;
+    let relay = relay::start(ctx, topology.exchange(), "bench-latency", ctx.args.batch_size, wal).await?;
     let label = if wal { "wal-latency" } else { "latency" };
     let result = produce(ctx, &relay, &arrivals, wal, label, ctx.args.latency_seconds).await;
     let stopped = relay.stop().await;

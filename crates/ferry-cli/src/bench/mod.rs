@@ -10,11 +10,17 @@
 //! plus one event type fanned out to RabbitMQ, Redis and NATS at once). The
 //! relay runs in this process.
 //!
+//! Before the first scenario, every server the chosen scenarios need must
+//! answer (`preflight`): PostgreSQL, RabbitMQ and, for `sinks`, Kafka, NATS
+//! with JetStream and Redis.
+//!
 //! The bench works in a database of its own, `ferry_bench_<hex>`, and in
 //! uniquely named RabbitMQ topology per scenario (and, for `sinks`, Kafka
 //! topics, NATS streams and Redis streams); it removes them at the end, also
-//! after an error or Ctrl-C. Progress goes to stderr, the markdown
-//! report to stdout and, with `--write`, into a file.
+//! after an error or Ctrl-C (what an interrupted scenario left, through
+//! `leftovers`). Progress goes to stderr, the markdown report to stdout
+//! and, with `--write`, into a file; after an error or Ctrl-C, the
+//! scenarios that completed, marked as a partial report.
 
 mod broker;
 mod db;
@@ -23,7 +29,9 @@ mod dest;
 mod drain;
 mod idle;
 mod latency;
+mod leftovers;
 mod machine;
+mod preflight;
 mod producer;
 mod progress;
 mod relay;
@@ -33,7 +41,7 @@ mod sinks;
 mod topology;
 mod workload;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use anyhow::anyhow;
@@ -42,6 +50,7 @@ use tokio::time::Instant;
 
 use crate::config::{LogConfig, LogFormat};
 use db::BenchDb;
+use leftovers::Leftovers;
 use report::Report;
 
 #[derive(Debug, clap::Args)]
@@ -140,6 +149,8 @@ pub enum Scenario {
     Idle,
     Producer,
     Hotkey,
+    /// Kafka, NATS JetStream, Redis and a webhook beside RabbitMQ: needs the
+    /// servers of --kafka-brokers, --nats-url and --redis-url.
     Sinks,
     /// Not in the default set: it takes `--retention-seconds` (10 minutes).
     Retention,
@@ -156,6 +167,8 @@ fn positive_usize(s: &str) -> Result<usize, String> {
 pub(crate) struct Ctx<'a> {
     pub db: &'a BenchDb,
     pub args: &'a BenchArgs,
+    /// What the scenarios created on the brokers and have not deleted yet.
+    pub left: &'a Leftovers,
 }
 
 impl BenchArgs {
@@ -189,31 +202,58 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         level: "warn".into(),
     });
     let started = Instant::now();
+    preflight::check(&args).await?;
     let db = BenchDb::create(&args.database_url).await?;
     eprintln!("bench database {} created", db.name());
     let mut report = Report {
         settings: args.describe(),
         ..Report::default()
     };
-    let ctx = Ctx { db: &db, args: &args };
+    let left = Leftovers::default();
+    let ctx = Ctx {
+        db: &db,
+        args: &args,
+        left: &left,
+    };
+    // Ctrl-C drops the scenario at its current await: what it created and
+    // had not deleted yet is deleted by `left`.
     let outcome = tokio::select! {
         outcome = run_scenarios(&ctx, &mut report) => outcome,
         _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted")),
     };
+    left.delete_all().await;
     let name = db.name().to_owned();
     match db.drop_db().await {
         Ok(()) => eprintln!("bench database {name} dropped"),
         Err(e) => eprintln!("warning: could not drop bench database {name}: {e:#}"),
     }
     report.wall = Some(started.elapsed());
+    finish(&mut report, outcome, args.write.as_deref())?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints the report and writes it into `write`. After an error or Ctrl-C,
+/// the scenarios that completed are printed and written too, marked as a
+/// partial report, before the error is returned; a run that completed
+/// none writes nothing.
+fn finish(report: &mut Report, outcome: anyhow::Result<()>, write: Option<&Path>) -> anyhow::Result<()> {
+    if let Err(e) = &outcome {
+        report.stopped = Some(format!("{e:#}"));
+    }
     let markdown = report.render();
     print!("{markdown}");
-    outcome?;
-    if let Some(path) = &args.write {
-        report::write_into(path, &markdown)?;
-        eprintln!("report written into {}", path.display());
+    let Some(path) = write else { return outcome };
+    if outcome.is_err() && !report.has_results() {
+        eprintln!("no scenario completed: nothing written into {}", path.display());
+        return outcome;
     }
-    Ok(ExitCode::SUCCESS)
+    match (report::write_into(path, &markdown), &outcome) {
+        (Ok(()), Ok(())) => eprintln!("report written into {}", path.display()),
+        (Ok(()), Err(_)) => eprintln!("partial report written into {}", path.display()),
+        (Err(e), Ok(())) => return Err(e),
+        (Err(e), Err(_)) => eprintln!("warning: could not write the partial report: {e:#}"),
+    }
+    outcome
 }
 
 /// Runs the chosen scenarios, filling `report` as each one ends. Idle runs
@@ -229,8 +269,7 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
         // The baselines and the drain alternate, so that a slow spell of
         // the machine weighs on every side of a round's shares.
         let rounds = args.drain_rounds as usize;
-        let baseline =
-            async |format| broker::run(&args.amqp_url, args.events, args.batch_size, args.keys, format).await;
+        let baseline = async |format| broker::run(ctx, args.events, args.batch_size, args.keys, format).await;
         let (mut brokers, mut stamped, mut formatted, mut drains) = (
             Vec::with_capacity(rounds),
             Vec::with_capacity(rounds),
@@ -261,8 +300,7 @@ async fn run_scenarios(ctx: &Ctx<'_>, report: &mut Report) -> anyhow::Result<()>
         report.broker_stamped = middle(stamped, |b| b.elapsed);
         report.drain = middle(drains, |d| d.drain);
     } else if args.runs(Scenario::Hotkey) || args.runs(Scenario::WalDrain) {
-        report.broker =
-            Some(broker::run(&args.amqp_url, args.events, args.batch_size, args.keys, Format::Plain).await?);
+        report.broker = Some(broker::run(ctx, args.events, args.batch_size, args.keys, Format::Plain).await?);
     }
     if args.runs(Scenario::Hotkey) {
         report.hotkey = Some(drain::run(ctx, "hotkey", 1).await?);
@@ -319,3 +357,6 @@ pub(crate) fn middle<T>(mut runs: Vec<T>, time: impl Fn(&T) -> std::time::Durati
     let mid = runs.len() / 2;
     (!runs.is_empty()).then(|| runs.swap_remove(mid))
 }
+
+#[cfg(test)]
+mod tests;

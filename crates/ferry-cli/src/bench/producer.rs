@@ -158,7 +158,7 @@ const SETTLE_WITHIN: Duration = Duration::from_secs(60);
 async fn measure_live(ctx: &Ctx<'_>) -> anyhow::Result<ProducerResult> {
     let sink: Arc<dyn Sink> = Arc::new(relay::Discard);
     let targets = vec![("discard".to_owned(), sink, "nowhere".to_owned())];
-    let relay = relay::start_routes(ctx.db, "bench-producer", ctx.args.batch_size, targets).await?;
+    let relay = relay::start_routes(ctx, "bench-producer", ctx.args.batch_size, targets).await?;
     let measured = async {
         relay.wait_until_sleeping(ctx.db.pool(), SETTLE_WITHIN).await?;
         let result = measure(ctx, Variant::SqlLive).await?;

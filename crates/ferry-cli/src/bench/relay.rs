@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
 
-use super::db::BenchDb;
+use super::Ctx;
 use super::workload::ROUTE_GLOB;
 
 /// `ferry run`'s default pool size.
@@ -35,34 +35,34 @@ pub(crate) struct RunningRelay {
 /// Starts a relay named `id` that routes `bench.**` to `exchange`; with
 /// `wal`, in WAL streaming mode.
 pub(crate) async fn start(
-    db: &BenchDb,
-    amqp_url: &str,
+    ctx: &Ctx<'_>,
     exchange: &str,
     id: &str,
     batch_size: usize,
     wal: bool,
 ) -> anyhow::Result<RunningRelay> {
     let sink: Arc<dyn Sink> = Arc::new(RabbitMqSink::new(RabbitMqOptions {
-        url: amqp_url.to_owned(),
+        url: ctx.args.amqp_url.clone(),
         ..RabbitMqOptions::default()
     }));
     let targets = vec![(SINK.to_owned(), sink, exchange.to_owned())];
     if wal {
-        start_wal(db, id, batch_size, targets).await
+        start_wal(ctx, id, batch_size, targets).await
     } else {
-        start_routes(db, id, batch_size, targets).await
+        start_routes(ctx, id, batch_size, targets).await
     }
 }
 
 /// Like [`start_routes`], streaming from a slot named after the database.
 async fn start_wal(
-    db: &BenchDb,
+    ctx: &Ctx<'_>,
     id: &str,
     batch_size: usize,
     targets: Vec<(String, Arc<dyn Sink>, String)>,
 ) -> anyhow::Result<RunningRelay> {
     use ferry_store::postgres::wal::{WalConfig, WalSource};
-    build(db, id, batch_size, targets, |pool| {
+    let db = ctx.db;
+    build(ctx, id, batch_size, targets, |pool| {
         let source = WalSource::new(
             pool.clone(),
             WalConfig {
@@ -83,12 +83,12 @@ async fn start_wal(
 /// Starts a relay named `id` with one route per `(sink name, sink,
 /// destination)`, each matching `bench.**`: several targets fan one event out.
 pub(crate) async fn start_routes(
-    db: &BenchDb,
+    ctx: &Ctx<'_>,
     id: &str,
     batch_size: usize,
     targets: Vec<(String, Arc<dyn Sink>, String)>,
 ) -> anyhow::Result<RunningRelay> {
-    build(db, id, batch_size, targets, |_| Ok(None)).await
+    build(ctx, id, batch_size, targets, |_| Ok(None)).await
 }
 
 /// The bench's route of every bench event to the sink named `sink`.
@@ -104,14 +104,17 @@ pub(crate) fn route(sink: &str, destination: String) -> anyhow::Result<Route> {
 
 /// Checks every route's destination, as `ferry run` does before it starts
 /// the relay (a check also readies the sink: Kafka's producer gets its
-/// producer id), then starts the relay.
+/// producer id), then starts the relay. The relay stops by itself when its
+/// [`RunningRelay`] is dropped (Ctrl-C drops the scenario), and the bench
+/// waits for that before it deletes what the relay publishes to.
 async fn build(
-    db: &BenchDb,
+    ctx: &Ctx<'_>,
     id: &str,
     batch_size: usize,
     targets: Vec<(String, Arc<dyn Sink>, String)>,
     wal: impl FnOnce(&PgPool) -> anyhow::Result<Option<ferry_relay::Wal>>,
 ) -> anyhow::Result<RunningRelay> {
+    let db = ctx.db;
     let pool = PgStore::relay_pool_options()
         .max_connections(POOL_CONNECTIONS)
         .acquire_timeout(Duration::from_secs(5))
@@ -140,9 +143,11 @@ async fn build(
         None => relay,
     };
     let (stop, stopped) = oneshot::channel::<()>();
+    // A dropped sender stops the relay as a sent one does.
     let task = tokio::spawn(relay.run(async move {
         let _ = stopped.await;
     }));
+    ctx.left.track(task.abort_handle());
     Ok(RunningRelay {
         id: id.to_owned(),
         pool,

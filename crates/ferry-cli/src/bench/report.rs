@@ -97,6 +97,8 @@ pub(crate) struct Report {
     pub sinks: Option<SinksResult>,
     pub retention: Option<super::retention::RetentionResult>,
     pub wall: Option<Duration>,
+    /// Why the run stopped before its last scenario: the report is partial.
+    pub stopped: Option<String>,
 }
 
 /// Ends a baseline's parenthesis, naming the rounds it is the middle of.
@@ -115,8 +117,30 @@ struct Row {
 }
 
 impl Report {
+    /// Whether any scenario completed.
+    pub(crate) fn has_results(&self) -> bool {
+        self.broker.is_some()
+            || self.drain.is_some()
+            || self.latency.is_some()
+            || self.wal_latency.is_some()
+            || self.wal_drain.is_some()
+            || self.idle.is_some()
+            || !self.producer.is_empty()
+            || self.hotkey.is_some()
+            || self.sinks.is_some()
+            || self.retention.is_some()
+    }
+
     pub(crate) fn render(&self) -> String {
         let mut out = String::from("## Results\n\n");
+        if let Some(why) = &self.stopped {
+            let _ = writeln!(
+                out,
+                "**Partial report**: the run stopped before its end ({}); only the scenarios that \
+                 completed before that are below.\n",
+                why.replace('\n', " ")
+            );
+        }
         if let Some(m) = &self.machine {
             let memory = m
                 .memory_kib

@@ -96,7 +96,7 @@ fn mib(bytes: i64) -> String {
 }
 
 pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<RetentionResult> {
-    topology::with_topology(&ctx.args.amqp_url, "retention", async |t| measure(ctx, t).await).await
+    topology::with_topology(ctx, "retention", async |t| measure(ctx, t).await).await
 }
 
 async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<RetentionResult> {
@@ -111,15 +111,7 @@ async fn measure(ctx: &Ctx<'_>, topology: &Topology) -> anyhow::Result<Retention
             }
         })
     };
-    let relay = relay::start(
-        ctx.db,
-        &ctx.args.amqp_url,
-        topology.exchange(),
-        "bench-retention",
-        ctx.args.batch_size,
-        false,
-    )
-    .await?;
+    let relay = relay::start(ctx, topology.exchange(), "bench-retention", ctx.args.batch_size, false).await?;
     let result = drive(ctx, &relay).await;
     let stopped = relay.stop().await;
     counting.abort();

@@ -1,8 +1,10 @@
 //! A scenario's RabbitMQ topology: a durable topic exchange and a durable
 //! queue bound to it by `#`, both uniquely named and deleted afterwards.
 //!
-//! Should the bench be killed before it deletes them, the queue expires after
-//! an hour unused and the exchange (auto-delete) goes with its last binding.
+//! Both are noted in the bench's [`Leftovers`] before they are declared, so
+//! that they are deleted after Ctrl-C too. Should the bench be killed before
+//! it deletes them, the queue expires after an hour unused and the exchange
+//! (auto-delete) goes with its last binding.
 
 use anyhow::Context;
 use lapin::options::{
@@ -11,6 +13,9 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
+
+use super::Ctx;
+use super::leftovers::{Leftover, Leftovers};
 
 const EXPIRES_MS: u32 = 60 * 60 * 1000;
 
@@ -22,11 +27,17 @@ pub(crate) struct Topology {
 }
 
 impl Topology {
-    pub(crate) async fn create(amqp_url: &str, scenario: &str) -> anyhow::Result<Self> {
-        let connection = connect(amqp_url, "ferry-bench-admin").await?;
-        let channel = connection.create_channel().await?;
+    /// Declares the exchange and the queue, noting them in `left` first.
+    pub(crate) async fn create(amqp_url: &str, scenario: &str, left: &Leftovers) -> anyhow::Result<Self> {
         let exchange = format!("ferry-bench-{scenario}-{:08x}", rand::random::<u32>());
         let queue = format!("{exchange}.q");
+        let connection = connect(amqp_url, "ferry-bench-admin").await?;
+        let channel = connection.create_channel().await?;
+        left.add(Leftover::Rabbit {
+            amqp_url: amqp_url.to_owned(),
+            exchange: exchange.clone(),
+            queue: queue.clone(),
+        });
         let durable = ExchangeDeclareOptions {
             durable: true,
             auto_delete: true,
@@ -106,32 +117,49 @@ impl Topology {
         Ok(consumer)
     }
 
-    /// Deletes the exchange and the queue and closes the connection.
-    pub(crate) async fn delete(self) -> anyhow::Result<()> {
-        // The exchange first: it is auto-delete, so deleting the queue first
-        // would take it along and make this delete fail.
-        self.channel
-            .exchange_delete(self.exchange.as_str().into(), ExchangeDeleteOptions::default())
-            .await
-            .with_context(|| format!("deleting exchange {}", self.exchange))?;
-        self.channel
-            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
-            .await
-            .with_context(|| format!("deleting queue {}", self.queue))?;
+    /// Deletes the exchange and the queue, forgets them in `left` and closes
+    /// the connection.
+    pub(crate) async fn delete(self, left: &Leftovers) -> anyhow::Result<()> {
+        delete_on(&self.channel, &self.exchange, &self.queue).await?;
+        left.remove(&self.exchange);
         let _ = self.connection.close(200, "OK".into()).await;
         Ok(())
     }
 }
 
+async fn delete_on(channel: &Channel, exchange: &str, queue: &str) -> anyhow::Result<()> {
+    // The exchange first: it is auto-delete, so deleting the queue first
+    // would take it along and make this delete fail.
+    channel
+        .exchange_delete(exchange.into(), ExchangeDeleteOptions::default())
+        .await
+        .with_context(|| format!("deleting exchange {exchange}"))?;
+    channel
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await
+        .with_context(|| format!("deleting queue {queue}"))?;
+    Ok(())
+}
+
+/// Deletes a topology a scenario left behind, over a connection of its own
+/// (RabbitMQ deletes a missing exchange or queue without complaint).
+pub(crate) async fn delete_named(amqp_url: &str, exchange: &str, queue: &str) -> anyhow::Result<()> {
+    let connection = connect(amqp_url, "ferry-bench-cleanup").await?;
+    let channel = connection.create_channel().await?;
+    let deleted = delete_on(&channel, exchange, queue).await;
+    let _ = connection.close(200, "OK".into()).await;
+    deleted
+}
+
 /// Runs `body` with a fresh topology and deletes the topology afterwards,
 /// whatever `body` returned.
-pub(crate) async fn with_topology<T, F>(amqp_url: &str, scenario: &str, body: F) -> anyhow::Result<T>
+pub(crate) async fn with_topology<T, F>(ctx: &Ctx<'_>, scenario: &str, body: F) -> anyhow::Result<T>
 where
     F: AsyncFnOnce(&Topology) -> anyhow::Result<T>,
 {
-    let topology = Topology::create(amqp_url, scenario).await?;
+    let topology = Topology::create(&ctx.args.amqp_url, scenario, ctx.left).await?;
     let result = body(&topology).await;
-    let deleted = topology.delete().await;
+    let deleted = topology.delete(ctx.left).await;
     let value = result?;
     deleted?;
     Ok(value)

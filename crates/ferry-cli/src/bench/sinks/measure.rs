@@ -74,7 +74,7 @@ pub(crate) async fn run(ctx: &Ctx<'_>) -> anyhow::Result<SinksResult> {
 /// webhook's 2xx), which is when a consumer can have it.
 async fn latency_of(ctx: &Ctx<'_>, at: &Endpoints, kind: Kind) -> anyhow::Result<LatencyResult> {
     let args = ctx.args;
-    with_dest(kind, "latency", at, async |d| {
+    with_dest(ctx, kind, "latency", at, async |d| {
         ctx.db.reset_outbox().await?;
         let arrivals = Arc::new(Arrivals::default());
         let sink: Arc<dyn Sink> = Arc::new(Confirming {
@@ -84,7 +84,7 @@ async fn latency_of(ctx: &Ctx<'_>, at: &Endpoints, kind: Kind) -> anyhow::Result
         });
         let target = (kind.label().to_owned(), sink, d.destination().to_owned());
         let id = format!("bench-sinks-latency-{}", kind.label());
-        let relay = relay::start_routes(ctx.db, &id, args.batch_size, vec![target]).await?;
+        let relay = relay::start_routes(ctx, &id, args.batch_size, vec![target]).await?;
         let label = format!("{} latency", kind.label());
         let result = latency::through(ctx, &relay, &arrivals, &label, args.sinks.sink_latency_seconds).await;
         let stopped = relay.stop().await;
@@ -108,12 +108,12 @@ async fn one_round(ctx: &Ctx<'_>, at: &Endpoints) -> anyhow::Result<Round> {
     let handover = drain_into(ctx, "hand-over", vec![target], &[]).await?;
 
     let mut sinks = Vec::new();
-    let rabbit = broker::run(&args.amqp_url, events, window, keys, broker::Format::Plain).await?;
-    let alone = topology::with_topology(&args.amqp_url, "alone", async |t| {
+    let rabbit = broker::run(ctx, events, window, keys, broker::Format::Plain).await?;
+    let alone = topology::with_topology(ctx, "alone", async |t| {
         publish_alone(ctx, rabbit_target(&args.amqp_url, t), &Counter::Queue(t)).await
     })
     .await?;
-    let drained = topology::with_topology(&args.amqp_url, "sinks", async |t| {
+    let drained = topology::with_topology(ctx, "sinks", async |t| {
         drain_into(
             ctx,
             "rabbitmq",
@@ -132,13 +132,16 @@ async fn one_round(ctx: &Ctx<'_>, at: &Endpoints) -> anyhow::Result<Round> {
     });
 
     for kind in Kind::ALL {
-        let baseline = with_dest(kind, "baseline", at, async |d| d.baseline(events, window, keys).await).await?;
-        let alone = with_dest(kind, "alone", at, async |d| {
+        let baseline = with_dest(ctx, kind, "baseline", at, async |d| {
+            d.baseline(events, window, keys).await
+        })
+        .await?;
+        let alone = with_dest(ctx, kind, "alone", at, async |d| {
             let target = (kind.label().to_owned(), d.sink()?, d.destination().to_owned());
             publish_alone(ctx, target, &Counter::Dest(d)).await
         })
         .await?;
-        let drained = with_dest(kind, "drain", at, async |d| {
+        let drained = with_dest(ctx, kind, "drain", at, async |d| {
             let target = (kind.label().to_owned(), d.sink()?, d.destination().to_owned());
             drain_into(ctx, kind.label(), vec![target], &[Counter::Dest(d)]).await
         })
@@ -152,9 +155,9 @@ async fn one_round(ctx: &Ctx<'_>, at: &Endpoints) -> anyhow::Result<Round> {
         });
     }
 
-    let fanout = topology::with_topology(&args.amqp_url, "fanout", async |t| {
-        with_dest(Kind::Redis, "fanout", at, async |redis| {
-            with_dest(Kind::Nats, "fanout", at, async |nats| {
+    let fanout = topology::with_topology(ctx, "fanout", async |t| {
+        with_dest(ctx, Kind::Redis, "fanout", at, async |redis| {
+            with_dest(ctx, Kind::Nats, "fanout", at, async |nats| {
                 let targets = vec![
                     rabbit_target(&args.amqp_url, t),
                     ("redis".to_owned(), redis.sink()?, redis.destination().to_owned()),
@@ -259,7 +262,7 @@ async fn drain_into(
             (name, sink, destination)
         })
         .collect();
-    let relay = relay::start_routes(ctx.db, &id, ctx.args.batch_size, targets).await?;
+    let relay = relay::start_routes(ctx, &id, ctx.args.batch_size, targets).await?;
     let staged = async {
         relay.wait_until_sleeping(ctx.db.pool(), IDLE_WITHIN).await?;
         let mut conn = PgConnection::connect_with(ctx.db.options()).await?;
