@@ -48,11 +48,15 @@ pub enum Command {
     /// Ferry end to end with no server: a shop commits orders and their
     /// events to SQLite, the relay delivers them to a local webhook (down for
     /// a while on purpose) and stdout, and a summary checks every guarantee.
+    /// Reads no config file: it writes its own into its --dir.
     #[cfg(feature = "demo")]
     Demo(crate::demo::DemoArgs),
-    /// Measure drain rate, latency, idle cost, producer cost and a hot key on
-    /// this machine, beside the broker's own rate; optionally write the
-    /// report to docs/BENCHMARKS.md. Needs no config file.
+    /// Measure drain rate, latency, idle cost, producer cost, a hot key and
+    /// the other sinks on this machine, each beside its broker's own rate;
+    /// optionally write the report to docs/BENCHMARKS.md. Needs PostgreSQL
+    /// and RabbitMQ, and for the `sinks` scenario (in the default set; leave
+    /// it out with --only) Kafka, NATS with JetStream and Redis. Reads no
+    /// config file: its flags name the servers.
     #[cfg(all(feature = "postgres", feature = "rabbitmq"))]
     Bench(crate::bench::BenchArgs),
     /// Run retention now, with the same rules as the background job:

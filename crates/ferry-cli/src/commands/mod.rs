@@ -32,9 +32,15 @@ pub struct UsageError(pub String);
 pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         #[cfg(all(feature = "postgres", feature = "rabbitmq"))]
-        Command::Bench(args) => return crate::bench::run(args).await,
+        Command::Bench(args) => {
+            without_config(cli.config.as_deref(), "bench", BENCH_INSTEAD)?;
+            return crate::bench::run(args).await;
+        }
         #[cfg(feature = "demo")]
-        Command::Demo(args) => return crate::demo::run(args).await,
+        Command::Demo(args) => {
+            without_config(cli.config.as_deref(), "demo", DEMO_INSTEAD)?;
+            return crate::demo::run(args).await;
+        }
         _ => {}
     }
     let cfg = config::load(cli.config.as_deref()).map_err(|e| UsageError(e.to_string()))?;
@@ -57,6 +63,48 @@ pub async fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         #[cfg(feature = "postgres")]
         Command::Wal(args) => wal::run(&cfg, args).await,
     }
+}
+
+/// What `ferry bench` and `ferry demo` use instead of a config file.
+#[cfg(any(test, all(feature = "postgres", feature = "rabbitmq")))]
+const BENCH_INSTEAD: &str = "it takes its servers from its own flags (--database-url, --amqp-url, \
+     --kafka-brokers, --nats-url, --redis-url; see `ferry bench --help`)";
+#[cfg(any(test, feature = "demo"))]
+const DEMO_INSTEAD: &str = "it writes and uses its own ferry.toml in its --dir";
+
+/// For `ferry <verb>`, which reads no config file: refuses `--config`, and
+/// warns on stderr of FERRY_CONFIG.
+#[cfg(any(feature = "demo", all(feature = "postgres", feature = "rabbitmq")))]
+fn without_config(config: Option<&std::path::Path>, verb: &str, instead: &str) -> Result<(), UsageError> {
+    let env = std::env::var_os("FERRY_CONFIG");
+    if let Some(warning) = no_config_file(config, env.as_deref(), verb, instead)? {
+        eprintln!("{warning}");
+    }
+    Ok(())
+}
+
+/// Refuses `config` when it came from `--config`, and returns a warning
+/// when it came from FERRY_CONFIG (`env`), which is often set for the other
+/// verbs and so is no mistake of this command line.
+#[cfg(any(test, feature = "demo", all(feature = "postgres", feature = "rabbitmq")))]
+fn no_config_file(
+    config: Option<&std::path::Path>,
+    env: Option<&std::ffi::OsStr>,
+    verb: &str,
+    instead: &str,
+) -> Result<Option<String>, UsageError> {
+    let Some(config) = config else { return Ok(None) };
+    // clap takes --config over FERRY_CONFIG: the same path is taken to be
+    // the environment's.
+    if env.is_some_and(|env| std::path::Path::new(env) == config) {
+        return Ok(Some(format!(
+            "warning: FERRY_CONFIG is set ({}), but `ferry {verb}` reads no config file: {instead}",
+            config.display()
+        )));
+    }
+    Err(UsageError(format!(
+        "--config: `ferry {verb}` reads no config file: {instead}; run it without --config"
+    )))
 }
 
 /// Why a config without routes cannot run a relay, and the fix. Loading such
@@ -111,5 +159,34 @@ pub(crate) fn shell_quote(arg: &str) -> String {
         arg.to_owned()
     } else {
         format!("'{}'", arg.replace('\'', r"'\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+    use std::path::Path;
+
+    use super::*;
+
+    #[test]
+    fn bench_and_demo_refuse_a_config_flag_and_warn_of_ferry_config() {
+        let file = Path::new("ferry.toml");
+        assert!(matches!(no_config_file(None, None, "demo", DEMO_INSTEAD), Ok(None)));
+
+        let err = no_config_file(Some(file), None, "bench", BENCH_INSTEAD).unwrap_err().0;
+        assert!(err.starts_with("--config: `ferry bench` reads no config file"), "{err}");
+        assert!(err.contains("--database-url"), "{err}");
+        // A flag beside a different FERRY_CONFIG is still the flag.
+        let env = Some(OsStr::new("other.toml"));
+        let err = no_config_file(Some(file), env, "demo", DEMO_INSTEAD).unwrap_err().0;
+        assert!(err.contains("its own ferry.toml in its --dir"), "{err}");
+
+        let env = Some(OsStr::new("ferry.toml"));
+        let warning = no_config_file(Some(file), env, "demo", DEMO_INSTEAD).unwrap().unwrap();
+        assert!(
+            warning.starts_with("warning: FERRY_CONFIG is set (ferry.toml), but `ferry demo` reads no config file"),
+            "{warning}"
+        );
     }
 }

@@ -62,7 +62,54 @@ fn the_demo_proves_its_guarantees_and_leaves_an_inspectable_database() {
     assert_eq!(webhook["dead"], 1, "{report}");
     assert_eq!(webhook["pending"], 0, "{report}");
 
-    // A second run replaces the first's database.
-    let again = run("20");
+    // A second run replaces the first's database; a FERRY_CONFIG set for
+    // the other verbs is not read, and the demo says so.
+    let again = Command::new(BIN)
+        .args(["demo", "--orders", "20", "--dir"])
+        .arg(&demo_dir)
+        .env("FERRY_CONFIG", dir.path().join("elsewhere.toml"))
+        .output()
+        .unwrap();
     assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stdout));
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        stderr.contains("warning: FERRY_CONFIG is set") && stderr.contains("`ferry demo` reads no config file"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn the_demo_refuses_a_config_flag_and_a_ferry_toml_it_did_not_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ferry.toml");
+    let mine = "[database]\nurl = \"postgres://app@db/app\"\n";
+    std::fs::write(&config, mine).unwrap();
+    let demo = |global: &[&str]| {
+        Command::new(BIN)
+            .args(global)
+            .args(["demo", "--dir"])
+            .arg(dir.path())
+            .env_remove("FERRY_CONFIG")
+            .output()
+            .unwrap()
+    };
+
+    let flagged = demo(&["--config", config.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&flagged.stderr);
+    assert_eq!(flagged.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--config: `ferry demo` reads no config file"),
+        "{stderr}"
+    );
+
+    let out = demo(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("is not a config an earlier `ferry demo` wrote"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("another --dir"), "{stderr}");
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), mine);
+    assert!(!dir.path().join("ferry.db").exists());
 }
