@@ -76,7 +76,12 @@ impl AnyStore {
         Ok(match self {
             AnyStore::Postgres(s) => ferry_store::postgres::migrate(&mut *s.pool().acquire().await?).await?,
             #[cfg(feature = "sqlite")]
-            AnyStore::Sqlite(s) => ferry_store::sqlite::migrate(&mut *s.pool().acquire().await?).await?,
+            AnyStore::Sqlite(s) => {
+                // Classified, for the fix of a file that cannot be opened
+                // (its directory missing or not writable).
+                let mut conn = s.pool().acquire().await.map_err(ferry_store::sqlite::store_error)?;
+                ferry_store::sqlite::migrate(&mut conn).await?
+            }
         })
     }
 

@@ -180,6 +180,42 @@ fn a_setting_with_a_single_underscore_is_refused_with_the_name_meant() {
     }
 }
 
+/// An SQLite database in a directory that does not exist cannot be opened:
+/// `ferry run` and `ferry migrate` end with an error that says to check the
+/// directory. `ferry run` used to take it for a database down at start and
+/// retry every second for ever.
+#[test]
+fn an_sqlite_file_that_cannot_be_opened_ends_run_and_migrate() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("missing").join("ferry.db");
+    let config = dir.path().join("ferry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"sqlite://{}\"\n\n[sinks.out]\nkind = \"stdout\"\n\n\
+             [[routes]]\nmatch = \"order.*\"\nsink = \"out\"\ndestination = \"-\"\n",
+            db.display()
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    for verb in ["run", "migrate"] {
+        let out = ferry_env(&[], &["--config", config, verb], Duration::from_secs(30));
+        let stderr = text(&out.stderr);
+        assert!(
+            out.status.code().is_some_and(|c| c != 0),
+            "{verb}: {:?} (killed: still running after 30 s): {stderr}",
+            out.status
+        );
+        assert!(
+            stderr.contains(&db.display().to_string()) && stderr.contains("directory exists and is writable"),
+            "{verb}: {stderr}"
+        );
+        assert!(!stderr.contains("retrying"), "{verb}: {stderr}");
+    }
+    assert!(!db.parent().unwrap().exists());
+}
+
 /// One call to the local RabbitMQ's management API as `guest`; the status.
 fn rabbit_api(method: &str, path: &str, body: &str) -> u16 {
     let mut stream = TcpStream::connect("127.0.0.1:15672").expect("the RabbitMQ management API");

@@ -1,8 +1,9 @@
 use ferry_core::StoreError;
 
-/// Classifies a database error: a busy or unreachable file is transient, a
-/// missing table is a configuration problem (run `ferry migrate`), the rest
-/// permanent.
+/// Classifies a database error: a busy file or a failed read or write is
+/// transient; a missing table (run `ferry migrate`), a file that cannot be
+/// opened or is read-only are configuration problems, which retrying does
+/// not mend; the rest permanent.
 pub fn store_error(err: sqlx::Error) -> StoreError {
     use sqlx::Error as E;
     match &err {
@@ -20,8 +21,14 @@ pub fn store_error(err: sqlx::Error) -> StoreError {
                         "{err}: the ferry tables are missing or out of date; run `ferry migrate`"
                     ))
                 }
-                // BUSY, LOCKED, IOERR, FULL, CANTOPEN, PROTOCOL
-                5 | 6 | 10 | 13 | 14 | 15 => StoreError::transient(err.to_string()),
+                // BUSY, LOCKED, IOERR, FULL, PROTOCOL
+                5 | 6 | 10 | 13 | 15 => StoreError::transient(err.to_string()),
+                // CANTOPEN: the file's directory is missing or not
+                // writable (SQLite creates the file, and its journal,
+                // there). A relay retrying it would wait for ever.
+                14 => StoreError::config(format!(
+                    "{err}; check that the database file's directory exists and is writable"
+                )),
                 // READONLY: the file or its directory is not writable.
                 8 => StoreError::config(format!(
                     "{err}: the database file is read-only; give the relay write access to the file and its directory"

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use ferry_core::StoreError;
 use sqlx::SqlitePool;
 
+use super::error::store_error;
+
 /// One relay per database file. SQLite has no leases that another host could
 /// see, and its single writer gains nothing from a second relay, so a second
 /// relay on the same file is refused rather than left to contend.
@@ -40,11 +42,19 @@ impl RelayLock {
             return Ok(());
         }
         // Empty for an in-memory or temporary database; otherwise the
-        // file's absolute path, however the URL named it.
+        // file's absolute path, however the URL named it. This is the
+        // relay's first contact with a lazily opened pool: a file that
+        // cannot be opened is a configuration error here (see
+        // `store_error`), not a busy moment to retry for ever.
         let file: String = sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
             .fetch_one(pool)
             .await
-            .map_err(|e| StoreError::transient(format!("cannot read which file the SQLite database is: {e}")))?;
+            .map_err(|e| {
+                let mut err = store_error(e);
+                let named = pool.connect_options();
+                err.message = format!("SQLite database {}: {}", named.get_filename().display(), err.message);
+                err
+            })?;
         if file.is_empty() {
             *held = Some(Held::InMemory);
             return Ok(());
