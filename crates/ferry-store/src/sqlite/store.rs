@@ -25,13 +25,29 @@ pub struct SqliteStore {
 }
 
 /// Connection options for a database given as `sqlite://path`, `sqlite:path`
-/// or a plain file path: created if missing, WAL journal (readers never wait
-/// for the writer), a busy timeout so writers queue instead of failing, and
-/// full sync so a committed event survives a power cut. Use them for the
-/// producers' pool too.
+/// (the scheme in any case) or a plain file path: created if missing, WAL
+/// journal (readers never wait for the writer), a busy timeout so writers
+/// queue instead of failing, and full sync so a committed event survives a
+/// power cut. Use them for the producers' pool too.
+///
+/// A URL that names no file (`sqlite://`, say from `sqlite://${DB}` with
+/// `DB` unset) is refused: SQLite would give each connection a temporary
+/// database of its own, so `ferry migrate` would succeed on one that is
+/// gone when it ends. An in-memory database is named explicitly, with
+/// `sqlite::memory:` or `?mode=memory`.
 pub fn connect_options(url_or_path: &str) -> Result<SqliteConnectOptions, StoreError> {
-    let options = if url_or_path.starts_with("sqlite:") {
-        SqliteConnectOptions::from_str(url_or_path).map_err(|e| {
+    let options = if let Some(rest) = strip_scheme(url_or_path) {
+        let (file, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let in_memory = query.split('&').any(|p| p == "mode=memory");
+        if file.trim().is_empty() && !in_memory {
+            return Err(StoreError::config(format!(
+                "database.url {url_or_path:?} names no database file (is a variable in it unset?); \
+                 write it like sqlite://ferry.db or sqlite:///var/lib/ferry/ferry.db"
+            )));
+        }
+        // Without its scheme: sqlx strips only a lowercase one, and would
+        // take `SQLite:ferry.db` for a file of that name.
+        SqliteConnectOptions::from_str(rest).map_err(|e| {
             StoreError::config(format!(
                 "database.url: {e}; write it like sqlite://ferry.db or give a file path"
             ))
@@ -49,6 +65,13 @@ pub fn connect_options(url_or_path: &str) -> Result<SqliteConnectOptions, StoreE
         .synchronous(SqliteSynchronous::Full)
         .busy_timeout(Duration::from_secs(10))
         .foreign_keys(true))
+}
+
+/// What follows `sqlite:` or `sqlite://`, the scheme in any case; `None`
+/// for a plain path.
+fn strip_scheme(url: &str) -> Option<&str> {
+    let rest = url.get(7..).filter(|_| url[..7].eq_ignore_ascii_case("sqlite:"))?;
+    Some(rest.strip_prefix("//").unwrap_or(rest))
 }
 
 impl SqliteStore {
@@ -503,5 +526,61 @@ impl Store for SqliteStore {
 
     async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
         Ok(Box::new(SqliteWakeSource::connect(&self.pool).await?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use ferry_core::ErrorKind;
+
+    use super::connect_options;
+
+    fn file(url: &str) -> String {
+        let options = connect_options(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        options.get_filename().display().to_string()
+    }
+
+    /// The scheme in any case names the same file: `SQLite:ferry.db` used to
+    /// open a file literally named `SQLite:ferry.db`, beside producers
+    /// writing to `ferry.db`.
+    #[test]
+    fn the_scheme_is_read_in_any_case() {
+        for url in [
+            "sqlite:ferry.db",
+            "sqlite://ferry.db",
+            "SQLite:ferry.db",
+            "SQLITE://ferry.db",
+            "ferry.db",
+        ] {
+            assert_eq!(file(url), "ferry.db", "{url}");
+        }
+        assert_eq!(file("SQLite:///var/lib/ferry/ferry.db"), "/var/lib/ferry/ferry.db");
+        assert_eq!(
+            connect_options("Sqlite://a%3Fb.db?mode=rwc").unwrap().get_filename(),
+            Path::new("a?b.db")
+        );
+    }
+
+    /// A URL with no file after its scheme (`sqlite://${DB}` with `DB`
+    /// unset) would give every connection a throwaway database of its own.
+    #[test]
+    fn a_url_that_names_no_file_is_refused() {
+        for url in ["sqlite://", "sqlite:", "SQLite://", "sqlite://  ", "sqlite://?mode=rwc"] {
+            let err = connect_options(url).expect_err(url);
+            assert_eq!(err.kind, ErrorKind::Config, "{url}: {err}");
+            assert!(err.message.starts_with("database.url"), "{url}: {err}");
+            assert!(err.message.contains("names no database file"), "{url}: {err}");
+        }
+        // An in-memory database, asked for by name, is not a mistake.
+        for url in [
+            "sqlite::memory:",
+            "sqlite://:memory:",
+            "sqlite://?mode=memory",
+            "SQLite::memory:",
+        ] {
+            connect_options(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
     }
 }

@@ -189,11 +189,31 @@ async fn a_directory_that_does_not_exist_is_a_clear_error() {
     assert!(err.message.contains("directory exists"), "{err}");
 }
 
+/// A pool opened lazily (as `ferry run` opens it) meets the missing
+/// directory at the relay's first tick: a configuration error naming the
+/// file and the fix, which the relay stops on, not a database down for a
+/// moment, which it would retry for ever.
+#[tokio::test]
+async fn a_lazy_pool_on_a_directory_that_does_not_exist_fails_the_first_tick() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("missing").join("ferry.db");
+    let options = ferry_store::sqlite::connect_options(&format!("sqlite://{}", path.display())).unwrap();
+    let store = SqliteStore::new(sqlx::sqlite::SqlitePoolOptions::new().connect_lazy_with(options));
+    let err = store
+        .tick(&RelayId("a".into()), Duration::from_secs(30), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    assert!(err.message.contains(path.to_str().unwrap()), "{err}");
+    assert!(err.message.contains("directory exists and is writable"), "{err}");
+}
+
 /// In SQLite a failed statement does not end the transaction: a caller
 /// may commit after enqueue returned an error. The event row and its
 /// unrouted row were two statements, so a failure of the second left a
 /// committed event no relay would ever see, holding its dispatch key: every
-/// retry was told it was a duplicate. The enqueue is one statement now.
+/// retry was told it was a duplicate. The event's insert writes its
+/// unrouted row now, through its trigger: one statement for both.
 #[tokio::test]
 async fn an_enqueue_that_failed_half_way_leaves_nothing_behind() {
     let h = harness().await;
