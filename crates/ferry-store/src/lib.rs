@@ -37,7 +37,7 @@ pub use enqueue::{EnqueueError, Enqueued};
 
 pub use gauges::{GaugeReport, Gauges, RouteGauges};
 pub use retention::{
-    ArchivedDelivery, ArchivedEvent, ArchivedFailure, DeleteFailed, Deleted, ExpiredBatch, PurgeError, PurgeOptions,
-    PurgeReport, Retention, RetentionRules, purge, read_archive,
+    ArchivedAction, ArchivedDelivery, ArchivedEvent, ArchivedFailure, DeleteFailed, Deleted, ExpiredBatch, PurgeError,
+    PurgeOptions, PurgeReport, Retention, RetentionRules, purge, read_archive,
 };
 pub use status::{BlockedKeys, DeadReason, LeaseInfo, RouteStatus, StatusReport};

@@ -9,7 +9,9 @@
 //!
 //! An event goes only when every one of its deliveries is settled: published
 //! before the published window, or dead or cancelled before the (longer)
-//! settled window. Its deliveries and failure history go with it.
+//! settled window. Its deliveries, failure history and the operators'
+//! requeues and cancellations of it go with it (into the archive, when
+//! there is one).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -95,7 +97,8 @@ impl ArchivedEvent {
     }
 }
 
-/// One route's delivery of an archived event, with its failed attempts.
+/// One route's delivery of an archived event, with its failed attempts and
+/// what operators did to it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ArchivedDelivery {
     pub route: String,
@@ -105,6 +108,10 @@ pub struct ArchivedDelivery {
     pub published_at: Option<DateTime<Utc>>,
     pub updated_at: DateTime<Utc>,
     pub failures: Vec<ArchivedFailure>,
+    /// Requeues and cancellations, oldest first, as `ferry show` lists
+    /// them. Absent from archives written before they were kept.
+    #[serde(default)]
+    pub actions: Vec<ArchivedAction>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -113,6 +120,20 @@ pub struct ArchivedFailure {
     pub at: DateTime<Utc>,
     pub dead: bool,
     pub error: String,
+}
+
+/// An operator's requeue or cancel of an archived delivery.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ArchivedAction {
+    pub at: DateTime<Utc>,
+    pub actor: String,
+    /// `requeue` or `cancel`.
+    pub action: String,
+    /// The delivery's state and attempt count before the action.
+    pub from_state: String,
+    pub attempts: i32,
+    /// A cancellation's reason.
+    pub reason: Option<String>,
 }
 
 /// A store's side of retention.
@@ -159,12 +180,12 @@ pub trait ExpiredBatch: Send {
     /// Where the next batch starts; at or past `upto` the run is done.
     fn scanned_to(&self) -> i64;
     /// Deletes [`events`](ExpiredBatch::events) that are still due, with
-    /// their deliveries and failures, and commits. An event requeued or
-    /// retried since it was read stays: a store that cannot rule that out
-    /// by locking before the read deletes nothing of such a batch and says
-    /// so ([`Deleted::changed`]), so that the archive, written before the
-    /// delete, can be cut back to what was deleted. Returns what was
-    /// deleted.
+    /// their deliveries, failures and operators' actions, and commits. An
+    /// event requeued or retried since it was read stays: a store that
+    /// cannot rule that out by locking before the read deletes nothing of
+    /// such a batch and says so ([`Deleted::changed`]), so that the
+    /// archive, written before the delete, can be cut back to what was
+    /// deleted. Returns what was deleted.
     async fn delete(self: Box<Self>) -> Result<Deleted, DeleteFailed>;
 }
 

@@ -140,6 +140,12 @@ impl RetentionHarness for PgHarness {
             .await
             .unwrap()
     }
+    async fn admin_actions(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM ferry.admin_log")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
 }
 
 #[async_trait]

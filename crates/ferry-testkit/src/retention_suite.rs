@@ -24,6 +24,9 @@ pub trait RetentionHarness: StoreHarness<S: Retention + Gauges + Admin> {
     async fn event_ids(&self) -> BTreeSet<EventId>;
     /// How many failed attempts are stored, of any event.
     async fn failures(&self) -> i64;
+    /// How many operators' actions (requeues, cancellations) are logged, of
+    /// any event.
+    async fn admin_actions(&self) -> i64;
 }
 
 const DAY: Duration = Duration::from_secs(86_400);
@@ -101,7 +104,8 @@ fn set(ids: &[EventId]) -> BTreeSet<EventId> {
 
 /// Nothing goes before its window or in a dry run; past the windows,
 /// published then dead events go, each archived before it is deleted, with
-/// its failure history; pending and held-back events stay.
+/// its failure history and the operator's requeue of it; pending and
+/// held-back events stay.
 pub async fn settled_events_go_after_their_window_archived_first<H: RetentionHarness>(h: &H) {
     let published_ids = h
         .enqueue(
@@ -162,6 +166,7 @@ pub async fn settled_events_go_after_their_window_archived_first<H: RetentionHar
     h.store().apply(&requeue, "test", &plan.changes).await.unwrap();
     settle(h, &o, "orders", failing[0], dead("broker said no")).await;
     let everything = h.event_ids().await;
+    assert_eq!(h.admin_actions().await, 1, "the requeue is logged");
 
     // A dry run counts and deletes nothing; before the window, nothing goes.
     let dry = PurgeOptions {
@@ -220,11 +225,32 @@ pub async fn settled_events_go_after_their_window_archived_first<H: RetentionHar
         history,
         [(1, "first", false), (2, "second", true), (1, "broker said no", true)]
     );
+    let actions: Vec<(&str, &str, &str, i32, Option<&str>)> = d.deliveries[0]
+        .actions
+        .iter()
+        .map(|a| {
+            (
+                a.action.as_str(),
+                a.actor.as_str(),
+                a.from_state.as_str(),
+                a.attempts,
+                a.reason.as_deref(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        actions,
+        [("requeue", "test", "dead", 2, None)],
+        "the operator's requeue is archived"
+    );
     assert!(archive.iter().any(|e| e.id == unroutable[0].0));
     assert_eq!(h.failures().await, 0, "failures go with their events");
+    assert_eq!(h.admin_actions().await, 0, "operators' actions go with their events");
 }
 
-/// Without a settled window, dead events stay however old they get.
+/// Without a settled window, dead and cancelled events stay however old
+/// they get, with the operator's cancellation; with one, they go, the
+/// cancellation with them.
 pub async fn dead_events_stay_without_a_settled_window<H: RetentionHarness>(h: &H) {
     let ids = h
         .enqueue(
@@ -238,6 +264,23 @@ pub async fn dead_events_stay_without_a_settled_window<H: RetentionHarness>(h: &
     for id in &ids {
         settle(h, &o, "orders", *id, dead("unroutable")).await;
     }
+    let cancel = Action::Cancel {
+        reason: "obsolete".into(),
+    };
+    let only = Filter {
+        ids: vec![ids[0]],
+        ..Filter::default()
+    };
+    let plan = h.store().plan(&cancel, &only).await.unwrap();
+    assert_eq!(
+        h.store()
+            .apply(&cancel, "ops", &plan.changes)
+            .await
+            .unwrap()
+            .changed
+            .len(),
+        1
+    );
     let keep_dead = RetentionRules {
         settled: None,
         ..rules(10)
@@ -247,6 +290,24 @@ pub async fn dead_events_stay_without_a_settled_window<H: RetentionHarness>(h: &
         .unwrap();
     assert_eq!(report.events, 0);
     assert_eq!(h.event_ids().await, set(&ids));
+    assert_eq!(h.admin_actions().await, 1, "the cancellation stays with its event");
+
+    let dir = tempfile::tempdir().unwrap();
+    let archived = PurgeOptions {
+        archive_dir: Some(dir.path().to_owned()),
+        ..PurgeOptions::default()
+    };
+    let report = purge(h.store(), &rules(10), &archived, later(3650)).await.unwrap();
+    assert_eq!(report.events, 3);
+    assert_eq!(h.admin_actions().await, 0, "the cancellation goes with its event");
+    let archive = read_archive(&report.archive_file.unwrap()).unwrap();
+    let c = archive.iter().find(|e| e.id == ids[0].0).unwrap();
+    let actions: Vec<(&str, &str, Option<&str>)> = c.deliveries[0]
+        .actions
+        .iter()
+        .map(|a| (a.action.as_str(), a.from_state.as_str(), a.reason.as_deref()))
+        .collect();
+    assert_eq!(actions, [("cancel", "dead", Some("obsolete"))]);
 }
 
 /// The gauges count unrouted events, each state per route, blocked keys and

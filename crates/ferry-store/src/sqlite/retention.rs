@@ -21,7 +21,8 @@ use super::SqliteStore;
 use super::error::store_error;
 use super::store::{from_micros, micros};
 use crate::retention::{
-    ArchivedDelivery, ArchivedEvent, ArchivedFailure, DeleteFailed, Deleted, ExpiredBatch, Retention, RetentionRules,
+    ArchivedAction, ArchivedDelivery, ArchivedEvent, ArchivedFailure, DeleteFailed, Deleted, ExpiredBatch, Retention,
+    RetentionRules,
 };
 
 /// Stretches of the outbox scanned per batch, in batches: bounds the work of
@@ -93,10 +94,29 @@ impl Retention for SqliteStore {
     }
 }
 
-/// The events whole, with their deliveries and failures, as the archive
-/// keeps them.
+/// The events whole, with their deliveries, failures and operators'
+/// actions, as the archive keeps them.
 async fn read_events(conn: &mut SqliteConnection, seqs: &[i64]) -> Result<Vec<ArchivedEvent>, StoreError> {
     let list = serde_json::to_string(seqs).expect("integers serialise");
+    let mut actions: HashMap<(i64, String), Vec<ArchivedAction>> = HashMap::new();
+    let rows = sqlx::query(
+        "SELECT seq, route, at, actor, action, from_state, attempts, reason FROM ferry_admin_log
+          WHERE seq IN (SELECT value FROM json_each(?1)) ORDER BY id",
+    )
+    .bind(&list)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(store_error)?;
+    for r in rows {
+        actions.entry((r.get(0), r.get(1))).or_default().push(ArchivedAction {
+            at: from_micros(r.get(2)),
+            actor: r.get(3),
+            action: r.get(4),
+            from_state: r.get(5),
+            attempts: r.get::<i64, _>(6) as i32,
+            reason: r.get(7),
+        });
+    }
     let mut failures: HashMap<(i64, String), Vec<ArchivedFailure>> = HashMap::new();
     let rows = sqlx::query(
         "SELECT seq, route, attempt, at, dead, error FROM ferry_failures
@@ -128,6 +148,7 @@ async fn read_events(conn: &mut SqliteConnection, seqs: &[i64]) -> Result<Vec<Ar
         let route: String = r.get(1);
         deliveries.entry(seq).or_default().push(ArchivedDelivery {
             failures: failures.remove(&(seq, route.clone())).unwrap_or_default(),
+            actions: actions.remove(&(seq, route.clone())).unwrap_or_default(),
             route,
             state: r.get(2),
             attempts: r.get::<i64, _>(3) as i32,
@@ -247,8 +268,9 @@ impl ExpiredBatch for SqliteExpired {
             });
         }
         let list = serde_json::to_string(&seqs).expect("integers serialise");
-        let mut deleted = [0u64; 3];
+        let mut deleted = [0u64; 4];
         for (i, sql) in [
+            "DELETE FROM ferry_admin_log WHERE seq IN (SELECT value FROM json_each(?1))",
             "DELETE FROM ferry_failures WHERE seq IN (SELECT value FROM json_each(?1))",
             "DELETE FROM ferry_deliveries WHERE seq IN (SELECT value FROM json_each(?1))",
             "DELETE FROM ferry_events WHERE seq IN (SELECT value FROM json_each(?1))",
@@ -263,19 +285,19 @@ impl ExpiredBatch for SqliteExpired {
                 .map_err(|e| DeleteFailed::before_commit(store_error(e)))?
                 .rows_affected();
         }
-        if deleted[2] as usize != seqs.len() {
+        let [_, _, deliveries, events] = deleted;
+        if events as usize != seqs.len() {
             // Cannot happen while the write lock is held; if it does, delete
             // nothing rather than let the archive and the table disagree.
             return Err(DeleteFailed::before_commit(StoreError::permanent(format!(
-                "retention: expected to delete {} events, found {}; rolled back",
+                "retention: expected to delete {} events, found {events}; rolled back",
                 seqs.len(),
-                deleted[2]
             ))));
         }
         tx.commit().await.map_err(commit_failed)?;
         Ok(Deleted {
-            events: deleted[2],
-            deliveries: deleted[1],
+            events,
+            deliveries,
             changed: false,
         })
     }

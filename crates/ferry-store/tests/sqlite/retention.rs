@@ -23,6 +23,12 @@ impl RetentionHarness for SqliteHarness {
             .await
             .unwrap()
     }
+    async fn admin_actions(&self) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM ferry_admin_log")
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
 }
 
 ferry_testkit::retention_conformance!(harness());

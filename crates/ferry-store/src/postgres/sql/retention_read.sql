@@ -1,6 +1,7 @@
 -- The candidates again, now that their deliveries are locked: an operator's
 -- requeue that committed in between takes its event out. Returns each event
--- whole, with its deliveries and their failures, as the archive keeps them.
+-- whole, with its deliveries, their failures and the operators' actions on
+-- them, as the archive keeps them.
 -- $1 candidate seqs, $2 published cutoff, $3 settled cutoff
 SELECT e.seq, e.id, e.type, e.key, e.payload, e.content_type, e.headers, e.dispatch_key, e.created_at,
        (SELECT jsonb_agg(jsonb_build_object(
@@ -9,7 +10,12 @@ SELECT e.seq, e.id, e.type, e.key, e.payload, e.content_type, e.headers, e.dispa
                    'failures', (SELECT coalesce(jsonb_agg(jsonb_build_object(
                                            'attempt', f.attempt, 'at', f.at, 'dead', f.dead, 'error', f.error)
                                        ORDER BY f.id), '[]'::jsonb)
-                                  FROM ferry.failures f WHERE f.seq = d.seq AND f.route = d.route))
+                                  FROM ferry.failures f WHERE f.seq = d.seq AND f.route = d.route),
+                   'actions', (SELECT coalesce(jsonb_agg(jsonb_build_object(
+                                          'at', a.at, 'actor', a.actor, 'action', a.action,
+                                          'from_state', a.from_state, 'attempts', a.attempts, 'reason', a.reason)
+                                      ORDER BY a.id), '[]'::jsonb)
+                                 FROM ferry.admin_log a WHERE a.seq = d.seq AND a.route = d.route))
                ORDER BY d.route)
           FROM ferry.deliveries d WHERE d.seq = e.seq) AS deliveries
   FROM ferry.events e
