@@ -37,7 +37,9 @@ pub enum Command {
     /// and operator action.
     Show(crate::commands::show::ShowArgs),
     /// Send dead or cancelled deliveries again, with a fresh attempt count;
-    /// pending and in-flight ones are refused. Exits 1 if any were refused.
+    /// pending and in-flight ones are refused, and so, without
+    /// --out-of-order, is one that would arrive after a later event of its
+    /// key. Exits 1 if any were refused.
     Requeue(crate::commands::requeue::RequeueArgs),
     /// Cancel deliveries with a reason, unblocking their key; one a relay may
     /// be publishing right now is refused. Exits 1 if any were refused.

@@ -305,6 +305,70 @@ async fn requeue_refuses_pending_and_confirms_large_sets() {
     assert_eq!(shown["deliveries"][0]["attempts"], 0);
 }
 
+/// A dead head cancelled to unblock its key, whose key then went on
+/// without it: requeued, it would reach the consumer after the later
+/// event. `requeue` refuses it, saying why and how to send it anyway;
+/// `--out-of-order` says so in the dry run, asks for confirmation however
+/// few it touches, and with it sends the head.
+#[tokio::test]
+async fn requeue_refuses_to_break_a_keys_order_unless_told_out_of_order() {
+    let f = fixture().await;
+    let cancelled = f.ferry(&["cancel", &f.id("d1"), "--reason", "unblock kd"]);
+    assert!(cancelled.status.success(), "{}", stderr(&cancelled));
+    let now = Utc::now();
+    let claimed = f.store.claim(&f.owned, ROUTE, 100, now, &[]).await.unwrap();
+    let d2 = claimed
+        .iter()
+        .find(|c| c.event.id == f.ids["d2"])
+        .expect("d2 no longer held back")
+        .event
+        .seq;
+    let published = Recorded {
+        seq: d2,
+        expected_attempts: 0,
+        transition: Transition::Published { attempts: 1, at: now },
+    };
+    assert_eq!(f.store.record(&f.owned, ROUTE, &[published], now).await.unwrap(), 1);
+
+    let refused = json_of(&f.ferry(&["requeue", &f.id("d1"), "--json"]), 1);
+    assert!(refused["changed"].as_array().unwrap().is_empty(), "{refused}");
+    let reason = refused["refused"][0]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("out of order") && reason.contains("--out-of-order"),
+        "{reason}"
+    );
+    assert_eq!(f.state("d1"), "cancelled");
+
+    let dry = f.ferry(&["requeue", &f.id("d1"), "--out-of-order", "--dry-run"]);
+    assert!(dry.status.success(), "{}", stderr(&dry));
+    let text = String::from_utf8_lossy(&dry.stdout);
+    assert!(
+        text.starts_with("would requeue 1 deliveries, 1 of them out of order")
+            && text.contains("sent anyway (--out-of-order): out of order: a later event of its key was published"),
+        "{text}"
+    );
+    let dry = json_of(
+        &f.ferry(&["requeue", &f.id("d1"), "--out-of-order", "--dry-run", "--json"]),
+        0,
+    );
+    assert_eq!(dry["action"]["out_of_order"], true, "{dry}");
+    assert_eq!(event_ids(&dry["out_of_order"]), [f.id("d1")]);
+
+    let unconfirmed = f.ferry(&["requeue", &f.id("d1"), "--out-of-order"]);
+    assert_eq!(unconfirmed.status.code(), Some(2), "{}", stderr(&unconfirmed));
+    let why = stderr(&unconfirmed);
+    assert!(why.contains("1 of them out of order") && why.contains("--yes"), "{why}");
+    assert_eq!(f.state("d1"), "cancelled");
+    let done = f.ferry(&["requeue", &f.id("d1"), "--out-of-order", "--yes"]);
+    assert!(done.status.success(), "{}", stderr(&done));
+    let text = String::from_utf8_lossy(&done.stdout);
+    assert!(
+        text.starts_with("requeued 1 deliveries, 1 of them out of order"),
+        "{text}"
+    );
+    assert_eq!(f.state("d1"), "pending");
+}
+
 #[tokio::test]
 async fn cancel_records_the_reason_and_refuses_what_may_be_in_flight() {
     let f = fixture().await;

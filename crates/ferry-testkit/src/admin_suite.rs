@@ -662,6 +662,233 @@ where
     assert!(age.is_some_and(|a| (a - 2400.0).abs() < 60.0), "{age:?}");
 }
 
+/// A relay that holds every partition, and `events` routed to `orders` and
+/// claimed by it: each event's id and seq, in outbox order.
+async fn claimed<H: AdminHarness>(h: &H, events: Vec<Event>) -> (Ownership, Vec<(EventId, i64)>) {
+    let store = h.store();
+    let ids = h.enqueue(events).await;
+    let relay = RelayId("keyed".into());
+    let mut owned = store.tick(&relay, Duration::from_secs(300), &[]).await.unwrap();
+    owned.relay = relay;
+    let now = Utc::now();
+    let unrouted = store.fetch_unrouted(&owned, 100).await.unwrap();
+    store
+        .route(&owned, &plan_routes(&[orders_route()], unrouted), now)
+        .await
+        .unwrap();
+    let claimed = store.claim(&owned, ROUTE, 100, now, &[]).await.unwrap();
+    let seqs = ids
+        .iter()
+        .map(|id| (*id, claimed.iter().find(|c| c.event.id == *id).unwrap().event.seq))
+        .collect();
+    (owned, seqs)
+}
+
+fn dead_at(seq: i64, reason: &str) -> Recorded {
+    Recorded {
+        seq,
+        expected_attempts: 0,
+        transition: Transition::Dead {
+            attempts: 1,
+            reason: reason.into(),
+        },
+    }
+}
+
+fn ids_of(targets: &[Target]) -> Vec<EventId> {
+    targets.iter().map(|t| t.event_id).collect()
+}
+
+fn only_ids(ids: &[EventId]) -> Filter {
+    Filter {
+        ids: ids.to_vec(),
+        ..Filter::default()
+    }
+}
+
+/// An operator cancels a dead head to unblock its key, the key's later
+/// events are published, and later the head is requeued: it would reach
+/// the consumer after them. That requeue is refused, at plan and at write
+/// time, saying why, unless the operator asks for it out of order. A later
+/// event still waiting unheld (maybe in flight), or not routed yet with
+/// nothing to queue behind, refuses it too.
+pub async fn a_requeue_that_would_break_its_keys_order_is_refused_unless_asked_for<H: AdminHarness>(h: &H) {
+    let store = h.store();
+    let events = (1..=3)
+        .map(|n| Event::new("order.updated", json!({ "n": n })).key("ko"))
+        .collect();
+    let (owned, keyed) = claimed(h, events).await;
+    let [(e1, s1), (e2, s2), _] = keyed[..] else {
+        panic!("{keyed:?}")
+    };
+    let now = Utc::now();
+    assert_eq!(
+        store
+            .record(&owned, ROUTE, &[dead_at(s1, "rejected")], now)
+            .await
+            .unwrap(),
+        1
+    );
+    let requeue = Action::Requeue {
+        include_published: false,
+    };
+    // Dead, with the rest of its key held back behind it: the normal case.
+    let plan = store.plan(&requeue, &only_ids(&[e1])).await.unwrap();
+    assert_eq!(ids_of(&plan.changes), [e1], "{plan:?}");
+
+    // Cancelled to unblock the key; the key's next event is published.
+    let cancel = Action::Cancel {
+        reason: "unblock".into(),
+    };
+    let plan = store.plan(&cancel, &only_ids(&[e1])).await.unwrap();
+    store.apply(&cancel, "ops", &plan.changes).await.unwrap();
+    let next = store.claim(&owned, ROUTE, 100, now, &[]).await.unwrap();
+    assert!(next.iter().any(|c| c.event.seq == s2), "{next:?}");
+    let published = Recorded {
+        seq: s2,
+        expected_attempts: 0,
+        transition: Transition::Published { attempts: 1, at: now },
+    };
+    assert_eq!(store.record(&owned, ROUTE, &[published], now).await.unwrap(), 1);
+
+    let before = h.snapshot().await;
+    let plan = store.plan(&requeue, &only_ids(&[e1])).await.unwrap();
+    assert!(plan.changes.is_empty(), "{plan:?}");
+    assert_eq!(
+        ids_of(&plan.refused.iter().map(|r| r.target.clone()).collect::<Vec<_>>()),
+        [e1]
+    );
+    let reason = &plan.refused[0].reason;
+    assert!(
+        reason.contains("later event of its key was published") && reason.contains("--out-of-order"),
+        "{reason}"
+    );
+    // Slipped into the targets anyway, it is refused at write time.
+    let applied = store
+        .apply(&requeue, "ops", std::slice::from_ref(&plan.refused[0].target))
+        .await
+        .unwrap();
+    assert!(applied.changed.is_empty(), "{applied:?}");
+    assert!(applied.refused[0].reason.contains("out of order"), "{applied:?}");
+    assert_eq!(h.snapshot().await, before, "a refused requeue changed deliveries");
+
+    // Sending e2 again: e3 waits with nothing holding it back, so a relay
+    // may be publishing it now.
+    let again = Action::Requeue {
+        include_published: true,
+    };
+    let plan = store.plan(&again, &only_ids(&[e2])).await.unwrap();
+    assert!(plan.changes.is_empty(), "{plan:?}");
+    assert!(plan.refused[0].reason.contains("may be in flight"), "{plan:?}");
+
+    // Asked for, it goes, and the plan says it is out of order.
+    let anyway = Action::RequeueOutOfOrder {
+        include_published: false,
+    };
+    let plan = store.plan(&anyway, &only_ids(&[e1])).await.unwrap();
+    assert_eq!(ids_of(&plan.changes), [e1], "{plan:?}");
+    assert_eq!(
+        ids_of(&plan.out_of_order.iter().map(|r| r.target.clone()).collect::<Vec<_>>()),
+        [e1]
+    );
+    assert!(plan.out_of_order[0].reason.contains("published"), "{plan:?}");
+    let applied = store.apply(&anyway, "ops", &plan.changes).await.unwrap();
+    assert_eq!(ids_of(&applied.changed), [e1], "{applied:?}");
+    let view = store.show(e1).await.unwrap().unwrap();
+    assert_eq!(view.deliveries[0].state, AdminState::Pending);
+
+    // A later event of a cancelled head's key not routed yet, with nothing
+    // pending or dead to queue behind, may be published straight away.
+    let (owned, keyed) = claimed(h, vec![Event::new("order.updated", json!({})).key("ku")]).await;
+    let (u1, seq) = keyed[0];
+    store
+        .record(&owned, ROUTE, &[dead_at(seq, "rejected")], now)
+        .await
+        .unwrap();
+    let plan = store.plan(&cancel, &only_ids(&[u1])).await.unwrap();
+    store.apply(&cancel, "ops", &plan.changes).await.unwrap();
+    h.enqueue(vec![Event::new("order.updated", json!({})).key("ku")]).await;
+    let plan = store.plan(&requeue, &only_ids(&[u1])).await.unwrap();
+    assert!(plan.changes.is_empty(), "{plan:?}");
+    assert!(plan.refused[0].reason.contains("may be in flight"), "{plan:?}");
+}
+
+/// Dead deliveries of a key, each holding back the rest, requeue together
+/// in outbox order without any flag, and so does a dead head whose later
+/// delivery waits to retry behind it; the key then goes in its order.
+pub async fn dead_deliveries_of_a_key_requeue_together_in_its_order<H: AdminHarness>(h: &H) {
+    let store = h.store();
+    let events = ["kq", "kq", "kq", "kg", "kg", "kg"]
+        .iter()
+        .map(|key| Event::new("order.updated", json!({})).key(*key))
+        .collect();
+    let (owned, keyed) = claimed(h, events).await;
+    let seq = |i: usize| keyed[i].1;
+    let now = Utc::now();
+    let retry = Recorded {
+        seq: seq(4),
+        expected_attempts: 0,
+        transition: Transition::Retry {
+            attempts: 1,
+            next_at: now + chrono::Duration::hours(1),
+            error: "broker timeout".into(),
+        },
+    };
+    let outcomes = [
+        dead_at(seq(0), "rejected"),
+        dead_at(seq(1), "rejected"),
+        dead_at(seq(3), "rejected"),
+        retry,
+    ];
+    assert_eq!(store.record(&owned, ROUTE, &outcomes, now).await.unwrap(), 4);
+    let requeue = Action::Requeue {
+        include_published: false,
+    };
+    let plan = store.plan(&requeue, &dead_only()).await.unwrap();
+    assert!(plan.refused.is_empty() && plan.out_of_order.is_empty(), "{plan:?}");
+    let want = [keyed[0].0, keyed[1].0, keyed[3].0];
+    assert_eq!(ids_of(&plan.changes), want, "in outbox order");
+    let applied = store.apply(&requeue, "ops", &plan.changes).await.unwrap();
+    assert!(applied.refused.is_empty(), "{applied:?}");
+    assert_eq!(ids_of(&applied.changed).len(), 3);
+
+    // kq goes in its order; kg's head goes, its retry waits for its time.
+    let claimed = store.claim(&owned, ROUTE, 100, now, &[]).await.unwrap();
+    let order: Vec<EventId> = claimed.iter().map(|c| c.event.id).collect();
+    assert_eq!(order, [keyed[0].0, keyed[1].0, keyed[2].0, keyed[3].0], "{claimed:?}");
+}
+
+/// `--error` matches "in any case", beyond ASCII too, in every store:
+/// SQLite's `lower()` folds ASCII only, so "échec" missed "Échec".
+pub async fn the_error_filter_matches_in_any_case_beyond_ascii<H: AdminHarness>(h: &H) {
+    let store = h.store();
+    let events = ["ka", "kb"]
+        .iter()
+        .map(|key| Event::new("order.updated", json!({})).key(*key))
+        .collect();
+    let (owned, keyed) = claimed(h, events).await;
+    let outcomes = [
+        dead_at(keyed[0].1, "Échec de livraison : ÉCHÉANCE DÉPASSÉE"),
+        dead_at(keyed[1].1, "broker timeout"),
+    ];
+    store.record(&owned, ROUTE, &outcomes, Utc::now()).await.unwrap();
+    for text in ["échec", "ÉCHEC DE", "échéance dépassée", "Livraison"] {
+        let filter = Filter {
+            error: Some(text.into()),
+            ..Filter::default()
+        };
+        let page = Page { after: None, limit: 10 };
+        let listed = store.list(&filter, &page).await.unwrap();
+        let ids: Vec<EventId> = listed.deliveries.iter().map(|d| d.event_id).collect();
+        assert_eq!(ids, [keyed[0].0], "list --error {text:?}");
+        let requeue = Action::Requeue {
+            include_published: false,
+        };
+        let plan = store.plan(&requeue, &filter).await.unwrap();
+        assert_eq!(ids_of(&plan.changes), [keyed[0].0], "requeue --error {text:?}");
+    }
+}
+
 /// Polls `cond` until it holds or `within` passes.
 async fn eventually(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + within;
@@ -850,6 +1077,9 @@ macro_rules! admin_conformance {
             list_shows_every_state_and_filters,
             show_has_headers_failures_and_operator_actions,
             requeue_refuses_pending_retrying_and_published_and_dry_run_changes_nothing,
+            a_requeue_that_would_break_its_keys_order_is_refused_unless_asked_for,
+            dead_deliveries_of_a_key_requeue_together_in_its_order,
+            the_error_filter_matches_in_any_case_beyond_ascii,
             cancel_refuses_what_a_relay_may_hold_and_unblocks_the_key,
             apply_refuses_a_delivery_changed_since_the_plan,
             a_cancel_under_a_lapsed_lease_revokes_it_and_the_late_outcome_is_refused,

@@ -1,5 +1,7 @@
 //! `ferry requeue`: dead or cancelled deliveries (published ones with
 //! `--include-published`) go back to pending with a fresh attempt count.
+//! One that would reach its destination after a later event of its key is
+//! refused unless `--out-of-order` says to send it anyway.
 //!
 //! Also the machinery `cancel` shares: plan, print, confirm, apply in
 //! batches with a progress bar, report. Exit codes: 0 when everything
@@ -19,7 +21,7 @@ use ferry_store::{Action, Admin, Applied, Filter, Gauges, Plan, Refusal, Target}
 use serde_json::json;
 use uuid::Uuid;
 
-use super::list::{FilterArgs, clip};
+use super::list::{FilterArgs, clip, printable};
 use super::{UsageError, unserved};
 use crate::config::Config;
 
@@ -39,6 +41,12 @@ pub struct RequeueArgs {
     /// Also deliver published deliveries again.
     #[arg(long)]
     pub include_published: bool,
+    /// Also requeue deliveries that would reach their destination after a
+    /// later event of their key (published since, or maybe being published
+    /// now), breaking the key's order for them. Asks for confirmation
+    /// (or --yes).
+    #[arg(long)]
+    pub out_of_order: bool,
     #[command(flatten)]
     pub change: ChangeArgs,
 }
@@ -58,9 +66,7 @@ pub struct ChangeArgs {
 }
 
 pub async fn run(cfg: &Config, args: RequeueArgs) -> anyhow::Result<ExitCode> {
-    let action = Action::Requeue {
-        include_published: args.include_published,
-    };
+    let action = Action::requeue(args.include_published, args.out_of_order);
     change(cfg, &action, args.filter.to_filter(&args.ids)?, &args.change).await
 }
 
@@ -85,7 +91,7 @@ pub(super) async fn change(
         .into());
     }
     let store = super::store(cfg)?;
-    let requeue = matches!(action, Action::Requeue { .. });
+    let requeue = action.is_requeue();
     if requeue
         && let Some(route) = &selection.route
         && !unserved::configured(cfg, route)
@@ -116,6 +122,7 @@ pub(super) async fn change(
             let out = json!({
                 "action": action, "dry_run": true,
                 "would_change": plan.changes, "refused": plan.refused,
+                "out_of_order": plan.out_of_order,
             });
             println!("{}", serde_json::to_string_pretty(&out)?);
         } else {
@@ -132,8 +139,9 @@ pub(super) async fn change(
         });
     }
     let count = plan.changes.len();
-    if count > CONFIRM_ABOVE && !how.yes {
-        confirm(verb, count)?;
+    // Breaking a key's order is confirmed however few it touches.
+    if (count > CONFIRM_ABOVE || !plan.out_of_order.is_empty()) && !how.yes {
+        confirm(verb, count, plan.out_of_order.len())?;
     }
     let applied = apply(&store, action, &plan.changes, how.json).await?;
     let mut refused = plan.refused;
@@ -145,7 +153,7 @@ pub(super) async fn change(
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
     } else {
-        print!("{}", render_done(verb, &applied.changed, &refused));
+        print!("{}", render_done(verb, &applied.changed, &plan.out_of_order, &refused));
     }
     if !refused.is_empty() {
         eprintln!("{} deliveries were refused (reasons above)", refused.len());
@@ -193,6 +201,11 @@ fn refuse_unserved(cfg: &Config, plan: &mut Plan) {
         .into_iter()
         .partition(|t| unserved::configured(cfg, &t.route));
     plan.changes = served;
+    plan.out_of_order.retain(|o| {
+        !stranded
+            .iter()
+            .any(|t| t.seq == o.target.seq && t.route == o.target.route)
+    });
     plan.refused.extend(stranded.into_iter().map(|target| Refusal {
         reason: if cfg.routes.is_empty() {
             "this config has no routes, so it cannot tell whether a relay delivers this; run requeue \
@@ -209,26 +222,33 @@ fn refuse_unserved(cfg: &Config, plan: &mut Plan) {
     }));
 }
 
+/// "N deliveries", and how many of them break their key's order.
+fn how_many(count: usize, out_of_order: usize) -> String {
+    if out_of_order == 0 {
+        format!("{count} deliveries")
+    } else {
+        format!("{count} deliveries, {out_of_order} of them out of order (after later events of their key)")
+    }
+}
+
 /// Asks on the terminal; refuses when there is none to ask at.
-fn confirm(verb: &str, count: usize) -> anyhow::Result<()> {
+fn confirm(verb: &str, count: usize, out_of_order: usize) -> anyhow::Result<()> {
+    let what = how_many(count, out_of_order);
     if !std::io::stdin().is_terminal() {
         return Err(UsageError(format!(
-            "this would {verb} {count} deliveries; pass --yes to confirm (no terminal to ask at), \
+            "this would {verb} {what}; pass --yes to confirm (no terminal to ask at), \
              or --dry-run to see them first"
         ))
         .into());
     }
-    eprint!("{verb} {count} deliveries? [y/N] ");
+    eprint!("{verb} {what}? [y/N] ");
     std::io::stderr().flush().ok();
     let mut answer = String::new();
     std::io::stdin().lock().read_line(&mut answer)?;
     if matches!(answer.trim(), "y" | "Y" | "yes") {
         Ok(())
     } else {
-        Err(UsageError(format!(
-            "not confirmed; nothing was changed ({verb} {count} deliveries)"
-        ))
-        .into())
+        Err(UsageError(format!("not confirmed; nothing was changed ({verb} {what})")).into())
     }
 }
 
@@ -283,6 +303,8 @@ async fn apply_batch(store: &AnyStore, action: &Action, actor: &str, batch: &[Ta
     }
 }
 
+/// One target, one line: its key is shown [`printable`], so a key holding a
+/// newline cannot add a row to the list an operator confirms.
 fn target_line(t: &Target) -> String {
     format!(
         "  {}  {:<16} {:<10} {:<28} {}",
@@ -290,7 +312,7 @@ fn target_line(t: &Target) -> String {
         clip(&t.route, 16),
         t.state,
         clip(&t.event_type, 28),
-        t.key.as_deref().unwrap_or("-")
+        printable(t.key.as_deref().unwrap_or("-"))
     )
 }
 
@@ -301,7 +323,22 @@ fn refused_lines(out: &mut String, refused: &[Refusal]) {
     }
     let _ = writeln!(out, "refused {}:", refused.len());
     for r in refused {
-        let _ = writeln!(out, "{}\n      {}", target_line(&r.target), r.reason);
+        let _ = writeln!(out, "{}\n      {}", target_line(&r.target), printable(&r.reason));
+    }
+}
+
+/// The changed (or to be changed) targets, each out of its key's order
+/// followed by why.
+fn changed_lines(out: &mut String, changed: &[Target], out_of_order: &[Refusal]) {
+    use std::fmt::Write;
+    for t in changed {
+        let _ = writeln!(out, "{}", target_line(t));
+        if let Some(o) = out_of_order
+            .iter()
+            .find(|o| o.target.seq == t.seq && o.target.route == t.route)
+        {
+            let _ = writeln!(out, "      sent anyway (--out-of-order): {}", printable(&o.reason));
+        }
     }
 }
 
@@ -314,17 +351,15 @@ fn render_plan(verb: &str, plan: &Plan) -> String {
     }
     let _ = writeln!(
         out,
-        "would {verb} {} deliveries (dry run: nothing changed):",
-        plan.changes.len()
+        "would {verb} {} (dry run: nothing changed):",
+        how_many(plan.changes.len(), plan.out_of_order.len())
     );
-    for t in &plan.changes {
-        let _ = writeln!(out, "{}", target_line(t));
-    }
+    changed_lines(&mut out, &plan.changes, &plan.out_of_order);
     refused_lines(&mut out, &plan.refused);
     out
 }
 
-fn render_done(verb: &str, changed: &[Target], refused: &[Refusal]) -> String {
+fn render_done(verb: &str, changed: &[Target], out_of_order: &[Refusal], refused: &[Refusal]) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     if changed.is_empty() && refused.is_empty() {
@@ -332,10 +367,85 @@ fn render_done(verb: &str, changed: &[Target], refused: &[Refusal]) -> String {
         return out;
     }
     let done = if verb == "cancel" { "cancelled" } else { "requeued" };
-    let _ = writeln!(out, "{done} {} deliveries", changed.len());
-    for t in changed {
-        let _ = writeln!(out, "{}", target_line(t));
-    }
+    let sent: Vec<Refusal> = out_of_order
+        .iter()
+        .filter(|o| {
+            changed
+                .iter()
+                .any(|t| t.seq == o.target.seq && t.route == o.target.route)
+        })
+        .cloned()
+        .collect();
+    let _ = writeln!(out, "{done} {}", how_many(changed.len(), sent.len()));
+    changed_lines(&mut out, changed, &sent);
     refused_lines(&mut out, refused);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_core::EventId;
+    use ferry_store::AdminState;
+
+    fn target(seq: i64, key: &str) -> Target {
+        Target {
+            event_id: EventId::new(),
+            seq,
+            route: "orders".into(),
+            event_type: "order.created".into(),
+            key: Some(key.into()),
+            state: AdminState::Dead,
+        }
+    }
+
+    /// The dry run's list is what an operator confirms: a key with a
+    /// newline (keys are only length-checked) made one delivery read as
+    /// two, the second forged, and an escape sequence reached the terminal.
+    #[test]
+    fn a_key_with_a_newline_or_an_escape_stays_on_its_row() {
+        let forged = "k\n  01900000-0000-7000-8000-000000000000  orders           dead";
+        let plan = Plan {
+            changes: vec![target(7, forged), target(8, "red\u{1b}[31m")],
+            ..Plan::default()
+        };
+        let text = render_plan("requeue", &plan);
+        assert_eq!(text.lines().count(), 3, "a heading and two rows: {text}");
+        assert!(
+            text.contains(r"k\n  01900000") && text.contains(r"red\u{1b}[31m"),
+            "{text}"
+        );
+        assert!(!text.contains('\u{1b}'), "{text:?}");
+    }
+
+    /// What goes out of its key's order is said in the dry run, the
+    /// confirmation and the report.
+    #[test]
+    fn out_of_order_targets_are_marked() {
+        let late = target(7, "k");
+        let reason = "out of order: a later event of its key was published on this route since".to_string();
+        let plan = Plan {
+            changes: vec![late.clone(), target(8, "k")],
+            out_of_order: vec![Refusal {
+                target: late.clone(),
+                reason: reason.clone(),
+            }],
+            ..Plan::default()
+        };
+        let text = render_plan("requeue", &plan);
+        assert!(
+            text.starts_with("would requeue 2 deliveries, 1 of them out of order (after later events of their key)"),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("sent anyway (--out-of-order): out of order").count(),
+            1,
+            "{text}"
+        );
+        let done = render_done("requeue", &plan.changes, &plan.out_of_order, &[]);
+        assert!(
+            done.starts_with("requeued 2 deliveries, 1 of them out of order"),
+            "{done}"
+        );
+    }
 }

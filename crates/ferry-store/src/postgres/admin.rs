@@ -21,7 +21,7 @@ use uuid::Uuid;
 
 use super::PgStore;
 use super::error::store_error;
-use crate::admin::StoredStates;
+use crate::admin::{LastPublished, StoredStates, in_flight_after_sql, out_of_order};
 use crate::{
     Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
     EventView, Filter, ListPage, Page, Plan, Refusal, StatusReport, Target,
@@ -165,30 +165,65 @@ fn list_query<'q>(sql: String, filter: &'q Filter, page: &'q Page) -> PgQuery<'q
         .bind(page.limit.max(1) as i64 + 1)
 }
 
-/// Every delivery `selection` selects, with why `action` may not touch it.
+/// Every delivery `selection` selects, with why `action` may not touch it,
+/// and for a requeue why it would break its key's order.
 fn plan_sql(action: &Action, selection: &Filter) -> String {
-    let (refusal, order) = match action {
-        Action::Requeue { .. } => (requeue_refusal("$9"), "ASC"),
+    let (refusal, in_flight, order) = match action {
+        Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => {
+            (requeue_refusal("$9"), in_flight_after_sql("ferry.", ""), "ASC")
+        }
         // Later deliveries of a key first: while the earlier failure
         // still holds them back, no relay can be publishing them.
-        Action::Cancel { .. } => (cancel_refusal(), "DESC"),
+        Action::Cancel { .. } => (cancel_refusal(), "NULL::text".to_owned(), "DESC"),
     };
     let stored = StoredStates::of(&selection.states).condition();
     format!(
-        "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, {refusal} AS refusal
+        "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, {refusal} AS refusal,
+                {in_flight} AS in_flight
            FROM ferry.deliveries d JOIN ferry.events e ON e.seq = d.seq
           WHERE {FILTER}{stored}
           ORDER BY d.seq {order}, d.route"
     )
 }
 
+/// [`LastPublished`] for `targets`, for a requeue.
+async fn last_published<'e>(
+    executor: impl sqlx::PgExecutor<'e>,
+    action: &Action,
+    targets: &[&Target],
+) -> Result<LastPublished, StoreError> {
+    let Some((after, routes, keys)) = LastPublished::wanted(targets.iter().copied()).filter(|_| action.is_requeue())
+    else {
+        return Ok(LastPublished::default());
+    };
+    // Unprepared: planned for this `after`, which decides between reading
+    // the deliveries after it by their seq and reading them all.
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT l.route, l.key, max(l.seq)
+           FROM ferry.deliveries l
+           JOIN (SELECT DISTINCT k.route, k.key FROM unnest($1::text[], $2::text[]) AS k(route, key)) k
+             ON l.route = k.route AND l.key = k.key
+          WHERE l.seq > $3 AND l.state = 'published'
+          GROUP BY l.route, l.key",
+    )
+    .persistent(false)
+    .bind(routes)
+    .bind(keys)
+    .bind(after)
+    .fetch_all(executor)
+    .await
+    .map_err(store_error)?;
+    Ok(LastPublished::new(rows))
+}
+
 /// [`plan_sql`] (or a statement with its parameters) with its parameters
 /// bound.
 fn plan_query<'q>(sql: String, action: &Action, selection: &'q Filter) -> PgQuery<'q> {
     let query = bind_filter(sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(false), selection);
-    match action {
-        Action::Requeue { include_published } => query.bind(*include_published),
-        Action::Cancel { .. } => query,
+    if action.is_requeue() {
+        query.bind(action.includes_published())
+    } else {
+        query
     }
 }
 
@@ -242,13 +277,18 @@ impl Admin for PgStore {
             .fetch_all(self.pool())
             .await
             .map_err(store_error)?;
-        let mut plan = Plan::default();
+        let mut planned = Vec::with_capacity(rows.len());
         for row in &rows {
-            let target = target(row)?;
-            match row.get::<Option<String>, _>("refusal") {
-                None => plan.changes.push(target),
-                Some(reason) => plan.refused.push(Refusal { target, reason }),
-            }
+            let refusal: Option<String> = row.get("refusal");
+            let in_flight: Option<String> = row.get("in_flight");
+            planned.push((target(row)?, refusal, in_flight));
+        }
+        let eligible: Vec<&Target> = planned.iter().filter(|p| p.1.is_none()).map(|p| &p.0).collect();
+        let published = last_published(self.pool(), action, &eligible).await?;
+        let mut plan = Plan::default();
+        for (target, refusal, in_flight) in planned {
+            let out_of_order = out_of_order(&target, &published, in_flight);
+            crate::admin::sort_target(&mut plan, action, target, refusal, out_of_order);
         }
         Ok(plan)
     }
@@ -261,18 +301,29 @@ impl Admin for PgStore {
         let routes: Vec<&str> = targets.iter().map(|t| t.route.as_str()).collect();
         let planned: Vec<&str> = targets.iter().map(|t| t.state.as_str()).collect();
         let mut tx = self.pool().begin().await.map_err(store_error)?;
+        let published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
+        let (late_seqs, late_routes): (Vec<i64>, Vec<&str>) = targets
+            .iter()
+            .filter(|t| published.after(t))
+            .map(|t| (t.seq, t.route.as_str()))
+            .unzip();
         let changed: Vec<(i64, String, String, i32)> = match action {
-            Action::Requeue { include_published } => sqlx::query_as(REQUEUE)
-                .persistent(false)
-                .bind(&seqs)
-                .bind(&routes)
-                .bind(*include_published)
-                .bind(actor)
-                .bind(NO_ROUTE)
-                .bind(&planned)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(store_error)?,
+            Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => {
+                sqlx::query_as(sqlx::AssertSqlSafe(requeue_sql()))
+                    .persistent(false)
+                    .bind(&seqs)
+                    .bind(&routes)
+                    .bind(action.includes_published())
+                    .bind(actor)
+                    .bind(NO_ROUTE)
+                    .bind(&planned)
+                    .bind(action.allows_out_of_order())
+                    .bind(&late_seqs)
+                    .bind(&late_routes)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(store_error)?
+            }
             Action::Cancel { reason } => {
                 // Taken in partition order, as relay_tick does, so two
                 // cancels cannot deadlock on each other.
@@ -355,12 +406,14 @@ impl Admin for PgStore {
             .collect();
         if !missed.is_empty() {
             // Say why, from the state as it is now, inside this transaction.
-            let refusal = match action {
-                Action::Requeue { .. } => requeue_refusal("$3"),
-                Action::Cancel { .. } => cancel_refusal(),
+            let (refusal, in_flight) = match action {
+                Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => {
+                    (requeue_refusal("$3"), in_flight_after_sql("ferry.", ""))
+                }
+                Action::Cancel { .. } => (cancel_refusal(), "NULL::text".to_owned()),
             };
             let sql = format!(
-                "SELECT d.seq, d.route, d.state, d.attempts, {refusal} AS refusal
+                "SELECT d.seq, d.route, d.state, d.attempts, {refusal} AS refusal, {in_flight} AS in_flight
                    FROM ferry.deliveries d
                    JOIN unnest($1::bigint[], $2::text[]) AS t(seq, route) ON d.seq = t.seq AND d.route = t.route"
             );
@@ -368,8 +421,8 @@ impl Admin for PgStore {
                 .persistent(false)
                 .bind(missed.iter().map(|t| t.seq).collect::<Vec<_>>())
                 .bind(missed.iter().map(|t| t.route.as_str()).collect::<Vec<_>>());
-            if let Action::Requeue { include_published } = action {
-                query = query.bind(*include_published);
+            if action.is_requeue() {
+                query = query.bind(action.includes_published());
             }
             let rows = query.fetch_all(&mut *tx).await.map_err(store_error)?;
             for t in missed {
@@ -383,7 +436,10 @@ impl Admin for PgStore {
                         let reason = if now != t.state {
                             crate::admin::changed_since(t.state, now)
                         } else {
+                            let out_of_order = out_of_order(t, &published, r.get("in_flight"))
+                                .filter(|_| !action.allows_out_of_order());
                             r.get::<Option<String>, _>("refusal")
+                                .or(out_of_order)
                                 .unwrap_or_else(|| "changed while this ran; run the command again".into())
                         };
                         (now, reason)
@@ -446,15 +502,23 @@ impl Admin for PgStore {
 /// Requeues in one statement: deliveries of a route go back to pending with
 /// a fresh attempt count; `(no route)` deliveries go back to the router, so
 /// a route added since can take them. Both are logged.
-/// A delivery changed since it was planned is left alone.
+/// A delivery changed since it was planned is left alone, and so is one
+/// that would break its key's order unless $7 allows it: one a later event
+/// of its key may be in flight after, judged by the state before the
+/// statement (a dead head requeued with the dead deliveries of its key
+/// after it still held them back then), or one in $8 and $9, after which a
+/// later event of its key was published.
 /// $1 seqs, $2 routes, $3 include published, $4 actor, $5 the no-route name,
-/// $6 the states when planned.
-const REQUEUE: &str = "
+/// $6 the states when planned, $7 out of order allowed, $8 and $9 the seqs
+/// and routes of those a later event of their key was published after.
+fn requeue_sql() -> String {
+    format!(
+        "
 WITH t AS (
-    SELECT o.seq, o.route, o.state, o.attempts, x.planned
-      FROM ferry.deliveries o
+    SELECT d.seq, d.route, d.state, d.attempts, x.planned, {} AS in_flight
+      FROM ferry.deliveries d
       JOIN unnest($1::bigint[], $2::text[], $6::text[]) AS x(seq, route, planned)
-        ON o.seq = x.seq AND o.route = x.route
+        ON d.seq = x.seq AND d.route = x.route
 ), again AS (
     UPDATE ferry.deliveries d
        SET state = 'pending', attempts = 0, next_attempt_at = now(), last_error = NULL,
@@ -463,6 +527,9 @@ WITH t AS (
      WHERE d.seq = t.seq AND d.route = t.route AND d.route <> $5
        AND (d.state IN ('dead', 'cancelled') OR (d.state = 'published' AND $3::bool))
        AND d.state = t.planned
+       AND ($7::bool OR (t.in_flight IS NULL
+                         AND NOT EXISTS (SELECT 1 FROM unnest($8::bigint[], $9::text[]) AS p(seq, route)
+                                          WHERE p.seq = t.seq AND p.route = t.route)))
     RETURNING d.seq, d.route, t.state, t.attempts
 ), rerouted AS (
     DELETE FROM ferry.deliveries d
@@ -481,7 +548,10 @@ WITH t AS (
             UNION ALL SELECT seq, route, state, attempts FROM rerouted) c
 )
 SELECT seq, route, state, attempts FROM again
-UNION ALL SELECT seq, route, state, attempts FROM rerouted";
+UNION ALL SELECT seq, route, state, attempts FROM rerouted",
+        in_flight_after_sql("ferry.", "")
+    )
+}
 
 /// Cancels in one statement what is still eligible and unchanged since it
 /// was planned, and logs it.

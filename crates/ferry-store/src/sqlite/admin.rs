@@ -14,13 +14,14 @@ use std::str::FromStr;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use ferry_core::{EventId, NO_ROUTE, StoreError};
+use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqliteArguments, SqliteRow};
 use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
 
 use super::SqliteStore;
 use super::error::store_error;
 use super::store::{from_micros, micros};
-use crate::admin::StoredStates;
+use crate::admin::{LastPublished, StoredStates, in_flight_after_sql, out_of_order};
 use crate::{
     Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
     EventView, Filter, ListPage, Page, Plan, Refusal, StatusReport, Target,
@@ -30,7 +31,8 @@ type Query<'q> = sqlx::query::Query<'q, Sqlite, SqliteArguments>;
 
 /// The filter's conditions on `d` (deliveries) and `e` (events); lists are
 /// JSON arrays, NULL when the filter does not narrow on them.
-/// ?1 ids, ?2 states, ?3 route, ?4 event types, ?5 key, ?6 since, ?7 until, ?8 error text.
+/// ?1 ids, ?2 states, ?3 route, ?4 event types, ?5 key, ?6 since, ?7 until, ?8 error text
+/// (lowercased by [`lower`]). Needs [`with_lower`] on the connection.
 const FILTER: &str = "
        (?1 IS NULL OR e.id IN (SELECT value FROM json_each(?1)))
    AND (?2 IS NULL OR (CASE WHEN d.state = 'pending' AND d.attempts > 0 THEN 'retrying' ELSE d.state END)
@@ -40,7 +42,7 @@ const FILTER: &str = "
    AND (?5 IS NULL OR d.key = ?5)
    AND (?6 IS NULL OR e.created_at >= ?6)
    AND (?7 IS NULL OR e.created_at < ?7)
-   AND (?8 IS NULL OR instr(lower(coalesce(d.last_error, '')), lower(?8)) > 0)";
+   AND (?8 IS NULL OR instr(ferry_lower(coalesce(d.last_error, '')), ?8) > 0)";
 
 /// A pending delivery of `d` that a relay may hold right now: due (never
 /// attempted, or with a margin for the relay's clock running ahead), not
@@ -67,7 +69,7 @@ const IN_FLIGHT_REASON: &str =
 /// published deliveries may go again.
 fn refusal(action: &Action) -> String {
     match action {
-        Action::Requeue { .. } => "CASE
+        Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => "CASE
        WHEN d.state = 'pending' AND d.attempts > 0
          THEN 'retrying: still being worked on; cancel it first to requeue it'
        WHEN d.state = 'pending' THEN 'pending or in flight: not failed, nothing to requeue'
@@ -84,6 +86,128 @@ fn refusal(action: &Action) -> String {
             maybe_in_flight()
         ),
     }
+}
+
+/// Why requeueing `d` could let a later event of its key arrive first,
+/// one that may be in flight now, or NULL; for a requeue.
+fn in_flight_after(action: &Action) -> String {
+    if action.is_requeue() {
+        in_flight_after_sql("ferry_", " INDEXED BY ferry_deliveries_held")
+    } else {
+        "NULL".to_owned()
+    }
+}
+
+/// [`LastPublished`] for `targets`, for a requeue.
+async fn last_published<'e>(
+    executor: impl sqlx::SqliteExecutor<'e>,
+    action: &Action,
+    targets: &[&Target],
+) -> Result<LastPublished, StoreError> {
+    let Some((after, routes, keys)) = LastPublished::wanted(targets.iter().copied()).filter(|_| action.is_requeue())
+    else {
+        return Ok(LastPublished::default());
+    };
+    let pairs: Vec<[&str; 2]> = routes.into_iter().zip(keys).map(|(r, k)| [r, k]).collect();
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT l.route, l.key, max(l.seq)
+           FROM ferry_deliveries l
+          WHERE l.seq > ?1 AND l.state = 'published'
+            AND (l.route, l.key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
+                                       FROM json_each(?2))
+          GROUP BY l.route, l.key",
+    )
+    .bind(after)
+    .bind(serde_json::to_string(&pairs).expect("strings serialise"))
+    .fetch_all(executor)
+    .await
+    .map_err(store_error)?;
+    Ok(LastPublished::new(rows))
+}
+
+/// `text` lowercased as `ferry_lower` does it in SQL: each character by
+/// Unicode's rules, so that `--error` matches in any case, as PostgreSQL's
+/// `lower()` does; SQLite's own folds only ASCII.
+fn lower(text: &str) -> String {
+    text.chars().flat_map(char::to_lowercase).collect()
+}
+
+/// `ferry_lower(text)`: [`lower`] for SQL. NULL stays NULL.
+///
+/// # Safety
+///
+/// Called by SQLite only, with `argc` values in `argv`.
+unsafe extern "C" fn ferry_lower(
+    ctx: *mut libsqlite3_sys::sqlite3_context,
+    argc: std::ffi::c_int,
+    argv: *mut *mut libsqlite3_sys::sqlite3_value,
+) {
+    use libsqlite3_sys as ffi;
+    // SAFETY: SQLite passes `argc` valid values (one, as registered), each
+    // readable for the length of this call; the text is copied before the
+    // result is set.
+    unsafe {
+        if argc != 1 {
+            ffi::sqlite3_result_null(ctx);
+            return;
+        }
+        let value = *argv;
+        if ffi::sqlite3_value_type(value) == ffi::SQLITE_NULL {
+            ffi::sqlite3_result_null(ctx);
+            return;
+        }
+        let text = ffi::sqlite3_value_text(value);
+        let len = ffi::sqlite3_value_bytes(value);
+        if text.is_null() {
+            ffi::sqlite3_result_null(ctx);
+            return;
+        }
+        let bytes = std::slice::from_raw_parts(text, len.max(0) as usize);
+        let folded = lower(&String::from_utf8_lossy(bytes));
+        ffi::sqlite3_result_text(
+            ctx,
+            folded.as_ptr().cast(),
+            folded.len() as std::ffi::c_int,
+            ffi::SQLITE_TRANSIENT(),
+        );
+    }
+}
+
+/// A connection of `pool` with `ferry_lower` registered. Registered once
+/// per connection: registering it again would expire the connection's
+/// prepared statements.
+async fn with_lower(pool: &SqlitePool) -> Result<PoolConnection<Sqlite>, StoreError> {
+    let mut conn = pool.acquire().await.map_err(store_error)?;
+    let known: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pragma_function_list WHERE name = 'ferry_lower')")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(store_error)?;
+    if !known {
+        let mut handle = conn.lock_handle().await.map_err(store_error)?;
+        // SAFETY: the handle is locked for the call, so no statement runs on
+        // the connection meanwhile; the name is NUL-terminated, and the
+        // function keeps no state.
+        let rc = unsafe {
+            libsqlite3_sys::sqlite3_create_function_v2(
+                handle.as_raw_handle().as_ptr(),
+                c"ferry_lower".as_ptr(),
+                1,
+                libsqlite3_sys::SQLITE_UTF8 | libsqlite3_sys::SQLITE_DETERMINISTIC,
+                std::ptr::null_mut(),
+                Some(ferry_lower),
+                None,
+                None,
+                None,
+            )
+        };
+        if rc != libsqlite3_sys::SQLITE_OK {
+            return Err(StoreError::permanent(format!(
+                "registering ferry_lower on a SQLite connection failed (code {rc})"
+            )));
+        }
+    }
+    Ok(conn)
 }
 
 /// The filter's values, ready to bind as ?1..?8.
@@ -128,7 +252,7 @@ impl FilterArgs {
             key: f.key.clone(),
             since: f.since.map(micros),
             until: f.until.map(micros),
-            error: f.error.clone(),
+            error: f.error.as_deref().map(lower),
         })
     }
 
@@ -214,21 +338,21 @@ fn list_query<'q>(sql: String, args: &FilterArgs, page: &Page) -> Query<'q> {
         .bind(page.limit.max(1) as i64 + 1)
 }
 
-/// Every delivery `selection` selects, with why `action` may not touch it.
+/// Every delivery `selection` selects, with why `action` may not touch it,
+/// and for a requeue why it would break its key's order.
 fn plan_sql(action: &Action, selection: &Filter) -> String {
     // Cancel takes later deliveries of a key first: while the earlier
     // failure still holds them back, no relay can be publishing them.
-    let order = match action {
-        Action::Requeue { .. } => "ASC",
-        Action::Cancel { .. } => "DESC",
-    };
+    let order = if action.is_requeue() { "ASC" } else { "DESC" };
     let (deliveries, stored) = deliveries_of(&selection.states);
     format!(
-        "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, {} AS refusal
+        "SELECT e.id, d.seq, e.type, e.key, d.route, d.state, d.attempts, {} AS refusal,
+                {} AS in_flight
            FROM {deliveries} JOIN ferry_events e ON e.seq = d.seq
           WHERE {FILTER}{stored}
           ORDER BY d.seq {order}, d.route",
-        refusal(action)
+        refusal(action),
+        in_flight_after(action)
     )
 }
 
@@ -236,9 +360,10 @@ fn plan_sql(action: &Action, selection: &Filter) -> String {
 /// bound.
 fn plan_query<'q>(sql: String, args: &FilterArgs, action: &Action) -> Query<'q> {
     let query = args.bind(sqlx::query(AssertSqlSafe(sql)));
-    match action {
-        Action::Requeue { include_published } => query.bind(*include_published),
-        Action::Cancel { .. } => query,
+    if action.is_requeue() {
+        query.bind(action.includes_published())
+    } else {
+        query
     }
 }
 
@@ -251,8 +376,9 @@ impl Admin for SqliteStore {
     async fn list(&self, filter: &Filter, page: &Page) -> Result<ListPage, StoreError> {
         let limit = page.limit.max(1);
         let args = FilterArgs::new(self.pool(), filter).await?;
+        let mut conn = with_lower(self.pool()).await?;
         let rows = list_query(list_sql(filter), &args, page)
-            .fetch_all(self.pool())
+            .fetch_all(&mut *conn)
             .await
             .map_err(store_error)?;
         let mut deliveries = Vec::with_capacity(rows.len());
@@ -290,17 +416,23 @@ impl Admin for SqliteStore {
 
     async fn plan(&self, action: &Action, selection: &Filter) -> Result<Plan, StoreError> {
         let args = FilterArgs::new(self.pool(), selection).await?;
+        let mut conn = with_lower(self.pool()).await?;
         let rows = plan_query(plan_sql(action, selection), &args, action)
-            .fetch_all(self.pool())
+            .fetch_all(&mut *conn)
             .await
             .map_err(store_error)?;
-        let mut plan = Plan::default();
+        let mut planned = Vec::with_capacity(rows.len());
         for row in &rows {
-            let target = target(row)?;
-            match row.get::<Option<String>, _>("refusal") {
-                None => plan.changes.push(target),
-                Some(reason) => plan.refused.push(Refusal { target, reason }),
-            }
+            let refusal: Option<String> = row.get("refusal");
+            let in_flight: Option<String> = row.get("in_flight");
+            planned.push((target(row)?, refusal, in_flight));
+        }
+        let eligible: Vec<&Target> = planned.iter().filter(|p| p.1.is_none()).map(|p| &p.0).collect();
+        let published = last_published(&mut *conn, action, &eligible).await?;
+        let mut plan = Plan::default();
+        for (target, refusal, in_flight) in planned {
+            let out_of_order = out_of_order(&target, &published, in_flight);
+            crate::admin::sort_target(&mut plan, action, target, refusal, out_of_order);
         }
         Ok(plan)
     }
@@ -309,17 +441,25 @@ impl Admin for SqliteStore {
         if targets.is_empty() {
             return Ok(Applied::default());
         }
+        // Each target is checked as the targets before it in this
+        // transaction left the outbox: a dead head and its dead follower
+        // requeued together still pass, since what comes after them is
+        // held back by the follower, dead when its own check runs.
         let check = format!(
-            "SELECT d.state, d.attempts, d.partition, {} AS refusal
+            "SELECT d.state, d.attempts, d.partition, {} AS refusal, {} AS in_flight
                FROM ferry_deliveries d WHERE d.seq = ?1 AND d.route = ?2",
-            refusal(action).replace("?9", "?3")
+            refusal(action).replace("?9", "?3"),
+            in_flight_after(action)
         );
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
+        // Read before any change: requeueing a published delivery here does
+        // not make one before it any less late.
+        let published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
         let mut applied = Applied::default();
         for t in targets {
             let mut query = sqlx::query(AssertSqlSafe(check.as_str())).bind(t.seq).bind(&t.route);
-            if let Action::Requeue { include_published } = action {
-                query = query.bind(*include_published);
+            if action.is_requeue() {
+                query = query.bind(action.includes_published());
             }
             let row = query.fetch_optional(&mut *tx).await.map_err(store_error)?;
             let Some(row) = row else {
@@ -335,7 +475,9 @@ impl Admin for SqliteStore {
             let refusal = if from != t.state {
                 Some(crate::admin::changed_since(t.state, from))
             } else {
-                row.get::<Option<String>, _>("refusal")
+                let out_of_order =
+                    out_of_order(t, &published, row.get("in_flight")).filter(|_| !action.allows_out_of_order());
+                row.get::<Option<String>, _>("refusal").or(out_of_order)
             };
             if let Some(reason) = refusal {
                 applied.refused.push(Refusal {
@@ -349,7 +491,7 @@ impl Admin for SqliteStore {
             }
             let (from_state, from_attempts): (String, i64) = (row.get("state"), row.get("attempts"));
             match action {
-                Action::Requeue { .. } if t.route == NO_ROUTE => {
+                Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } if t.route == NO_ROUTE => {
                     // Back to the router, so a route added since can take it.
                     sqlx::query("DELETE FROM ferry_deliveries WHERE seq = ?1 AND route = ?2")
                         .bind(t.seq)
@@ -366,7 +508,7 @@ impl Admin for SqliteStore {
                     .await
                     .map_err(store_error)?;
                 }
-                Action::Requeue { .. } => {
+                Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => {
                     sqlx::query(concat!(
                         "UPDATE ferry_deliveries
                             SET state = 'pending', attempts = 0, next_attempt_at = ",
@@ -410,7 +552,7 @@ impl Admin for SqliteStore {
             }
             let reason = match action {
                 Action::Cancel { reason } => Some(reason.clone()),
-                Action::Requeue { .. } => None,
+                Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => None,
             };
             sqlx::query(concat!(
                 "INSERT INTO ferry_admin_log (seq, route, at, actor, action, from_state, attempts, reason)
@@ -619,8 +761,9 @@ mod tests {
                 statements.push((action.verb(), plan_query(sql, &args, action)));
             }
             for (name, query) in statements {
+                let mut conn = with_lower(store.pool()).await.unwrap();
                 let steps: Vec<String> = query
-                    .fetch_all(store.pool())
+                    .fetch_all(&mut *conn)
                     .await
                     .unwrap()
                     .iter()
