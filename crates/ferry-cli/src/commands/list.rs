@@ -1,6 +1,7 @@
 //! `ferry list`: deliveries by state, route, type, key, time and error, a
 //! page at a time. Its filter flags are shared by `requeue` and `cancel`.
 
+use std::borrow::Cow;
 use std::process::ExitCode;
 
 use anyhow::Context;
@@ -141,10 +142,35 @@ pub fn short_age(seconds: f64) -> String {
     }
 }
 
-/// Cuts `text` to `max` characters, marking the cut.
+/// `text` for a line of text output. Keys, types and error texts are
+/// anyone's text: a newline in one would split its row and could forge
+/// others (in the list an operator confirms a requeue from), and an escape
+/// sequence could rewrite the terminal. So control characters, and the
+/// marks that reorder text (bidirectional overrides), are shown escaped,
+/// as Rust writes them (`\n`, `\u{1b}`). `--json` keeps the text as it is.
+pub fn printable(text: &str) -> Cow<'_, str> {
+    fn hidden(c: char) -> bool {
+        c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    }
+    if !text.chars().any(hidden) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if hidden(c) {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// [`printable`] `text` cut to `max` characters, marking the cut.
 pub fn clip(text: &str, max: usize) -> String {
+    let text = printable(text);
     if text.chars().count() <= max {
-        return text.to_owned();
+        return text.into_owned();
     }
     let mut out: String = text.chars().take(max.saturating_sub(1)).collect();
     out.push('…');
@@ -236,5 +262,44 @@ mod tests {
     fn long_cells_are_clipped_visibly() {
         assert_eq!(clip("abcdef", 4), "abc…");
         assert_eq!(clip("abc", 4), "abc");
+    }
+
+    /// A key is any text up to its length limit: a newline in it split its
+    /// row in two, the second looking like a delivery of its own, and an
+    /// escape sequence reached the terminal.
+    #[test]
+    fn control_characters_in_cells_are_escaped_so_a_row_stays_one_line() {
+        assert_eq!(printable("order-7"), "order-7");
+        assert_eq!(
+            printable("k\n0190\r\t\u{1b}[2J\u{7f}\u{202e}"),
+            r"k\n0190\r\t\u{1b}[2J\u{7f}\u{202e}"
+        );
+        assert_eq!(clip("a\u{1b}[31mred", 8), r"a\u{1b}…");
+        let forged = "k\n01900000-0000-7000-8000-000000000000  orders           dead";
+        let page = ListPage {
+            deliveries: vec![DeliverySummary {
+                event_id: EventId::new(),
+                seq: 7,
+                event_type: "order.\u{1b}[2Jcreated".into(),
+                key: Some(forged.into()),
+                route: "orders".into(),
+                state: AdminState::Dead,
+                attempts: 1,
+                created_at: Utc::now(),
+                updated_at: Utc::now(),
+                next_attempt_at: None,
+                last_error: Some("refused\nby the broker".into()),
+                published_at: None,
+            }],
+            next: None,
+        };
+        let text = render(&page);
+        assert_eq!(text.lines().count(), 2, "a header and one row: {text}");
+        assert!(!text.contains('\u{1b}'), "{text:?}");
+        assert!(text.contains(r"order.\u{1b}[2Jcre"), "{text}");
+        assert!(
+            text.contains(r"k\n01900000-000…") && text.contains(r"refused\nby the broker"),
+            "{text}"
+        );
     }
 }
