@@ -256,3 +256,58 @@ async fn bad_input_is_refused_with_the_flag_to_fix() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// A captured table's spec changes with `ferry capture add --replace`, in
+/// one transaction; without the flag the add is refused with the hint
+/// naming it, and the flag needs a table already captured.
+#[tokio::test]
+async fn add_replace_changes_a_spec_in_one_step() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    let cli = Cli::new(&db);
+    cli.expect(0, &["migrate"]);
+    sqlx::raw_sql(
+        "CREATE TABLE orders (id bigint PRIMARY KEY, status text, card_token text);
+         CREATE TABLE visits (id bigint PRIMARY KEY, page text)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let add = |extra: &[&'static str]| {
+        let mut args = vec!["capture", "add", "orders", "--type-prefix", "shop.order", "--key", "id"];
+        args.extend_from_slice(extra);
+        args
+    };
+    cli.expect(0, &add(&[]));
+
+    let out = cli.run(&add(&["--exclude", "card_token"]));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("already captured"), "{stderr}");
+    assert!(
+        stderr.contains("`ferry capture add public.orders --replace`"),
+        "{stderr}"
+    );
+
+    let out = cli.expect(0, &add(&["--exclude", "card_token", "--replace"]));
+    assert!(out.contains("capturing public.orders (spec replaced)"), "{out}");
+    let listed: Value = serde_json::from_str(&cli.expect(0, &["capture", "list", "--json"])).unwrap();
+    assert_eq!(listed[0]["exclude"], json!(["card_token"]));
+    assert_eq!(listed[0]["columns"], json!(["id", "status"]));
+
+    let out = cli.run(&[
+        "capture",
+        "add",
+        "visits",
+        "--type-prefix",
+        "web.visit",
+        "--key",
+        "id",
+        "--replace",
+    ]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("not captured"), "{stderr}");
+    pool.close().await;
+    db.drop_db().await;
+}

@@ -2,7 +2,9 @@
 //! writes, drift and refresh, the fail-closed and warn paths, bad input, a
 //! relay delivering captured events in commit order per key, and the ways a
 //! change could pass without its event (a trigger that does not fire, the
-//! replica role, TRUNCATE), before and after an upgrade.
+//! replica role, TRUNCATE, a spec changed), before and after an upgrade;
+//! and partitioned tables, where a row that moves partitions reaches the
+//! triggers as a delete and an insert.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -1306,5 +1308,332 @@ async fn a_capture_of_a_renamed_table_can_be_removed() {
     assert_eq!(triggers, 0, "the renamed table kept a trigger");
     exec(&pool, "INSERT INTO orders_v2 (id, status) VALUES (1, 'new')").await;
     assert!(events(&pool).await.is_empty());
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+}
+
+/// Rows in `orders` now.
+async fn order_rows(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM orders")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Changing a capture's spec was a remove then an add, each committed on
+/// its own: a row inserted between the two commits had no event, no error
+/// and no drop count. A replace is one transaction under the table's lock,
+/// so writers inserting all along get one event for every row.
+#[tokio::test]
+async fn a_spec_replaced_while_writers_insert_loses_no_event() {
+    use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+    let (_db, pool) = database(ORDERS).await;
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let next_id = Arc::new(AtomicI64::new(1));
+    let writers: Vec<_> = (0..2)
+        .map(|_| {
+            let (pool, stop, next_id) = (pool.clone(), stop.clone(), next_id.clone());
+            tokio::spawn(async move {
+                let mut conn = pool.acquire().await.unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    sqlx::query("INSERT INTO orders (id, status, card_token) VALUES ($1, 'new', 'tok_secret')")
+                        .bind(next_id.fetch_add(1, Ordering::Relaxed))
+                        .execute(&mut *conn)
+                        .await
+                        .unwrap();
+                }
+            })
+        })
+        .collect();
+
+    let old = CaptureSpec::new("orders", "shop.order", "id");
+    let new = CaptureSpec::new("orders", "shop.v2.order", "id").exclude(["card_token"]);
+    let mut conn = pool.acquire().await.unwrap();
+    for spec in [&new, &old, &new, &old, &new, &old, &new] {
+        // Some rows under each spec, and writers busy at each replace.
+        let until = order_rows(&pool).await + 25;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while order_rows(&pool).await < until {
+            assert!(tokio::time::Instant::now() < deadline, "the writers stalled");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        assert_eq!(capture::replace(&mut conn, spec).await.unwrap(), "public.orders");
+    }
+    let until = order_rows(&pool).await + 25;
+    while order_rows(&pool).await < until {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+
+    let rows: Vec<i64> = sqlx::query_scalar("SELECT id FROM orders ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let mut per_row: HashMap<i64, Vec<String>> = HashMap::new();
+    for e in events(&pool).await {
+        per_row
+            .entry(e.key.unwrap().parse().unwrap())
+            .or_default()
+            .push(e.event_type);
+    }
+    let missing: Vec<i64> = rows.iter().copied().filter(|id| !per_row.contains_key(id)).collect();
+    assert!(
+        missing.is_empty(),
+        "{} of {} rows have no event: {missing:?}",
+        missing.len(),
+        rows.len()
+    );
+    assert_eq!(per_row.len(), rows.len(), "an event for a row that is not there");
+    for (id, types) in &per_row {
+        assert!(
+            types.len() == 1 && types[0].ends_with(".created"),
+            "row {id}: {types:?}"
+        );
+    }
+    // Both specs wrote events, and the last one holds now.
+    let prefixes: std::collections::HashSet<&str> = per_row.values().map(|t| t[0].as_str()).collect();
+    assert_eq!(prefixes.len(), 2, "{prefixes:?}");
+    let listed = capture::list(&mut conn).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].type_prefix, "shop.v2.order");
+    assert_eq!(listed[0].exclude, ["card_token"]);
+    exec(
+        &pool,
+        "INSERT INTO orders (id, status, card_token) VALUES (0, 'new', 'tok_secret')",
+    )
+    .await;
+    let last = events(&pool).await.pop().unwrap();
+    assert_eq!(last.event_type, "shop.v2.order.created");
+    assert_eq!(last.key.as_deref(), Some("0"));
+    assert!(last.payload["data"].get("card_token").is_none(), "{:?}", last.payload);
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+}
+
+/// A replace checks the new spec as an add does and leaves the old one in
+/// place when it refuses; it keeps the table's dropped-event count, and
+/// needs a table already captured. An add of a captured table points at it.
+#[tokio::test]
+async fn a_replace_keeps_the_capture_when_refused_and_the_dropped_count() {
+    let (_db, pool) = database(&format!(
+        "{ORDERS}; CREATE TABLE visits (id bigint PRIMARY KEY, page text)"
+    ))
+    .await;
+    let mut conn = pool.acquire().await.unwrap();
+    add(
+        &pool,
+        CaptureSpec::new("orders", "shop.order", "id").on_error(OnError::Warn),
+    )
+    .await
+    .unwrap();
+    exec(&pool, HUGE_INSERT).await;
+
+    let again = add(&pool, CaptureSpec::new("orders", "shop.v2.order", "id")).await;
+    match &again {
+        Err(CaptureError::Invalid { message, hint }) => {
+            assert!(message.contains("already captured"), "{message}");
+            assert!(hint.contains("`ferry capture add public.orders --replace`"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let bad = capture::replace(&mut conn, &CaptureSpec::new("orders", "Shop", "id")).await;
+    assert!(
+        matches!(&bad, Err(CaptureError::Invalid { message, .. }) if message.contains("type prefix 'Shop'")),
+        "{bad:?}"
+    );
+    let listed = capture::list(&mut conn).await.unwrap();
+    assert_eq!(
+        (listed[0].type_prefix.as_str(), listed[0].on_error.as_str()),
+        ("shop.order", "warn")
+    );
+    exec(&pool, "INSERT INTO orders (id, status) VALUES (2, 'new')").await;
+    assert_eq!(events(&pool).await.last().unwrap().event_type, "shop.order.created");
+
+    capture::replace(&mut conn, &CaptureSpec::new("orders", "shop.v2.order", "id"))
+        .await
+        .unwrap();
+    let listed = capture::list(&mut conn).await.unwrap();
+    assert_eq!(
+        (listed[0].type_prefix.as_str(), listed[0].on_error.as_str()),
+        ("shop.v2.order", "fail")
+    );
+    assert_eq!(listed[0].dropped, 1, "the drop warn mode made is still shown");
+
+    match capture::replace(&mut conn, &CaptureSpec::new("visits", "web.visit", "id")).await {
+        Err(CaptureError::Invalid { message, hint }) => {
+            assert!(message.contains("public.visits: not captured"), "{message}");
+            assert!(hint.contains("without --replace"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(capture::list(&mut conn).await.unwrap().len(), 1);
+}
+
+const READINGS: &str =
+    "CREATE TABLE readings (device text NOT NULL, at date NOT NULL, value int) PARTITION BY RANGE (at);
+     CREATE TABLE readings_2026 PARTITION OF readings FOR VALUES FROM ('2026-01-01') TO ('2027-01-01');
+     CREATE TABLE readings_2027 PARTITION OF readings FOR VALUES FROM ('2027-01-01') TO ('2028-01-01');";
+
+/// A row moved to another partition reaches triggers as a DELETE and an
+/// INSERT. Captured for deletes alone, the move sent `.deleted` for a row
+/// that still exists; for inserts alone, `.created` for one that already
+/// existed; for both, deleted and created though updates were not asked
+/// for. A partitioned table is captured for all three or not at all, and
+/// one captured otherwise before the upgrade is reported, with the replace
+/// that fixes it.
+#[tokio::test]
+async fn a_partitioned_table_is_captured_for_every_operation_or_reported() {
+    let (_db, pool) = database(READINGS).await;
+    for (table, ops, sends) in [
+        (
+            "readings",
+            vec![Operation::Delete],
+            "a deleted event for a row that still exists",
+        ),
+        (
+            "readings_2026",
+            vec![Operation::Insert],
+            "a created event for a row that already existed",
+        ),
+        (
+            "readings",
+            vec![Operation::Insert, Operation::Delete],
+            "a deleted and a created event",
+        ),
+    ] {
+        match add(&pool, CaptureSpec::new(table, "iot.reading", "device").on(ops.clone())).await {
+            Err(CaptureError::Invalid { message, hint }) => {
+                assert!(message.contains("moves a row to another partition"), "{message}");
+                assert!(message.contains(sends), "{message}");
+                assert!(hint.contains("--on insert,update,delete"), "{hint}");
+            }
+            other => panic!("{table} {ops:?}: {other:?}"),
+        }
+    }
+    assert!(
+        capture::list(&mut pool.acquire().await.unwrap())
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // Captured for deletes alone before the upgrade: a move is a `.deleted`
+    // for a row that is still there.
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate_up_to(&pool, 23).await;
+    exec(&pool, READINGS).await;
+    add(
+        &pool,
+        CaptureSpec::new("readings", "iot.reading", "device")
+            .exclude(["value"])
+            .on([Operation::Delete]),
+    )
+    .await
+    .unwrap();
+    exec(&pool, "INSERT INTO readings VALUES ('d1', '2026-03-01', 5)").await;
+    exec(&pool, "UPDATE readings SET at = '2027-03-01'").await;
+    let types: Vec<String> = events(&pool).await.into_iter().map(|e| e.event_type).collect();
+    assert_eq!(types, ["iot.reading.deleted"], "the row is still there");
+
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(migrate(&mut conn).await.unwrap().contains(&24));
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].table, "public.readings");
+    assert!(
+        found[0].problem.contains("captured for delete only")
+            && found[0].problem.contains("a deleted event for a row that still exists"),
+        "{found:?}"
+    );
+    assert_eq!(
+        found[0].fix,
+        "ferry capture add public.readings --replace --type-prefix iot.reading --key device \
+         --exclude value --on insert,update,delete"
+    );
+    capture::replace(
+        &mut conn,
+        &CaptureSpec::new("readings", "iot.reading", "device").exclude(["value"]),
+    )
+    .await
+    .unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec(&pool, "UPDATE readings SET at = '2026-03-01'").await;
+    let types: Vec<String> = events(&pool).await.into_iter().map(|e| e.event_type).collect();
+    assert_eq!(
+        types,
+        ["iot.reading.deleted", "iot.reading.deleted", "iot.reading.created"]
+    );
+}
+
+/// Partitioned so that a soft delete moves the row: the soft delete
+/// reached the triggers as a DELETE and an INSERT and arrived as `.deleted`
+/// then `.created`, the row alive again. A trigger cannot tell that move
+/// from a delete and an insert, so a partitioned table takes no
+/// soft-delete column, and one captured with it before the upgrade is
+/// reported.
+#[tokio::test]
+async fn a_partitioned_table_takes_no_soft_delete_column() {
+    const ACCOUNTS: &str = "CREATE TABLE accounts (id bigint NOT NULL, name text, deleted_at timestamptz)
+                                PARTITION BY LIST ((deleted_at IS NULL));
+                            CREATE TABLE accounts_live PARTITION OF accounts FOR VALUES IN (true);
+                            CREATE TABLE accounts_gone PARTITION OF accounts FOR VALUES IN (false);";
+    let (_db, pool) = database(ACCOUNTS).await;
+    for table in ["accounts", "accounts_live"] {
+        match add(
+            &pool,
+            CaptureSpec::new(table, "crm.account", "id").soft_delete("deleted_at"),
+        )
+        .await
+        {
+            Err(CaptureError::Invalid { message, hint }) => {
+                assert!(message.contains("soft-delete column deleted_at"), "{message}");
+                assert!(message.contains("alive again"), "{message}");
+                assert!(hint.contains("leave out --soft-delete"), "{hint}");
+            }
+            other => panic!("{table}: {other:?}"),
+        }
+    }
+
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate_up_to(&pool, 23).await;
+    exec(&pool, ACCOUNTS).await;
+    add(
+        &pool,
+        CaptureSpec::new("accounts", "crm.account", "id").soft_delete("deleted_at"),
+    )
+    .await
+    .unwrap();
+    exec(&pool, "INSERT INTO accounts (id, name) VALUES (1, 'ada')").await;
+    exec(&pool, "UPDATE accounts SET deleted_at = now() WHERE id = 1").await;
+    let types: Vec<String> = events(&pool).await.into_iter().map(|e| e.event_type).collect();
+    assert_eq!(
+        types,
+        ["crm.account.created", "crm.account.deleted", "crm.account.created"],
+        "the soft-deleted row arrived alive again"
+    );
+
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(migrate(&mut conn).await.unwrap().contains(&24));
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(
+        found[0].problem.contains("soft-delete column deleted_at") && found[0].problem.contains("alive again"),
+        "{found:?}"
+    );
+    assert_eq!(
+        found[0].fix,
+        "ferry capture add public.accounts --replace --type-prefix crm.account --key id \
+         --on insert,update,delete"
+    );
+    capture::replace(&mut conn, &CaptureSpec::new("accounts", "crm.account", "id"))
+        .await
+        .unwrap();
     assert!(capture::check(&mut conn).await.unwrap().is_empty());
 }

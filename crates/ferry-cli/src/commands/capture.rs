@@ -19,7 +19,8 @@ pub struct CaptureArgs {
 #[derive(Debug, clap::Subcommand)]
 pub enum CaptureCommand {
     /// Install a trigger that writes `<prefix>.created`, `.updated` and
-    /// `.deleted` events for TABLE's changes, in the same transaction.
+    /// `.deleted` events for TABLE's changes, in the same transaction;
+    /// with --replace, change the spec of a table already captured.
     Add(AddArgs),
     /// Regenerate the trigger of TABLE (all captured tables when left out)
     /// from the table's columns now; run it after a schema change.
@@ -66,6 +67,12 @@ pub struct AddArgs {
     /// counted and shown by `ferry capture list`).
     #[arg(long, value_enum, default_value_t = OnErrorArg::Fail)]
     pub on_error: OnErrorArg,
+    /// TABLE is captured already: give it this spec instead, in one
+    /// transaction under the table's lock, so that every change commits
+    /// with the old spec's events or the new one's. (A remove then an add
+    /// would let changes commit between the two with no event.)
+    #[arg(long)]
+    pub replace: bool,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -98,10 +105,16 @@ pub async fn run(cfg: &Config, args: CaptureArgs) -> anyhow::Result<ExitCode> {
                     OnErrorArg::Warn => OnError::Warn,
                 },
             };
-            let table = capture::add(&mut conn, &spec).await.map_err(usage)?;
+            let table = if add.replace {
+                capture::replace(&mut conn, &spec).await
+            } else {
+                capture::add(&mut conn, &spec).await
+            }
+            .map_err(usage)?;
             let ops: Vec<&str> = spec.on.iter().map(|op| op.as_str()).collect();
             println!(
-                "capturing {table}: {} as {}.* events keyed by {}",
+                "capturing {table}{}: {} as {}.* events keyed by {}",
+                if add.replace { " (spec replaced)" } else { "" },
                 ops.join(", "),
                 spec.type_prefix,
                 spec.key_column

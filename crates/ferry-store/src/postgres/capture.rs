@@ -16,6 +16,16 @@
 //! [`refresh`] regenerates (in SQL, `SELECT ferry.capture_refresh('t')` does
 //! the same inside the migration that altered the table).
 //!
+//! [`replace`] changes a capture's spec in one transaction, with no moment
+//! between the old triggers and the new in which a change commits without
+//! its event.
+//!
+//! A partitioned table, or a partition, is captured for all three
+//! operations and without a soft-delete column: PostgreSQL runs an UPDATE
+//! that moves a row to another partition as a DELETE and an INSERT, which
+//! then arrive as the row deleted and created, and any narrower spec would
+//! turn such a move into a wrong event (or none).
+//!
 //! By default a trigger fails closed: when the event cannot be written, the
 //! business statement fails too. [`OnError::Warn`] keeps the write and drops
 //! the event instead: lossy, counted in [`Capture::dropped`]. The triggers
@@ -111,8 +121,10 @@ pub struct CaptureSpec {
     /// Columns left out of payloads (secrets, large blobs); never the key.
     pub exclude: Vec<String>,
     /// A column whose change from NULL to a value is a `.deleted` event.
+    /// Refused on a partitioned table, where a move between partitions
+    /// would turn a soft-deleted row into a created one.
     pub soft_delete: Option<String>,
-    /// The operations that write events.
+    /// The operations that write events: all three on a partitioned table.
     pub on: Vec<Operation>,
     pub on_error: OnError,
 }
@@ -234,10 +246,26 @@ const LOCK_TIMEOUT: &str = "5s";
 /// Starts capturing `spec.table` and returns its name as [`list`] prints it.
 /// Installs the trigger, which takes a brief exclusive lock on the table.
 pub async fn add(conn: &mut PgConnection, spec: &CaptureSpec) -> Result<String, CaptureError> {
+    install(conn, "SELECT ferry.capture_add($1, $2, $3, $4, $5, $6, $7)", spec).await
+}
+
+/// Gives the table `spec.table`, captured already, the spec `spec` in one
+/// transaction, under the table's exclusive lock from the old triggers'
+/// removal to the new ones' commit: every change of the table commits with
+/// the old spec's events or the new one's. ([`remove`] then [`add`] would
+/// let a change commit between the two with no event.) The spec is checked
+/// as [`add`] checks it, and a refused one leaves the capture as it was;
+/// the table's dropped-event count is kept. Returns the table's name as
+/// [`list`] prints it.
+pub async fn replace(conn: &mut PgConnection, spec: &CaptureSpec) -> Result<String, CaptureError> {
+    install(conn, "SELECT ferry.capture_replace($1, $2, $3, $4, $5, $6, $7)", spec).await
+}
+
+async fn install(conn: &mut PgConnection, sql: &'static str, spec: &CaptureSpec) -> Result<String, CaptureError> {
     let on: Vec<&str> = spec.on.iter().map(|op| op.as_str()).collect();
     let mut tx = conn.begin().await?;
     limit_lock_wait(&mut tx).await?;
-    let table: String = sqlx::query_scalar("SELECT ferry.capture_add($1, $2, $3, $4, $5, $6, $7)")
+    let table: String = sqlx::query_scalar(sql)
         .bind(&spec.table)
         .bind(&spec.type_prefix)
         .bind(&spec.key_column)

@@ -49,6 +49,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     ),
     (22, "capture_gaps", include_str!("migrations/0022_capture_gaps.sql")),
     (23, "header_limit", include_str!("migrations/0023_header_limit.sql")),
+    (
+        24,
+        "capture_replace",
+        include_str!("migrations/0024_capture_replace.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]
