@@ -17,9 +17,7 @@ use ferry_core::{EventId, RetryPolicy};
 use futures::FutureExt;
 #[cfg(feature = "postgres")]
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
-#[cfg(feature = "postgres")]
-use tracing::error;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use crate::HandlerError;
 #[cfg(feature = "postgres")]
@@ -38,6 +36,12 @@ const FAIL: &str = include_str!("sql/fail.sql");
 const PURGE: &str = include_str!("sql/purge.sql");
 #[cfg(feature = "postgres")]
 const LEFT: &str = include_str!("sql/left.sql");
+#[cfg(feature = "postgres")]
+const START: &str = include_str!("sql/start.sql");
+#[cfg(feature = "postgres")]
+const ABANDONED: &str = include_str!("sql/abandoned.sql");
+#[cfg(feature = "postgres")]
+const ROLLED_BACK: &str = include_str!("sql/rolled_back.sql");
 /// How long an attempt waits by default for the event's row while another
 /// attempt holds it.
 #[cfg(feature = "postgres")]
@@ -216,6 +220,59 @@ pub(crate) fn committed_by_handler(failure: Option<HandlerError>) -> String {
          transaction; not retried, since a retry would apply the first writes again: let the inbox commit, \
          check the event's effects, and release it only if it must run again"
     )
+}
+
+/// The dead letter's reason for an event whose handler ran `ROLLBACK`
+/// itself (and then returned `failure`, if it did), in either inbox.
+pub(crate) fn rolled_back_by_handler(failure: Option<HandlerError>) -> String {
+    let then = failure.map_or_else(String::new, |e| format!(" and then failed ({e})"));
+    format!(
+        "the handler ended the inbox's transaction itself (ROLLBACK inside the handler){then}: the event's inbox \
+         row went with it, and whatever the handler wrote after the ROLLBACK committed on its own, outside the \
+         inbox's transaction; not retried, since a retry would apply those writes again: return an error to roll \
+         back, check the event's effects, and release it only if it must run again"
+    )
+}
+
+/// Whether an attempt about to start at an event is past the policy's
+/// attempts: `attempts` finished before it and `unfinished` started and did
+/// not finish, this one included. Every attempt counts, the ones the
+/// process died in too. Returns the dead letter's reason if so.
+pub(crate) fn past_attempts(attempts: i32, unfinished: i32, policy: &RetryPolicy) -> Option<String> {
+    let started = i64::from(attempts) + i64::from(unfinished);
+    if started <= i64::from(policy.max_attempts.max(1)) {
+        return None;
+    }
+    let stopped = unfinished - 1;
+    let failed = if attempts > 0 {
+        format!(", after {attempts} that failed")
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "{stopped} attempts did not finish{failed}: the process stopped while handling this event (a crash, an \
+         out-of-memory kill, kill -9, an abort); max attempts ({}) reached, the handler is not run again: find \
+         what stops the process, then release the event",
+        policy.max_attempts
+    ))
+}
+
+/// Logs a mark that found earlier attempts unfinished, and the decision.
+pub(crate) fn log_unfinished(consumer: &str, id: EventId, attempts: i32, unfinished: i32, dead: Option<&str>) {
+    match dead {
+        Some(reason) => {
+            metrics::dead(consumer);
+            error!(consumer = %consumer, event = %id, attempts, unfinished = unfinished - 1, %reason, "dead unrun");
+        }
+        None if unfinished > 1 => warn!(
+            consumer = %consumer,
+            event = %id,
+            attempts,
+            unfinished = unfinished - 1,
+            "earlier attempts at this event did not finish (the process stopped while handling it); trying again"
+        ),
+        None => {}
+    }
 }
 
 /// Runs a handler's future, turning a panic into a failed attempt: left to
@@ -441,13 +498,14 @@ impl Inbox {
     ///
     /// The handler writes through the transaction it is given and leaves it
     /// open: the inbox commits it. A handler that returns `Ok` from a
-    /// transaction a failed statement aborted, or that ran `ROLLBACK`, has
-    /// a failed attempt, retried. One that ran `COMMIT` committed the inbox
-    /// row with its writes up to there, and nothing after it is atomic with
-    /// them: the event is recorded [`Outcome::Dead`] with a reason naming
-    /// the bug, never retried (which would repeat those writes) nor
-    /// acknowledged as processed. A handler that panics has a failed
-    /// attempt, its transaction rolled back.
+    /// transaction a failed statement aborted has a failed attempt,
+    /// retried. One that ran `COMMIT` committed the inbox row with its
+    /// writes up to there, and one that ran `ROLLBACK` lost the row; either
+    /// way nothing it wrote afterwards is atomic with the row: the event is
+    /// recorded [`Outcome::Dead`] with a reason naming the bug, never
+    /// retried (which would repeat those writes) nor acknowledged as
+    /// processed. A handler that panics has a failed attempt, its
+    /// transaction rolled back.
     ///
     /// ```no_run
     /// # async fn demo(inbox: ferry_inbox::Inbox, event: ferry_inbox::ReceivedEvent) -> Result<(), ferry_inbox::InboxError> {
@@ -464,12 +522,78 @@ impl Inbox {
         event: &ReceivedEvent,
         handler: impl AsyncFnOnce(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
     ) -> Result<Outcome, InboxError> {
-        self.run(event, async |tx| handler(tx, event).await).await
+        self.run(event, false, async |tx| handler(tx, event).await).await
     }
 
+    /// [`process`](Self::process) for a delivery the broker may have handed
+    /// out before: a redelivery, or a record read again after a restart.
+    ///
+    /// An attempt is counted in the handler's transaction, so one the
+    /// process dies in (killed, out of memory, aborted inside the handler)
+    /// leaves no count, and the broker hands the event out again, for ever.
+    /// This first records, in a statement of its own committed before the
+    /// handler runs, that an attempt starts; a finished attempt clears that
+    /// mark. Unfinished attempts count toward the retry policy's
+    /// `max_attempts` like failed ones: past it the event is
+    /// [`Outcome::Dead`] without running the handler again. A mark costs a
+    /// transaction, so the runners mark only what may be a replay
+    /// (RabbitMQ `redelivered`, a NATS delivery count above 1, a Redis
+    /// entry pending or claimed, a Kafka partition's records after an
+    /// assignment until one is processed anew). A first delivery is not
+    /// marked, so an event whose handler kills the process is run at most
+    /// `max_attempts + 1` times.
+    pub async fn process_redelivered(
+        &self,
+        event: &ReceivedEvent,
+        handler: impl AsyncFnOnce(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+    ) -> Result<Outcome, InboxError> {
+        match self.start(event).await? {
+            Some(outcome) => Ok(outcome),
+            None => self.run(event, true, async |tx| handler(tx, event).await).await,
+        }
+    }
+
+    /// Marks an attempt's start (`start.sql`). `None` to run the handler;
+    /// otherwise the outcome without it: the event done or dead, past its
+    /// attempts, or held by another attempt.
+    async fn start(&self, event: &ReceivedEvent) -> Result<Option<Outcome>, InboxError> {
+        let mut tx = self.begin().await?;
+        let marked: Result<Option<(i32, i32)>, sqlx::Error> = sqlx::query_as(START)
+            .bind(&self.consumer)
+            .bind(event.id.0)
+            .bind(stored_type(&event.event_type))
+            .fetch_optional(&mut *tx)
+            .await;
+        let (attempts, unfinished) = match marked {
+            Ok(Some(marked)) => marked,
+            Ok(None) => return self.recorded_in(tx, event.id).await.map(Some),
+            Err(e) if lock_not_available(&e) => return Ok(Some(self.in_progress(event.id))),
+            Err(e) => return Err(e.into()),
+        };
+        let Some(reason) = past_attempts(attempts, unfinished, &self.retry) else {
+            tx.commit().await?;
+            log_unfinished(&self.consumer, event.id, attempts, unfinished, None);
+            return Ok(None);
+        };
+        let attempts: i32 = sqlx::query_scalar(ABANDONED)
+            .bind(&self.consumer)
+            .bind(event.id.0)
+            .bind(&reason)
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        log_unfinished(&self.consumer, event.id, attempts, unfinished, Some(&reason));
+        Ok(Some(Outcome::Dead {
+            attempts: u32::try_from(attempts).unwrap_or(0),
+            reason,
+        }))
+    }
+
+    /// Runs one attempt; `marked` when [`start`](Self::start) marked it.
     async fn run(
         &self,
         event: &ReceivedEvent,
+        marked: bool,
         handler: impl AsyncFnOnce(&mut PgConnection) -> Result<(), HandlerError>,
     ) -> Result<Outcome, InboxError> {
         let mut tx = self.begin().await?;
@@ -493,6 +617,7 @@ impl Inbox {
             .bind(event.id.0)
             .bind(stored_type(&event.event_type))
             .bind(statement_timeout)
+            .bind(marked)
             .fetch_optional(&mut *tx)
             .await;
         let claimed = match claimed {
@@ -525,7 +650,7 @@ impl Inbox {
                 // connection: open, the transaction would hold the event's
                 // row, and the count would wait on it for ever.
                 let _ = tx.rollback().await;
-                return self.lost_mid_attempt(event, lost).await;
+                return self.lost_mid_attempt(event, lost, marked).await;
             }
         };
         let error = match (result, left) {
@@ -559,21 +684,20 @@ impl Inbox {
                     return Ok(Outcome::Processed);
                 }
                 Ok(Some(error)) => error,
-                Err(lost) => return self.lost_mid_attempt(event, lost).await,
+                Err(lost) => return self.lost_mid_attempt(event, lost, marked).await,
             },
-            (Ok(()), Left::RolledBack) => {
+            (result, Left::RolledBack) => {
+                // Nothing to end: the handler's ROLLBACK did (PostgreSQL
+                // warns), and its writes after it committed one by one.
                 tx.rollback().await?;
-                HandlerError::transient(
-                    "the handler ended the inbox's transaction itself (ROLLBACK inside the handler); \
-                     its writes are not recorded with the event: let the inbox commit",
-                )
+                return self.rolled_back_by_handler(event, result.err(), marked).await;
             }
-            (Err(error), _) => {
+            (Err(error), Left::Open) => {
                 tx.rollback().await?;
                 error
             }
         };
-        self.failed(event, &error).await
+        self.failed(event, &error, marked).await
     }
 
     /// Begins one of the inbox's transactions, with `lock_timeout` set to
@@ -643,12 +767,17 @@ impl Inbox {
     /// session goes dead after its attempts rather than being put back for
     /// ever, uncounted, as an outage. Only when the database cannot be
     /// reached for that either is it one.
-    async fn lost_mid_attempt(&self, event: &ReceivedEvent, lost: InboxError) -> Result<Outcome, InboxError> {
+    async fn lost_mid_attempt(
+        &self,
+        event: &ReceivedEvent,
+        lost: InboxError,
+        marked: bool,
+    ) -> Result<Outcome, InboxError> {
         let error = HandlerError::transient(format!(
             "the database connection failed during the attempt ({lost}); the handler's writes, uncommitted, \
              are gone"
         ));
-        match self.failed(event, &error).await {
+        match self.failed(event, &error, marked).await {
             Ok(outcome) => Ok(outcome),
             Err(_) => Err(lost),
         }
@@ -702,6 +831,44 @@ impl Inbox {
         })
     }
 
+    /// The handler ran `ROLLBACK` itself, which took the event's claim with
+    /// it, and whatever it wrote afterwards committed statement by
+    /// statement, outside the inbox's transaction: a retry would apply
+    /// those writes again. As for a `COMMIT` inside the handler, the event
+    /// is recorded dead, the attempt counted, and dead-lettered with the
+    /// reason.
+    async fn rolled_back_by_handler(
+        &self,
+        event: &ReceivedEvent,
+        failure: Option<HandlerError>,
+        marked: bool,
+    ) -> Result<Outcome, InboxError> {
+        let reason = rolled_back_by_handler(failure);
+        let mut tx = self.begin().await?;
+        let recorded: Result<Option<i32>, sqlx::Error> = sqlx::query_scalar(ROLLED_BACK)
+            .bind(&self.consumer)
+            .bind(event.id.0)
+            .bind(stored_type(&event.event_type))
+            .bind(&reason)
+            .bind(marked)
+            .fetch_optional(&mut *tx)
+            .await;
+        let attempts = match recorded {
+            Ok(Some(attempts)) => attempts,
+            // Another delivery of the event finished it meanwhile.
+            Ok(None) => return self.recorded_in(tx, event.id).await,
+            Err(e) if lock_not_available(&e) => return Ok(self.in_progress(event.id)),
+            Err(e) => return Err(e.into()),
+        };
+        tx.commit().await?;
+        metrics::dead(&self.consumer);
+        error!(consumer = %self.consumer, event = %event.id, attempts, %reason, "handler bug: dead");
+        Ok(Outcome::Dead {
+            attempts: u32::try_from(attempts).unwrap_or(0),
+            reason,
+        })
+    }
+
     /// A row exists and is done or dead.
     async fn already_recorded(&self, id: EventId) -> Result<Outcome, InboxError> {
         let record = record_on(&self.pool, &self.consumer, id).await?;
@@ -731,13 +898,14 @@ impl Inbox {
     /// Another attempt may have claimed the row since this one's rolled
     /// back; should it hold it past the lock timeout, this failure goes
     /// uncounted ([`Outcome::InProgress`]): that attempt's own is.
-    async fn failed(&self, event: &ReceivedEvent, error: &HandlerError) -> Result<Outcome, InboxError> {
+    async fn failed(&self, event: &ReceivedEvent, error: &HandlerError, marked: bool) -> Result<Outcome, InboxError> {
         let mut tx = self.begin().await?;
         let counted: Result<Option<i32>, sqlx::Error> = sqlx::query_scalar(FAIL)
             .bind(&self.consumer)
             .bind(event.id.0)
             .bind(stored_type(&event.event_type))
             .bind(error.message())
+            .bind(marked)
             .fetch_optional(&mut *tx)
             .await;
         let counted = match counted {

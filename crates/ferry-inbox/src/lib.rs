@@ -14,6 +14,12 @@
 //!   its row (a consumer stalled with its transaction open) waits at most
 //!   the inbox's lock timeout, then is [`Outcome::InProgress`]: not an
 //!   attempt, left to the broker for later.
+//! - An attempt the process dies in (killed, out of memory, aborted inside
+//!   the handler) rolls its count back with its claim; so for a delivery
+//!   that may be a replay, [`Inbox::process_redelivered`] first marks the
+//!   attempt's start in a transaction of its own, and past the policy's
+//!   attempts, finished or not, the event is dead without running again.
+//!   The runners mark only what may be a replay.
 //! - Runners, one per broker behind a feature, consume, decode, call the
 //!   inbox and acknowledge only after its commit: `rabbitmq`, `redis`
 //!   (Streams), `nats` (JetStream) and `kafka`. They drive the PostgreSQL

@@ -282,29 +282,64 @@ async fn a_handler_that_swallows_a_failed_statement_is_retried_not_acknowledged(
     assert_eq!(effects(&e.pool, ev.id).await, 0);
     assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "failing");
 
-    // A handler that ends the transaction itself is refused the same way.
-    let outcome = inbox
-        .process(&ev, async |tx, ev| {
-            effect(tx, ev, "billing").await?;
-            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
-            Ok(())
-        })
-        .await
-        .unwrap();
-    match outcome {
-        Outcome::Retry { attempts: 2, error, .. } => {
-            assert!(error.contains("ended the inbox's transaction"), "{error}")
-        }
-        other => panic!("{other:?}"),
-    }
-    assert_eq!(effects(&e.pool, ev.id).await, 0);
-
     let outcome = inbox
         .process(&ev, async |tx, ev| effect(tx, ev, "billing").await)
         .await
         .unwrap();
     assert_eq!(outcome, Outcome::Processed);
     assert_eq!(effects(&e.pool, ev.id).await, 1);
+}
+
+/// A handler that runs `ROLLBACK` itself takes the inbox row with it, and
+/// what it writes afterwards commits statement by statement, outside the
+/// inbox's transaction. Counted a transient failure, it was retried, and
+/// each retry applied those writes again. Like a `COMMIT` inside the
+/// handler, it is dead at once, the attempt counted, and never run again.
+#[tokio::test]
+async fn a_handler_that_rolls_back_itself_is_dead_not_retried() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ev = event();
+    let runs = AtomicU32::new(0);
+    let rollback_then_write = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+        effect(tx, ev, "billing").await
+    };
+    for _ in 0..3 {
+        match inbox.process(&ev, rollback_then_write).await.unwrap() {
+            Outcome::Dead { attempts: 1, reason } => {
+                assert!(reason.contains("ROLLBACK inside the handler"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(effects(&e.pool, ev.id).await, 1, "the write after the ROLLBACK, once");
+    let r = inbox.record(ev.id).await.unwrap().unwrap();
+    assert_eq!((r.state.as_str(), r.attempts), ("dead", 1));
+
+    // After a failure, and failing itself: dead all the same, both counted.
+    let ev = event();
+    let outcome = inbox
+        .process(&ev, async |_, _| Err(HandlerError::transient("not yet")))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 1, .. }), "{outcome:?}");
+    let outcome = inbox
+        .process(&ev, async |tx, ev| {
+            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+            effect(tx, ev, "billing").await?;
+            Err(HandlerError::transient("boom"))
+        })
+        .await
+        .unwrap();
+    match outcome {
+        Outcome::Dead { attempts: 2, reason } => assert!(reason.contains("and then failed (boom)"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+    assert_eq!(inbox.record(ev.id).await.unwrap().unwrap().state, "dead");
 }
 
 /// A handler that runs `COMMIT` itself commits the inbox row early, with the
@@ -968,4 +1003,139 @@ async fn every_outcome_is_counted_per_consumer() {
     assert_eq!(get(RETRIES), 2);
     // Dead at the third attempt, and again when redelivered after that.
     assert_eq!(get(DEAD), 2);
+}
+
+/// An attempt the process dies in: the handler entered, then the attempt's
+/// future dropped where it stands, its transaction never ended by the
+/// inbox (the connection rolls it back), as when the process is killed.
+async fn dies_in_handler(inbox: &Inbox, ev: &ReceivedEvent) {
+    let entered = tokio::sync::Notify::new();
+    let attempt = inbox.process_redelivered(ev, async |_, _| {
+        entered.notify_one();
+        std::future::pending().await
+    });
+    tokio::select! {
+        outcome = attempt => panic!("the attempt ended: {outcome:?}"),
+        () = entered.notified() => {}
+    }
+}
+
+/// The row's (state, attempts, unfinished).
+async fn marks(pool: &PgPool, id: EventId) -> (String, i32, i32) {
+    sqlx::query_as("SELECT state, attempts, unfinished FROM ferry.inbox WHERE consumer = 'billing' AND event_id = $1")
+        .bind(id.0)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// An attempt the process died in rolled back its claim and, with it, the
+/// count: an event whose handler kills the process was tried for ever. A
+/// delivery that may be a replay marks its attempt's start first; past
+/// `max_attempts` started attempts the event is dead, the handler not run.
+#[tokio::test]
+async fn attempts_the_process_died_in_are_counted_and_the_event_dies_unrun() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ev = event();
+    for n in 1..=3 {
+        dies_in_handler(&inbox, &ev).await;
+        assert_eq!(marks(&e.pool, ev.id).await, ("failing".into(), 0, n));
+    }
+    let runs = AtomicU32::new(0);
+    let handler = async |tx: &mut PgConnection, ev: &ReceivedEvent| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        effect(tx, ev, "billing").await
+    };
+    let reason = match inbox.process_redelivered(&ev, handler).await.unwrap() {
+        Outcome::Dead { attempts: 3, reason } => reason,
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        reason.starts_with("3 attempts did not finish: the process stopped while handling this event"),
+        "{reason}"
+    );
+    assert_eq!(marks(&e.pool, ev.id).await, ("dead".into(), 3, 0));
+    assert_eq!(
+        inbox.record(ev.id).await.unwrap().unwrap().last_error,
+        Some(reason.clone())
+    );
+    // Dead for every later delivery, marked or not; never run.
+    for outcome in [
+        inbox.process_redelivered(&ev, handler).await.unwrap(),
+        inbox.process(&ev, handler).await.unwrap(),
+    ] {
+        assert_eq!(
+            outcome,
+            Outcome::Dead {
+                attempts: 3,
+                reason: reason.clone()
+            }
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(effects(&e.pool, ev.id).await, 0);
+
+    // Failed and unfinished attempts add up: one failure, two deaths.
+    let ev = event();
+    let outcome = inbox
+        .process(&ev, async |_, _| Err(HandlerError::transient("boom")))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 1, .. }), "{outcome:?}");
+    dies_in_handler(&inbox, &ev).await;
+    dies_in_handler(&inbox, &ev).await;
+    match inbox.process_redelivered(&ev, handler).await.unwrap() {
+        Outcome::Dead { attempts: 3, reason } => {
+            assert!(
+                reason.starts_with("2 attempts did not finish, after 1 that failed"),
+                "{reason}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+/// A finished attempt, failed or done, clears the marks of those the
+/// process died in before it, and counts them, once.
+#[tokio::test]
+async fn a_finished_attempt_counts_the_unfinished_ones_and_clears_them() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(5));
+    let ev = event();
+    dies_in_handler(&inbox, &ev).await;
+    let outcome = inbox
+        .process_redelivered(&ev, async |_, _| Err(HandlerError::transient("boom")))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 2, .. }), "{outcome:?}");
+    assert_eq!(marks(&e.pool, ev.id).await, ("failing".into(), 2, 0));
+    dies_in_handler(&inbox, &ev).await;
+    assert_eq!(marks(&e.pool, ev.id).await, ("failing".into(), 2, 1));
+    let outcome = inbox
+        .process_redelivered(&ev, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Processed);
+    assert_eq!(marks(&e.pool, ev.id).await, ("done".into(), 4, 0));
+    // A done event is a duplicate; the mark changes nothing.
+    let outcome = inbox
+        .process_redelivered(&ev, async |tx, ev| effect(tx, ev, "billing").await)
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Duplicate);
+    assert_eq!(marks(&e.pool, ev.id).await, ("done".into(), 4, 0));
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
+
+    // An attempt not marked (a first delivery) counts the unfinished ones
+    // before it too, and its own.
+    let ev = event();
+    dies_in_handler(&inbox, &ev).await;
+    let outcome = inbox
+        .process(&ev, async |_, _| Err(HandlerError::transient("boom")))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 2, .. }), "{outcome:?}");
+    assert_eq!(marks(&e.pool, ev.id).await, ("failing".into(), 2, 0));
 }

@@ -807,3 +807,80 @@ async fn a_record_near_the_size_limit_is_dead_lettered() {
         .unwrap();
     assert_eq!(report.dead, 1, "{report:?}");
 }
+
+/// A handler that kills its process (a crash in C code, an out-of-memory
+/// kill, kill -9) rolled its attempt back, count and all: the member that
+/// took the partition next read the record again from the committed
+/// offset and died on it too, for ever, the partition wedged on every
+/// member. Here each member dies in the handler (its future dropped
+/// mid-attempt); after an assignment the partition's records are marked
+/// before they run, and past the inbox's attempts the record is
+/// dead-lettered unrun, the partition moves on, every other event applied
+/// once.
+#[tokio::test]
+async fn a_record_whose_handler_kills_the_process_is_dead_lettered_after_its_attempts() {
+    const N: i64 = 10;
+    const KILLER: i64 = 4;
+    const ATTEMPTS: u32 = 2;
+    let env = Env::new("inbox-kafka-killer").await;
+    let inbox = env.db.inbox_giving_up_after(ATTEMPTS);
+    let mut options = env.options();
+    options.extra.insert("session.timeout.ms".into(), "6000".into());
+    // One key: one partition, the killer behind records processed first.
+    let events = (0..N)
+        .map(|n| Event::new("order.item.created", json!({ "n": n })).key("k"))
+        .collect();
+    let relay = env.relay(&["orders"]);
+    let ids = env.db.produce(events).await;
+    env.db.all_published(N).await;
+    relay.stop().await;
+
+    let runs = AtomicU32::new(0);
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if number(event) == KILLER {
+            runs.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+        }
+        effect(tx, event).await
+    };
+    // The first member reaches the killer after records it processed anew,
+    // so it does not mark it: one more death than the attempts.
+    for life in 1..=ATTEMPTS + 1 {
+        let consumer = KafkaConsumer::new(inbox.clone(), options.clone()).unwrap();
+        tokio::select! {
+            report = consumer.run(handler, std::future::pending()) => panic!("the consumer stopped: {report:?}"),
+            () = wait("the handler to take the killer record", || async { runs.load(Ordering::SeqCst) == life }) => {}
+        }
+    }
+    let consumer = KafkaConsumer::new(inbox.clone(), options).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(handler, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        wait(
+            "the killer dead, the rest applied (or the killer run again)",
+            || async {
+                let applied = env.db.scalar("SELECT count(*) FROM effects").await;
+                (consumer.report().dead == 1 && applied == N - 1) || runs.load(Ordering::SeqCst) > ATTEMPTS + 1
+            },
+        )
+        .await;
+        // Run again, the handler never returns, and neither would the stop.
+        assert_eq!(runs.load(Ordering::SeqCst), ATTEMPTS + 1, "the handler ran again");
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!(report.dead, 1, "{report:?}");
+    env.db.assert_effects_once(N as usize - 1).await;
+    env.assert_effects_in_key_order().await;
+    let record = inbox.record(ids[KILLER as usize]).await.unwrap().unwrap();
+    assert_eq!((record.state.as_str(), record.attempts), ("dead", ATTEMPTS as i32));
+    let dead = env.dead_letters(1).await;
+    let reason = &dead[0].0[DEAD_REASON_HEADER];
+    assert!(
+        reason.starts_with("2 attempts did not finish: the process stopped while handling this event"),
+        "{reason}"
+    );
+}

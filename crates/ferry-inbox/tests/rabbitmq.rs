@@ -6,6 +6,7 @@
 mod support;
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -745,5 +746,134 @@ async fn a_dead_letter_exchange_deleted_while_running_stops_the_consumer() {
     );
     assert_eq!(consumer.report().reconnects, 0);
     wait("the message back in the queue", || async { env.ready().await == 1 }).await;
+    env.cleanup().await;
+}
+
+/// A handler that kills its process (a crash in C code, an out-of-memory
+/// kill, kill -9) rolled its attempt back, count and all: the message came
+/// back redelivered, killed the next consumer, and so on for ever, nothing
+/// dead-lettered. Here each consumer dies in the handler (its future
+/// dropped mid-attempt, its connection cut); redelivered, the event's
+/// attempts are marked before they run, and past the inbox's attempts it
+/// is dead-lettered unrun, the others of the batch applied once.
+#[tokio::test]
+async fn an_event_whose_handler_kills_the_process_is_dead_lettered_after_its_attempts() {
+    const N: i64 = 10;
+    const KILLER: i64 = 4;
+    const ATTEMPTS: u32 = 2;
+    let env = Env::new("inbox-killer").await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap()).unwrap();
+    let options = env.options(amqp_url().replacen("127.0.0.1:5672", &proxy.addr().to_string(), 1));
+    let inbox = env.db.inbox_giving_up_after(ATTEMPTS);
+    env.declare(&RabbitMqConsumer::new(inbox.clone(), options.clone()).unwrap())
+        .await;
+    let relay = env.relay(&["orders"]);
+    let events = (0..N)
+        .map(|n| Event::new("order.item.created", json!({ "n": n })))
+        .collect();
+    let ids = env.db.produce(events).await;
+    env.db.all_published(N).await;
+    relay.stop().await;
+
+    let runs = AtomicU32::new(0);
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if number(event) == KILLER {
+            runs.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+        }
+        effect(tx, event).await
+    };
+    // The first delivery is not marked (only a redelivery is): one more
+    // death than the attempts.
+    for life in 1..=ATTEMPTS + 1 {
+        let consumer = RabbitMqConsumer::new(inbox.clone(), options.clone()).unwrap();
+        tokio::select! {
+            report = consumer.run(handler, std::future::pending()) => panic!("the consumer stopped: {report:?}"),
+            () = wait("the handler to take the killer event", || async { runs.load(Ordering::SeqCst) == life }) => {}
+        }
+        proxy.cut();
+    }
+    let consumer = RabbitMqConsumer::new(inbox.clone(), options).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(handler, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        wait(
+            "the killer dead, the rest applied (or the killer run again)",
+            || async {
+                let applied = env.db.scalar("SELECT count(*) FROM effects").await;
+                (consumer.report().dead == 1 && applied == N - 1) || runs.load(Ordering::SeqCst) > ATTEMPTS + 1
+            },
+        )
+        .await;
+        // Run again, the handler never returns, and neither would the stop.
+        assert_eq!(runs.load(Ordering::SeqCst), ATTEMPTS + 1, "the handler ran again");
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!(report.dead, 1, "{report:?}");
+    env.db.assert_effects_once(N as usize - 1).await;
+    let record = inbox.record(ids[KILLER as usize]).await.unwrap().unwrap();
+    assert_eq!((record.state.as_str(), record.attempts), ("dead", ATTEMPTS as i32));
+    let dead = env.dead_letters(1).await;
+    match dead[0]
+        .properties
+        .headers()
+        .as_ref()
+        .unwrap()
+        .inner()
+        .get(DEAD_REASON_HEADER)
+    {
+        Some(AMQPValue::LongString(s)) => assert!(
+            s.to_string()
+                .starts_with("2 attempts did not finish: the process stopped while handling this event"),
+            "{s}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    env.cleanup().await;
+}
+
+/// On a connection that died without lapin noticing (no packet comes
+/// back), the consumer asked to stop waited for the broker's answer to its
+/// cancel for ever: SIGTERM never returned. It stops within its timeouts.
+#[tokio::test]
+async fn a_consumer_on_a_silent_connection_stops_when_asked() {
+    let env = Env::new("inbox-silent").await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap()).unwrap();
+    let options = env.options(amqp_url().replacen("127.0.0.1:5672", &proxy.addr().to_string(), 1));
+    let limit = options.timeout;
+    let consumer = RabbitMqConsumer::new(Inbox::new(env.db.pool.clone(), "billing").unwrap(), options).unwrap();
+    env.declare(&consumer).await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(effect, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        wait("the consumer consuming", || async {
+            let ch = env.amqp.create_channel().await.unwrap();
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
+            let queue = ch
+                .queue_declare(env.queue.as_str().into(), passive, FieldTable::default())
+                .await
+                .unwrap();
+            let _ = ch.close(200, "OK".into()).await;
+            queue.consumer_count() == 1
+        })
+        .await;
+        // Nothing reaches either side any more; neither side notices.
+        proxy.set_delay(Duration::from_secs(3600));
+        let _ = stop.send(());
+    };
+    // The cancel and the close, each within the timeout, and some slack.
+    let bound = 3 * limit + Duration::from_secs(2);
+    let stopped_in_time = tokio::time::timeout(bound, async { tokio::join!(run, scenario) }).await;
+    let (report, ()) = stopped_in_time.unwrap_or_else(|_| panic!("the consumer did not stop within {bound:?}"));
+    report.unwrap();
     env.cleanup().await;
 }

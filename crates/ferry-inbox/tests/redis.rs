@@ -852,3 +852,85 @@ async fn a_dead_letter_key_that_is_not_a_stream_stops_the_consumer() {
     assert_eq!(consumer.report().reconnects, 0);
     env.cleanup().await;
 }
+
+/// A handler that kills its process (a crash in C code, an out-of-memory
+/// kill, kill -9) rolled its attempt back, count and all: the restarted
+/// member read the entry again from its pending list first and died on it
+/// too, for ever, nothing dead-lettered. Here each member dies in the
+/// handler (its future dropped mid-attempt) and starts again under its
+/// name; entries from the pending list are marked before they run, and
+/// past the inbox's attempts the event is dead-lettered unrun, the rest
+/// applied once.
+#[tokio::test]
+async fn an_event_whose_handler_kills_the_process_is_dead_lettered_after_its_attempts() {
+    const N: i64 = 10;
+    const KILLER: i64 = 4;
+    const ATTEMPTS: u32 = 2;
+    let env = Env::new("inbox-redis-killer").await;
+    let options = env.options(redis_url(), "m1");
+    let inbox = env.db.inbox_giving_up_after(ATTEMPTS);
+    env.create_group().await;
+    let relay = env.relay(&["orders"]);
+    let events = (0..N)
+        .map(|n| Event::new("order.item.created", json!({ "n": n })))
+        .collect();
+    let ids = env.db.produce(events).await;
+    env.db.all_published(N).await;
+    relay.stop().await;
+
+    let runs = AtomicU32::new(0);
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
+        if support::number(event) == KILLER {
+            runs.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+        }
+        effect(tx, event).await
+    };
+    // The first read of an entry is not marked (only one read again is):
+    // one more death than the attempts.
+    for life in 1..=ATTEMPTS + 1 {
+        let consumer = RedisConsumer::new(inbox.clone(), options.clone()).unwrap();
+        tokio::select! {
+            report = consumer.run(handler, std::future::pending()) => panic!("the consumer stopped: {report:?}"),
+            () = wait("the handler to take the killer event", || async { runs.load(Ordering::SeqCst) == life }) => {}
+        }
+    }
+    let consumer = RedisConsumer::new(inbox.clone(), options).unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(handler, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        wait(
+            "the killer dead, the rest applied (or the killer run again)",
+            || async {
+                let applied = env.db.scalar("SELECT count(*) FROM effects").await;
+                (consumer.report().dead == 1 && applied == N - 1) || runs.load(Ordering::SeqCst) > ATTEMPTS + 1
+            },
+        )
+        .await;
+        // Run again, the handler never returns, and neither would the stop.
+        assert_eq!(runs.load(Ordering::SeqCst), ATTEMPTS + 1, "the handler ran again");
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!(report.dead, 1, "{report:?}");
+    env.db.assert_effects_once(N as usize - 1).await;
+    let record = inbox.record(ids[KILLER as usize]).await.unwrap().unwrap();
+    assert_eq!((record.state.as_str(), record.attempts), ("dead", ATTEMPTS as i32));
+    let dead: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(&env.dead)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut env.redis.clone())
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1);
+    let reason = &dead[0].1[DEAD_REASON_FIELD];
+    assert!(
+        reason.starts_with("2 attempts did not finish: the process stopped while handling this event"),
+        "{reason}"
+    );
+    env.cleanup().await;
+}

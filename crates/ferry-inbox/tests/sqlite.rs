@@ -473,9 +473,10 @@ async fn every_outcome_is_counted_per_consumer() {
 
 /// A handler that ends the inbox's transaction itself: its writes after
 /// that commit one by one, outside it. As with PostgreSQL, a COMMIT is dead
-/// at once (a retry would apply the writes before it again) and a ROLLBACK
-/// a counted failure; neither is reported processed, nor left to retry for
-/// ever as an outage.
+/// at once (a retry would apply the writes before it again), and so is a
+/// ROLLBACK the handler went on from to return `Ok` (a retry would apply
+/// the writes after it again); neither is reported processed, nor left to
+/// retry for ever as an outage.
 #[tokio::test]
 async fn a_handler_that_ends_the_transaction_itself_is_caught() {
     let e = env().await;
@@ -548,12 +549,37 @@ async fn a_handler_that_ends_the_transaction_itself_is_caught() {
         .await
         .unwrap();
     match &outcome {
-        Outcome::Retry { attempts: 1, error, .. } => assert!(error.contains("ROLLBACK inside the handler"), "{error}"),
+        Outcome::Dead { attempts: 1, reason } => assert!(reason.contains("ROLLBACK inside the handler"), "{reason}"),
         other => panic!("{other:?}"),
     }
     assert_eq!(effects(&e.pool, rolled_back.id).await, 0);
     let r = inbox.record(rolled_back.id).await.unwrap().unwrap();
-    assert_eq!((r.state.as_str(), r.attempts), ("failing", 1));
+    assert_eq!((r.state.as_str(), r.attempts), ("dead", 1));
+    // A ROLLBACK, then a write, which commits on its own: dead, not retried
+    // (each retry wrote it again), the write once.
+    let written_after = event();
+    for _ in 0..5 {
+        let outcome = inbox
+            .process(&written_after, async |tx, ev| {
+                sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+                effect(tx, ev, "billing").await
+            })
+            .await
+            .unwrap();
+        assert!(matches!(outcome, Outcome::Dead { attempts: 1, .. }), "{outcome:?}");
+    }
+    assert_eq!(effects(&e.pool, written_after.id).await, 1);
+    // A ROLLBACK the handler returns an error after (or SQLite's own
+    // rollback after an error it returns) is a counted failure.
+    let failed_after = event();
+    let outcome = inbox
+        .process(&failed_after, async |tx, _| {
+            sqlx::query("ROLLBACK").execute(&mut *tx).await?;
+            Err(HandlerError::transient("boom"))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 1, .. }), "{outcome:?}");
     // A ROLLBACK and a transaction of the handler's own after it: the claim
     // is not in that one, so committing it would record nothing.
     let begun_again = event();
@@ -565,7 +591,7 @@ async fn a_handler_that_ends_the_transaction_itself_is_caught() {
         })
         .await
         .unwrap();
-    assert!(matches!(outcome, Outcome::Retry { attempts: 1, .. }), "{outcome:?}");
+    assert!(matches!(outcome, Outcome::Dead { attempts: 1, .. }), "{outcome:?}");
     assert_eq!(effects(&e.pool, begun_again.id).await, 0);
     // The pool is healthy afterwards: the next event goes through.
     let next = event();
@@ -631,4 +657,79 @@ async fn an_attempt_rolled_back_does_not_take_another_deliverys_claim_for_its_ow
         assert_eq!(r.state, "done", "the second delivery's claim stands");
         assert_eq!(effects(&e.pool, ev.id).await, 1, "the effect applied once");
     }
+}
+
+/// An attempt the process dies in, as in the PostgreSQL inbox's tests: the
+/// handler entered, then the attempt's future dropped where it stands.
+async fn dies_in_handler(inbox: &Inbox, ev: &ReceivedEvent) {
+    let entered = tokio::sync::Notify::new();
+    let attempt = inbox.process_redelivered(ev, async |_, _| {
+        entered.notify_one();
+        std::future::pending().await
+    });
+    tokio::select! {
+        outcome = attempt => panic!("the attempt ended: {outcome:?}"),
+        () = entered.notified() => {}
+    }
+}
+
+/// The row's (state, attempts, unfinished).
+async fn marks(pool: &SqlitePool, id: EventId) -> (String, i32, i32) {
+    sqlx::query_as("SELECT state, attempts, unfinished FROM ferry_inbox WHERE consumer = 'billing' AND event_id = ?1")
+        .bind(id.to_string())
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// As with PostgreSQL: attempts the process died in are counted from their
+/// marks; past `max_attempts` the event is dead unrun; a finished attempt,
+/// failed or done, counts the marks and clears them.
+#[tokio::test]
+async fn attempts_the_process_died_in_are_counted_and_cleared_when_one_finishes() {
+    let e = env().await;
+    let inbox = Inbox::new(e.pool.clone(), "billing").unwrap().with_retry(policy(3));
+    let ev = event();
+    for n in 1..=3 {
+        dies_in_handler(&inbox, &ev).await;
+        assert_eq!(marks(&e.pool, ev.id).await, ("failing".into(), 0, n));
+    }
+    let runs = AtomicU32::new(0);
+    let handler = async |tx: &mut SqliteConnection, ev: &ReceivedEvent| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        effect(tx, ev, "billing").await
+    };
+    match inbox.process_redelivered(&ev, handler).await.unwrap() {
+        Outcome::Dead { attempts: 3, reason } => assert!(
+            reason.starts_with("3 attempts did not finish: the process stopped while handling this event"),
+            "{reason}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(marks(&e.pool, ev.id).await, ("dead".into(), 3, 0));
+    let again = inbox.process_redelivered(&ev, handler).await.unwrap();
+    assert!(matches!(again, Outcome::Dead { attempts: 3, .. }), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+
+    let inbox = inbox.with_retry(policy(5));
+    let ev = event();
+    dies_in_handler(&inbox, &ev).await;
+    let outcome = inbox
+        .process_redelivered(&ev, async |_, _| Err(HandlerError::transient("boom")))
+        .await
+        .unwrap();
+    assert!(matches!(outcome, Outcome::Retry { attempts: 2, .. }), "{outcome:?}");
+    assert_eq!(marks(&e.pool, ev.id).await, ("failing".into(), 2, 0));
+    dies_in_handler(&inbox, &ev).await;
+    assert_eq!(
+        inbox.process_redelivered(&ev, handler).await.unwrap(),
+        Outcome::Processed
+    );
+    assert_eq!(marks(&e.pool, ev.id).await, ("done".into(), 4, 0));
+    assert_eq!(
+        inbox.process_redelivered(&ev, handler).await.unwrap(),
+        Outcome::Duplicate
+    );
+    assert_eq!(marks(&e.pool, ev.id).await, ("done".into(), 4, 0));
+    assert_eq!(effects(&e.pool, ev.id).await, 1);
 }

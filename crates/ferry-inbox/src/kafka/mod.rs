@@ -40,12 +40,12 @@
 mod dead_letter;
 mod decode;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::pin::{Pin, pin};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::producer::FutureProducer;
@@ -165,7 +165,7 @@ impl KafkaConsumerOptions {
 
     fn consumer(&self) -> Result<Member, String> {
         self.consumer_config()
-            .create_with_context(Commits)
+            .create_with_context(MemberContext::default())
             .map_err(|e| format!("creating the Kafka consumer: {}", kafka_config_error(&e)))
     }
 
@@ -249,15 +249,51 @@ pub struct KafkaConsumer {
 }
 
 /// The group member: a consumer whose offset commits report back.
-type Member = StreamConsumer<Commits>;
+type Member = StreamConsumer<MemberContext>;
 
-/// Logs offset commits that failed. Commits are asynchronous; their
-/// results come back while the consumer polls.
-struct Commits;
+/// What the member keeps beside its consumer: it logs offset commits that
+/// failed (commits are asynchronous; their results come back while the
+/// consumer polls), and tracks which partitions may hand out replays.
+///
+/// Kafka says nothing of a record delivered before, so after each
+/// assignment of a partition every record read from it may be one whose
+/// attempt a process died in (read again from the committed offset), and
+/// the inbox marks its attempt's start ([`Inbox::process_redelivered`]),
+/// until the first record the inbox processes anew: the partition is read
+/// in order, and a member handles no record before the one before it is
+/// done, so what follows that one was never handled, and is not marked.
+#[derive(Default)]
+struct MemberContext {
+    /// Partitions that had a record processed anew since their assignment.
+    settled: Mutex<HashSet<(String, i32)>>,
+}
 
-impl ClientContext for Commits {}
+impl MemberContext {
+    fn may_replay(&self, topic: &str, partition: i32) -> bool {
+        let settled = self.settled.lock().unwrap_or_else(|e| e.into_inner());
+        !settled.contains(&(topic.to_owned(), partition))
+    }
 
-impl ConsumerContext for Commits {
+    fn settle(&self, topic: &str, partition: i32) {
+        let mut settled = self.settled.lock().unwrap_or_else(|e| e.into_inner());
+        settled.insert((topic.to_owned(), partition));
+    }
+}
+
+impl ClientContext for MemberContext {}
+
+impl ConsumerContext for MemberContext {
+    /// A partition assigned (again) or taken away is read from its
+    /// committed offset next: replays may come first.
+    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(partitions) | Rebalance::Revoke(partitions) = rebalance {
+            let mut settled = self.settled.lock().unwrap_or_else(|e| e.into_inner());
+            for p in partitions.elements() {
+                settled.remove(&(p.topic().to_owned(), p.partition()));
+            }
+        }
+    }
+
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
         match result {
             Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
@@ -315,7 +351,8 @@ impl KafkaConsumer {
         let mut reconnect = Reconnect::new(self.options.reconnect_max_delay);
         let what = format!("Kafka topic {}", self.options.topic);
         loop {
-            let error = match self.session(&handler, shutdown.as_mut()).await {
+            let mut started = false;
+            let error = match self.session(&handler, shutdown.as_mut(), &mut started).await {
                 Ok(()) => break,
                 Err(Failure::Lost(e)) => e,
                 Err(Failure::Refused(why)) => {
@@ -324,7 +361,7 @@ impl KafkaConsumer {
                 }
             };
             if !reconnect
-                .after_loss(false, &self.counters, &what, &error, shutdown.as_mut())
+                .after_loss(started, &self.counters, &what, &error, shutdown.as_mut())
                 .await
             {
                 break;
@@ -334,11 +371,14 @@ impl KafkaConsumer {
         Ok(self.report())
     }
 
-    /// One group membership; `Ok` on shutdown.
+    /// One group membership; `Ok` on shutdown. Sets `started` once it got
+    /// as far as consuming: a session that then lasted long enough starts
+    /// the reconnect pause over.
     async fn session(
         &self,
         handler: &impl AsyncFn(&mut PgConnection, &ReceivedEvent) -> Result<(), HandlerError>,
         shutdown: Pin<&mut impl Future<Output = ()>>,
+        started: &mut bool,
     ) -> Result<(), Failure> {
         let o = &self.options;
         if !dead_letter::topic_exists(o).await? {
@@ -349,6 +389,7 @@ impl KafkaConsumer {
         consumer
             .subscribe(&[o.topic.as_str()])
             .map_err(|e| format!("subscribing to {:?}: {e}", o.topic))?;
+        *started = true;
         let result = self.consume(handler, &consumer, &producer, shutdown).await;
         // Offer again what failed to commit before; it goes out as the
         // consumer leaves the group.
@@ -436,8 +477,16 @@ impl KafkaConsumer {
                 return Ok(Handled::Done);
             }
         };
-        let wait = match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+        let run = async |tx: &mut PgConnection, ev: &ReceivedEvent| handler(tx, ev).await;
+        let (topic, partition) = (message.topic(), message.partition());
+        let outcome = if consumer.context().may_replay(topic, partition) {
+            self.inbox.process_redelivered(&event, run).await
+        } else {
+            self.inbox.process(&event, run).await
+        };
+        let wait = match outcome {
             Ok(Outcome::Processed) => {
+                consumer.context().settle(topic, partition);
                 Counters::bump(&self.counters.processed);
                 commit(consumer, message);
                 return Ok(Handled::Done);
@@ -582,7 +631,7 @@ fn received(read: KafkaResult<BorrowedMessage<'_>>) -> Result<Option<BorrowedMes
 }
 
 /// Stores the offset after `message` and commits it without waiting (see
-/// [`Commits`]). A partition no longer assigned (a rebalance moved it while
+/// [`MemberContext`]). A partition no longer assigned (a rebalance moved it while
 /// the handler ran) cannot be committed: its new owner reads the record
 /// again and the inbox finds it done.
 fn commit(consumer: &Member, message: &BorrowedMessage<'_>) {
@@ -596,7 +645,7 @@ fn commit(consumer: &Member, message: &BorrowedMessage<'_>) {
 
 /// Commits every stored offset not yet committed, without waiting.
 fn commit_stored(consumer: &Member) {
-    // Its outcome, even "nothing to commit", comes back to [`Commits`].
+    // Its outcome, even "nothing to commit", comes back to [`MemberContext`].
     if let Err(e) = consumer.commit_consumer_state(CommitMode::Async) {
         warn!(error = %e, "offset commit not sent; the next commit makes it again");
     }
@@ -618,6 +667,32 @@ mod tests {
                 ("reconnect_max_delay", |o| o.reconnect_max_delay = Duration::ZERO),
             ],
         );
+    }
+
+    /// The reconnect pause starts over only after a session that got as far
+    /// as consuming; every Kafka session said it had not, so once grown
+    /// the pause stayed at its longest, after hours of healthy consuming.
+    #[tokio::test]
+    async fn a_session_says_whether_it_got_as_far_as_consuming() {
+        let cluster = rdkafka::mocking::MockCluster::new(1).unwrap();
+        cluster.create_topic("orders", 1, 1).unwrap();
+        // Never used: no record comes.
+        let pool = sqlx::PgPool::connect_lazy("postgres://127.0.0.1:1/none").unwrap();
+        let mut options = KafkaConsumerOptions::new(cluster.bootstrap_servers(), "orders", "billing", "orders.dead");
+        options.timeout = Duration::from_secs(5);
+        let consumer = KafkaConsumer::new(Inbox::new(pool, "billing").unwrap(), options).unwrap();
+        let handler = async |_: &mut PgConnection, _: &ReceivedEvent| Ok(());
+        let mut started = false;
+        let ended = consumer
+            .session(&handler, pin!(std::future::pending()), &mut started)
+            .await;
+        assert!(matches!(ended, Err(Failure::Refused(_))), "no dead-letter topic");
+        assert!(!started);
+        cluster.create_topic("orders.dead", 1, 1).unwrap();
+        let shutdown = pin!(tokio::time::sleep(Duration::from_millis(300)));
+        let ended = consumer.session(&handler, shutdown, &mut started).await;
+        assert!(ended.is_ok());
+        assert!(started);
     }
 
     #[test]

@@ -134,7 +134,17 @@ where
             }
         };
         let handler = self.handler;
-        let process = self.inbox.process(&event, async |tx, ev| handler(tx, ev).await);
+        let run = async |tx: &mut PgConnection, ev: &ReceivedEvent| handler(tx, ev).await;
+        // A message delivered before may be one whose attempt the process
+        // died in: the inbox marks the attempt's start first, to count it.
+        let redelivered = message.info().map_or(true, |info| info.delivered > 1);
+        let process = async {
+            if redelivered {
+                self.inbox.process_redelivered(&event, run).await
+            } else {
+                self.inbox.process(&event, run).await
+            }
+        };
         let outcome = tokio::select! {
             outcome = process => outcome,
             () = self.in_progress(&message) => unreachable!("reports progress until the attempt ends"),

@@ -119,15 +119,21 @@ where
             .map_err(|_| format!("opening channels took longer than {limit:?}"))?
             .map_err(|e| format!("opening channels and declaring: {e}"))?;
         let tag = format!("ferry-inbox-{}", self.inbox.consumer());
-        let mut consumer = channel
-            .basic_consume(
-                self.options.queue.as_str().into(),
-                tag.as_str().into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| format!("consuming queue {:?}: {e}", self.options.queue))?;
+        // Bounded, and given up at shutdown: on a connection that died
+        // without lapin noticing, the broker's answer never comes.
+        let consume = channel.basic_consume(
+            self.options.queue.as_str().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        );
+        let mut consumer = tokio::select! {
+            biased;
+            () = shutdown.as_mut() => return Ok(Ended::Shutdown),
+            c = timeout(limit, consume) => c
+                .map_err(|_| format!("consuming queue {:?} took longer than {limit:?}", self.options.queue))?
+                .map_err(|e| format!("consuming queue {:?}: {e}", self.options.queue))?,
+        };
         debug!(queue = %self.options.queue, "consuming");
         // lapin does not always notice a connection that died under an idle
         // consumer; its status does, so look at it now and then.
@@ -136,7 +142,9 @@ where
             let delivery = tokio::select! {
                 biased;
                 () = shutdown.as_mut() => {
-                    let _ = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+                    // Within the timeout: a dead connection never answers.
+                    let cancel = channel.basic_cancel(tag.as_str().into(), BasicCancelOptions::default());
+                    let _ = timeout(limit, cancel).await;
                     return Ok(Ended::Shutdown);
                 }
                 next = consumer.next() => next,
@@ -245,7 +253,15 @@ where
             }
         };
         let handler = self.handler;
-        match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+        let run = async |tx: &mut PgConnection, ev: &ReceivedEvent| handler(tx, ev).await;
+        // A redelivery may be of a message whose attempt the process died
+        // in: the inbox marks the attempt's start first, to count it.
+        let outcome = if delivery.redelivered {
+            self.inbox.process_redelivered(&event, run).await
+        } else {
+            self.inbox.process(&event, run).await
+        };
+        match outcome {
             Ok(Outcome::Processed) => {
                 Counters::bump(&self.counters.processed);
                 self.ack(&delivery).await?;

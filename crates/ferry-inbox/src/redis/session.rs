@@ -125,7 +125,7 @@ where
             let Some(last) = entries.last() else { break };
             cursor = last.id.clone();
             for entry in entries {
-                self.handle(&mut conn, entry).await?;
+                self.handle(&mut conn, entry, true).await?;
             }
         }
         let claim_every = (o.claim_idle / 2).max(Duration::from_millis(100));
@@ -137,7 +137,7 @@ where
                 std::mem::take(&mut self.later).into_iter().partition(|l| l.due <= now);
             self.later = waiting;
             for l in due {
-                self.handle(&mut conn, l.entry).await?;
+                self.handle(&mut conn, l.entry, false).await?;
             }
             if Instant::now() >= next_claim {
                 self.keep_waiting(&mut conn).await?;
@@ -174,7 +174,7 @@ where
                 }
             };
             for entry in entries {
-                self.handle(&mut conn, entry).await?;
+                self.handle(&mut conn, entry, false).await?;
             }
         }
     }
@@ -319,7 +319,7 @@ where
             if self.later.iter().any(|l| l.entry.id == entry.id) {
                 continue;
             }
-            self.handle(conn, entry).await?;
+            self.handle(conn, entry, true).await?;
         }
         Ok(reply.next_stream_id)
     }
@@ -373,8 +373,13 @@ where
     }
 
     /// One entry; an error means the connection failed, and the entry stays
-    /// pending for the next session.
-    async fn handle(&mut self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), Failure> {
+    /// pending for the next session. `replay` for an entry that may have
+    /// been handed out before (read again from this member's pending list,
+    /// or claimed from another member): its attempt's start is marked
+    /// first, so that an attempt the process died in is counted. An entry
+    /// kept here for a retry is not: should the process die in its retry,
+    /// the entry comes back pending, and that attempt is marked.
+    async fn handle(&mut self, conn: &mut MultiplexedConnection, entry: StreamId, replay: bool) -> Result<(), Failure> {
         if entry.map.is_empty() {
             // XADD needs a field, so an entry without any was removed.
             return self.trimmed(conn, entry).await;
@@ -390,7 +395,13 @@ where
             }
         };
         let handler = self.handler;
-        match self.inbox.process(&event, async |tx, ev| handler(tx, ev).await).await {
+        let run = async |tx: &mut PgConnection, ev: &ReceivedEvent| handler(tx, ev).await;
+        let outcome = if replay {
+            self.inbox.process_redelivered(&event, run).await
+        } else {
+            self.inbox.process(&event, run).await
+        };
+        match outcome {
             Ok(Outcome::Processed) => {
                 Counters::bump(&self.counters.processed);
                 self.ack(conn, &entry.id).await?;

@@ -6,10 +6,15 @@
 -- handler's limits (below); returns
 -- nothing when the row is done or dead, including when a concurrent
 -- delivery committed it while this statement waited on its lock.
+--
+-- attempts counts every attempt, those the process died in too: the row's
+-- `unfinished` ones (start.sql), which include this attempt's own when it
+-- was marked ($5), and this one.
 INSERT INTO ferry.inbox AS i (consumer, event_id, state, attempts, event_type, processed_at)
 VALUES ($1, $2, 'done', 1, $3, now())
 ON CONFLICT (consumer, event_id) DO UPDATE
-    SET state = 'done', attempts = i.attempts + 1, processed_at = now()
+    SET state = 'done', attempts = i.attempts + greatest(i.unfinished + (NOT $5)::int, 1),
+        unfinished = 0, processed_at = now()
     WHERE i.state = 'failing'
 -- Once the row is this attempt's, the limits the handler runs under, in
 -- the same round trip: the session's own lock_timeout back (the inbox's,

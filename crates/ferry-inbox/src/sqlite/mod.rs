@@ -24,7 +24,7 @@ use tracing::error;
 
 use crate::inbox::{
     already_recorded, checked_consumer, committed_by_handler, count_processed, decide_failure, default_retry,
-    run_handler, stored_type,
+    log_unfinished, past_attempts, rolled_back_by_handler, run_handler, stored_type,
 };
 use crate::{HandlerError, InboxError, InboxRecord, Outcome, ReceivedEvent};
 
@@ -32,6 +32,9 @@ const CLAIM: &str = include_str!("sql/claim.sql");
 const FAIL: &str = include_str!("sql/fail.sql");
 const DEAD: &str = include_str!("sql/dead.sql");
 const PURGE: &str = include_str!("sql/purge.sql");
+const START: &str = include_str!("sql/start.sql");
+const ABANDONED: &str = include_str!("sql/abandoned.sql");
+const ROLLED_BACK: &str = include_str!("sql/rolled_back.sql");
 /// This attempt's claim, by its number.
 const HELD: &str = "SELECT 1 FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2 AND state = 'done' AND claim = ?3";
 const RECORD: &str =
@@ -116,6 +119,68 @@ impl Inbox {
         event: &ReceivedEvent,
         handler: impl AsyncFnOnce(&mut SqliteConnection, &ReceivedEvent) -> Result<(), HandlerError>,
     ) -> Result<Outcome, InboxError> {
+        self.run(event, false, handler).await
+    }
+
+    /// [`process`](Self::process) for a delivery the broker may have handed
+    /// out before, as [`crate::Inbox::process_redelivered`]: first records,
+    /// in a transaction of its own, that an attempt starts, so that an
+    /// attempt the process dies in counts toward the retry policy's
+    /// `max_attempts`; past it the event is [`Outcome::Dead`] without
+    /// running the handler again.
+    pub async fn process_redelivered(
+        &self,
+        event: &ReceivedEvent,
+        handler: impl AsyncFnOnce(&mut SqliteConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+    ) -> Result<Outcome, InboxError> {
+        match self.start(event).await? {
+            Some(outcome) => Ok(outcome),
+            None => self.run(event, true, handler).await,
+        }
+    }
+
+    /// Marks an attempt's start (`start.sql`). `None` to run the handler;
+    /// otherwise the outcome without it: the event done, or dead.
+    async fn start(&self, event: &ReceivedEvent) -> Result<Option<Outcome>, InboxError> {
+        let id = event.id.to_string();
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let marked: Option<(i32, i32)> = sqlx::query_as(START)
+            .bind(&self.consumer)
+            .bind(&id)
+            .bind(stored_type(&event.event_type))
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some((attempts, unfinished)) = marked else {
+            let record = read(&mut tx, &self.consumer, event.id).await?;
+            tx.rollback().await?;
+            return Ok(Some(already_recorded(&self.consumer, event.id, record)));
+        };
+        let Some(reason) = past_attempts(attempts, unfinished, &self.retry) else {
+            tx.commit().await?;
+            log_unfinished(&self.consumer, event.id, attempts, unfinished, None);
+            return Ok(None);
+        };
+        let attempts: i32 = sqlx::query_scalar(ABANDONED)
+            .bind(&self.consumer)
+            .bind(&id)
+            .bind(&reason)
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        log_unfinished(&self.consumer, event.id, attempts, unfinished, Some(&reason));
+        Ok(Some(Outcome::Dead {
+            attempts: u32::try_from(attempts).unwrap_or(0),
+            reason,
+        }))
+    }
+
+    /// Runs one attempt; `marked` when [`start`](Self::start) marked it.
+    async fn run(
+        &self,
+        event: &ReceivedEvent,
+        marked: bool,
+        handler: impl AsyncFnOnce(&mut SqliteConnection, &ReceivedEvent) -> Result<(), HandlerError>,
+    ) -> Result<Outcome, InboxError> {
         let id = event.id.to_string();
         let mut conn = self.pool.acquire().await?;
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
@@ -130,6 +195,7 @@ impl Inbox {
             .bind(&id)
             .bind(stored_type(&event.event_type))
             .bind(claim)
+            .bind(marked)
             .fetch_optional(&mut *tx)
             .await?;
         let Some(attempts) = claimed else {
@@ -152,14 +218,14 @@ impl Inbox {
                 drop(tx);
                 let _ = conn.close().await;
             }
-            return self.ended_by_handler(event, result.err(), claim).await;
+            return self.ended_by_handler(event, result.err(), claim, marked).await;
         }
         if !open {
             // sqlx still counts the transaction SQLite ended: the connection
             // is closed, not handed back to the pool so counting.
             drop(tx);
             let _ = conn.close().await;
-            return self.ended_by_handler(event, result.err(), claim).await;
+            return self.ended_by_handler(event, result.err(), claim, marked).await;
         }
         // Open, but perhaps a transaction the handler began after ending the
         // inbox's: then the claim is not in it.
@@ -171,7 +237,7 @@ impl Inbox {
             .await?;
         if held.is_none() {
             tx.rollback().await?;
-            return self.ended_by_handler(event, result.err(), claim).await;
+            return self.ended_by_handler(event, result.err(), claim, marked).await;
         }
         let error = match result {
             Ok(()) => match tx.commit().await {
@@ -192,7 +258,7 @@ impl Inbox {
                 error
             }
         };
-        self.failed(event, &error).await
+        self.failed(event, &error, marked).await
     }
 
     /// The handler's transaction ended before the inbox could commit it,
@@ -201,14 +267,41 @@ impl Inbox {
     /// an error the handler went on from (`SQLITE_FULL`, an I/O error, a
     /// `RAISE(ROLLBACK)` trigger). As the PostgreSQL inbox does: if this
     /// attempt's claim committed, the event is recorded dead (a retry would
-    /// apply the writes before the COMMIT again); otherwise the attempt
-    /// failed, counted and retried.
+    /// apply the writes before the COMMIT again); so it is if the handler
+    /// went on to return `Ok` (its writes after the end committed alone,
+    /// and a retry would apply them again). A handler that returned an
+    /// error (SQLite's own rollback after it, say) failed: counted and
+    /// retried.
     async fn ended_by_handler(
         &self,
         event: &ReceivedEvent,
         failure: Option<HandlerError>,
         claim: i64,
+        marked: bool,
     ) -> Result<Outcome, InboxError> {
+        let returned_ok = failure.is_none();
+        if let Some(outcome) = self.dead_if_committed(event, failure, claim).await? {
+            return Ok(outcome);
+        }
+        if returned_ok {
+            return self.rolled_back_by_handler(event, marked).await;
+        }
+        let error = HandlerError::transient(
+            "the handler's transaction ended before the inbox committed it (ROLLBACK inside the handler, or \
+             SQLite rolled it back after an error the handler returned); the handler's writes after that \
+             committed on their own and are not recorded with the event: let the inbox end the transaction",
+        );
+        self.failed(event, &error, marked).await
+    }
+
+    /// Records dead, if this attempt's claim committed (the handler ran
+    /// `COMMIT`), the event, with the reason.
+    async fn dead_if_committed(
+        &self,
+        event: &ReceivedEvent,
+        failure: Option<HandlerError>,
+        claim: i64,
+    ) -> Result<Option<Outcome>, InboxError> {
         let reason = committed_by_handler(failure);
         // This attempt's own claim, committed: done, with its number.
         let committed: Option<i32> = sqlx::query_scalar(
@@ -221,26 +314,47 @@ impl Inbox {
         .bind(claim)
         .fetch_optional(&self.pool)
         .await?;
-        if let Some(attempts) = committed {
+        Ok(committed.map(|attempts| {
             crate::metrics::dead(&self.consumer);
             error!(consumer = %self.consumer, event = %event.id, attempts, %reason, "handler bug: dead");
-            return Ok(Outcome::Dead {
+            Outcome::Dead {
                 attempts: u32::try_from(attempts).unwrap_or(0),
                 reason,
-            });
-        }
-        let error = HandlerError::transient(
-            "the handler's transaction ended before the inbox committed it (ROLLBACK inside the handler, or \
-             SQLite rolled it back after an error the handler did not return); the handler's writes after that \
-             committed on their own and are not recorded with the event: return the error, and let the inbox \
-             commit",
-        );
-        self.failed(event, &error).await
+            }
+        }))
+    }
+
+    /// The handler ended the inbox's transaction, its claim not committed,
+    /// and returned `Ok`: recorded dead, the attempt counted.
+    async fn rolled_back_by_handler(&self, event: &ReceivedEvent, marked: bool) -> Result<Outcome, InboxError> {
+        let reason = rolled_back_by_handler(None);
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let recorded: Option<i32> = sqlx::query_scalar(ROLLED_BACK)
+            .bind(&self.consumer)
+            .bind(event.id.to_string())
+            .bind(stored_type(&event.event_type))
+            .bind(&reason)
+            .bind(marked)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(attempts) = recorded else {
+            // Another delivery of the same event finished it meanwhile.
+            let record = read(&mut tx, &self.consumer, event.id).await?;
+            tx.rollback().await?;
+            return Ok(already_recorded(&self.consumer, event.id, record));
+        };
+        tx.commit().await?;
+        crate::metrics::dead(&self.consumer);
+        error!(consumer = %self.consumer, event = %event.id, attempts, %reason, "handler bug: dead");
+        Ok(Outcome::Dead {
+            attempts: u32::try_from(attempts).unwrap_or(0),
+            reason,
+        })
     }
 
     /// Counts the failed attempt in its own transaction (the handler's was
     /// rolled back) and decides between retry and dead.
-    async fn failed(&self, event: &ReceivedEvent, error: &HandlerError) -> Result<Outcome, InboxError> {
+    async fn failed(&self, event: &ReceivedEvent, error: &HandlerError, marked: bool) -> Result<Outcome, InboxError> {
         let id = event.id.to_string();
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let counted: Option<i32> = sqlx::query_scalar(FAIL)
@@ -248,6 +362,7 @@ impl Inbox {
             .bind(&id)
             .bind(stored_type(&event.event_type))
             .bind(error.message())
+            .bind(marked)
             .fetch_optional(&mut *tx)
             .await?;
         let Some(attempts) = counted else {

@@ -54,6 +54,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "capture_replace",
         include_str!("migrations/0024_capture_replace.sql"),
     ),
+    (
+        25,
+        "inbox_unfinished",
+        include_str!("migrations/0025_inbox_unfinished.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -12,6 +12,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("migrations/0004_unrouted_trigger.sql"),
     ),
     (5, "inbox_claim", include_str!("migrations/0005_inbox_claim.sql")),
+    (
+        6,
+        "inbox_unfinished",
+        include_str!("migrations/0006_inbox_unfinished.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

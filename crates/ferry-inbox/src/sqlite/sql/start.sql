@@ -1,0 +1,10 @@
+-- Marks the start of an attempt at a delivery that may be a replay, in a
+-- transaction of its own committed before the handler runs (the PostgreSQL
+-- inbox's start.sql says why). Returns the finished attempts and the
+-- unfinished ones, this one included; nothing when the row is done or dead.
+INSERT INTO ferry_inbox AS i (consumer, event_id, state, attempts, unfinished, event_type, processed_at)
+VALUES (?1, ?2, 'failing', 0, 1, ?3, CAST(unixepoch('subsec') * 1000000 AS INTEGER))
+ON CONFLICT (consumer, event_id) DO UPDATE
+    SET unfinished = i.unfinished + 1
+    WHERE i.state = 'failing'
+RETURNING attempts, unfinished

@@ -1,0 +1,11 @@
+-- Attempts at an event that started and never finished: the process
+-- handling it died (killed, out of memory, aborted) inside the handler.
+-- Such an attempt rolls its claim back, and with it the count in
+-- `attempts`, so an event whose handler kills the process would be tried
+-- for ever. An inbox marks the start of an attempt at a delivery that may
+-- be a replay here, in a transaction of its own before the handler runs;
+-- a finished attempt (done or failed) clears the marks and counts them in
+-- `attempts`; past the consumer's attempts the event is dead unrun.
+--
+-- A constant default: the column is added without rewriting the table.
+ALTER TABLE ferry.inbox ADD COLUMN unfinished int NOT NULL DEFAULT 0;
