@@ -176,7 +176,7 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
         return Ok(());
     }
     let mut stream: WalStream = tokio::select! {
-        s = source.open() => s?,
+        s = source.open(&prepared) => s?,
         _ = shared.cancel.cancelled() => return Ok(()),
     };
     info!(slot = %source.config().slot, publication = %source.config().publication, "streaming from the WAL");
@@ -519,12 +519,7 @@ async fn publish_batch<S: Store, C: Clock>(
         txns, confirm, part, ..
     } = batch;
     let last_commit = txns.last().map(|t| t.commit_time);
-    let mut xids: Vec<u32> = txns
-        .iter()
-        .filter(|t| t.events.iter().any(|e| !e.tableless()))
-        .map(|t| t.xid)
-        .collect();
-    xids.dedup();
+    let xids = visible_first(&txns);
     let events: Vec<WalEvent> = txns.into_iter().flat_map(|t| t.events).collect();
     let mut published = Published {
         events: Vec::new(),
@@ -538,7 +533,14 @@ async fn publish_batch<S: Store, C: Clock>(
     }
     let source = &wal.source;
     let seqs: Vec<i64> = events.iter().filter(|e| !e.tableless()).map(|e| e.event.seq).collect();
-    let plans: Vec<Vec<&Route>> = events.iter().map(|e| matching(&shared.routes, e)).collect();
+    // A message that does not decode goes nowhere (see below).
+    let plans: Vec<Vec<&Route>> = events
+        .iter()
+        .map(|e| match e.undecodable {
+            Some(_) => Vec::new(),
+            None => matching(&shared.routes, e),
+        })
+        .collect();
     let mut route_names: Vec<String> = plans.iter().flatten().map(|r| r.name.clone()).collect();
     route_names.sort();
     route_names.dedup();
@@ -546,8 +548,9 @@ async fn publish_batch<S: Store, C: Clock>(
     keys.sort();
     keys.dedup();
     // A transaction the slot handed over may not be visible yet; until it
-    // is, its rows would look routed. Wait for it (it committed, so it will
-    // be), warning if that takes long (synchronous replication waiting for a
+    // is, its rows would look routed, and its commit may yet wait for a
+    // standby (`visible_first`). Wait for it (it committed, so it will be),
+    // warning if that takes long (synchronous replication waiting for a
     // standby does that).
     let waiting = Instant::now();
     let mut warned = waiting;
@@ -586,6 +589,27 @@ async fn publish_batch<S: Store, C: Clock>(
     let events = &published.events;
     let mut outcomes = Vec::new();
     for (i, routes) in plans.iter().enumerate() {
+        // It would fail every session that reads it, holding the slot (and
+        // the WAL) where it is for good: it is settled as a dead event
+        // instead, for an operator to see, cancel or requeue.
+        if let Some(reason) = &events[i].undecodable {
+            error!(
+                slot = %source.config().slot,
+                event_id = %events[i].event.id,
+                "{reason}"
+            );
+            let labels = [
+                ("route", NO_ROUTE.to_owned()),
+                ("type", events[i].event.event_type.clone()),
+            ];
+            ::metrics::counter!(metrics::DEAD, &labels).increment(1);
+            let dead = Outcome::Dead {
+                attempts: 0,
+                reason: reason.clone(),
+            };
+            outcomes.push((i, NO_ROUTE.to_owned(), dead));
+            continue;
+        }
         if routes.is_empty() {
             outcomes.push((i, NO_ROUTE.to_owned(), no_route(&events[i])));
             ::metrics::counter!(metrics::UNROUTABLE).increment(1);
@@ -606,6 +630,20 @@ async fn publish_batch<S: Store, C: Clock>(
     }
     published.outcomes = outcomes;
     Some(published)
+}
+
+/// The transactions of a batch that must be visible before any of its
+/// events is published: every one with events. The slot hands a
+/// transaction over once its commit is flushed locally; other sessions see
+/// it only later, and under synchronous replication only once a standby
+/// has confirmed it. Until then its outbox rows would read as routed
+/// before, and a transaction of tableless events only would be published
+/// while its commit may still be lost with a failover (a phantom event).
+fn visible_first(txns: &[WalTxn]) -> Vec<u32> {
+    let mut xids: Vec<u32> = txns.iter().filter(|t| !t.events.is_empty()).map(|t| t.xid).collect();
+    // The parts of a large transaction come one after the other.
+    xids.dedup();
+    xids
 }
 
 /// Runs a store call until it succeeds; `None` if the relay shuts down first.

@@ -954,6 +954,7 @@ async fn a_failed_tableless_event_is_written_once_with_its_reserved_seq() {
             created_at: chrono::Utc::now(),
         },
         partition: None,
+        undecodable: None,
     };
     // Its seq reserved, then one from before the migration (drawn now, so
     // after the reserved one).
@@ -1432,6 +1433,206 @@ async fn a_publication_that_stops_carrying_the_outbox_loses_no_event() {
     })
     .await;
     assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    relay.stop().await;
+    e.pool.close().await;
+    e.db.drop_db().await;
+}
+
+/// A slot dropped and made anew by hand while no relay ran (as an
+/// administrator makes the first one) streams only what commits after it
+/// was made. Rows committed in between must still arrive, in order per key
+/// with what the new slot streams: the relay takes the slot for a new one
+/// and sweeps them first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rows_committed_before_a_slot_made_anew_by_hand_are_delivered() {
+    let e = env().await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let mut expected = enqueue_rows(&e.pool, "streamed", 20).await;
+    expected.extend(emit_events(&e.pool, "streamed", 7).await);
+    eventually("the first events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= expected.len()
+    })
+    .await;
+    relay.stop().await;
+    // The walsender may take a moment to let the slot go.
+    eventually_async("the slot dropped", Duration::from_secs(20), async || {
+        sqlx::query("SELECT pg_drop_replication_slot($1)")
+            .bind(&e.slot)
+            .execute(&e.pool)
+            .await
+            .is_ok()
+    })
+    .await;
+    expected.extend(enqueue_rows(&e.pool, "between", 20).await);
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(&e.slot)
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    let relay = start(&e, "wal-b", vec![route("all", "mock")]);
+    streaming(&e).await;
+    expected.extend(enqueue_rows(&e.pool, "after", 20).await);
+    expected.extend(emit_events(&e.pool, "after", 7).await);
+    eventually("every event", Duration::from_secs(60), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    relay.stop().await;
+    e.pool.close().await;
+    e.db.drop_db().await;
+}
+
+/// Runs `statements` on the server as its administrator.
+async fn on_server(server: &PgServer, statements: &[&'static str]) {
+    use sqlx::Connection;
+    let mut admin = sqlx::PgConnection::connect(&server.admin_url()).await.unwrap();
+    for &statement in statements {
+        sqlx::query(statement).execute(&mut admin).await.expect(statement);
+    }
+    let _ = admin.close().await;
+}
+
+/// Under synchronous replication the slot hands a transaction over once
+/// its commit is flushed locally, while the committing session still waits
+/// for a standby and nobody sees it commit yet: a failover now would lose
+/// it. A transaction of tableless events only must not be published before
+/// it is visible either, or the event would be a phantom. (On a server of
+/// the test's own: `synchronous_standby_names` is the whole server's.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tableless_event_waits_for_its_commit_to_be_acknowledged() {
+    let server = PgServer::start().await;
+    // Only the producer below waits for a standby; the relay and the
+    // test's other sessions commit locally.
+    on_server(
+        &server,
+        &[
+            "ALTER SYSTEM SET synchronous_commit = 'local'",
+            "SELECT pg_reload_conf()",
+        ],
+    )
+    .await;
+    let e = env_on(TestDb::create_on(&server.admin_url()).await).await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    on_server(
+        &server,
+        &[
+            "ALTER SYSTEM SET synchronous_standby_names = 'nosuch'",
+            "SELECT pg_reload_conf()",
+        ],
+    )
+    .await;
+    // The server's processes take the setting in a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let producer = {
+        let pool = e.pool.clone();
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("SET LOCAL synchronous_commit = on")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            let id = emit(&mut tx, Event::new("order.placed", json!({ "n": 1 })).key("k"))
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            id
+        })
+    };
+    eventually_async(
+        "the producer's commit to wait for the standby",
+        Duration::from_secs(20),
+        async || {
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'SyncRep')")
+                .fetch_one(&e.pool)
+                .await
+                .unwrap()
+        },
+    )
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < deadline {
+        assert!(
+            e.sink.delivered("all").is_empty(),
+            "a tableless event was published while its commit still waited for the standby"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!producer.is_finished(), "the commit did not wait for the standby");
+    on_server(
+        &server,
+        &[
+            "ALTER SYSTEM RESET synchronous_standby_names",
+            "SELECT pg_reload_conf()",
+        ],
+    )
+    .await;
+    let id = producer.await.unwrap();
+    eventually(
+        "the event, once its commit is acknowledged",
+        Duration::from_secs(30),
+        || e.sink.delivered_ids("all").contains(&id),
+    )
+    .await;
+    relay.stop().await;
+    e.pool.close().await;
+    e.db.drop_db().await;
+}
+
+/// A `ferry` logical message that `ferry.emit` did not write (anything may
+/// call `pg_logical_emit_message('ferry', ...)`) would fail every session
+/// that reads it, holding the slot and every later event back for good.
+/// The relay settles it as a dead event instead, with the message's bytes
+/// and the reason, and streams on: the events of its transaction and after
+/// it arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_foreign_ferry_message_is_kept_as_a_dead_event_and_the_stream_goes_on() {
+    use ferry_store::postgres::wal::UNDECODABLE_TYPE;
+    let e = env().await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let mut tx = e.pool.begin().await.unwrap();
+    let at: String = sqlx::query_scalar("SELECT pg_logical_emit_message(true, 'ferry', 'not an event')::text")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let beside = emit(&mut tx, Event::new("order.placed", json!({ "n": 1 })).key("k"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let mut expected = vec![(beside, "k".to_owned())];
+    expected.extend(emit_events(&e.pool, "after", 7).await);
+    expected.extend(enqueue_rows(&e.pool, "after", 14).await);
+    eventually("the events beside and after it", Duration::from_secs(30), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    assert!(
+        e.sink
+            .delivered("all")
+            .iter()
+            .all(|ev| ev.event_type != UNDECODABLE_TYPE),
+        "the undecodable message was published"
+    );
+    let kept: Vec<(Vec<u8>, String, String)> = sqlx::query_as(
+        "SELECT e.payload, d.state, d.last_error FROM ferry.events e JOIN ferry.deliveries d ON d.seq = e.seq \
+          WHERE e.type = $1 AND d.route = $2",
+    )
+    .bind(UNDECODABLE_TYPE)
+    .bind(ferry_core::NO_ROUTE)
+    .fetch_all(&e.pool)
+    .await
+    .unwrap();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let (payload, state, why) = &kept[0];
+    assert_eq!(&payload[..], b"not an event");
+    assert_eq!(state, "dead");
+    assert!(why.contains(&format!("WAL position {at}")), "{why}");
     relay.stop().await;
     e.pool.close().await;
     e.db.drop_db().await;

@@ -561,6 +561,7 @@ fn tableless_event() -> WalEvent {
             created_at: chrono::Utc::now(),
         },
         partition: None,
+        undecodable: None,
     }
 }
 
@@ -778,7 +779,7 @@ async fn a_large_transaction_is_handed_over_in_bounded_parts() {
     let source = source_of(&db, &pool);
     let prepared = source.prepare().await.unwrap();
     assert!(source.mark_swept(&prepared).await.unwrap());
-    let mut stream = source.open().await.unwrap();
+    let mut stream = source.open(&prepared).await.unwrap();
 
     // Many small events, rows and tableless ones interleaved.
     let many = 2 * PART_EVENTS + PART_EVENTS / 2;
@@ -879,7 +880,7 @@ async fn a_stream_reads_ahead_of_the_relay_only_as_far_as_its_byte_budget() {
     }
     let end = wal_now().await;
 
-    let mut stream = source.open().await.unwrap();
+    let mut stream = source.open(&prepared).await.unwrap();
     // Nothing is read from the stream: how far the server got sending is
     // how far the stream read ahead, give or take the sockets' buffers.
     let sent = async || -> Option<i64> {
@@ -1016,6 +1017,272 @@ async fn a_wrong_publication_marks_the_slot_for_a_sweep_unless_it_is_retired() {
         .unwrap();
     let again = source.prepare().await.unwrap();
     assert_eq!(seen(again), (false, None), "a retired slot was taken as unswept");
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// Makes `slot` by hand, as an administrator would.
+async fn make_slot(pool: &PgPool, slot: &str) {
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(slot)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// A slot dropped and made anew under the same name by hand (as an
+/// administrator makes the first one, OPERATIONS.md) is a new slot: it
+/// streams only what commits after it was made. Its record still says the
+/// old one was swept, and `prepare` must tell the two apart: a row committed
+/// in between would otherwise stay unrouted for good, and the old slot's
+/// loss go unreported. A retirement does not carry over to the new slot
+/// either: it "starts afresh".
+#[tokio::test]
+async fn a_slot_made_anew_by_hand_is_taken_for_a_new_slot() {
+    use ferry_store::postgres::enqueue;
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    assert_eq!(seen(source.prepare().await.unwrap()), (false, None), "its own slot");
+
+    drop_slot(&pool, db.name()).await;
+    let mut tx = pool.begin().await.unwrap();
+    let row = enqueue(&mut tx, Event::new("order.placed", json!({ "n": 1 })).key("k"))
+        .await
+        .unwrap()
+        .id;
+    tx.commit().await.unwrap();
+    make_slot(&pool, db.name()).await;
+    let made = source.prepare().await.unwrap();
+    assert_eq!(
+        seen(made),
+        (true, Some(SlotLoss::Vanished)),
+        "the slot made by hand was taken for the one swept"
+    );
+    assert!(made.generation > prepared.generation);
+    let unrouted: Vec<EventId> = source.unrouted(10).await.unwrap().iter().map(|e| e.event.id).collect();
+    assert_eq!(
+        unrouted,
+        vec![row],
+        "the row the new slot will not stream is not left to the sweep"
+    );
+    assert!(
+        emit_one(&pool).await,
+        "the new slot is not swept: events must become rows"
+    );
+    assert_eq!(
+        seen(source.prepare().await.unwrap()),
+        (true, None),
+        "the loss is reported once, and the new slot is the record's now"
+    );
+    assert!(source.mark_swept(&made).await.unwrap());
+    assert!(!emit_one(&pool).await, "a swept slot reads tableless events");
+
+    // Retired, dropped, made anew by hand: the new slot is not retired.
+    retire_now(&pool, db.name()).await;
+    drop_slot(&pool, db.name()).await;
+    make_slot(&pool, db.name()).await;
+    let afresh = source.prepare().await.unwrap();
+    // Retired, it was not ready: ferry.emit wrote no tableless event for it.
+    assert_eq!(seen(afresh), (true, None));
+    assert!(!afresh.retired, "the new slot inherited the old one's retirement");
+    assert!(
+        source.mark_swept(&afresh).await.unwrap(),
+        "the new slot was kept retired"
+    );
+    assert!(!emit_one(&pool).await, "the new slot reads tableless events");
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// The other side of telling a slot made anew by its position: the slot a
+/// relay streamed from, confirmed as far as the relay got, is never taken
+/// for a new one, after a stream, a restart of the relay or a crash of the
+/// server (which may take its position back, never forward).
+#[tokio::test]
+async fn a_slot_streamed_and_confirmed_is_not_taken_for_a_new_one() {
+    use ferry_store::postgres::wal::WalItem;
+    let mut server = PgServer::start().await;
+    let db = TestDb::create_on(&server.admin_url()).await;
+    let mut pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let mut source = source_of(&db, &pool);
+    let mut prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    for round in 0..3 {
+        let mut stream = source.open(&prepared).await.unwrap();
+        for _ in 0..3 {
+            assert!(!emit_one(&pool).await);
+        }
+        // Everything the stream hands over is settled at once.
+        let (mut events, mut last) = (0, 0);
+        while events < 3 {
+            let item = tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+                .await
+                .expect("the stream stalled")
+                .unwrap();
+            match item {
+                WalItem::Txn(t) => {
+                    events += t.events.len();
+                    last = last.max(t.end_lsn);
+                }
+                WalItem::Idle { lsn } => last = last.max(lsn),
+            }
+        }
+        stream.confirm(last);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let confirmed: i64 = sqlx::query_scalar(
+                "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+            )
+            .bind(db.name())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if confirmed as u64 >= last {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the slot was never confirmed");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        stream.close().await;
+        if round == 1 {
+            pool.close().await;
+            server.crash();
+            server.restart().await;
+            pool = db.pool().await;
+            source = source_of(&db, &pool);
+        }
+        let again = source.prepare().await.unwrap();
+        assert_eq!(
+            seen(again),
+            (false, None),
+            "round {round}: the relay's own slot was taken for a new one"
+        );
+        assert_eq!(again.generation, prepared.generation);
+        prepared = again;
+    }
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// A relay judges the slot when it prepares, and opens the stream later.
+/// If another relay has replaced the slot in between (found it gone and
+/// made a new one), the stream must not open on the new slot, whose sweep
+/// the first relay never did (nor saw to be done): the new slot would be
+/// streamed without rows committed before it ever being swept.
+#[tokio::test]
+async fn a_stream_opens_only_on_the_slot_its_relay_prepared() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let a = source_of(&db, &pool);
+    let b = source_of(&db, &pool);
+    let for_a = a.prepare().await.unwrap();
+    a.mark_swept(&for_a).await.unwrap();
+    drop_slot(&pool, db.name()).await;
+    let for_b = b.prepare().await.unwrap();
+    assert_ne!(for_a.generation, for_b.generation);
+    let Err(err) = a.open(&for_a).await else {
+        panic!("a stream opened on a slot made since its relay prepared");
+    };
+    assert_eq!(err.kind, ferry_core::ErrorKind::Transient, "{err}");
+    assert!(err.message.contains("replaced"), "{err}");
+    b.open(&for_b)
+        .await
+        .expect("the relay that made the slot streams")
+        .close()
+        .await;
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// A `ferry` message that `ferry.emit` did not write (anything may call
+/// `pg_logical_emit_message('ferry', ...)`) does not stop the stream: it
+/// comes out as an event of its own that says why, with the message's bytes
+/// and its position, and the events after it come as usual. One of a newer
+/// version stops the stream with the fix: a newer relay reads it.
+#[tokio::test]
+async fn a_foreign_ferry_message_does_not_stop_the_stream() {
+    use ferry_store::postgres::wal::{UNDECODABLE_TYPE, WalItem, WalTxn};
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    let mut stream = source.open(&prepared).await.unwrap();
+    let foreign = br#"{"hello": "world"}"#.to_vec();
+    let mut tx = pool.begin().await.unwrap();
+    let at: String = sqlx::query_scalar("SELECT pg_logical_emit_message(true, 'ferry', $1)::text")
+        .bind(&foreign)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let good = emit(&mut tx, Event::new("order.placed", json!({ "n": 1 })).key("k"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    async fn transaction(stream: &mut ferry_store::postgres::wal::WalStream) -> Result<WalTxn, ferry_core::StoreError> {
+        loop {
+            let item = tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+                .await
+                .expect("the stream stalled")?;
+            if let WalItem::Txn(t) = item
+                && !t.events.is_empty()
+            {
+                return Ok(t);
+            }
+        }
+    }
+    let txn = transaction(&mut stream)
+        .await
+        .expect("the foreign message stopped the stream");
+    assert_eq!(txn.events.len(), 2);
+    let (odd, next) = (&txn.events[0], &txn.events[1]);
+    assert_eq!(next.event.id, good);
+    assert!(next.undecodable.is_none());
+    assert_eq!(odd.event.event_type, UNDECODABLE_TYPE);
+    assert_eq!(&odd.event.payload[..], &foreign[..]);
+    assert_eq!(odd.event.key, None);
+    assert!(odd.tableless());
+    assert_eq!(odd.event.headers.get("ferry-wal-lsn"), Some(&at));
+    let why = odd.undecodable.as_deref().expect("the reason");
+    assert!(why.contains(&format!("WAL position {at}")), "{why}");
+    let first_id = odd.event.id;
+    stream.close().await;
+    // Read again (nothing was confirmed): the same event, the same id. The
+    // walsender may take a moment to let the slot go.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut stream = loop {
+        match source.open(&prepared).await {
+            Ok(stream) => break stream,
+            Err(e) => assert!(tokio::time::Instant::now() < deadline, "{e}"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let again = transaction(&mut stream).await.unwrap();
+    assert_eq!(
+        again.events[0].event.id, first_id,
+        "a replay gave the message another id"
+    );
+
+    // A newer version of Ferry's own message: the stream stops, saying so.
+    sqlx::query("SELECT pg_logical_emit_message(true, 'ferry', $1)")
+        .bind(br#"{"v": 2, "id": "0190b6a0-0000-7000-8000-000000000001", "type": "order.placed"}"#.to_vec())
+        .execute(&pool)
+        .await
+        .unwrap();
+    let err = transaction(&mut stream).await.expect_err("a newer message was read");
+    assert_eq!(err.kind, ferry_core::ErrorKind::Config, "{err}");
+    assert!(
+        err.message.contains("version 2") && err.message.contains("upgrade"),
+        "{err}"
+    );
+    stream.close().await;
     pool.close().await;
     db.drop_db().await;
 }

@@ -59,6 +59,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "inbox_unfinished",
         include_str!("migrations/0025_inbox_unfinished.sql"),
     ),
+    (
+        26,
+        "wal_slot_watermark",
+        include_str!("migrations/0026_wal_slot_watermark.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

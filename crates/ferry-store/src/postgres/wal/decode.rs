@@ -16,6 +16,10 @@ use super::WalItem;
 /// The logical decoding message prefix of tableless events.
 pub(crate) const MESSAGE_PREFIX: &str = "ferry";
 
+/// The type of the event that stands for a `ferry` message no relay can
+/// read ([`WalEvent::undecodable`]).
+pub const UNDECODABLE_TYPE: &str = "ferry.message.undecodable";
+
 /// One event as the slot handed it over.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WalEvent {
@@ -27,6 +31,15 @@ pub struct WalEvent {
     pub event: StoredEvent,
     /// The outbox partition of a row; `None` for a tableless event.
     pub partition: Option<i32>,
+    /// A `ferry` message that does not decode (one emitted by something
+    /// other than `ferry.emit`, by `pg_logical_emit_message('ferry', ...)`
+    /// by hand, say): why, with its WAL position and what to do. It would
+    /// fail every session that reads it, and hold the slot where it is for
+    /// good, so it stands as an event of its own ([`UNDECODABLE_TYPE`],
+    /// no key, the message's bytes as its payload, an id made from its
+    /// position so a replay writes it once), not published but settled as
+    /// dead: there for an operator to see, cancel or requeue.
+    pub undecodable: Option<String>,
 }
 
 impl WalEvent {
@@ -164,24 +177,38 @@ impl Decoder {
             }),
             ReplicationEvent::Message {
                 transactional,
+                lsn,
                 prefix,
                 content,
-                ..
             } => {
                 if prefix != MESSAGE_PREFIX {
                     return Ok(None);
                 }
-                let event = tableless(&content)?;
-                match (&mut self.open, transactional) {
-                    (Some(open), true) => Ok(open.push(event)),
-                    _ => {
-                        tracing::warn!(
-                            event_id = %event.event.id,
-                            "a non-transactional `ferry` message was ignored; ferry.emit writes transactional ones"
+                let lsn = lsn.as_u64();
+                let Some(open) = self.open.as_mut().filter(|_| transactional) else {
+                    tracing::warn!(
+                        lsn = %lsn_text(lsn),
+                        "a non-transactional `ferry` message was ignored; ferry.emit writes transactional ones"
+                    );
+                    return Ok(None);
+                };
+                let event = match tableless(&content) {
+                    Ok(event) => event,
+                    // Nothing is lost while the relay waits: the slot keeps
+                    // the message until a relay that reads it comes.
+                    Err(Unreadable::Newer(v)) => {
+                        let message = format!(
+                            "the `ferry` message at WAL position {} is of version {v}, newer than this relay \
+                             reads: upgrade the relays in WAL mode to the release of the schema (`ferry migrate`); \
+                             the slot keeps it, and every later event, until then",
+                            lsn_text(lsn)
                         );
-                        Ok(None)
+                        tracing::error!(lsn = %lsn_text(lsn), "{message}");
+                        return Err(StoreError::config(message));
                     }
-                }
+                    Err(Unreadable::Malformed(why)) => undecodable(lsn, open.commit_time, content, &why),
+                };
+                Ok(open.push(event))
             }
             ReplicationEvent::XLogData { data, .. } => self.change(data),
             ReplicationEvent::StoppedAt { .. } => Err(StoreError::transient("replication stream stopped")),
@@ -311,12 +338,13 @@ fn row(c: &Columns, tuple: &TupleData) -> Result<WalEvent, StoreError> {
             created_at,
         },
         partition: Some(partition),
+        undecodable: None,
     })
 }
 
+/// A message of version 1 (its `v`, read first, is left out).
 #[derive(serde::Deserialize)]
 struct Message {
-    v: u32,
     id: uuid::Uuid,
     /// Reserved by `ferry._emit` since migration 0010; absent before.
     #[serde(default)]
@@ -330,12 +358,35 @@ struct Message {
     created_at: DateTime<Utc>,
 }
 
-fn tableless(content: &[u8]) -> Result<WalEvent, StoreError> {
-    let bad = |e: &dyn std::fmt::Display| StoreError::permanent(format!("undecodable `ferry` message: {e}"));
-    let m: Message = serde_json::from_slice(content).map_err(|e| bad(&e))?;
-    if m.v != 1 {
-        return Err(bad(&format!("version {} is newer than this relay; upgrade it", m.v)));
+/// Why a `ferry` message does not decode.
+#[derive(Debug, PartialEq)]
+enum Unreadable {
+    /// Written by a newer `ferry.emit`: a newer relay reads it.
+    Newer(u32),
+    /// Not one `ferry.emit` writes: nothing ever reads it.
+    Malformed(String),
+}
+
+fn tableless(content: &[u8]) -> Result<WalEvent, Unreadable> {
+    /// What every version has: a message that lacks it is not Ferry's,
+    /// whatever version it claims.
+    #[derive(serde::Deserialize)]
+    struct Version {
+        v: u32,
+        #[serde(rename = "id")]
+        _id: uuid::Uuid,
+        #[serde(rename = "type")]
+        _type: String,
     }
+    let bad = |e: &dyn std::fmt::Display| Unreadable::Malformed(e.to_string());
+    // The version first: a newer message may have other fields.
+    match serde_json::from_slice::<Version>(content) {
+        Ok(Version { v, .. }) if v > 1 => return Err(Unreadable::Newer(v)),
+        Ok(Version { v: 1, .. }) => {}
+        Ok(Version { v, .. }) => return Err(bad(&format!("version {v}"))),
+        Err(e) => return Err(bad(&e)),
+    }
+    let m: Message = serde_json::from_slice(content).map_err(|e| bad(&e))?;
     let payload = base64::engine::general_purpose::STANDARD
         .decode(m.payload.as_bytes())
         .map_err(|e| bad(&e))?;
@@ -351,7 +402,44 @@ fn tableless(content: &[u8]) -> Result<WalEvent, StoreError> {
             created_at: m.created_at,
         },
         partition: None,
+        undecodable: None,
     })
+}
+
+/// The event that stands for the undecodable `ferry` message at `lsn`, of
+/// a transaction committed `at` ([`WalEvent::undecodable`]).
+fn undecodable(lsn: u64, at: DateTime<Utc>, content: Bytes, why: &str) -> WalEvent {
+    // A UUID v7 of the commit's time whose random bits are the position:
+    // the same id each time the message is read.
+    let mut tail = [0u8; 10];
+    tail[..8].copy_from_slice(&lsn.to_be_bytes());
+    let id = uuid::Builder::from_unix_timestamp_millis(at.timestamp_millis().max(0) as u64, &tail).into_uuid();
+    let position = lsn_text(lsn);
+    let reason = format!(
+        "undecodable `ferry` logical message at WAL position {position} ({why}): ferry.emit did not write it, \
+         and it was not published; its bytes are this event's payload. Find what emits `ferry` messages \
+         (pg_logical_emit_message) and give it another prefix; cancel this event, or requeue it to deliver \
+         the bytes as they are to the routes matching {UNDECODABLE_TYPE}"
+    );
+    WalEvent {
+        event: StoredEvent {
+            id: EventId(id),
+            seq: 0,
+            event_type: UNDECODABLE_TYPE.to_owned(),
+            key: None,
+            payload: content,
+            content_type: "application/octet-stream".to_owned(),
+            headers: Headers::from([("ferry-wal-lsn".to_owned(), position)]),
+            created_at: at,
+        },
+        partition: None,
+        undecodable: Some(reason),
+    }
+}
+
+/// A WAL position as PostgreSQL writes it (`16/B374D848`).
+fn lsn_text(lsn: u64) -> String {
+    format!("{:X}/{:X}", lsn >> 32, lsn & 0xffff_ffff)
 }
 
 /// PostgreSQL's microseconds since 2000-01-01.
@@ -409,7 +497,22 @@ mod tests {
         assert_eq!((e.event.seq, e.reserved_seq()), (42, Some(42)));
         let newer = br#"{"v":2,"id":"0190b6a0-0000-7000-8000-000000000001","type":"a.b","key":null,
             "content_type":"x","headers":{},"payload":"","created_at":"2026-11-30T15:00:00Z"}"#;
-        assert!(tableless(newer).unwrap_err().message.contains("upgrade"));
+        assert_eq!(tableless(newer).unwrap_err(), Unreadable::Newer(2));
+        let foreign: [&[u8]; 5] = [
+            b"not json",
+            br#"{"v":1,"id":"x"}"#,
+            br#"{"hello":"world"}"#,
+            br#"{"v":0,"id":"0190b6a0-0000-7000-8000-000000000001","type":"a.b"}"#,
+            // Claims a newer version, but is not Ferry's: no id.
+            br#"{"v":2,"type":"a.b"}"#,
+        ];
+        for foreign in foreign {
+            assert!(
+                matches!(tableless(foreign), Err(Unreadable::Malformed(_))),
+                "{}",
+                String::from_utf8_lossy(foreign)
+            );
+        }
     }
 
     #[test]

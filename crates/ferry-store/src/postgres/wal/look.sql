@@ -1,13 +1,15 @@
 -- What a streamed batch may publish directly. $1 the batch's outbox seqs,
--- $2 the routes it touches, $3 its keys, $4 the ids of the transactions that
--- wrote the seqs. Rows: (0, seq) still unrouted; (1, route) has pending
+-- $2 the routes it touches, $3 its keys, $4 the ids of its transactions
+-- (every one with events, tableless ones included). Rows: (0, seq) still unrouted; (1, route) has pending
 -- deliveries; (2, route, key) held by a dead delivery; (3, xid) a transaction
 -- not yet visible to this statement's snapshot.
 --
 -- The slot hands a transaction over once its commit is in the WAL, which
 -- can be a moment before other sessions see it (and much longer with
 -- synchronous replication). Until its xid is visible, "not in unrouted"
--- would wrongly read as "routed before": the relay waits instead. The
+-- would wrongly read as "routed before", and a tableless event would be
+-- published while a failover could still lose its commit: the relay waits
+-- instead. The
 -- 32-bit xid is placed within 2^31 of the snapshot's xmax, on either side:
 -- a transaction whose commit is in the WAL but not yet in the snapshots'
 -- view can be at or above xmax (the newest of all), and one from long ago

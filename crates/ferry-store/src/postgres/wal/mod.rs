@@ -14,6 +14,7 @@
 mod decode;
 mod diagnose;
 mod settle;
+mod watermark;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,7 +27,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 
 use crate::postgres::{EnqueueError, store_error};
 
-pub use decode::{PART_BYTES, PART_EVENTS, WalEvent, WalTxn};
+pub use decode::{PART_BYTES, PART_EVENTS, UNDECODABLE_TYPE, WalEvent, WalTxn};
 pub use diagnose::{Finding, diagnose};
 pub use settle::{Look, Outcome, Settled, Settlement};
 
@@ -92,7 +93,8 @@ pub enum SlotLoss {
     Lost,
     /// It no longer exists, though `ferry.wal_slots` says it had streamed:
     /// a failover to a standby (before PostgreSQL 17 slots exist only on
-    /// the primary), a restore from backup, or a drop by hand.
+    /// the primary), a restore from backup, or a drop by hand, whether or
+    /// not a slot of the same name was made anew since.
     Vanished,
 }
 
@@ -123,7 +125,7 @@ impl std::fmt::Display for SlotLoss {
             }
             SlotLoss::Vanished => {
                 "the replication slot is gone though it had streamed (a failover to a standby, a restore \
-                 from backup, or a drop by hand)"
+                 from backup, or a drop by hand; a slot of the same name made since is a new one)"
             }
         })
     }
@@ -192,6 +194,13 @@ impl WalSource {
     /// and made anew here, which sweeps those rows into the table path.
     /// Tableless events of the lost WAL are gone either way; the caller
     /// reports the loss ([`SlotLoss`]).
+    ///
+    /// A slot that exists may still not be the one the record speaks of:
+    /// dropped and made anew under the same name (by hand, say, before any
+    /// relay ran), it streams only what commits after it was made. It is
+    /// told apart by its position (see `watermark.rs`) and taken as a new
+    /// slot: swept, its predecessor's loss reported if that had streamed,
+    /// and not retired.
     pub async fn prepare(&self) -> Result<Prepared, StoreError> {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let wal_level: String = sqlx::query_scalar("SHOW wal_level")
@@ -255,7 +264,8 @@ impl WalSource {
                 // meanwhile, and its new slot must survive.
                 sqlx::query(
                     "UPDATE ferry.wal_slots SET ready = false, retired = false, settled_lsn = NULL, \
-                            part_lsn = NULL, part_events = NULL, generation = generation + 1, lost = coalesce(lost, 'lost') \
+                            part_lsn = NULL, part_events = NULL, generation = generation + 1, lost = coalesce(lost, 'lost'), \
+                            watermark = NULL, watermark_generation = NULL, watermark_pid = NULL \
                       WHERE slot = $1 AND EXISTS (SELECT 1 FROM pg_replication_slots \
                                                    WHERE slot_name = $1 AND wal_status = 'lost')",
                 )
@@ -298,6 +308,7 @@ impl WalSource {
                 "INSERT INTO ferry.wal_slots (slot, publication, ready) VALUES ($1, $2, false) \
                  ON CONFLICT (slot) DO UPDATE SET publication = EXCLUDED.publication, ready = false, \
                  retired = false, settled_lsn = NULL, part_lsn = NULL, part_events = NULL, \
+                 watermark = NULL, watermark_generation = NULL, watermark_pid = NULL, \
                  generation = ferry.wal_slots.generation + 1, \
                  lost = coalesce(ferry.wal_slots.lost, CASE WHEN ferry.wal_slots.ready THEN 'vanished' END) \
                  WHERE NOT EXISTS (SELECT 1 FROM pg_replication_slots s \
@@ -308,27 +319,33 @@ impl WalSource {
             .execute(&mut *conn)
             .await
             .map_err(store_error)?;
-            let made = sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-                .bind(slot)
-                .execute(&mut *conn)
-                .await;
-            if let Err(e) = made
-                && !already_exists(&e)
-            {
-                let mut err = explain(e, "create the replication slot");
-                // The record keeps the loss for the attempt that makes the
-                // slot; say it here too, where the operator looks now.
-                let lost: Option<String> = sqlx::query_scalar("SELECT lost FROM ferry.wal_slots WHERE slot = $1")
-                    .bind(slot)
-                    .fetch_optional(&mut *conn)
-                    .await
-                    .ok()
-                    .flatten()
-                    .flatten();
-                if let Some(loss) = lost.as_deref().and_then(SlotLoss::parse) {
-                    err.message = format!("{}; before that, {loss}", err.message);
+            // The slot's confirmed position starts at its consistent point.
+            let made: Result<i64, _> = sqlx::query_scalar(
+                "SELECT (lsn - '0/0'::pg_lsn)::bigint FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+            )
+            .bind(slot)
+            .fetch_one(&mut *conn)
+            .await;
+            match made {
+                // This relay made it: the record speaks of it from now on.
+                Ok(start) => watermark::made(&mut conn, slot, start).await?,
+                Err(e) if already_exists(&e) => {}
+                Err(e) => {
+                    let mut err = explain(e, "create the replication slot");
+                    // The record keeps the loss for the attempt that makes the
+                    // slot; say it here too, where the operator looks now.
+                    let lost: Option<String> = sqlx::query_scalar("SELECT lost FROM ferry.wal_slots WHERE slot = $1")
+                        .bind(slot)
+                        .fetch_optional(&mut *conn)
+                        .await
+                        .ok()
+                        .flatten()
+                        .flatten();
+                    if let Some(loss) = lost.as_deref().and_then(SlotLoss::parse) {
+                        err.message = format!("{}; before that, {loss}", err.message);
+                    }
+                    return Err(err);
                 }
-                return Err(err);
             }
         }
         // A slot made by hand (or by an administrator, see OPERATIONS.md)
@@ -339,6 +356,9 @@ impl WalSource {
             .execute(&mut *conn)
             .await
             .map_err(store_error)?;
+        // Dropped and made anew since a relay streamed from it, by hand
+        // say, it is a new slot all the same.
+        watermark::judge(&mut conn, slot).await?;
         // The slot exists: the first relay here since a loss reports it.
         let reported: Option<String> = sqlx::query_scalar(
             "UPDATE ferry.wal_slots w SET lost = NULL \
@@ -497,7 +517,14 @@ impl WalSource {
     /// can take it back (see migration 0008). Returns once the server has
     /// handed the slot to this session; fails while another relay streams
     /// from it (this one is then a standby).
-    pub async fn open(&self) -> Result<WalStream, StoreError> {
+    ///
+    /// Streams only the slot `prepared` judged: if the record has moved on
+    /// to another generation since (another relay found the slot lost or
+    /// gone and made a new one), that slot's sweep is not done, and this
+    /// fails (transient) so that the relay prepares again. So does a slot
+    /// found confirmed past every position recorded for it: it is not the
+    /// one the record speaks of (see [`prepare`](Self::prepare)).
+    pub async fn open(&self, prepared: &Prepared) -> Result<WalStream, StoreError> {
         let mut cfg = replication_config(&self.config)?;
         type Record = (Option<i64>, i64, Option<i64>, Option<i64>);
         let record: Option<Record> = sqlx::query_as(
@@ -508,6 +535,11 @@ impl WalSource {
         .await
         .map_err(store_error)?;
         let (settled, generation, part_lsn, part_events) = record.unwrap_or_default();
+        if generation != prepared.generation {
+            return Err(StoreError::transient(
+                "the replication slot was replaced since it was prepared; starting over with the new slot",
+            ));
+        }
         // A transaction partly settled by an earlier session: the stream
         // skips that part of it.
         let resume = part_lsn.zip(part_events).map(|(lsn, n)| (lsn as u64, n as u64));
@@ -539,11 +571,37 @@ impl WalSource {
                 "the replication slot was replaced while the stream opened; starting over with the new slot",
             ));
         }
+        // The slot is this session's now: from here on it moves only as
+        // far as the watermark, which this session keeps.
+        let keeper = match watermark::Keeper::adopt(&self.pool, &self.config.slot, generation).await {
+            Ok(Some(keeper)) => keeper,
+            Ok(None) => {
+                client.abort();
+                return Err(StoreError::transient(
+                    "the replication slot is confirmed past every position recorded for it: it was made anew \
+                     (or moved on by hand) since a relay streamed from it; starting over with it as a new slot",
+                ));
+            }
+            Err(e) => {
+                client.abort();
+                return Err(e);
+            }
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let (applied, applied_rx) = watch::channel(0);
         let (stop, stop_rx) = oneshot::channel();
         let budget = Arc::new(Semaphore::new(self.read_ahead));
-        let forwarder = tokio::spawn(forward(client, tx, budget, self.read_ahead, applied_rx, stop_rx));
+        let forwarder = tokio::spawn(forward(
+            client,
+            tx,
+            budget,
+            self.read_ahead,
+            Confirms {
+                applied: applied_rx,
+                keeper,
+            },
+            stop_rx,
+        ));
         Ok(WalStream {
             rx,
             applied,
@@ -895,6 +953,13 @@ fn replication_config(config: &WalConfig) -> Result<ReplicationConfig, StoreErro
         .with_buffer_size(CLIENT_BUFFER_EVENTS))
 }
 
+/// The positions the relay has settled ([`WalStream::confirm`]), and what
+/// of them the slot may be told: no more than its record's watermark.
+struct Confirms {
+    applied: watch::Receiver<u64>,
+    keeper: watermark::Keeper,
+}
+
 /// A message read from the replication connection, with its share of the
 /// stream's read-ahead budget, given back once decoded.
 type Forwarded = Result<(ReplicationEvent, OwnedSemaphorePermit), StoreError>;
@@ -919,11 +984,20 @@ async fn forward(
     tx: mpsc::UnboundedSender<Forwarded>,
     budget: Arc<Semaphore>,
     read_ahead: usize,
-    mut applied: watch::Receiver<u64>,
+    confirms: Confirms,
     mut stop: oneshot::Receiver<()>,
 ) {
     let stream_error = |e: pgwire_replication::PgWireError| StoreError::transient(format!("replication stream: {e}"));
+    let Confirms {
+        mut applied,
+        mut keeper,
+    } = confirms;
+    // A raise of the watermark runs in an arm's body, not as a branch of
+    // the select: busy, the stream would cut it short every time, and the
+    // slot would be confirmed no further.
+    let far = || tokio::time::Instant::now() + Duration::from_secs(3600);
     loop {
+        let due = keeper.due();
         let event = tokio::select! {
             biased;
             _ = &mut stop => break,
@@ -932,7 +1006,13 @@ async fn forward(
                 return;
             }
             Ok(()) = applied.changed() => {
-                client.update_applied_lsn(Lsn::from_u64(*applied.borrow_and_update()));
+                keeper.want(*applied.borrow_and_update());
+                client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
+                continue;
+            }
+            _ = tokio::time::sleep_until(due.unwrap_or_else(far)), if due.is_some() => {
+                keeper.raise().await;
+                client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
                 continue;
             }
             event = client.recv() => event,
@@ -951,6 +1031,7 @@ async fn forward(
         // A message larger than the whole budget waits for all of it.
         let wanted = weight(&event).min(read_ahead) as u32;
         let permit = loop {
+            let due = keeper.due();
             tokio::select! {
                 biased;
                 _ = &mut stop => break None,
@@ -959,7 +1040,12 @@ async fn forward(
                     return;
                 }
                 Ok(()) = applied.changed() => {
-                    client.update_applied_lsn(Lsn::from_u64(*applied.borrow_and_update()));
+                    keeper.want(*applied.borrow_and_update());
+                    client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
+                }
+                _ = tokio::time::sleep_until(due.unwrap_or_else(far)), if due.is_some() => {
+                    keeper.raise().await;
+                    client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
                 }
                 permit = budget.clone().acquire_many_owned(wanted) => break permit.ok(),
             }
@@ -970,8 +1056,13 @@ async fn forward(
             return;
         }
     }
-    // Closing: the last confirmed position first, then a clean end.
-    client.update_applied_lsn(Lsn::from_u64(*applied.borrow()));
+    // Closing: the last confirmed position first (recorded first, however
+    // soon after the last raise), then a clean end.
+    keeper.want(*applied.borrow());
+    if keeper.due().is_some() {
+        keeper.raise().await;
+    }
+    client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
     let _ = tokio::time::timeout(Duration::from_secs(2), client.shutdown()).await;
     client.abort();
 }
@@ -1037,7 +1128,12 @@ impl WalStream {
     }
 
     /// Tells the slot that everything before `lsn` is settled; the server
-    /// may then recycle that WAL, and a restart resumes from there.
+    /// may then recycle that WAL, and a restart resumes from there. The
+    /// position is recorded first (the slot's watermark, written at most
+    /// every second, or every ten while the stream moves on by little), so
+    /// the slot may be told a moment later: a slot confirmed past every
+    /// position recorded for it is taken for one made anew (see
+    /// [`WalSource::prepare`]).
     pub fn confirm(&self, lsn: u64) {
         self.applied.send_if_modified(|applied| {
             let raised = lsn > *applied;

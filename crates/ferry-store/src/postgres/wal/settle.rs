@@ -176,6 +176,7 @@ impl WalSource {
                         created_at: r.try_get(8).map_err(store_error)?,
                     },
                     partition: Some(r.try_get(4).map_err(store_error)?),
+                    undecodable: None,
                 })
             })
             .collect()
