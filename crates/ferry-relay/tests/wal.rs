@@ -675,6 +675,34 @@ async fn a_lost_slot_is_replaced_and_no_outbox_row_is_lost() {
     e.db.drop_db().await;
 }
 
+/// A walsender told to stop waits until its client confirms everything
+/// sent, the shutdown checkpoint included, and the relay confirms only what
+/// it has recorded as the slot's watermark, which a shutting-down server
+/// lets it write no more. The relay must end its stream then, or a clean
+/// stop of the server (`pg_ctl stop`, a switchover, a pod stopped) waits
+/// for ever on a relay that answers every keepalive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_streaming_relay_lets_the_server_stop_cleanly() {
+    let mut server = PgServer::start().await;
+    let e = env_on(TestDb::create_on(&server.admin_url()).await).await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let expected = enqueue_rows(&e.pool, "before the stop", 20).await;
+    eventually("the events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= expected.len()
+    })
+    .await;
+    // The relay raises the watermark at most every 10 s and gives a raise
+    // 5 s: well inside this, unless the stream holds the server.
+    let stopped = tokio::task::spawn_blocking(move || {
+        let stopped = server.stop_within(Duration::from_secs(60));
+        (server, stopped)
+    });
+    let (_server, stopped) = stopped.await.unwrap();
+    assert!(stopped, "the server did not stop while the relay streamed");
+    relay.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failed_event_holds_back_later_events_of_its_route_until_it_is_delivered() {
     let e = env().await;

@@ -177,6 +177,33 @@ impl PgServer {
         let _ = postmaster.wait();
     }
 
+    /// A fast shutdown (SIGINT), as `pg_ctl stop` makes: `true` when the
+    /// postmaster exited within `limit`. Past it the server is killed, so
+    /// that [`Self::restart`] can start it again either way.
+    ///
+    /// # Panics
+    ///
+    /// When the server is not running.
+    pub fn stop_within(&mut self, limit: Duration) -> bool {
+        let Some(mut postmaster) = self.postmaster.take() else {
+            panic!("stop_within: the test cluster is not running");
+        };
+        let pid = postmaster.id() as i32;
+        // SAFETY: kill(2) on our own child's pid, then on the group it leads.
+        unsafe { libc::kill(pid, libc::SIGINT) };
+        let deadline = std::time::Instant::now() + limit;
+        while std::time::Instant::now() < deadline {
+            if let Ok(Some(_)) = postmaster.try_wait() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // SAFETY: as above.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+        let _ = postmaster.wait();
+        false
+    }
+
     /// Starts the server again on the same directory and port, after a
     /// crash or not; returns once it accepts connections.
     ///

@@ -1011,7 +1011,11 @@ async fn forward(
                 continue;
             }
             _ = tokio::time::sleep_until(due.unwrap_or_else(far)), if due.is_some() => {
-                keeper.raise().await;
+                if !keeper.raise().await {
+                    client.abort();
+                    let _ = tx.send(Err(StoreError::transient("the slot's watermark could not be recorded")));
+                    return;
+                }
                 client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
                 continue;
             }
@@ -1044,7 +1048,11 @@ async fn forward(
                     client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
                 }
                 _ = tokio::time::sleep_until(due.unwrap_or_else(far)), if due.is_some() => {
-                    keeper.raise().await;
+                    if !keeper.raise().await {
+                        client.abort();
+                        let _ = tx.send(Err(StoreError::transient("the slot's watermark could not be recorded")));
+                        return;
+                    }
                     client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
                 }
                 permit = budget.clone().acquire_many_owned(wanted) => break permit.ok(),
@@ -1060,6 +1068,8 @@ async fn forward(
     // soon after the last raise), then a clean end.
     keeper.want(*applied.borrow());
     if keeper.due().is_some() {
+        // Failed, the slot is confirmed as far as recorded: the stream
+        // ends below, either way.
         keeper.raise().await;
     }
     client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));

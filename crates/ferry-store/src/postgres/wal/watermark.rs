@@ -175,11 +175,14 @@ impl Keeper {
         Some(self.raised_at.map_or_else(Instant::now, |at| at + every))
     }
 
-    /// Records the watermark up to what the relay has settled. A failure
-    /// leaves it where it was (the slot is confirmed only that far) until
-    /// the next attempt; a record moved on to another generation (the slot
-    /// replaced) is not written, and the slot is confirmed no further.
-    pub(super) async fn raise(&mut self) {
+    /// Records the watermark up to what the relay has settled; `false`
+    /// when it could not, and the slot is confirmed no further: the record
+    /// could not be written (the database unreachable, or shutting down),
+    /// or it has moved on to another generation (the slot replaced). The
+    /// stream must then end: a walsender told to stop waits for its client
+    /// to confirm everything sent, so a stream kept open below the
+    /// watermark would hold a clean shutdown of the server for ever.
+    pub(super) async fn raise(&mut self) -> bool {
         self.raised_at = Some(Instant::now());
         // The commit must be durable before the position is confirmed, even
         // where commits default to asynchronous: see settle.rs.
@@ -200,20 +203,24 @@ impl Keeper {
         .bind(self.wanted as i64)
         .fetch_optional(&self.pool);
         match tokio::time::timeout(RAISE_TIMEOUT, raised).await {
-            Ok(Ok(Some(Some(recorded)))) => self.recorded = self.recorded.max(recorded.max(0) as u64),
+            Ok(Ok(Some(Some(recorded)))) => {
+                self.recorded = self.recorded.max(recorded.max(0) as u64);
+                return true;
+            }
             Ok(Ok(_)) => {
-                tracing::debug!(slot = %self.slot, "the slot's record has moved on to a new slot; confirming no further")
+                tracing::info!(slot = %self.slot, "the slot's record has moved on to a new slot; ending this stream")
             }
             Ok(Err(e)) => tracing::warn!(
                 slot = %self.slot,
                 error = %e,
-                "could not record the slot's watermark; the slot is confirmed no further until it is"
+                "could not record the slot's watermark; ending the stream, to stream again once it can be"
             ),
             Err(_) => tracing::warn!(
                 slot = %self.slot,
-                "recording the slot's watermark took over {RAISE_TIMEOUT:?}; the slot is confirmed no further until \
-                 it is"
+                "recording the slot's watermark took over {RAISE_TIMEOUT:?}; ending the stream, to stream again once \
+                 it can be"
             ),
         }
+        false
     }
 }
