@@ -858,6 +858,47 @@ pub async fn dead_deliveries_of_a_key_requeue_together_in_its_order<H: AdminHarn
     assert_eq!(order, [keyed[0].0, keyed[1].0, keyed[2].0, keyed[3].0], "{claimed:?}");
 }
 
+/// A key's published deliveries sent again together (`--include-published`)
+/// go in their order, the last one last: none is refused for the later
+/// ones, which are sent again after it. One left out is a later event the
+/// earlier ones would arrive after, and refuses them.
+pub async fn published_deliveries_of_a_key_replay_together_in_its_order<H: AdminHarness>(h: &H) {
+    let store = h.store();
+    let events = (1..=4)
+        .map(|n| Event::new("order.updated", json!({ "n": n })).key("kr"))
+        .collect();
+    let (owned, keyed) = claimed(h, events).await;
+    let now = Utc::now();
+    let published: Vec<Recorded> = keyed
+        .iter()
+        .map(|(_, seq)| Recorded {
+            seq: *seq,
+            expected_attempts: 0,
+            transition: Transition::Published { attempts: 1, at: now },
+        })
+        .collect();
+    assert_eq!(store.record(&owned, ROUTE, &published, now).await.unwrap(), 4);
+    let replay = Action::Requeue {
+        include_published: true,
+    };
+    let ids: Vec<EventId> = keyed.iter().map(|(id, _)| *id).collect();
+
+    // The first three without the fourth: it was published after them.
+    let plan = store.plan(&replay, &only_ids(&ids[..3])).await.unwrap();
+    assert!(plan.changes.is_empty(), "{plan:?}");
+    assert_eq!(plan.refused.len(), 3, "{plan:?}");
+
+    let plan = store.plan(&replay, &only_ids(&ids)).await.unwrap();
+    assert!(plan.refused.is_empty() && plan.out_of_order.is_empty(), "{plan:?}");
+    assert_eq!(ids_of(&plan.changes), ids, "in outbox order");
+    let applied = store.apply(&replay, "ops", &plan.changes).await.unwrap();
+    assert!(applied.refused.is_empty(), "{applied:?}");
+    assert_eq!(ids_of(&applied.changed), ids);
+    let claimed = store.claim(&owned, ROUTE, 100, now, &[]).await.unwrap();
+    let order: Vec<EventId> = claimed.iter().map(|c| c.event.id).collect();
+    assert_eq!(order, ids, "{claimed:?}");
+}
+
 /// `--error` matches "in any case", beyond ASCII too, in every store:
 /// SQLite's `lower()` folds ASCII only, so "échec" missed "Échec".
 pub async fn the_error_filter_matches_in_any_case_beyond_ascii<H: AdminHarness>(h: &H) {
@@ -1079,6 +1120,7 @@ macro_rules! admin_conformance {
             requeue_refuses_pending_retrying_and_published_and_dry_run_changes_nothing,
             a_requeue_that_would_break_its_keys_order_is_refused_unless_asked_for,
             dead_deliveries_of_a_key_requeue_together_in_its_order,
+            published_deliveries_of_a_key_replay_together_in_its_order,
             the_error_filter_matches_in_any_case_beyond_ascii,
             cancel_refuses_what_a_relay_may_hold_and_unblocks_the_key,
             apply_refuses_a_delivery_changed_since_the_plan,

@@ -198,18 +198,24 @@ async fn last_published<'e>(
     };
     // Unprepared: planned for this `after`, which decides between reading
     // the deliveries after it by their seq and reading them all.
+    // The targets themselves are left out: requeued together, in outbox
+    // order, a key's published deliveries are replayed in that order.
+    let (seqs, target_routes): (Vec<i64>, Vec<&str>) = targets.iter().map(|t| (t.seq, t.route.as_str())).unzip();
     let rows: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT l.route, l.key, max(l.seq)
            FROM ferry.deliveries l
            JOIN (SELECT DISTINCT k.route, k.key FROM unnest($1::text[], $2::text[]) AS k(route, key)) k
              ON l.route = k.route AND l.key = k.key
           WHERE l.seq > $3 AND l.state = 'published'
+            AND (l.seq, l.route) NOT IN (SELECT * FROM unnest($4::bigint[], $5::text[]))
           GROUP BY l.route, l.key",
     )
     .persistent(false)
     .bind(routes)
     .bind(keys)
     .bind(after)
+    .bind(&seqs)
+    .bind(&target_routes)
     .fetch_all(executor)
     .await
     .map_err(store_error)?;

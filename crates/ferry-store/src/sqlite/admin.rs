@@ -109,16 +109,22 @@ async fn last_published<'e>(
         return Ok(LastPublished::default());
     };
     let pairs: Vec<[&str; 2]> = routes.into_iter().zip(keys).map(|(r, k)| [r, k]).collect();
+    // The targets themselves are left out: requeued together, in outbox
+    // order, a key's published deliveries are replayed in that order.
+    let itself: Vec<(i64, &str)> = targets.iter().map(|t| (t.seq, t.route.as_str())).collect();
     let rows: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT l.route, l.key, max(l.seq)
            FROM ferry_deliveries l
           WHERE l.seq > ?1 AND l.state = 'published'
             AND (l.route, l.key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
                                        FROM json_each(?2))
+            AND (l.seq, l.route) NOT IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
+                                           FROM json_each(?3))
           GROUP BY l.route, l.key",
     )
     .bind(after)
     .bind(serde_json::to_string(&pairs).expect("strings serialise"))
+    .bind(serde_json::to_string(&itself).expect("numbers and strings serialise"))
     .fetch_all(executor)
     .await
     .map_err(store_error)?;
