@@ -34,7 +34,11 @@ const RAISE_TIMEOUT: Duration = Duration::from_secs(5);
 /// speaks of it from now on.
 pub(super) async fn made(conn: &mut PgConnection, slot: &str, start: i64) -> Result<(), StoreError> {
     sqlx::query(
-        "UPDATE ferry.wal_slots SET watermark = $2, watermark_generation = generation, watermark_pid = NULL \
+        // Never lowered: a relay streaming the new slot may have raised it
+        // already.
+        "UPDATE ferry.wal_slots \
+            SET watermark = greatest(CASE WHEN watermark_generation = generation THEN watermark END, $2), \
+                watermark_generation = generation, watermark_pid = NULL \
           WHERE slot = $1",
     )
     .bind(slot)
