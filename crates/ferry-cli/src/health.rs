@@ -19,7 +19,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
-use ferry_core::{Route, Sink, StoreError};
+use ferry_core::{Route, Sink};
 use ferry_relay::{Progress, metrics as names};
 use ferry_store::{GaugeReport, Gauges};
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -34,10 +34,6 @@ const PROBE_EVERY: Duration = Duration::from_secs(5);
 const CHECK_EVERY: Duration = Duration::from_secs(15);
 /// One probe or check may take this long before it counts as failed.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(4);
-/// A gauge read counts a large backlog, so it may take longer than a
-/// probe; past this it is given up (its connection freed) and counted as
-/// a failed read, so a hung query cannot stop the gauges for good.
-const GAUGES_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The last outcome of one probe.
 #[derive(Debug, Clone)]
@@ -220,7 +216,7 @@ pub async fn probe<S: Gauges + ?Sized>(
 ) {
     tokio::join!(
         ping_loop(store.as_ref(), &health, stop.clone()),
-        gauges_loop(store.as_ref(), &routes, Pace::GAUGES, stop.clone()),
+        gauges_loop(store.as_ref(), &routes, stop.clone()),
         checks_loop(&sinks, &routes, &health, stop),
     );
 }
@@ -246,35 +242,14 @@ async fn ping_loop<S: Gauges + ?Sized>(store: &S, health: &Health, mut stop: wat
     }
 }
 
-/// How often a loop runs, and how long one round may take.
-#[derive(Debug, Clone, Copy)]
-struct Pace {
-    every: Duration,
-    timeout: Duration,
-}
-
-impl Pace {
-    const GAUGES: Pace = Pace {
-        every: PROBE_EVERY,
-        timeout: GAUGES_TIMEOUT,
-    };
-}
-
-async fn gauges_loop<S: Gauges + ?Sized>(store: &S, routes: &[Route], pace: Pace, mut stop: watch::Receiver<bool>) {
+async fn gauges_loop<S: Gauges + ?Sized>(store: &S, routes: &[Route], mut stop: watch::Receiver<bool>) {
     let mut known = Known {
         routes: routes.iter().map(|r| r.name.clone()).collect(),
         tables: Vec::new(),
     };
     let mut failing = false;
     loop {
-        let read = match tokio::time::timeout(pace.timeout, store.gauges()).await {
-            Ok(read) => read,
-            Err(_) => Err(StoreError::transient(format!(
-                "no answer within {}s",
-                pace.timeout.as_secs_f64()
-            ))),
-        };
-        match read {
+        match store.gauges().await {
             Ok(g) => {
                 publish_gauges(&g, &mut known);
                 let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
@@ -292,7 +267,7 @@ async fn gauges_loop<S: Gauges + ?Sized>(store: &S, routes: &[Route], pace: Pace
                 ::metrics::counter!(names::STORE_ERRORS, "op" => "gauges").increment(1);
             }
         }
-        if pause(pace.every, &mut stop).await {
+        if pause(PROBE_EVERY, &mut stop).await {
             return;
         }
     }
@@ -502,42 +477,6 @@ mod tests {
 
     /// A route or a captured table that no longer reports goes back to
     /// zero instead of showing its last value for ever.
-    /// Hangs on its first read, answers every later one.
-    struct HangsOnce {
-        reads: std::sync::atomic::AtomicUsize,
-    }
-
-    #[async_trait::async_trait]
-    impl Gauges for HangsOnce {
-        async fn gauges(&self) -> Result<GaugeReport, StoreError> {
-            if self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
-                std::future::pending::<()>().await;
-            }
-            Ok(GaugeReport::default())
-        }
-    }
-
-    #[tokio::test]
-    async fn a_gauge_read_that_hangs_is_given_up_and_the_next_one_runs() {
-        let store = HangsOnce {
-            reads: Default::default(),
-        };
-        let pace = Pace {
-            every: Duration::from_millis(10),
-            timeout: Duration::from_millis(50),
-        };
-        let (stop_tx, stop) = watch::channel(false);
-        let looping = gauges_loop(&store, &[], pace, stop);
-        let watched = async {
-            while store.reads.load(std::sync::atomic::Ordering::SeqCst) < 2 {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            stop_tx.send(true).unwrap();
-        };
-        let finished = tokio::time::timeout(Duration::from_secs(30), async { tokio::join!(looping, watched) }).await;
-        assert!(finished.is_ok(), "the loop never read the gauges again after one hung");
-    }
-
     #[test]
     fn gauges_of_what_no_longer_reports_go_back_to_zero() {
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
