@@ -725,21 +725,15 @@ async fn an_event_whose_handler_kills_the_process_is_dead_lettered_after_its_att
     env.db.all_published(N).await;
     relay.stop().await;
 
-    let runs = AtomicU32::new(0);
-    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| {
-        if support::number(event) == KILLER {
-            runs.fetch_add(1, Ordering::SeqCst);
-            std::future::pending::<()>().await;
-        }
-        effect(tx, event).await
-    };
+    let killer = support::Killer::new(KILLER);
+    let handler = async |tx: &mut PgConnection, event: &ReceivedEvent| killer.handle(tx, event).await;
     // The first delivery is not marked (only a redelivery is): one more
     // death than the attempts.
     for life in 1..=ATTEMPTS + 1 {
         let consumer = NatsConsumer::new(inbox.clone(), options.clone()).unwrap();
         tokio::select! {
             report = consumer.run(handler, std::future::pending()) => panic!("the consumer stopped: {report:?}"),
-            () = wait("the handler to take the killer event", || async { runs.load(Ordering::SeqCst) == life }) => {}
+            () = wait("the handler to take the killer event", || async { killer.runs() == life }) => {}
         }
         proxy.cut();
     }
@@ -748,25 +742,11 @@ async fn an_event_whose_handler_kills_the_process_is_dead_lettered_after_its_att
     let run = consumer.run(handler, async {
         let _ = stopped.await;
     });
-    let scenario = async {
-        wait(
-            "the killer dead, the rest applied (or the killer run again)",
-            || async {
-                let applied = env.db.scalar("SELECT count(*) FROM effects").await;
-                (consumer.report().dead == 1 && applied == N - 1) || runs.load(Ordering::SeqCst) > ATTEMPTS + 1
-            },
-        )
-        .await;
-        // Run again, the handler never returns, and neither would the stop.
-        assert_eq!(runs.load(Ordering::SeqCst), ATTEMPTS + 1, "the handler ran again");
-        let _ = stop.send(());
-    };
+    let scenario = killer.until_dead(&env.db, || consumer.report().dead, N, ATTEMPTS + 1, stop);
     let (report, ()) = tokio::join!(run, scenario);
     let report = report.unwrap();
     assert_eq!(report.dead, 1, "{report:?}");
     env.db.assert_effects_once(N as usize - 1).await;
-    let record = inbox.record(ids[KILLER as usize]).await.unwrap().unwrap();
-    assert_eq!((record.state.as_str(), record.attempts), ("dead", ATTEMPTS as i32));
     let dead = env.dead_letters().await;
     assert_eq!(dead.len(), 1);
     let reason = dead[0]
@@ -777,9 +757,6 @@ async fn an_event_whose_handler_kills_the_process_is_dead_lettered_after_its_att
         .get(DEAD_REASON_HEADER)
         .unwrap()
         .as_str();
-    assert!(
-        reason.starts_with("2 attempts did not finish: the process stopped while handling this event"),
-        "{reason}"
-    );
+    support::assert_dead_unfinished(&inbox, ids[KILLER as usize], ATTEMPTS, reason).await;
     env.cleanup().await;
 }

@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, Glob, RetryPolicy, Route, Sink, SystemClock};
@@ -182,4 +183,64 @@ pub fn number(event: &ReceivedEvent) -> i64 {
         .ok()
         .and_then(|v| v["n"].as_i64())
         .unwrap_or(-1)
+}
+
+/// The handler of the tests of an event whose handler kills the process:
+/// applies every event but the one numbered `number`, on which it counts a
+/// run and never returns, as a process dying inside the handler would.
+pub struct Killer {
+    pub number: i64,
+    runs: AtomicU32,
+}
+
+impl Killer {
+    pub fn new(number: i64) -> Killer {
+        Killer {
+            number,
+            runs: AtomicU32::new(0),
+        }
+    }
+
+    pub async fn handle(&self, tx: &mut PgConnection, event: &ReceivedEvent) -> Result<(), HandlerError> {
+        if number(event) == self.number {
+            self.runs.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+        }
+        effect(tx, event).await
+    }
+
+    /// How often the handler took the killer event.
+    pub fn runs(&self) -> u32 {
+        self.runs.load(Ordering::SeqCst)
+    }
+
+    /// Waits until the consumer counts the killer dead (`dead`) and the
+    /// other `n - 1` events are applied, or the killer ran again; asserts
+    /// that it ran `lives` times in all, then stops the consumer.
+    pub async fn until_dead(&self, db: &Db, dead: impl Fn() -> u64, n: i64, lives: u32, stop: oneshot::Sender<()>) {
+        wait(
+            "the killer dead, the rest applied (or the killer run again)",
+            || async {
+                let applied = db.scalar("SELECT count(*) FROM effects").await;
+                (dead() == 1 && applied == n - 1) || self.runs() > lives
+            },
+        )
+        .await;
+        // Run again, the handler never returns, and neither would the stop.
+        assert_eq!(self.runs(), lives, "the handler ran again");
+        let _ = stop.send(());
+    }
+}
+
+/// The killer event's inbox row is dead after `attempts`, and its dead
+/// letter's `reason` says the attempts did not finish.
+pub async fn assert_dead_unfinished(inbox: &Inbox, id: EventId, attempts: u32, reason: &str) {
+    let record = inbox.record(id).await.unwrap().unwrap();
+    assert_eq!((record.state.as_str(), record.attempts), ("dead", attempts as i32));
+    assert!(
+        reason.starts_with(&format!(
+            "{attempts} attempts did not finish: the process stopped while handling this event"
+        )),
+        "{reason}"
+    );
 }
