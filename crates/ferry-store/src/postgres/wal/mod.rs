@@ -1011,12 +1011,9 @@ async fn forward(
                 continue;
             }
             _ = tokio::time::sleep_until(due.unwrap_or_else(far)), if due.is_some() => {
-                if !keeper.raise().await {
-                    client.abort();
-                    let _ = tx.send(Err(StoreError::transient("the slot's watermark could not be recorded")));
+                if !raise_or_end(&mut keeper, &mut client, &tx).await {
                     return;
                 }
-                client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
                 continue;
             }
             event = client.recv() => event,
@@ -1048,12 +1045,9 @@ async fn forward(
                     client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
                 }
                 _ = tokio::time::sleep_until(due.unwrap_or_else(far)), if due.is_some() => {
-                    if !keeper.raise().await {
-                        client.abort();
-                        let _ = tx.send(Err(StoreError::transient("the slot's watermark could not be recorded")));
+                    if !raise_or_end(&mut keeper, &mut client, &tx).await {
                         return;
                     }
-                    client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
                 }
                 permit = budget.clone().acquire_many_owned(wanted) => break permit.ok(),
             }
@@ -1075,6 +1069,23 @@ async fn forward(
     client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
     let _ = tokio::time::timeout(Duration::from_secs(2), client.shutdown()).await;
     client.abort();
+}
+
+/// Raises the watermark and confirms the slot as far as it now allows;
+/// `false` when it could not be raised, the session then ended with an
+/// error (see [`watermark::Keeper::raise`]).
+async fn raise_or_end(
+    keeper: &mut watermark::Keeper,
+    client: &mut ReplicationClient,
+    tx: &mpsc::UnboundedSender<Forwarded>,
+) -> bool {
+    if keeper.raise().await {
+        client.update_applied_lsn(Lsn::from_u64(keeper.confirmable()));
+        return true;
+    }
+    client.abort();
+    let _ = tx.send(Err(StoreError::transient("the slot's watermark could not be recorded")));
+    false
 }
 
 /// What the stream hands over.
