@@ -1,9 +1,9 @@
 //! Ferry: a transactional outbox for Rust services.
 //!
 //! Write an event in the same database transaction as the business change
-//! that caused it; Ferry's relay (`ferry run`) delivers it to RabbitMQ (Kafka,
-//! NATS, Redis and webhooks to come) at least once, in order per key, with
-//! every failure visible and recoverable.
+//! that caused it; Ferry's relay (`ferry run`) delivers it to RabbitMQ, Kafka,
+//! NATS JetStream, Redis Streams, webhooks or files at least once, in order
+//! per key, with every failure visible and recoverable.
 //!
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
