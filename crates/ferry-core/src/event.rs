@@ -208,8 +208,10 @@ impl Event {
     }
 
     /// Adds the current span's W3C `traceparent` and `tracestate` headers,
-    /// unless the event already has a `traceparent`. The stores' `enqueue`
-    /// calls this when their `otel` feature is on.
+    /// unless the event already has a valid `traceparent` (under that exact
+    /// name; a header in another case is kept and the span goes in beside it).
+    /// The stores' `enqueue` and `emit` call this when their `otel` feature is
+    /// on.
     #[cfg(feature = "otel")]
     pub fn with_current_trace_context(mut self) -> Self {
         crate::trace::inject(&crate::trace::current_context(), &mut self.headers);

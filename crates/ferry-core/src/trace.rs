@@ -32,13 +32,17 @@ pub fn current_context() -> Context {
     }
 }
 
-/// Writes `cx` into `headers` as `traceparent` and `tracestate`. Headers that
-/// already carry a `traceparent`, in any case (HTTP header names are
-/// case-insensitive, and a webhook sends one of the two), are left alone: a
-/// context the caller set explicitly wins. A context without a valid span
-/// writes nothing.
+/// Writes `cx` into `headers` as `traceparent` and `tracestate`, unless
+/// they already carry a context that [`span_context`] reads back: a context
+/// the caller set explicitly wins, but only one the relay and consumers will
+/// find. Ferry's header names are exact, as AMQP, Kafka and NATS headers
+/// are, so a `Traceparent` is an ordinary header: it is kept as given and
+/// the current context goes in beside it, under the exact name (a webhook,
+/// whose header names ignore case, sends that one: it sorts last). A
+/// `traceparent` that does not parse is replaced, with its `tracestate`. A
+/// context without a valid span writes nothing.
 pub fn inject(cx: &Context, headers: &mut Headers) {
-    if headers.keys().any(|name| name.eq_ignore_ascii_case(TRACEPARENT)) {
+    if span_context(headers).is_some() {
         return;
     }
     TraceContextPropagator::new().inject_context(cx, &mut HeaderWriter(headers));
@@ -47,7 +51,9 @@ pub fn inject(cx: &Context, headers: &mut Headers) {
 /// The producer's span context from an event's headers, if they carry a
 /// valid `traceparent`.
 pub fn span_context(headers: &Headers) -> Option<SpanContext> {
-    let cx = TraceContextPropagator::new().extract(&HeaderReader(headers));
+    // From an empty context: `extract` falls back to the current one, and
+    // would return the reader's own span for headers without a context.
+    let cx = TraceContextPropagator::new().extract_with_context(&Context::new(), &HeaderReader(headers));
     let span = cx.span().span_context().clone();
     span.is_valid().then_some(span)
 }
@@ -119,20 +125,79 @@ mod tests {
     }
 
     #[test]
-    fn an_explicit_traceparent_in_another_case_wins() {
-        let (_, event) = in_span(|| {
+    fn a_traceparent_in_another_case_is_kept_and_the_span_goes_in_beside_it() {
+        // Nothing reads `Traceparent`: left to win, it would leave the
+        // relay's span unlinked.
+        let (trace_id, event) = in_span(|| {
             Event::new("order.paid", serde_json::json!({}))
                 .header("Traceparent", EXPLICIT)
                 .with_current_trace_context()
         });
-        assert_eq!(event.headers().len(), 1, "{:?}", event.headers());
         assert_eq!(event.headers()["Traceparent"], EXPLICIT);
+        assert_eq!(span_context(event.headers()).unwrap().trace_id(), trace_id);
+    }
+
+    #[test]
+    fn a_traceparent_that_does_not_parse_gives_way_to_the_current_span() {
+        let (trace_id, event) = in_span(|| {
+            Event::new("order.paid", serde_json::json!({}))
+                .header(TRACEPARENT, "garbage")
+                .header(TRACESTATE, "vendor=abc")
+                .header("tenant", "acme")
+                .with_current_trace_context()
+        });
+        assert_eq!(span_context(event.headers()).unwrap().trace_id(), trace_id);
+        assert_eq!(event.headers()[TRACESTATE], "", "the state went with its traceparent");
+        assert_eq!(event.headers()["tenant"], "acme");
+    }
+
+    #[test]
+    fn outside_any_span_a_traceparent_is_left_as_it_is() {
+        for name in [TRACEPARENT, "TRACEPARENT"] {
+            let event = Event::new("order.paid", serde_json::json!({}))
+                .header(name, "garbage")
+                .with_current_trace_context();
+            assert_eq!(event.headers().len(), 1, "{:?}", event.headers());
+            assert_eq!(event.headers()[name], "garbage");
+        }
+    }
+
+    /// `inject` backs off exactly when `span_context` would read a context:
+    /// within a span, whatever the headers, the relay finds one afterwards.
+    #[test]
+    fn inject_backs_off_only_for_a_context_that_reads_back() {
+        let other_case = [("TraceParent", EXPLICIT)];
+        let unparsable = [(TRACEPARENT, "00-not-a-trace")];
+        let zero = [(TRACEPARENT, "00-00000000000000000000000000000000-b7ad6b7169203331-01")];
+        let explicit = [(TRACEPARENT, EXPLICIT)];
+        for given in [&other_case[..], &unparsable, &zero, &explicit, &[]] {
+            let (trace_id, event) = in_span(|| {
+                given
+                    .iter()
+                    .fold(Event::new("order.paid", serde_json::json!({})), |e, (n, v)| {
+                        e.header(*n, *v)
+                    })
+                    .with_current_trace_context()
+            });
+            let read = span_context(event.headers()).unwrap_or_else(|| panic!("{given:?}: {:?}", event.headers()));
+            if given == explicit {
+                assert_eq!(event.headers()[TRACEPARENT], EXPLICIT);
+            } else {
+                assert_eq!(read.trace_id(), trace_id, "{given:?}");
+            }
+        }
     }
 
     #[test]
     fn outside_any_span_nothing_is_written() {
         let event = Event::new("order.paid", serde_json::json!({})).with_current_trace_context();
         assert!(event.headers().is_empty());
+    }
+
+    #[test]
+    fn headers_without_a_context_read_as_none_inside_a_span() {
+        let (_, read) = in_span(|| span_context(&Headers::new()));
+        assert!(read.is_none(), "the reader's own span: {read:?}");
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! The `otel` feature: `enqueue` writes the producer's span into the
-//! event's `traceparent` and `tracestate` headers, on both stores, and
-//! keeps one the producer set itself.
+//! The `otel` feature: `enqueue` (and PostgreSQL's `emit`) writes the
+//! producer's span into the event's `traceparent` and `tracestate` headers,
+//! on both stores, and keeps one the producer set itself.
 
 use std::future::Future;
 
@@ -75,6 +75,30 @@ async fn postgres_enqueue_writes_the_current_span() {
     let stored: Vec<Headers> = stored.into_iter().map(|h| h.0).collect();
     assert_traced(trace_id, &stored[..2]);
     assert!(stored[2].is_empty(), "no span, no header: {:?}", stored[2]);
+}
+
+/// A tableless event carries the span too. Without a replication slot
+/// `emit` writes an outbox row, where the headers can be read.
+#[cfg(feature = "wal")]
+#[tokio::test]
+async fn postgres_emit_writes_the_current_span() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    postgres::migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let trace_id = in_a_span(async {
+        let mut tx = pool.begin().await.unwrap();
+        for event in events() {
+            postgres::wal::emit(&mut tx, event).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    })
+    .await;
+    let stored: Vec<sqlx::types::Json<Headers>> = sqlx::query_scalar("SELECT headers FROM ferry.events ORDER BY seq")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let stored: Vec<Headers> = stored.into_iter().map(|h| h.0).collect();
+    assert_traced(trace_id, &stored);
 }
 
 #[tokio::test]

@@ -1197,6 +1197,10 @@ pub async fn emit(conn: &mut PgConnection, event: Event) -> Result<EventId, Enqu
     if !conn.is_in_transaction() {
         return Err(EnqueueError::NotInTransaction);
     }
+    // The producer's span travels with the event, as `enqueue` writes it
+    // (an explicit `traceparent` header wins).
+    #[cfg(feature = "otel")]
+    let event = event.with_current_trace_context();
     event.validate()?;
     if event.get_dispatch_key().is_some() {
         return Err(EnqueueError::Invalid(ferry_core::ValidationError {
