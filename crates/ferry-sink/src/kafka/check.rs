@@ -1,17 +1,19 @@
 //! `check(route)`: the topic exists (asked through metadata, which never
-//! creates it) and, when the cluster says, how large a message it takes.
+//! creates it), the cluster gives the idempotent producer a producer id,
+//! and, when the cluster says, how large a message the topic takes.
 
 use std::time::Duration;
 
 use ferry_core::{ErrorKind, SinkError};
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{FutureProducer, Producer};
+use tokio::sync::watch;
 use tracing::debug;
 
-use super::codes;
+use super::{KafkaOptions, codes};
 
 /// The longest the second metadata request (see `topic_exists`) may take.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -78,6 +80,93 @@ pub(super) async fn topic_exists(
             codes::error_code_kind(code),
             format!("route {route:?}: metadata for topic {topic:?} reports {code}"),
         )),
+    }
+}
+
+/// How often the producer-id probe reports its state, in milliseconds.
+const PROBE_STATS_INTERVAL_MS: &str = "20";
+
+/// Whether a producer like the sink's gets a producer id, which the
+/// idempotent producer needs before it sends anything. librdkafka asks for
+/// one in the background; when the cluster refuses (no IdempotentWrite
+/// permission, no idempotence support) it raises a fatal error, which the
+/// sink's producer would meet only at its first publish, failing every
+/// message with "Purged in queue". librdkafka tells the idempotence state
+/// only in its statistics, so the probe is a producer of its own that
+/// reports them often, and lives only for the check.
+pub(super) async fn producer_id(options: &KafkaOptions) -> Result<(), SinkError> {
+    let timeout = options.publish_timeout;
+    let bootstrap = options.bootstrap_servers.clone();
+    let (state, mut changes) = watch::channel(None);
+    let mut config = options.producer_config(None);
+    config.set("statistics.interval.ms", PROBE_STATS_INTERVAL_MS);
+    let probe: FutureProducer<PidProbe> = config.create_with_context(PidProbe { state }).map_err(|e| {
+        SinkError::config(format!(
+            "creating the Kafka producer (check sinks.<kafka>.extra): {}",
+            super::config_error(&e)
+        ))
+    })?;
+    // A producer connects only when it needs a broker: asking for metadata
+    // (twice, see `topic_exists`) leaves it one to ask for its id.
+    let client = probe.clone();
+    let connected = tokio::task::spawn_blocking(move || {
+        client.client().fetch_metadata(None, timeout)?;
+        let _ = client.client().fetch_metadata(None, timeout.min(READY_TIMEOUT));
+        Ok::<_, KafkaError>(())
+    })
+    .await;
+    let outcome = match connected {
+        Err(e) => Err(SinkError::transient(format!("fetching Kafka metadata: {e}"))),
+        Ok(Err(e)) => Err(SinkError::transient(format!(
+            "fetching metadata from Kafka at {bootstrap}: {e} (waited {timeout:?})"
+        ))),
+        Ok(Ok(())) => {
+            let settled = |s: &Option<String>| matches!(s.as_deref(), Some("Assigned" | "FatalError"));
+            let _ = tokio::time::timeout(timeout, changes.wait_for(settled)).await;
+            let last = changes.borrow().clone();
+            match (last.as_deref(), probe.client().fatal_error()) {
+                (_, Some((code, reason))) => Err(codes::fatal_error(code, &reason)),
+                (Some("Assigned"), None) => Ok(()),
+                (last, None) => Err(SinkError::transient(format!(
+                    "the Kafka cluster at {bootstrap} gave the idempotent producer no producer id within \
+                     {timeout:?} (its state: {}); Ferry's producer sends nothing without one: check that \
+                     the brokers answer InitProducerId",
+                    last.unwrap_or("unknown")
+                ))),
+            }
+        }
+    };
+    // Dropping a client joins its threads: not on the runtime's.
+    tokio::task::spawn_blocking(move || drop(probe));
+    outcome
+}
+
+/// The probe's context: passes on the idempotent producer's state
+/// (`eos.idemp_state` in librdkafka's statistics).
+struct PidProbe {
+    state: watch::Sender<Option<String>>,
+}
+
+impl ClientContext for PidProbe {
+    fn stats_raw(&self, statistics: &[u8]) {
+        let Ok(stats) = serde_json::from_slice::<serde_json::Value>(statistics) else {
+            return;
+        };
+        if let Some(now) = stats["eos"]["idemp_state"].as_str() {
+            self.state.send_if_modified(|state| {
+                let changed = state.as_deref() != Some(now);
+                if changed {
+                    *state = Some(now.to_owned());
+                }
+                changed
+            });
+        }
+    }
+
+    /// The check reports a fatal error; librdkafka's other errors (a
+    /// broker not reachable yet) are the metadata fetch's to report.
+    fn error(&self, error: KafkaError, reason: &str) {
+        debug!(%error, reason, "producer-id probe");
     }
 }
 

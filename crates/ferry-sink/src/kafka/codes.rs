@@ -59,7 +59,9 @@ pub fn error_code_kind(code: RDKafkaErrorCode) -> ErrorKind {
         // MessageTimedOut, BrokerTransportFailure, AllBrokersDown,
         // NotEnoughReplicas(AfterAppend), LeaderNotAvailable,
         // NotLeaderForPartition, RequestTimedOut, BrokerNotAvailable,
-        // NetworkException, KafkaStorageError, UnknownPartition, QueueFull, Purge*, Fatal (the producer is replaced), the idempotence
+        // NetworkException, KafkaStorageError, UnknownPartition, QueueFull,
+        // Purge* and Fatal (an event failed by the producer's fatal error
+        // carries that error instead, see `fatal_error`), the idempotence
         // sequence errors, and codes this table does not know.
         _ => ErrorKind::Transient,
     }
@@ -88,12 +90,68 @@ pub(crate) fn delivery_error(topic: &str, err: &KafkaError) -> SinkError {
              over the topic's max.message.bytes: retried, and dead after max_attempts if it is this \
              event; keep sinks.<kafka>.extra.\"batch.size\" below the topic's max.message.bytes"
         )),
-        Some(C::UnknownTopicOrPartition | C::UnknownTopic) => SinkError::transient(format!(
-            "topic {topic:?} does not exist, as the cluster tells it now ({err}): retried, since a broker out \
-             of sync can say so of a topic in use, and dead after max_attempts; if it persists, create the \
-             topic or fix routes[].destination"
-        )),
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic) => missing_topic(topic, err),
         _ => from_kafka(&format!("delivering to {topic:?}"), err),
+    }
+}
+
+/// The outcome of a record librdkafka refused as it was enqueued. Once its
+/// wait for a new topic's metadata (`topic.metadata.propagation.max.ms`)
+/// is over, librdkafka refuses a record to a topic the cluster says is
+/// missing here, at once, instead of in a delivery report: the same fix
+/// applies.
+pub(crate) fn enqueue_error(topic: &str, err: &KafkaError) -> SinkError {
+    match err.rdkafka_error_code() {
+        Some(C::UnknownTopicOrPartition | C::UnknownTopic) => missing_topic(topic, err),
+        _ => from_kafka(&format!("enqueueing for {topic:?}"), err),
+    }
+}
+
+fn missing_topic(topic: &str, err: &KafkaError) -> SinkError {
+    SinkError::transient(format!(
+        "topic {topic:?} does not exist, as the cluster tells it now ({err}): retried, since a broker out \
+         of sync can say so of a topic in use, and dead after max_attempts; if it persists, create the \
+         topic or fix routes[].destination"
+    ))
+}
+
+/// Whether a failed record's error is what librdkafka gives every record a
+/// producer held when it failed fatally (or was handed afterwards): the
+/// producer's fatal error, not this code, is the cause.
+pub(crate) fn follows_fatal(err: &KafkaError) -> bool {
+    matches!(
+        err.rdkafka_error_code(),
+        Some(C::Fatal | C::PurgeQueue | C::PurgeInflight)
+    )
+}
+
+/// A fatal error of the idempotent producer (`rd_kafka_fatal_error`),
+/// classified with its fix. Without a producer id the producer sends
+/// nothing: a principal without the IdempotentWrite permission, or a
+/// cluster without idempotence, is a configuration error that no new
+/// producer cures. A fenced producer, or one that lost its sequence, is
+/// replaced and the event retried.
+pub(crate) fn fatal_error(code: RDKafkaErrorCode, reason: &str) -> SinkError {
+    match code {
+        C::ClusterAuthorizationFailed => SinkError::config(format!(
+            "the Kafka producer got no producer id ({reason}): Ferry's producer is idempotent, which \
+             per-key order rests on, and its principal lacks the IdempotentWrite permission on the \
+             cluster; grant it (kafka-acls.sh --add --allow-principal User:<name> --operation \
+             IdempotentWrite --cluster; on Kafka 3.0 and later WRITE on a topic implies it), or fix the \
+             principal in sinks.<kafka>.extra (sasl.username)"
+        )),
+        C::UnsupportedFeature | C::UnsupportedVersion => SinkError::config(format!(
+            "the Kafka producer got no producer id ({reason}): the cluster does not support the \
+             idempotent producer, which Ferry's per-key order rests on; use brokers that support \
+             InitProducerId (Kafka 0.11 or later, or a compatible server that implements it)"
+        )),
+        C::Fenced | C::ProducerFenced | C::InvalidProducerEpoch => SinkError::transient(format!(
+            "the Kafka producer was fenced ({reason}); it is replaced by a new one and the event retried"
+        )),
+        _ => with_kind(
+            error_code_kind(code),
+            format!("the Kafka producer failed fatally ({code}: {reason}); it is replaced by a new one"),
+        ),
     }
 }
 
@@ -200,5 +258,49 @@ mod tests {
         let err = delivery_error("orders", &KafkaError::MessageProduction(C::MessageTimedOut));
         assert_eq!(err.kind, ErrorKind::Transient);
         assert!(err.message.starts_with("delivering to \"orders\""), "{}", err.message);
+    }
+
+    #[test]
+    fn a_topic_refused_as_missing_on_enqueue_names_the_fix() {
+        for code in [C::UnknownTopic, C::UnknownTopicOrPartition] {
+            let err = enqueue_error("orders", &KafkaError::MessageProduction(code));
+            assert_eq!(err.kind, ErrorKind::Transient, "{code:?}");
+            assert!(
+                err.message.contains("topic \"orders\" does not exist"),
+                "{}",
+                err.message
+            );
+            assert!(err.message.contains("routes[].destination"), "{}", err.message);
+        }
+        let err = enqueue_error("orders", &KafkaError::MessageProduction(C::MessageSizeTooLarge));
+        assert_eq!(err.kind, ErrorKind::Permanent);
+        assert!(
+            err.message.starts_with("enqueueing for \"orders\": "),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn fatal_errors_name_their_cause_and_only_a_fence_is_retried() {
+        let err = fatal_error(C::ClusterAuthorizationFailed, "Failed to acquire idempotence PID");
+        assert_eq!(err.kind, ErrorKind::Config);
+        for text in ["Failed to acquire idempotence PID", "IdempotentWrite", "kafka-acls.sh"] {
+            assert!(err.message.contains(text), "{text}: {}", err.message);
+        }
+        let err = fatal_error(C::UnsupportedFeature, "not supported");
+        assert_eq!(err.kind, ErrorKind::Config);
+        assert!(err.message.contains("InitProducerId"), "{}", err.message);
+        for code in [C::Fenced, C::ProducerFenced, C::OutOfOrderSequenceNumber] {
+            let err = fatal_error(code, "why");
+            assert_eq!(err.kind, ErrorKind::Transient, "{code:?}");
+            assert!(
+                err.message.contains("why") && err.message.contains("replaced"),
+                "{}",
+                err.message
+            );
+        }
+        assert!(follows_fatal(&KafkaError::MessageProduction(C::PurgeQueue)));
+        assert!(!follows_fatal(&KafkaError::MessageProduction(C::MessageTimedOut)));
     }
 }

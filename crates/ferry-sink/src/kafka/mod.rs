@@ -39,6 +39,7 @@ mod message;
 mod publish;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -122,6 +123,10 @@ struct Slot {
     /// Counts the producers made, so that a batch finishing on a replaced
     /// one does not vouch for its successor.
     generation: u64,
+    /// The last fatal error, classified: while a replacement waits out the
+    /// backoff, a configuration error (a missing IdempotentWrite
+    /// permission) is what the events fail with, not a pause.
+    fatal: Option<SinkError>,
 }
 
 /// Publishes to Kafka topics through one idempotent producer shared by all
@@ -134,6 +139,9 @@ pub struct KafkaSink {
     topic_limits: Arc<Mutex<TopicLimits>>,
     /// The producer compresses record batches (`extra`), read once.
     compresses: bool,
+    /// A `check` saw a producer of this sink's options get a producer id:
+    /// later checks (one per route) need not ask again.
+    producer_id_checked: AtomicBool,
 }
 
 /// How long a topic's `max.message.bytes`, or its being unreadable, stands
@@ -200,8 +208,10 @@ impl KafkaSink {
                 backoff: Backoff::new(Duration::from_secs(30)),
                 delivered: true,
                 generation: 0,
+                fatal: None,
             }),
             compresses: options.compresses(),
+            producer_id_checked: AtomicBool::new(false),
             options,
             topic_limits: Arc::new(Mutex::new(TopicLimits::default())),
         })
@@ -246,10 +256,14 @@ impl KafkaSink {
                         slot.backoff
                             .failed(Instant::now(), format!("fatal producer error {code}: {reason}"));
                     }
+                    slot.fatal = Some(codes::fatal_error(code, &reason));
                 }
             }
         }
         if let Err(wait) = slot.backoff.ready(Instant::now()) {
+            if let Some(fatal) = slot.fatal.as_ref().filter(|e| !e.is_transient()) {
+                return Err(fatal.clone());
+            }
             return Err(SinkError::transient(format!(
                 "the Kafka producer is being replaced; next attempt in {wait:?} (last error: {})",
                 slot.backoff.last_error().unwrap_or("none")
@@ -262,6 +276,18 @@ impl KafkaSink {
         slot.producer = Some(producer.clone());
         slot.generation += 1;
         Ok((producer, slot.generation))
+    }
+
+    /// Fails with the cause and the fix when the cluster will not give this
+    /// sink's producer a producer id (see `check::producer_id`); asked until
+    /// it once succeeds.
+    async fn check_producer_id(&self) -> Result<(), SinkError> {
+        if self.producer_id_checked.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        check::producer_id(&self.options).await?;
+        self.producer_id_checked.store(true, Ordering::Relaxed);
+        Ok(())
     }
 
     fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Record, SinkError> {
@@ -386,6 +412,7 @@ impl Sink for KafkaSink {
             let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
             if slot.generation == generation {
                 slot.delivered = true;
+                slot.fatal = None;
                 slot.backoff.succeeded();
             }
         }
@@ -404,16 +431,17 @@ impl Sink for KafkaSink {
         let opts = &self.options;
         let topic = route.destination.as_str();
         // A template names many topics, known only per event: connectivity
-        // is all there is to check.
+        // and the producer id are all there is to check.
         if topic.contains('{') {
-            return check::topic_exists(
+            check::topic_exists(
                 &producer,
                 &route.name,
                 None,
                 &opts.bootstrap_servers,
                 opts.publish_timeout,
             )
-            .await;
+            .await?;
+            return self.check_producer_id().await;
         }
         message::validate_topic(topic).map_err(|why| {
             SinkError::config(format!("route {:?}: routes[].destination {topic:?} {why}", route.name))
@@ -426,6 +454,7 @@ impl Sink for KafkaSink {
             opts.publish_timeout,
         )
         .await?;
+        self.check_producer_id().await?;
         let limit = check::topic_max_message_bytes(&opts.client_config(), topic, opts.publish_timeout).await;
         self.topic_limits
             .lock()

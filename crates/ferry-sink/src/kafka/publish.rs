@@ -14,7 +14,7 @@ use std::time::Duration;
 use ferry_core::{PublishOutcome, SinkError, StoredEvent};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use tokio::time::{Instant, sleep, timeout_at};
 
 use super::codes;
@@ -50,7 +50,9 @@ pub(super) async fn publish_batch(
             // are in already still count after the deadline.
             Fate::InFlight { topic, delivery } => match timeout_at(deadline, delivery).await {
                 Ok(Ok(Ok(_delivery))) => Ok(()),
-                Ok(Ok(Err((err, _message)))) => Err(codes::delivery_error(&topic, &err)),
+                Ok(Ok(Err((err, _message)))) => {
+                    Err(fatal_cause(producer, &err).unwrap_or_else(|| codes::delivery_error(&topic, &err)))
+                }
                 Ok(Err(_canceled)) => Err(SinkError::transient(format!(
                     "delivering to {topic:?}: the producer was closed before the delivery report"
                 ))),
@@ -139,12 +141,23 @@ async fn enqueue(
                     if let Some(k) = key {
                         refused.insert(k);
                     }
-                    let context = format!("enqueueing for {:?}", record.topic);
-                    break Fate::Decided(Err(codes::from_kafka(&context, &err)));
+                    let err = fatal_cause(producer, &err).unwrap_or_else(|| codes::enqueue_error(&record.topic, &err));
+                    break Fate::Decided(Err(err));
                 }
             }
         };
         fates.push(fate);
     }
     fates
+}
+
+/// The cause of a record's failure when the producer failed fatally: its
+/// records then fail `Purged in queue` or `Fatal`, which name no cause, and
+/// without it an operator would see only those.
+fn fatal_cause(producer: &FutureProducer, err: &KafkaError) -> Option<SinkError> {
+    if !codes::follows_fatal(err) {
+        return None;
+    }
+    let (code, reason) = producer.client().fatal_error()?;
+    Some(codes::fatal_error(code, &reason))
 }
