@@ -8,6 +8,8 @@ mod faults;
 mod permissions;
 #[path = "nats/support.rs"]
 mod support;
+#[path = "nats/templates.rs"]
+mod templates;
 
 use std::time::Duration;
 
@@ -71,7 +73,9 @@ async fn wire_format_carries_msg_id_cloudevents_and_producer_headers() {
     let events = [traced, raw];
 
     let templated = route(&format!("{}.{{domain}}.{{type}}", stream.subject));
-    sink.check(&templated).await.expect("a template checks JetStream only");
+    sink.check(&templated)
+        .await
+        .expect("a stream captures the template's subjects");
     let outcomes = sink.publish(&templated, &events).await;
     assert_eq!(outcomes, vec![Ok(()), Ok(())]);
     let stored = stream.receive(2, ARRIVAL_TIMEOUT).await;

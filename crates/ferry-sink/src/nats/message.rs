@@ -10,7 +10,7 @@ use std::str::FromStr;
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use chrono::SecondsFormat;
-use ferry_core::{Route, SinkError, StoredEvent, render_template};
+use ferry_core::{EventId, Route, SinkError, StoredEvent, render_template, render_template_with};
 
 /// JetStream drops a second message with the same id inside the stream's
 /// duplicate window, so a re-publish after a crash is stored once. Its
@@ -61,12 +61,19 @@ impl Message {
         crate::limits::check_payload_size(route, event, max_message_bytes)?;
         let subject = render_template(&route.destination, event);
         if let Err(why) = validate_subject(&subject) {
-            let message = format!("subject {subject:?} {why}; fix routes[].destination");
-            // A fixed subject is the route's fault; a rendered one, this event's.
-            return Err(if route.destination.contains('{') {
-                SinkError::permanent(message)
+            // A fixed subject, or a template's own text, is the route's
+            // fault; a subject only this event's values make invalid, the
+            // event's.
+            let template = route.destination.as_str();
+            let fix = "fix routes[].destination";
+            return Err(if !template.contains('{') {
+                SinkError::config(format!("subject {subject:?} {why}; {fix}"))
+            } else if let Err(why) = validate_template(template) {
+                SinkError::config(format!(
+                    "subject template {template:?} {why}, whatever the event; {fix}"
+                ))
             } else {
-                SinkError::config(message)
+                SinkError::permanent(format!("subject {subject:?} {why}; {fix}"))
             });
         }
 
@@ -171,6 +178,51 @@ pub(crate) fn validate_subject(subject: &str) -> Result<(), &'static str> {
         }
     }
     Ok(())
+}
+
+/// `Err(why)` unless a subject template's own text is valid: with each
+/// placeholder standing for a valid token, what is left to fail is the
+/// template itself (a wildcard, an empty token, whitespace), which no
+/// event can mend. A subject without placeholders is checked as it is.
+pub(crate) fn validate_template(template: &str) -> Result<(), &'static str> {
+    validate_subject(&render_template_with(template, &any_event(), |_| "x".to_owned()))
+}
+
+/// The subjects `template` may render, as a subject filter that matches
+/// every one of them (and maybe more): a token holding `{domain}` or `{id}`,
+/// one token whatever the event, becomes `*`; a token holding any other
+/// placeholder (`{type}` has dots in it, so may `{key}`) ends the filter
+/// with `>`. A stream whose subjects overlap no part of it captures none
+/// of the template's subjects.
+pub(crate) fn template_filter(template: &str) -> String {
+    let event = any_event();
+    let holds_placeholder = |token: &str| render_template_with(token, &event, |_| "\0".to_owned()).contains('\0');
+    let mut filter = Vec::new();
+    for token in template.split('.') {
+        if !holds_placeholder(token) {
+            filter.push(token);
+        } else if holds_placeholder(&token.replace("{domain}", "").replace("{id}", "")) {
+            filter.push(">");
+            break;
+        } else {
+            filter.push("*");
+        }
+    }
+    filter.join(".")
+}
+
+/// An event to render a template with when its values do not matter.
+fn any_event() -> StoredEvent {
+    StoredEvent {
+        id: EventId::new(),
+        seq: 0,
+        event_type: String::new(),
+        key: None,
+        payload: Bytes::new(),
+        content_type: String::new(),
+        headers: Default::default(),
+        created_at: chrono::DateTime::UNIX_EPOCH,
+    }
 }
 
 fn header_name(name: &str) -> Result<HeaderName, SinkError> {
@@ -312,6 +364,51 @@ mod tests {
                 .kind,
             ErrorKind::Permanent
         );
+    }
+
+    /// A template's own text is checked without an event: a wildcard or an
+    /// empty token in it fails every event, and is the route's fault.
+    #[test]
+    fn a_templates_own_text_is_validated() {
+        for good in [
+            "{type}",
+            "events.{domain}.{type}",
+            "events.{key}",
+            "e.v{id}x",
+            "events.{nope}",
+        ] {
+            assert_eq!(validate_template(good), Ok(()), "{good:?}");
+        }
+        for (bad, why) in [
+            ("events.>.{type}", "wildcard"),
+            ("events.*.{domain}", "wildcard"),
+            ("events.{type}.", "empty token"),
+            ("events..{domain}", "empty token"),
+            (".{type}", "empty token"),
+            ("events.{type} x", "whitespace"),
+        ] {
+            let err = validate_template(bad).expect_err(bad);
+            assert!(err.contains(why), "{bad:?}: {err}");
+            let err = Message::prepare(&route(bad), &event(Some("k")), "ferry", 100, 0).unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Config, "{bad:?}: {err}");
+            assert!(err.message.contains("routes[].destination"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_templates_filter_matches_every_subject_it_renders() {
+        for (template, filter) in [
+            ("events", "events"),
+            ("events.{domain}", "events.*"),
+            ("events.{domain}.x{id}.created", "events.*.*.created"),
+            ("events.{type}", "events.>"),
+            ("events.{type}.v1", "events.>"),
+            ("events.{domain}.{key}.tail", "events.*.>"),
+            ("events.v{type}", "events.>"),
+            ("{type}", ">"),
+        ] {
+            assert_eq!(template_filter(template), filter, "{template:?}");
+        }
     }
 
     #[test]

@@ -14,7 +14,11 @@
 //!   server, never a success. So does a stream electing its leader, which
 //!   passes: the sink retries it (transient, naming the subject), `check`
 //!   reports a plain subject that no stream captures before the relay starts,
-//!   and a templated one ends dead after the retry policy's `max_attempts`.
+//!   and warns of a template none of whose subjects a stream captures; an
+//!   event sent there ends dead after the retry policy's `max_attempts`.
+//! - `check` refuses a template whose own text cannot make a subject (a
+//!   wildcard or an empty token: `events.>.{type}`, `events..{domain}`),
+//!   which would send every event dead at its first attempt.
 //! - A batch is pipelined: every publish is queued, then every PubAck awaited,
 //!   all within `publish_timeout`.
 //!
@@ -59,7 +63,7 @@ pub use message::{MSG_ID_HEADER, SPEC_VERSION, msg_id};
 use crate::batch::log_published;
 use connector::{Connector, Denial, Handle};
 use ferry_core::prepare_in_key_order;
-use message::{Message, validate_subject};
+use message::{Message, template_filter, validate_template};
 
 /// How a [`NatsSink`] connects and publishes.
 #[derive(Clone, PartialEq, Eq)]
@@ -215,18 +219,46 @@ struct StreamConfig {
     retention: String,
 }
 
-/// A subject rendered with the event key holds it as one token: a key
-/// that cannot be one (empty, or with a space, `.`, `*` or `>`) makes an
-/// event no subject can carry, dead at its first attempt.
+/// A subject rendered with the event key holds the key as it is: a key
+/// with a `.` in it makes a deeper subject than the template suggests, and
+/// one that cannot be part of a subject at all goes dead.
 fn key_in_subject_caveat(route: &Route) -> Option<String> {
-    route.destination.contains("{key}").then(|| {
+    let template = route.destination.as_str();
+    template.contains("{key}").then(|| {
+        let deeper = template.replace("{key}", "a.b");
+        let one_token = template.replace("{key}", "*");
         format!(
-            "route {:?}: subject template {:?} holds the event key; an event whose key is empty or \
-             has a space, '.', '*' or '>' in it cannot be published and goes dead (keep such keys \
-             out of the template's events, or use {{domain}} and {{type}} instead)",
-            route.name, route.destination
+            "route {:?}: subject template {template:?} holds the event key as it is, and a '.' in a \
+             key makes more tokens: key \"a.b\" is published to {deeper:?}, which consumers filtering \
+             {one_token:?} never see and a stream capturing only {one_token:?} does not store (the \
+             event is retried, then goes dead); a key that is empty or has a space, '*' or '>' in it \
+             goes dead at once. Keep such keys out of the route's events, or use {{domain}} and \
+             {{type}} instead",
+            route.name
         )
     })
+}
+
+/// What `check` cannot promise for a template whose own text is valid:
+/// that a stream captures its subjects (none does when no stream's subjects
+/// overlap `filter`: every event would be retried, then go dead), and that
+/// a key in it makes one token.
+fn template_caveats(route: &Route, filter: &str, streams: &[String]) -> Vec<String> {
+    let subject = &route.destination;
+    let mut caveats = Vec::new();
+    if streams.is_empty() {
+        caveats.push(format!(
+            "route {:?}: no JetStream stream captures any subject that template {subject:?} renders \
+             (none overlaps {filter:?}), so every event sent by it would be retried, then go dead; \
+             create a stream whose subjects include them (e.g. `nats stream add EVENTS --subjects \
+             '{filter}'`) or fix routes[].destination",
+            route.name
+        ));
+    } else {
+        info!(route = %route.name, subject, ?streams, "subject template overlaps JetStream streams");
+    }
+    caveats.extend(key_in_subject_caveat(route));
+    caveats
 }
 
 /// The relay's default longest retry delay (`relay.backoff_max`): a stream
@@ -368,28 +400,31 @@ impl Sink for NatsSink {
         Ok(())
     }
 
-    /// Connects, and for a plain subject asks JetStream which stream
-    /// captures it and how that stream is set up. A template names many
-    /// subjects, known only per event: for it, only JetStream's
-    /// availability is checked.
+    /// Checks the subject (a template's own text), connects, and asks
+    /// JetStream which stream captures it and, for a plain subject, how
+    /// that stream is set up. A template names many subjects, known only
+    /// per event: for it, a caveat says when no stream captures any of them.
     async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
-        let mut connector = self.connector.lock().await;
-        let mut handle = connector.handle().await?;
-        let limit = self.options.publish_timeout;
         let subject = route.destination.as_str();
         let templated = subject.contains('{');
-        if !templated && let Err(why) = validate_subject(subject) {
+        let what = if templated { "subject template" } else { "subject" };
+        if let Err(why) = validate_template(subject) {
             return Err(SinkError::config(format!(
-                "route {:?}: subject {subject:?} {why}; fix routes[].destination",
+                "route {:?}: {what} {subject:?} {why}; fix routes[].destination",
                 route.name
             )));
         }
-        let (api, body) = if templated {
-            ("$JS.API.INFO", Bytes::new())
+        let mut connector = self.connector.lock().await;
+        let mut handle = connector.handle().await?;
+        let limit = self.options.publish_timeout;
+        // A filter: JetStream names every stream whose subjects overlap it.
+        let filter = if templated {
+            template_filter(subject)
         } else {
-            let body = serde_json::json!({ "subject": subject }).to_string();
-            ("$JS.API.STREAM.NAMES", Bytes::from(body))
+            subject.to_owned()
         };
+        let api = "$JS.API.STREAM.NAMES";
+        let body = Bytes::from(serde_json::json!({ "subject": filter }).to_string());
         let answer = match ask(&mut handle, api.to_owned(), body, limit).await {
             Err(Some(denial)) => return Err(refused_in_check(&mut connector, &denial)),
             Ok(Ok(answer)) => answer,
@@ -407,9 +442,6 @@ impl Sink for NatsSink {
                 ))));
             }
         };
-        if templated {
-            return Ok(key_in_subject_caveat(route).into_iter().collect());
-        }
         let names: StreamNames = serde_json::from_slice(&answer.payload)
             .map_err(|e| SinkError::transient(format!("unreadable answer to {api}: {e}")))?;
         if let Some(err) = names.error {
@@ -421,7 +453,11 @@ impl Sink for NatsSink {
                 ),
             ));
         }
-        match names.streams.unwrap_or_default().first() {
+        let streams = names.streams.unwrap_or_default();
+        if templated {
+            return Ok(template_caveats(route, &filter, &streams));
+        }
+        match streams.first() {
             Some(stream) => {
                 info!(route = %route.name, subject, stream, "subject is captured by a JetStream stream");
                 let api = format!("$JS.API.STREAM.INFO.{stream}");
@@ -478,7 +514,10 @@ mod tests {
         };
         let caveat = key_in_subject_caveat(&route("orders.{key}")).expect("a caveat");
         assert!(caveat.contains("\"orders.{key}\""), "{caveat}");
-        assert!(caveat.contains("goes dead"), "{caveat}");
+        // A dotted key is published deeper, where one-token readers miss it.
+        assert!(caveat.contains("published to \"orders.a.b\""), "{caveat}");
+        assert!(caveat.contains("filtering \"orders.*\" never see"), "{caveat}");
+        assert!(caveat.contains("goes dead at once"), "{caveat}");
         assert_eq!(key_in_subject_caveat(&route("orders.{domain}.{type}")), None);
     }
 
