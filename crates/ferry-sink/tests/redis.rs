@@ -2,6 +2,8 @@
 //! default the local one). Every test uses its own uniquely named keys.
 #![cfg(feature = "redis")]
 
+#[path = "redis/acl.rs"]
+mod acl;
 #[path = "redis/faults.rs"]
 mod faults;
 #[path = "redis/replicas.rs"]

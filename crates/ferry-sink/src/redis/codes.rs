@@ -72,8 +72,22 @@ pub(crate) fn error(kind: ErrorKind, message: String) -> SinkError {
     }
 }
 
-/// The outcome for one XADD that Redis answered with an error reply.
-pub(crate) fn reply_error(stream_key: &str, code: &str, detail: &str) -> SinkError {
+/// What a reply with this code means for a sink named `sink`, and its fix,
+/// where the code alone says: a cluster redirect (`MOVED 3999 host:port`)
+/// means the server is a Redis Cluster node.
+pub(crate) fn fix_for(code: &str, sink: &str) -> Option<String> {
+    match code {
+        "MOVED" | "ASK" | "CROSSSLOT" => Some(format!(
+            "the Redis server is a node of a Redis Cluster, which the sink does not support (it does not \
+             follow cluster redirects): point sinks.{sink}.url at a Redis server that is not in cluster mode"
+        )),
+        _ => None,
+    }
+}
+
+/// The outcome for one XADD, by the sink named `sink`, that Redis answered
+/// with an error reply.
+pub(crate) fn reply_error(sink: &str, stream_key: &str, code: &str, detail: &str) -> SinkError {
     let kind = server_code_kind(code, detail);
     let mut message = format!("Redis refused XADD to {stream_key:?}: {code} {detail}");
     match code {
@@ -81,8 +95,15 @@ pub(crate) fn reply_error(stream_key: &str, code: &str, detail: &str) -> SinkErr
             "; key {stream_key:?} holds another type, not a stream: delete it or fix routes[].destination"
         )),
         "OOM" => message.push_str("; Redis is over maxmemory: trim streams or raise maxmemory"),
-        "NOPERM" => message.push_str("; grant the user +xadd on this key (ACL SETUSER)"),
-        _ => {}
+        "NOPERM" => message.push_str(&format!(
+            "; grant the user of sinks.{sink}.url XADD on this key (ACL SETUSER <user> +xadd ~{stream_key})"
+        )),
+        _ => {
+            if let Some(fix) = fix_for(code, sink) {
+                message.push_str("; ");
+                message.push_str(&fix);
+            }
+        }
     }
     error(kind, message)
 }
@@ -151,6 +172,7 @@ mod tests {
     #[test]
     fn reply_errors_explain_the_fix() {
         let err = reply_error(
+            "events",
             "orders",
             "WRONGTYPE",
             "Operation against a key holding the wrong kind of value",
@@ -158,7 +180,32 @@ mod tests {
         assert_eq!(err.kind, ErrorKind::Config);
         assert!(err.message.contains("not a stream"), "{err}");
         assert!(err.message.contains("routes[].destination"), "{err}");
-        assert_eq!(reply_error("orders", "OOM", "").kind, ErrorKind::Transient);
-        assert_eq!(reply_error("orders", "NOPERM", "").kind, ErrorKind::Config);
+        assert_eq!(reply_error("events", "orders", "OOM", "").kind, ErrorKind::Transient);
+        let err = reply_error("events", "orders", "NOPERM", "this user has no permissions");
+        assert_eq!(err.kind, ErrorKind::Config);
+        assert!(err.message.contains("+xadd"), "{err}");
+        assert!(err.message.contains("sinks.events.url"), "{err}");
+    }
+
+    /// A cluster redirect went dead as "MOVED 3999 host:port", with no
+    /// word of what it means or what to do.
+    #[test]
+    fn a_cluster_redirect_says_the_server_is_a_cluster_node_and_the_fix() {
+        for (code, detail) in [("MOVED", "3999 10.0.0.7:6379"), ("ASK", "3999 10.0.0.7:6379")] {
+            let err = reply_error("events", "orders", code, detail);
+            assert_eq!(err.kind, ErrorKind::Config, "{err}");
+            assert!(err.message.contains(&format!("{code} {detail}")), "{err}");
+            assert!(
+                err.message.contains("Redis Cluster, which the sink does not support"),
+                "{err}"
+            );
+            assert!(
+                err.message.contains("point sinks.events.url at a Redis server"),
+                "{err}"
+            );
+        }
+        let moved = ::redis::make_extension_error("MOVED".into(), Some("3999 10.0.0.7:6379".into()));
+        assert_eq!(redis_error_kind(&moved), ErrorKind::Config);
+        assert_eq!(fix_for("WRONGTYPE", "events"), None);
     }
 }

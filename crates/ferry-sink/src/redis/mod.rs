@@ -20,6 +20,7 @@
 //! });
 //! ```
 
+mod check;
 mod codes;
 mod message;
 mod publish;
@@ -31,8 +32,7 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use async_trait::async_trait;
 use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent};
 use tokio::sync::Mutex;
-use tokio::time::timeout;
-use tracing::{info, warn};
+use tracing::warn;
 
 use crate::backoff::Backoff;
 use std::time::Instant;
@@ -141,36 +141,6 @@ impl RedisOptions {
         }
         Ok(())
     }
-}
-
-/// A check's request Redis answered with an error, classified.
-fn refused(what: &str, e: ::redis::RedisError) -> SinkError {
-    codes::error(codes::redis_error_kind(&e), format!("{what} Redis: {e}"))
-}
-
-/// The answer to a request bounded by `limit`; a failed or unanswered one
-/// is transient and gives the connection up.
-fn answered<T>(
-    link: &mut Link,
-    what: &str,
-    limit: Duration,
-    answer: Result<Result<T, ::redis::RedisError>, tokio::time::error::Elapsed>,
-) -> Result<T, SinkError> {
-    let error = match answer {
-        Ok(Ok(value)) => return Ok(value),
-        Ok(Err(e)) => SinkError::transient(format!("{what}: {e}")),
-        Err(_) => SinkError::transient(format!("{what}: no answer within {limit:?}")),
-    };
-    link.failed(&error);
-    Err(error)
-}
-
-/// `connected_slaves` from `INFO replication`.
-fn connected_replicas(info: &str) -> u32 {
-    info.lines()
-        .find_map(|line| line.trim().strip_prefix("connected_slaves:"))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
 
 /// Redis takes a MAXLEN up to `i64::MAX`.
@@ -329,6 +299,7 @@ impl Sink for RedisSink {
         let prepared = prepare_in_key_order(events, |event| self.prepare(route, event));
         let abandoned = Abandoned(Some(&mut link));
         let published = publish::publish_batch(
+            &route.sink,
             &mut connection,
             prepared,
             self.options.publish_timeout,
@@ -344,178 +315,26 @@ impl Sink for RedisSink {
         published.outcomes
     }
 
-    /// PING, then for a plain key: it must be a stream, or not exist yet (the
-    /// first XADD creates it). A template names many keys, known only per
-    /// event: for it, only connectivity is checked.
     async fn check(&self, route: &Route) -> Result<(), SinkError> {
-        let mut link = self.link.lock().await;
-        let mut connection = self.connection(&mut link)?;
-        let limit = self.options.publish_timeout;
-        match timeout(limit, ::redis::cmd("PING").query_async::<String>(&mut connection)).await {
-            Ok(Ok(_)) => link.succeeded(),
-            Ok(Err(e)) => {
-                // Replaced whatever the failure: one refused while it
-                // connected would give the same refusal for ever.
-                let error = refused("pinging", e);
-                link.failed(&error);
-                return Err(error);
-            }
-            Err(_) => {
-                let error = SinkError::transient(format!("pinging Redis: no answer within {limit:?}"));
-                link.failed(&error);
-                return Err(error);
-            }
+        for caveat in self.check_with_caveats(route).await? {
+            warn!(route = %route.name, "{caveat}");
         }
-        // Too few replicas is reported last: a replica reconnecting must not
-        // hide a route that reaches nobody.
-        let shortfall = match self.options.wait_replicas {
-            0 => None,
-            wanted => self.check_replicas(wanted, &mut link, &mut connection).await?,
-        };
-        self.check_key(route, &mut link, &mut connection).await?;
-        shortfall.map_or(Ok(()), Err)
+        Ok(())
+    }
+
+    /// PING; `INFO cluster`, which must not say cluster mode; WAIT, with
+    /// `wait_replicas`; then for a plain key: it must be a stream a
+    /// consumer group reads. A template names many keys, known only per
+    /// event: for it, the key is not checked. A command the user's ACL
+    /// refuses leaves a caveat, not a failure: publishing needs only XADD.
+    async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
+        self.checked(route).await
     }
 
     async fn close(&self) {
         // Dropping the last handle closes the multiplexed connection; nothing
         // is left unconfirmed between batches.
         self.link.lock().await.connection.take();
-    }
-}
-
-impl RedisSink {
-    /// For `wait_replicas`: Redis must allow the user WAIT (or every batch
-    /// fails), and should have `wanted` replicas. `Ok(Some(_))` says it has
-    /// fewer, which is transient: a replica reconnecting after a restart
-    /// must not stop a relay from starting.
-    async fn check_replicas(
-        &self,
-        wanted: u32,
-        link: &mut Link,
-        connection: &mut ConnectionManager,
-    ) -> Result<Option<SinkError>, SinkError> {
-        let limit = self.options.publish_timeout;
-        let same = connection.clone();
-        let wait = |replicas: u32, within: Duration| {
-            // A clone of a multiplexed connection is the same connection.
-            let mut connection = same.clone();
-            async move {
-                let mut asked = ::redis::cmd("WAIT");
-                asked.arg(replicas).arg(within.as_millis().max(1) as u64);
-                timeout(limit, asked.query_async::<u32>(&mut connection)).await
-            }
-        };
-        // WAIT for none answers at once: may the user WAIT at all?
-        match wait(0, Duration::from_millis(1)).await {
-            // An ACL without WAIT, or a proxy that lacks it, fails every batch.
-            Ok(Err(e)) if e.code().is_some() => {
-                return Err(SinkError::config(format!(
-                    "wait_replicas is set but Redis refuses WAIT ({e}); allow the user WAIT \
-                     (ACL SETUSER ... +wait) or set wait_replicas = 0"
-                )));
-            }
-            other => answered(link, "WAIT", limit, other)?,
-        };
-        // INFO says how many are connected, but is among the commands a
-        // hardened user (-@dangerous) is denied: then WAIT counts them (WAIT
-        // for none would not: a replica acknowledges only once a second),
-        // within a second, as the health probe gives a check 4 s.
-        let info = timeout(
-            limit,
-            ::redis::cmd("INFO")
-                .arg("replication")
-                .query_async::<String>(connection),
-        )
-        .await;
-        let replicas = match info {
-            Ok(Err(e)) if e.code().is_some() => {
-                let within = (limit / 2).min(Duration::from_secs(1));
-                answered(link, "WAIT", limit, wait(wanted, within).await)?
-            }
-            other => connected_replicas(&answered(link, "INFO replication", limit, other)?),
-        };
-        Ok((replicas < wanted).then(|| {
-            SinkError::transient(format!(
-                "wait_replicas is {wanted} but the Redis server has {replicas} connected replica(s): no \
-                 entry can be confirmed until enough are; attach replicas or lower wait_replicas"
-            ))
-        }))
-    }
-
-    /// For a plain key: it must be a stream with a consumer group. A
-    /// template names many keys, known only per event: it is not checked.
-    async fn check_key(
-        &self,
-        route: &Route,
-        link: &mut Link,
-        connection: &mut ConnectionManager,
-    ) -> Result<(), SinkError> {
-        let limit = self.options.publish_timeout;
-        let key = route.destination.as_str();
-        if key.contains('{') {
-            return Ok(());
-        }
-        if key.is_empty() {
-            return Err(SinkError::config(format!(
-                "route {:?}: the stream key is empty; set routes[].destination",
-                route.name
-            )));
-        }
-        let kind = match timeout(limit, ::redis::cmd("TYPE").arg(key).query_async::<String>(connection)).await {
-            Ok(Ok(kind)) => kind,
-            Ok(Err(e)) => return Err(refused("asking the type of a key in", e)),
-            Err(_) => {
-                let error = SinkError::transient(format!("TYPE {key:?}: no answer within {limit:?}"));
-                link.failed(&error);
-                return Err(error);
-            }
-        };
-        match kind.as_str() {
-            "stream" => {}
-            // Nobody home: without a consumer group, nothing reads the
-            // stream the way a consumer that must not miss events does.
-            "none" => {
-                return Err(SinkError::config(format!(
-                    "route {:?} reaches nobody: stream {key:?} does not exist and no consumer group \
-                     reads it; create the consumer's group first (XGROUP CREATE {key} <group> 0 \
-                     MKSTREAM), or fix routes[].destination",
-                    route.name
-                )));
-            }
-            other => {
-                return Err(SinkError::config(format!(
-                    "route {:?}: key {key:?} holds a {other}, not a stream; delete it or fix \
-                     routes[].destination",
-                    route.name
-                )));
-            }
-        }
-        let groups = match timeout(
-            limit,
-            ::redis::cmd("XINFO")
-                .arg("GROUPS")
-                .arg(key)
-                .query_async::<Vec<::redis::Value>>(connection),
-        )
-        .await
-        {
-            Ok(Ok(groups)) => groups.len(),
-            Ok(Err(e)) => return Err(refused("listing the consumer groups of a stream in", e)),
-            Err(_) => {
-                let error = SinkError::transient(format!("XINFO GROUPS {key:?}: no answer within {limit:?}"));
-                link.failed(&error);
-                return Err(error);
-            }
-        };
-        if groups == 0 {
-            return Err(SinkError::config(format!(
-                "route {:?} reaches nobody: stream {key:?} has no consumer group; create the \
-                 consumer's group first (XGROUP CREATE {key} <group> 0), or fix routes[].destination",
-                route.name
-            )));
-        }
-        info!(route = %route.name, key, groups, "stream has consumer groups");
-        Ok(())
     }
 }
 

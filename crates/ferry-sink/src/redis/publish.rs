@@ -56,7 +56,9 @@ pub(super) struct Published {
     pub(super) connection_in_doubt: Option<SinkError>,
 }
 
+/// `sink` is the sink's name in the config, for the fixes errors name.
 pub(super) async fn publish_batch(
+    sink: &str,
     connection: &mut ConnectionManager,
     prepared: Vec<Result<Entry, SinkError>>,
     publish_timeout: Duration,
@@ -147,7 +149,7 @@ pub(super) async fn publish_batch(
             match &mut replies {
                 Ok(replies) => match replies.next() {
                     Some((Value::ServerError(e), key)) => {
-                        Err(codes::reply_error(&key, e.code(), e.details().unwrap_or("")))
+                        Err(codes::reply_error(sink, &key, e.code(), e.details().unwrap_or("")))
                     }
                     Some(_) => unreplicated.clone().map_or(Ok(()), Err),
                     None => Err(SinkError::transient("no reply for this XADD")),
