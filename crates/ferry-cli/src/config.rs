@@ -939,17 +939,27 @@ fn log(check: &mut Checker, raw: RawLog) -> LogConfig {
         }
     };
     let level = raw.level.unwrap_or_else(|| "info".to_owned());
+    if let Err(message) = check_log_filter(&level) {
+        check.problem("log.level", message);
+    }
+    LogConfig { format, level }
+}
+
+/// Checks a log level or filter, as `log.level` or `RUST_LOG` gives it; the
+/// error says what is wrong and which values are taken.
+pub(crate) fn check_log_filter(level: &str) -> Result<(), String> {
     const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
     let fix = "use one of off, error, warn, info, debug, trace, or a filter like \"info,ferry=debug\"";
     // A bare word that is not a level would be read by tracing as a target
-    // name ("verbose" = everything from target `verbose`): almost surely a typo.
+    // name ("verbose" = everything from target `verbose`, so nothing of
+    // Ferry's): almost surely a typo.
     let is_filter = level.contains(['=', ',', '[']);
     if !is_filter && !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
-        check.problem("log.level", format!("unknown level {level:?}; {fix}"));
-    } else if let Err(e) = tracing_subscriber::EnvFilter::try_new(&level) {
-        check.problem("log.level", format!("{level:?} is not a valid filter ({e}); {fix}"));
+        return Err(format!("unknown level {level:?}; {fix}"));
     }
-    LogConfig { format, level }
+    tracing_subscriber::EnvFilter::try_new(level)
+        .map(drop)
+        .map_err(|e| format!("{level:?} is not a valid filter ({e}); {fix}"))
 }
 
 fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> Vec<Route> {
@@ -1026,6 +1036,13 @@ fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> 
                 ),
             );
         }
+        // What messages show of the name: a default one holds the
+        // destination, credentials and all.
+        let shown = if explicit {
+            format!("{name:?}")
+        } else {
+            format!("{:?}", format!("{sink}:{}", redact::url(&destination)))
+        };
         if explicit && name.trim().is_empty() {
             check.problem(
                 field("name"),
@@ -1040,7 +1057,7 @@ fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> 
             check.problem(
                 field("name"),
                 format!(
-                    "{name:?} starts with '(', which Ferry keeps for its own names such as {:?}; choose another name",
+                    "{shown} starts with '(', which Ferry keeps for its own names such as {:?}; choose another name",
                     ferry_core::NO_ROUTE
                 ),
             );
@@ -1053,7 +1070,7 @@ fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> 
             };
             check.problem(
                 field("name"),
-                format!("{whose} {name:?} is already used by routes[{first}]; set name = \"...\" to tell them apart"),
+                format!("{whose} {shown} is already used by routes[{first}]; set name = \"...\" to tell them apart"),
             );
         } else {
             names.insert(name.clone(), i);
@@ -1142,19 +1159,40 @@ fn without_placeholders(template: &str) -> String {
 
 /// Catches a misspelt placeholder, which would otherwise send every event to
 /// a destination literally named `{tpye}`.
+///
+/// A destination may be a URL with a password or a token in it: messages
+/// show it through [`redact::url`], and leave out an unknown placeholder
+/// that only the hidden parts hold.
 fn check_template(check: &mut Checker, field: &str, template: &str) {
+    let shown = redact::url(template);
     let mut rest = template;
     let mut unknown = BTreeSet::new();
+    let mut hidden = 0;
     while let Some(open) = rest.find('{') {
         let Some(close) = rest[open..].find('}') else {
-            check.problem(field, format!("{template:?} has an unclosed {{"));
+            // Where, since the redacted text may not show it.
+            let at = template[..template.len() - rest.len() + open].chars().count() + 1;
+            check.problem(
+                field,
+                format!("{shown:?} has an unclosed {{ (character {at}); close it, or remove it"),
+            );
             return;
         };
         let name = &rest[open + 1..open + close];
         if !TEMPLATE_PLACEHOLDERS.contains(&name) {
-            unknown.insert(format!("{{{name}}}"));
+            let placeholder = format!("{{{name}}}");
+            if shown.contains(&placeholder) {
+                unknown.insert(placeholder);
+            } else {
+                hidden += 1;
+            }
         }
         rest = &rest[open + close + 1..];
+    }
+    if hidden > 0 {
+        unknown.insert(format!(
+            "{{...}} ({hidden} in the credentials, query or fragment of {shown:?}, not shown here)"
+        ));
     }
     if !unknown.is_empty() {
         let known: Vec<String> = TEMPLATE_PLACEHOLDERS.iter().map(|p| format!("{{{p}}}")).collect();

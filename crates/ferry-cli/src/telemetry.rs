@@ -1,3 +1,4 @@
+use std::ffi::OsStr;
 use std::net::SocketAddr;
 
 use anyhow::Context;
@@ -6,10 +7,15 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
 
-use crate::config::{LogConfig, LogFormat};
+use crate::config::{LogConfig, LogFormat, check_log_filter};
+
+/// The variable that, set and not blank, replaces `log.level`.
+pub const RUST_LOG: &str = "RUST_LOG";
 
 /// Logs go to stderr so that stdout stays clean for the stdout sink and
-/// `--json` output. `RUST_LOG` overrides the configured level.
+/// `--json` output. `RUST_LOG` overrides the configured level; one that
+/// [`log_filter`] refuses is warned of on stderr and the configured level
+/// used (`ferry run` refuses it before it gets here).
 pub fn init_logs(cfg: &LogConfig) {
     init_logs_with(cfg, None);
 }
@@ -18,7 +24,10 @@ pub fn init_logs(cfg: &LogConfig) {
 /// lines only: the exporter gets every span at info and above, so that
 /// `level = "warn"` does not also switch tracing off.
 pub fn init_logs_with(cfg: &LogConfig, spans: Option<Box<dyn Layer<Registry> + Send + Sync>>) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(&cfg.level));
+    let filter = log_filter(cfg, std::env::var_os(RUST_LOG).as_deref()).unwrap_or_else(|problem| {
+        eprintln!("warning: {problem}; logging at log.level {:?} instead", cfg.level);
+        EnvFilter::new(&cfg.level)
+    });
     let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let lines = match cfg.format {
         LogFormat::Text => lines.with_filter(filter).boxed(),
@@ -26,6 +35,33 @@ pub fn init_logs_with(cfg: &LogConfig, spans: Option<Box<dyn Layer<Registry> + S
     };
     let spans = spans.map(|layer| layer.with_filter(tracing_subscriber::filter::LevelFilter::INFO));
     let _ = tracing_subscriber::registry().with(spans).with(lines).try_init();
+}
+
+/// The filter for log lines: `rust_log`, the value of `RUST_LOG` (passed in
+/// so that tests need not set the process's), when it is set and not blank;
+/// else `log.level`, checked when the config was read.
+///
+/// `RUST_LOG` gets the check `log.level` gets: a typo such as `verbose` would
+/// be read by tracing as a target name and silence every line Ferry logs,
+/// the warnings of dead deliveries included. A blank one is taken as unset,
+/// as a shell's `RUST_LOG=` means, rather than as tracing's "errors only".
+pub fn log_filter(cfg: &LogConfig, rust_log: Option<&OsStr>) -> Result<EnvFilter, String> {
+    let unset = format!("unset {RUST_LOG} to log at log.level ({:?})", cfg.level);
+    let level = match rust_log.map(OsStr::to_str) {
+        None => cfg.level.as_str(),
+        Some(None) => {
+            return Err(format!(
+                "{RUST_LOG}: not valid UTF-8; give a level such as \"info\", or {unset}"
+            ));
+        }
+        Some(Some(value)) if value.trim().is_empty() => cfg.level.as_str(),
+        Some(Some(value)) => {
+            let value = value.trim();
+            check_log_filter(value).map_err(|problem| format!("{RUST_LOG}: {problem}; or {unset}"))?;
+            value
+        }
+    };
+    EnvFilter::try_new(level).map_err(|e| format!("{RUST_LOG} or log.level: {level:?} is not a valid filter ({e})"))
 }
 
 /// Installs the Prometheus recorder; [`crate::health::serve`] then serves
@@ -44,4 +80,54 @@ pub fn install_metrics(addr: SocketAddr) -> anyhow::Result<PrometheusHandle> {
         .with_context(|| format!("metrics.listen: cannot set up metrics for {addr}"))?;
     ferry_relay::metrics::describe();
     Ok(handle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn level(level: &str) -> LogConfig {
+        LogConfig {
+            format: LogFormat::Text,
+            level: level.into(),
+        }
+    }
+
+    fn filter(rust_log: Option<&str>) -> Result<String, String> {
+        log_filter(&level("warn"), rust_log.map(OsStr::new)).map(|f| f.to_string())
+    }
+
+    /// `RUST_LOG=verbose` was read as a target name, which silenced every
+    /// line Ferry logs; an invalid directive fell back to log.level
+    /// without a word.
+    #[test]
+    fn rust_log_is_checked_as_log_level_is() {
+        for bad in ["verbose", "ferry=loud", "[{"] {
+            let e = filter(Some(bad)).unwrap_err();
+            assert!(e.starts_with("RUST_LOG: "), "{bad}: {e}");
+            assert!(e.contains(&format!("{bad:?}")), "{bad}: {e}");
+            assert!(
+                e.contains("unset RUST_LOG to log at log.level (\"warn\")"),
+                "{bad}: {e}"
+            );
+        }
+        assert!(filter(Some("verbose")).unwrap_err().contains("unknown level"));
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStrExt;
+            let e = log_filter(&level("info"), Some(OsStr::from_bytes(b"\xff"))).unwrap_err();
+            assert!(e.starts_with("RUST_LOG: not valid UTF-8"), "{e}");
+        }
+    }
+
+    #[test]
+    fn rust_log_when_set_replaces_log_level() {
+        assert_eq!(filter(None).unwrap(), "warn");
+        assert_eq!(filter(Some("  ")).unwrap(), "warn");
+        assert_eq!(filter(Some("debug")).unwrap(), "debug");
+        assert_eq!(
+            filter(Some("info,ferry_relay=debug")).unwrap(),
+            "ferry_relay=debug,info"
+        );
+    }
 }

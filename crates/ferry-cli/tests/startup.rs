@@ -468,3 +468,123 @@ async fn a_second_signal_while_stopping_exits_at_once() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// A migrated database and a config with one stdout route, plus `extra`:
+/// everything `check` verifies passes, but for what `extra` breaks.
+async fn checked_config(dir: &std::path::Path, db: &TestDb, extra: &str) -> std::path::PathBuf {
+    let pool = db.pool().await;
+    ferry_store::postgres::migrate(&mut pool.acquire().await.unwrap())
+        .await
+        .unwrap();
+    pool.close().await;
+    let config = dir.join("ferry.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"{}\"\n\n[sinks.out]\nkind = \"stdout\"\n\n\
+             [[routes]]\nmatch = \"order.*\"\nsink = \"out\"\ndestination = \"-\"\n\n{extra}",
+            db.url()
+        ),
+    )
+    .unwrap();
+    config
+}
+
+/// An archive directory that does not exist: `ferry run` refuses to start,
+/// and `ferry check`, which passed it, fails on it with the same message.
+#[tokio::test]
+async fn check_fails_on_an_archive_dir_run_refuses() {
+    let db = TestDb::create().await;
+    let dir = tempfile::tempdir().unwrap();
+    let archive = dir.path().join("archive");
+    let config = checked_config(
+        dir.path(),
+        &db,
+        &format!("[retention]\narchive_dir = \"{}\"\n", archive.display()),
+    )
+    .await;
+    let config = config.to_str().unwrap();
+    let message = format!("retention.archive_dir: cannot write to {}", archive.display());
+    let out = ferry_env(&[], &["--config", config, "run"], Duration::from_secs(30));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "run: {stderr}");
+    assert!(stderr.starts_with(&format!("error: {message}")), "run: {stderr}");
+    let out = ferry_env(&[], &["--config", config, "check"], Duration::from_secs(60));
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "check: {stdout}{}", text(&out.stderr));
+    assert!(stdout.contains(&format!("FAIL {message}")), "check: {stdout}");
+    assert!(
+        stdout.contains("create the directory and make it writable"),
+        "check: {stdout}"
+    );
+    // Made, it passes.
+    std::fs::create_dir(&archive).unwrap();
+    let out = ferry_env(&[], &["--config", config, "check"], Duration::from_secs(60));
+    assert_eq!(out.status.code(), Some(0), "check: {}", text(&out.stdout));
+    db.drop_db().await;
+}
+
+/// `RUST_LOG=verbose` reads as a target name and silenced every line Ferry
+/// logs, dead deliveries' warnings included; `RUST_LOG` now gets the check
+/// `log.level` gets, at the start of `run` and in `check`.
+#[tokio::test]
+async fn run_and_check_refuse_a_rust_log_that_log_level_would_refuse() {
+    let db = TestDb::create().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = checked_config(dir.path(), &db, "").await;
+    let config = config.to_str().unwrap();
+    let env = [("RUST_LOG", "verbose")];
+    let out = ferry_env(&env, &["--config", config, "run"], Duration::from_secs(30));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "run: {stderr}");
+    assert!(
+        stderr.starts_with("error: RUST_LOG: unknown level \"verbose\"")
+            && stderr.contains("unset RUST_LOG to log at log.level (\"info\")"),
+        "run: {stderr}"
+    );
+    let out = ferry_env(&env, &["--config", config, "check"], Duration::from_secs(60));
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "check: {stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains("FAIL RUST_LOG: unknown level \"verbose\""),
+        "check: {stdout}"
+    );
+    let out = ferry_env(
+        &[("RUST_LOG", "debug")],
+        &["--config", config, "check"],
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(0), "check: {}", text(&out.stdout));
+    db.drop_db().await;
+}
+
+/// A `[tracing]` section in a binary built without `otel`: `ferry run`
+/// refuses it, and `check` fails on it.
+#[cfg(not(feature = "otel"))]
+#[tokio::test]
+async fn check_fails_on_tracing_a_binary_without_otel_refuses() {
+    let db = TestDb::create().await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = checked_config(
+        dir.path(),
+        &db,
+        "[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n",
+    )
+    .await;
+    let config = config.to_str().unwrap();
+    let out = ferry_env(&[], &["--config", config, "run"], Duration::from_secs(30));
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "run: {stderr}");
+    assert!(
+        stderr.starts_with("error: tracing.otlp_endpoint: this ferry was built without the `otel` feature"),
+        "run: {stderr}"
+    );
+    let out = ferry_env(&[], &["--config", config, "check"], Duration::from_secs(60));
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "check: {stdout}{}", text(&out.stderr));
+    assert!(
+        stdout.contains("FAIL tracing.otlp_endpoint: this ferry was built without the `otel` feature"),
+        "check: {stdout}"
+    );
+    db.drop_db().await;
+}

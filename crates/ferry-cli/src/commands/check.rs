@@ -16,9 +16,10 @@ struct Finding {
     caveats: Vec<String>,
 }
 
-/// Checks the database and schema, then every route's destination.
+/// Checks what `ferry run` refuses before it connects, the database and
+/// schema, then every route's destination.
 pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
-    let mut findings = Vec::new();
+    let mut findings = refused_at_start(cfg);
     findings.push(check_database(cfg).await);
     // Table capture exists on PostgreSQL only.
     if !crate::store::is_sqlite(&cfg.database.url) {
@@ -99,6 +100,24 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// A failed finding per thing `ferry run` would refuse at start without
+/// connecting anywhere, from the code `run` itself uses.
+fn refused_at_start(cfg: &Config) -> Vec<Finding> {
+    super::run::refusals(cfg)
+        .into_iter()
+        .map(|problem| {
+            // Each names its setting first: `retention.archive_dir: ...`.
+            let (what, detail) = problem.split_once(": ").unwrap_or(("start-up", &problem));
+            Finding {
+                what: what.to_owned(),
+                ok: false,
+                detail: detail.to_owned(),
+                ..Finding::default()
+            }
+        })
+        .collect()
 }
 
 /// A finding per route name that holds undelivered deliveries but is not in
@@ -222,5 +241,59 @@ async fn check_captures(cfg: &Config) -> Vec<Finding> {
             detail: format!("{e:#}"),
             ..Finding::default()
         }],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A config with an archive directory that does not exist, retention
+    /// `enabled` or not, and, in a binary without `otel`, a `[tracing]`
+    /// section.
+    fn config(archive_dir: &std::path::Path, enabled: bool) -> Config {
+        let tracing = if cfg!(feature = "otel") {
+            ""
+        } else {
+            "[tracing]\notlp_endpoint = \"http://127.0.0.1:4318\"\n"
+        };
+        crate::config::from_toml_str(&format!(
+            "[database]\nurl = \"postgres://h/db\"\n[retention]\nenabled = {enabled}\narchive_dir = \"{}\"\n{tracing}",
+            archive_dir.display()
+        ))
+        .unwrap()
+    }
+
+    /// `ferry run` refuses these before it connects anywhere; `check`
+    /// passed them.
+    #[test]
+    fn what_run_refuses_at_start_fails_check() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing");
+        let findings = refused_at_start(&config(&missing, true));
+        let archive = findings
+            .iter()
+            .find(|f| f.what == "retention.archive_dir")
+            .unwrap_or_else(|| panic!("{findings:?}"));
+        assert!(!archive.ok);
+        assert!(
+            archive
+                .detail
+                .starts_with(&format!("cannot write to {}", missing.display())),
+            "{archive:?}"
+        );
+        let tracing = findings.iter().find(|f| f.what == "tracing.otlp_endpoint");
+        if cfg!(feature = "otel") {
+            assert!(tracing.is_none(), "{findings:?}");
+        } else {
+            let tracing = tracing.unwrap_or_else(|| panic!("{findings:?}"));
+            assert!(!tracing.ok && tracing.detail.contains("built without the `otel` feature"));
+        }
+        // With retention off, a relay writes no archive.
+        let off = refused_at_start(&config(&missing, false));
+        assert!(off.iter().all(|f| f.what != "retention.archive_dir"), "{off:?}");
+        std::fs::create_dir(&missing).unwrap();
+        let made = refused_at_start(&config(&missing, true));
+        assert!(made.iter().all(|f| f.what != "retention.archive_dir"), "{made:?}");
     }
 }

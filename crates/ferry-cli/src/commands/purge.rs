@@ -58,7 +58,7 @@ fn render(r: &PurgeReport) -> String {
 
 /// Fails start-up, naming the field, when the archive directory cannot take
 /// a file: better now than at the first batch, hours later.
-pub(crate) fn check_archive_dir(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn check_archive_dir(dir: &Path) -> Result<(), UsageError> {
     let probe = dir.join(format!(".ferry-probe-{}", std::process::id()));
     std::fs::write(&probe, b"")
         .and_then(|()| std::fs::remove_file(&probe))
@@ -68,8 +68,7 @@ pub(crate) fn check_archive_dir(dir: &Path) -> anyhow::Result<()> {
                  by this user, or remove archive_dir to delete without archiving",
                 dir.display()
             ))
-        })?;
-    Ok(())
+        })
 }
 
 /// Runs retention every `interval` until `stop` turns true; a run in

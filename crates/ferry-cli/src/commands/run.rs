@@ -31,6 +31,34 @@ pub async fn run(cfg: Config) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// What `ferry run` refuses before it connects to anything, each with the
+/// setting and the fix: what this binary cannot do (`[tracing]` without the
+/// `otel` feature), an archive directory it cannot write, a `RUST_LOG` that
+/// `log.level` would refuse. `ferry check` reports the same, from this
+/// same code.
+pub(crate) fn refusals(cfg: &Config) -> Vec<String> {
+    let mut refused = Vec::new();
+    if let Err(problem) = telemetry::log_filter(&cfg.log, std::env::var_os(telemetry::RUST_LOG).as_deref()) {
+        refused.push(problem);
+    }
+    #[cfg(not(feature = "otel"))]
+    if cfg.tracing.is_some() {
+        refused.push(
+            "tracing.otlp_endpoint: this ferry was built without the `otel` feature; rebuild with it or \
+             remove the [tracing] section"
+                .to_owned(),
+        );
+    }
+    // Only a relay with retention on writes the archive.
+    if cfg.retention.enabled
+        && let Some(dir) = &cfg.retention.archive_dir
+        && let Err(UsageError(problem)) = purge::check_archive_dir(dir)
+    {
+        refused.push(problem);
+    }
+    refused
+}
+
 /// How long after the first stop signal another one means "exit now".
 const SECOND_SIGNAL_AFTER: Duration = Duration::from_secs(2);
 
@@ -47,20 +75,23 @@ struct Started {
 /// Everything before the relay runs: telemetry, the store, the sinks and
 /// their destinations' checks, WAL streaming's slot, the endpoints.
 async fn start(cfg: Config) -> anyhow::Result<Started> {
+    match refusals(&cfg).as_slice() {
+        [] => {}
+        [one] => return Err(UsageError(one.clone()).into()),
+        many => {
+            let list = many.join("\n  ");
+            return Err(UsageError(format!("{} problems at start:\n  {list}", many.len())).into());
+        }
+    }
     #[cfg(feature = "otel")]
     let exporting = init_telemetry(&cfg)?;
     #[cfg(not(feature = "otel"))]
-    init_telemetry(&cfg)?;
+    init_telemetry(&cfg);
     let metrics = match cfg.metrics {
         Some(addr) => Some((addr, telemetry::install_metrics(addr)?)),
         None => None,
     };
     let store = super::relay_store(&cfg)?;
-    if cfg.retention.enabled
-        && let Some(dir) = &cfg.retention.archive_dir
-    {
-        purge::check_archive_dir(dir)?;
-    }
     let sinks = sinks::build(&cfg)?;
     // A route to nowhere is reported before any event is lost to it.
     let mut refused = Vec::new();
@@ -247,18 +278,10 @@ fn init_telemetry(cfg: &Config) -> anyhow::Result<Option<crate::tracing_otel::Ex
     Ok(Some(exporting))
 }
 
+/// Logs; a `[tracing]` section was refused with [`refusals`].
 #[cfg(not(feature = "otel"))]
-fn init_telemetry(cfg: &Config) -> anyhow::Result<()> {
-    if cfg.tracing.is_some() {
-        return Err(UsageError(
-            "tracing.otlp_endpoint: this ferry was built without the `otel` feature; \
-             rebuild with it or remove the [tracing] section"
-                .into(),
-        )
-        .into());
-    }
+fn init_telemetry(cfg: &Config) {
     telemetry::init_logs(&cfg.log);
-    Ok(())
 }
 
 #[cfg(feature = "postgres")]

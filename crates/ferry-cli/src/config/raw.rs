@@ -293,6 +293,10 @@ impl EnvOverrides {
                 });
                 continue;
             }
+            if let Some(message) = sets_nothing(&keys, &value) {
+                problems.push(Problem { field: name, message });
+                continue;
+            }
             vars.push((keys, value));
         }
         if !problems.is_empty() {
@@ -318,6 +322,39 @@ impl EnvOverrides {
         }
         self
     }
+}
+
+/// Why `FERRY_<section>__<field>=value` is refused when its value is
+/// blank, or, for `secrets`, holds a blank item. Such a value is most often
+/// a substitution that came out empty (`SECRETS=${WEBHOOK_SECRET}` with the
+/// variable unset), and read as set it would replace the file's: an empty
+/// `secrets` list sends every webhook unsigned, an empty header value goes
+/// out as it is. The file refuses an empty secret; no field takes a blank
+/// value from the environment.
+fn sets_nothing(keys: &[String], value: &str) -> Option<String> {
+    let field = field_path(keys);
+    let fix = "unset the variable to keep the config file's value (or the default), or give it a value";
+    if value.trim().is_empty() {
+        return Some(format!("is empty, which would set {field} to nothing; {fix}"));
+    }
+    if keys.last().is_some_and(|k| k == "secrets") {
+        let items: Vec<&str> = value.split(',').map(str::trim).collect();
+        if items.iter().all(|item| item.is_empty()) {
+            return Some(format!(
+                "holds only commas, which would set {field} to no secret at all and send every webhook \
+                 unsigned; {fix}, as in whsec_a,whsec_b"
+            ));
+        }
+        if let Some(i) = items.iter().position(|item| item.is_empty()) {
+            return Some(format!(
+                "item {} of {} is empty (a doubled or trailing comma, or a part that expanded to nothing); \
+                 remove the comma or give the secret",
+                i + 1,
+                items.len()
+            ));
+        }
+    }
+    None
 }
 
 /// Why `FERRY_<rest>` (no `__`) is refused, with the name it likely meant:
@@ -353,12 +390,12 @@ impl Provider for EnvOverrides {
             // Values stay strings: extract_lossy reads "10" as a number where
             // a number is expected, and a password such as "12345" stays text.
             let value = if keys.last().is_some_and(|k| k == "secrets") {
-                // The one list a sink has; base64 holds no comma.
+                // The one list a sink has; base64 holds no comma. Blank
+                // items were refused in `new`.
                 Value::from(
                     value
                         .split(',')
                         .map(str::trim)
-                        .filter(|s| !s.is_empty())
                         .map(str::to_owned)
                         .collect::<Vec<String>>(),
                 )

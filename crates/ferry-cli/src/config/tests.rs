@@ -994,6 +994,8 @@ fn load_reads_the_file() {
     assert!(load(Some(&dir.path().join("missing.toml"))).is_err());
 }
 
+mod blank_env;
+mod route_secrets;
 mod sink_kinds;
 
 #[test]
