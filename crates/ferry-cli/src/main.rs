@@ -17,6 +17,7 @@ mod telemetry;
 mod tracing_otel;
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Parser;
 
@@ -29,11 +30,20 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match runtime.block_on(commands::dispatch(cli)) {
+    let code = match runtime.block_on(commands::dispatch(cli)) {
         Ok(code) => code,
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::from(commands::exit_code(&err))
         }
-    }
+    };
+    // Dropped, the runtime would wait for every blocking-pool thread, and
+    // one may never end: a write to a stdout nobody reads, a file on a hung
+    // mount. The relay has already stopped, and its work is either done
+    // or left pending for the next one.
+    runtime.shutdown_timeout(BLOCKING_THREADS_WAIT);
+    code
 }
+
+/// How long the exit waits for blocking-pool threads still running.
+const BLOCKING_THREADS_WAIT: Duration = Duration::from_secs(3);

@@ -7,7 +7,7 @@
 //! ```
 
 use std::io::{self, Write};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
@@ -20,8 +20,14 @@ use crate::line;
 /// "destination", "content_type", "headers", "data" | "data_base64"}`:
 /// `data` holds the payload when its content type is JSON and it parses,
 /// `data_base64` holds the raw bytes otherwise.
+///
+/// A reader that stops reading (a stalled pipe) stalls the publish: the
+/// events stay in flight, unpublished, until it reads again or the relay
+/// stops. Batches behind the stalled one wait their turn without taking a
+/// thread of the blocking pool each.
 pub struct StdoutSink {
-    output: Arc<Mutex<Output>>,
+    /// Waited for asynchronously: only the batch writing holds a thread.
+    output: Arc<tokio::sync::Mutex<Output>>,
 }
 
 /// Where the lines go, and whether the last batch failed part-way through
@@ -47,7 +53,7 @@ impl StdoutSink {
     /// A sink writing to `writer`: a file, a pipe, or a buffer in tests.
     pub fn with_writer(writer: Box<dyn Write + Send>) -> Self {
         Self {
-            output: Arc::new(Mutex::new(Output {
+            output: Arc::new(tokio::sync::Mutex::new(Output {
                 writer,
                 mid_line: false,
             })),
@@ -130,13 +136,11 @@ impl Sink for StdoutSink {
             .iter()
             .map(|e| line::render(route, e, &render_template(&route.destination, e)))
             .collect();
-        let output = Arc::clone(&self.output);
+        let mut output = Arc::clone(&self.output).lock_owned().await;
         // A blocked pipe must stall a blocking-pool thread, not the runtime.
-        let written = tokio::task::spawn_blocking(move || {
-            let mut output = output.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            write_batch(&mut output, &lines)
-        })
-        .await;
+        // The batch holds the sink's lock until its write ends, even if the
+        // relay stops waiting for it, so no other batch writes meanwhile.
+        let written = tokio::task::spawn_blocking(move || write_batch(&mut output, &lines)).await;
         written.unwrap_or_else(|e| {
             let err = SinkError::transient(format!("the stdout writer task failed: {e}"));
             events.iter().map(|_| Err(err.clone())).collect()
@@ -148,17 +152,15 @@ impl Sink for StdoutSink {
     }
 
     async fn close(&self) {
-        let output = Arc::clone(&self.output);
-        let _ = tokio::task::spawn_blocking(move || {
-            let mut output = output.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-            output.writer.flush()
-        })
-        .await;
+        let mut output = Arc::clone(&self.output).lock_owned().await;
+        let _ = tokio::task::spawn_blocking(move || output.writer.flush()).await;
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
     use super::*;
 
     struct FailAfter(usize);

@@ -425,3 +425,39 @@ async fn a_key_that_would_drop_a_directory_is_refused() {
     assert!(stray.is_empty(), "written outside a key's directory: {stray:?}");
     assert!(!dir.path().parent().unwrap().join("x.jsonl").exists());
 }
+
+/// `check` only tried making a new file in the directory; the writer opens
+/// the file that is there, to read and append. One the relay may not open
+/// (another user's, read-only) passed the check, then failed every event,
+/// retried until dead. It is a configuration error naming the file.
+#[tokio::test]
+async fn check_refuses_a_file_that_is_there_but_cannot_be_opened() {
+    let dir = tempfile::tempdir().unwrap();
+    let sink = sink(1024);
+    let expect_refused = |err: ferry_core::SinkError, path: &Path| {
+        assert_eq!(err.kind, ErrorKind::Config, "{err}");
+        let says = format!("the file {} is there but cannot be opened", path.display());
+        assert!(err.message.contains(&says), "{err}");
+        assert!(err.message.contains("read and write access"), "{err}");
+        assert!(err.message.contains("routes[].destination"), "{err}");
+    };
+    // Not a file at all: no user, root included, opens a socket.
+    let socket = dir.path().join("socket.jsonl");
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    expect_refused(sink.check(&route(&socket)).await.unwrap_err(), &socket);
+    let existing = dir.path().join("existing.jsonl");
+    fs::write(&existing, b"{}\n").unwrap();
+    sink.check(&route(&existing))
+        .await
+        .expect("a file the relay may append to");
+
+    use std::os::unix::fs::PermissionsExt;
+    let read_only = dir.path().join("read-only.jsonl");
+    fs::write(&read_only, b"{}\n").unwrap();
+    fs::set_permissions(&read_only, fs::Permissions::from_mode(0o444)).unwrap();
+    if fs::OpenOptions::new().append(true).open(&read_only).is_ok() {
+        eprintln!("part skipped: running as root, a read-only file opens anyway");
+        return;
+    }
+    expect_refused(sink.check(&route(&read_only)).await.unwrap_err(), &read_only);
+}

@@ -155,3 +155,57 @@ async fn a_write_error_is_transient() {
         assert!(err.message.contains("reader went away"), "{err}");
     }
 }
+
+/// A pipe nobody reads: every write waits for a go from the channel.
+struct Stalled(std::sync::mpsc::Receiver<()>);
+
+impl Write for Stalled {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let _ = self.0.recv();
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A reader that stopped reading stalled one batch's write, and every
+/// batch after it parked a blocking-pool thread on the sink's lock until
+/// the pool was full: nothing else that needs one ran, and the threads
+/// piled up for as long as the reader stalled.
+#[test]
+fn batches_behind_a_stalled_write_hold_no_blocking_thread() {
+    // A rendezvous: each go is taken by one write.
+    let (release, stalled) = std::sync::mpsc::sync_channel(0);
+    let sink = StdoutSink::with_writer(Box::new(Stalled(stalled)));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(2)
+        .enable_time()
+        .build()
+        .unwrap();
+    let events: Vec<_> = (0..4).map(|seq| event(seq, "a.b", None, json!(seq))).collect();
+    let route = route();
+    let (free, outcomes) = runtime.block_on(async {
+        let mut batches: Vec<_> = events
+            .iter()
+            .map(|e| Box::pin(sink.publish(&route, std::slice::from_ref(e))))
+            .collect();
+        // Each goes as far as it can: the first into the stalled write.
+        for batch in &mut batches {
+            assert!(futures::poll!(batch.as_mut()).is_pending());
+        }
+        let probe = tokio::task::spawn_blocking(|| ());
+        let free = tokio::time::timeout(Duration::from_secs(10), probe).await.is_ok();
+        // The reader reads again: one line per batch, then the flushes.
+        std::thread::spawn(move || while release.send(()).is_ok() {});
+        (free, futures::future::join_all(batches).await)
+    });
+    assert!(
+        free,
+        "the blocking pool was full of batches waiting behind the stalled one"
+    );
+    for outcome in outcomes {
+        assert_eq!(outcome, [Ok(())]);
+    }
+}

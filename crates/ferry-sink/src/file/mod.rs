@@ -14,17 +14,19 @@
 //! # Ok::<(), ferry_core::SinkError>(())
 //! ```
 
+mod lock;
+mod rotate;
 mod writer;
 
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use ferry_core::{PublishOutcome, Route, Sink, SinkError, StoredEvent, render_template};
 
 use ferry_core::prepare_in_key_order;
-use writer::{Line, Unwritten};
+use writer::{Line, Unwritten, Writer};
 
 /// How a [`FileSink`] writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,12 +52,13 @@ impl Default for FileOptions {
 /// such as `/var/log/ferry/{domain}.jsonl` is allowed).
 ///
 /// A batch is written in order and each file it touched is synced
-/// (`sync_data`, plus the directory when a file was created or rotated)
-/// before its events are reported published. Each file of a batch succeeds
-/// or fails alone: if a write or a sync of one fails (a templated path whose
-/// directory is missing, a full disk), that file is cut back to its length
-/// before the batch and its events fail (transient), while the other files'
-/// events are written. A path that no retry can write (a name too long, a
+/// (`sync_data`, plus the directory when a file was created or rotated, or
+/// is written by this sink for the first time) before its events are
+/// reported published. Each file of a batch succeeds or fails alone: if a
+/// write or a sync of one fails (a templated path whose directory is
+/// missing, a full disk), that file is cut back to its length before the
+/// batch and its events fail (transient), while the other files' events
+/// are written. A path that no retry can write (a name too long, a
 /// directory where the file should be, a file where a directory should be)
 /// fails its events as permanent. Later events of a failed event's key are
 /// held back; one already written to another file fails too, so its key is
@@ -64,11 +67,15 @@ impl Default for FileOptions {
 ///
 /// Several sinks, in this process or in other relays, may write one file: a
 /// batch holds a `flock` on the directory of each file it writes until the
-/// batch is synced or cut back.
+/// batch is synced or cut back. A batch waits for that lock at most 10 s:
+/// held longer (a relay paused or stuck while it holds it), the batch's
+/// events of that directory fail (transient), naming the directory.
 pub struct FileSink {
     options: FileOptions,
     /// One batch at a time, so concurrent batches never interleave a file.
-    lock: Arc<Mutex<()>>,
+    /// Waited for asynchronously: batches behind one stuck in the writer
+    /// (a hung disk) must not each hold a blocking-pool thread.
+    writer: Arc<tokio::sync::Mutex<Writer>>,
 }
 
 impl FileSink {
@@ -80,8 +87,15 @@ impl FileSink {
         }
         Ok(Self {
             options,
-            lock: Arc::new(Mutex::new(())),
+            writer: Arc::new(tokio::sync::Mutex::new(Writer::new(lock::LOCK_WAIT))),
         })
+    }
+
+    /// The same sink, waiting `wait` for another writer's directory lock.
+    #[cfg(test)]
+    fn with_lock_wait(mut self, wait: std::time::Duration) -> Self {
+        self.writer = Arc::new(tokio::sync::Mutex::new(Writer::new(wait)));
+        self
     }
 
     pub fn options(&self) -> &FileOptions {
@@ -220,11 +234,12 @@ impl Sink for FileSink {
         if lines.is_empty() {
             return outcomes;
         }
-        let lock = Arc::clone(&self.lock);
+        let mut state = Arc::clone(&self.writer).lock_owned().await;
         let max = self.options.max_file_bytes;
         // A slow disk must stall a blocking-pool thread, not the runtime.
+        // The batch holds the sink's lock until the thread is done, even
+        // if the relay stops waiting for it.
         let task = tokio::task::spawn_blocking(move || {
-            let _one_batch_at_a_time = lock.lock().unwrap_or_else(|p| p.into_inner());
             let refs: Vec<Line<'_>> = lines
                 .iter()
                 .map(|(path, bytes, key)| Line {
@@ -233,7 +248,7 @@ impl Sink for FileSink {
                     key: key.as_deref(),
                 })
                 .collect();
-            writer::write_lines(&refs, max, chrono::Utc::now())
+            writer::write_lines(&refs, max, chrono::Utc::now(), &mut state)
         });
         let written = match task.await {
             Ok(written) => written,
@@ -260,8 +275,10 @@ impl Sink for FileSink {
         outcomes
     }
 
-    /// The destination's directory exists and a file can be created in it.
-    /// A template whose directory depends on the event is not checked.
+    /// The destination's directory exists and a file can be created in it,
+    /// and the file, if it is there, opens as the writer opens it (to read
+    /// and append). A template whose directory depends on the event is not
+    /// checked, nor is a templated file name.
     async fn check(&self, route: &Route) -> Result<(), SinkError> {
         let path = PathBuf::from(&route.destination);
         let dir = writer::parent(&path).to_owned();
@@ -308,9 +325,30 @@ fn check_dir(route: &str, dir: &Path, path: Option<&Path>) -> Result<(), SinkErr
     match created {
         Ok(_) => {
             let _ = std::fs::remove_file(&probe);
-            Ok(())
         }
-        Err(e) => Err(io_error(route, dir, "is not writable", &e)),
+        Err(e) => return Err(io_error(route, dir, "is not writable", &e)),
+    }
+    // A file that is there but that the relay may not open (made by
+    // another user, or read-only) fails every event, retried until dead.
+    let Some(path) = path else { return Ok(()) };
+    match writer::options().open(path) {
+        Ok(_) => Ok(()),
+        // Gone since: the writer makes it, as the probe showed it can.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => {
+            let message = format!(
+                "route {route:?}: the file {} is there but cannot be opened to read and append ({e}); give the \
+                 relay's user read and write access to it (chown or chmod), move it away, or fix \
+                 routes[].destination",
+                path.display()
+            );
+            // ENXIO: a socket, or a device with nothing behind it.
+            if e.kind() == io::ErrorKind::PermissionDenied || matches!(e.raw_os_error(), Some(6 | 30)) {
+                Err(SinkError::config(message))
+            } else {
+                Err(SinkError::transient(message))
+            }
+        }
     }
 }
 
@@ -373,6 +411,90 @@ mod tests {
         }
         let err = destination_path(&route("/var/ferry/"), &event("k")).unwrap_err();
         assert_eq!(err.kind, ErrorKind::Config);
+    }
+
+    /// A relay paused while it held the directory's lock (SIGSTOP, a
+    /// debugger): the batch waited on `flock` for ever. It fails, transient,
+    /// naming the directory, and the next batch goes through once the lock
+    /// is let go.
+    #[test]
+    fn a_directory_lock_held_elsewhere_fails_the_batch_transiently() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("events.jsonl");
+        let peer = std::fs::File::open(dir.path()).unwrap();
+        peer.lock().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let route = route(&path.to_string_lossy());
+        // Not a tokio test: a runtime waits for a hung blocking task as it
+        // shuts down, so the test would hang instead of failing.
+        std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let sink = FileSink::new(FileOptions::default())
+                .unwrap()
+                .with_lock_wait(std::time::Duration::from_millis(300));
+            let first = runtime.block_on(sink.publish(&route, &[event("k")]));
+            let _ = tx.send(first);
+            // The second once the peer let go.
+            let _ = tx.send(runtime.block_on(sink.publish(&route, &[event("k")])));
+        });
+        let outcomes = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("the batch waited for the lock without a limit");
+        let err = outcomes[0].as_ref().unwrap_err();
+        assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+        assert!(
+            err.message
+                .contains(&format!("holds the lock on {}", dir.path().display())),
+            "{err}"
+        );
+        assert!(!path.exists(), "nothing written");
+        drop(peer);
+        let outcomes = rx.recv_timeout(std::time::Duration::from_secs(20)).unwrap();
+        assert_eq!(outcomes, [Ok(())]);
+    }
+
+    /// Batches behind one stuck in the writer each parked a blocking-pool
+    /// thread on the sink's lock until the pool was full: nothing else that
+    /// needs one (the runtime's file and DNS work, other sinks) ran.
+    #[test]
+    fn batches_behind_a_stuck_one_hold_no_blocking_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let route = route(&dir.path().join("events.jsonl").to_string_lossy());
+        let peer = std::fs::File::open(dir.path()).unwrap();
+        peer.lock().unwrap();
+        let sink = FileSink::new(FileOptions::default())
+            .unwrap()
+            .with_lock_wait(std::time::Duration::from_secs(120));
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(2)
+            .enable_time()
+            .build()
+            .unwrap();
+        let events: Vec<StoredEvent> = (0..4).map(|i| event(&format!("k{i}"))).collect();
+        let (free, outcomes) = runtime.block_on(async {
+            let mut batches: Vec<_> = events
+                .iter()
+                .map(|e| Box::pin(sink.publish(&route, std::slice::from_ref(e))))
+                .collect();
+            // Each goes as far as it can: the first to the directory's lock.
+            for batch in &mut batches {
+                assert!(futures::poll!(batch.as_mut()).is_pending());
+            }
+            let probe = tokio::task::spawn_blocking(|| ());
+            let free = tokio::time::timeout(std::time::Duration::from_secs(10), probe)
+                .await
+                .is_ok();
+            drop(peer);
+            (free, futures::future::join_all(batches).await)
+        });
+        assert!(
+            free,
+            "the blocking pool was full of batches waiting behind the stuck one"
+        );
+        for outcome in outcomes {
+            assert_eq!(outcome, [Ok(())]);
+        }
     }
 
     #[test]

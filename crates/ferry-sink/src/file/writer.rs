@@ -20,9 +20,16 @@
 //! releases), so batches writing several directories cannot deadlock. One
 //! directory reached by writers through different mounts (a bind mount, a
 //! volume mounted at different paths) has different canonical paths to
-//! them: give such writers one path.
+//! them: give such writers one path. A lock another writer holds past
+//! [`LOCK_WAIT`](super::lock::LOCK_WAIT) fails the batch's lines of that
+//! directory, to be retried.
+//!
+//! A file's directory is synced the first time a [`Writer`] writes to it,
+//! not only when it creates it: a file left by a writer that died before
+//! syncing its directory, or made by `logrotate`'s `create`, may not
+//! survive a power cut otherwise, and with it every line appended since.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -30,12 +37,27 @@ use std::path::{Path, PathBuf};
 use chrono::{DateTime, Utc};
 use tracing::warn;
 
+#[cfg(test)]
+use super::lock::LOCK_WAIT;
+use super::lock::lock_dirs;
+use super::rotate::rotated_name;
+
+/// What tells a file from another whatever its path: (device, inode).
+type FileId = (u64, u64);
+
+/// How many files a [`Writer`] remembers having synced the directory of;
+/// past it, it forgets them all (a templated path may name a file per key),
+/// and syncs each directory once more.
+const REMEMBERED_FILES: usize = 10_000;
+
 /// An open destination file and how many bytes it holds.
 struct Open {
     writer: BufWriter<File>,
     size: u64,
     /// Its length before this batch wrote to it: where a failure cuts it back.
     start: u64,
+    /// What it is, when the platform tells.
+    id: Option<FileId>,
 }
 
 impl Open {
@@ -47,8 +69,10 @@ impl Open {
         if !path.exists() {
             created.insert(parent(path).to_owned());
         }
-        let mut file = OpenOptions::new().create(true).read(true).append(true).open(path)?;
-        let mut size = file.metadata()?.len();
+        let mut file = options().create(true).open(path)?;
+        let meta = file.metadata()?;
+        let id = file_id(&meta);
+        let mut size = meta.len();
         let whole = whole_lines_len(&mut file, size)?;
         if whole < size {
             file.set_len(whole)?;
@@ -63,6 +87,7 @@ impl Open {
             writer: BufWriter::with_capacity(64 * 1024, file),
             size,
             start: size,
+            id,
         })
     }
 
@@ -130,23 +155,66 @@ pub(crate) enum Unwritten {
     Behind(usize),
 }
 
+/// How the writer opens a destination file (with `create` when it may make
+/// it); `check` opens an existing one the same way.
+pub(crate) fn options() -> OpenOptions {
+    let mut options = OpenOptions::new();
+    options.read(true).append(true);
+    options
+}
+
+#[cfg(unix)]
+fn file_id(meta: &fs::Metadata) -> Option<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    Some((meta.dev(), meta.ino()))
+}
+
+#[cfg(not(unix))]
+fn file_id(_meta: &fs::Metadata) -> Option<FileId> {
+    None
+}
+
+/// What [`write_lines`] keeps between the batches of one sink: the files
+/// whose directory entry it has synced, and how long it waits for another
+/// writer's lock on a directory.
+pub(crate) struct Writer {
+    synced: HashSet<FileId>,
+    /// How long a batch waits for another writer's lock on a directory.
+    lock_wait: std::time::Duration,
+}
+
+impl Writer {
+    pub(crate) fn new(lock_wait: std::time::Duration) -> Self {
+        Self {
+            synced: HashSet::new(),
+            lock_wait,
+        }
+    }
+}
+
 /// Appends `lines` in order, each to its file. A line never straddles two
 /// files: when it would take a non-empty file past `max_file_bytes`, the file
 /// is rotated first. Returns, per line, whether it is written: only once
-/// its file, and the directory of every created or renamed file, is synced.
+/// its file is synced, and its directory if the file was created or
+/// renamed, or not written by `writer` before.
 ///
 /// A file that cannot be locked, opened, written, rotated or synced fails
 /// alone: it is cut back to where the batch found it (a file rotated away
 /// keeps its whole lines), so the retry starts on a line boundary, and its
 /// lines fail. A line whose key failed before it is not written; one of a
 /// key that failed in another file after it was written fails with it.
-pub(crate) fn write_lines(lines: &[Line<'_>], max_file_bytes: u64, now: DateTime<Utc>) -> Vec<Result<(), Unwritten>> {
+pub(crate) fn write_lines(
+    lines: &[Line<'_>],
+    max_file_bytes: u64,
+    now: DateTime<Utc>,
+    writer: &mut Writer,
+) -> Vec<Result<(), Unwritten>> {
     let mut batch = Batch {
         results: vec![Ok(()); lines.len()],
         ..Batch::default()
     };
     let dirs: BTreeSet<&Path> = lines.iter().map(|l| parent(l.path)).collect();
-    let (locks, unlocked) = lock_dirs(dirs);
+    let (locks, unlocked) = lock_dirs(dirs, writer.lock_wait);
     let mut first_failed: HashMap<&str, usize> = HashMap::new();
     for (i, line) in lines.iter().enumerate() {
         if let Some(&first) = line.key.and_then(|k| first_failed.get(k)) {
@@ -155,6 +223,8 @@ pub(crate) fn write_lines(lines: &[Line<'_>], max_file_bytes: u64, now: DateTime
         }
         let dir = parent(line.path);
         let failed = match unlocked.get(dir) {
+            // Its text names the directory and the holder.
+            Some(e) if e.kind() == io::ErrorKind::TimedOut => Some(Unwritten::Failed(failure(line.path, e))),
             Some(e) => Some(classify(
                 e,
                 format!(
@@ -169,7 +239,7 @@ pub(crate) fn write_lines(lines: &[Line<'_>], max_file_bytes: u64, now: DateTime
         if let Some(why) = failed {
             batch.results[i] = Err(why);
             now_failed.push(i);
-        } else if let Err(e) = batch.append(line.path, line.bytes, max_file_bytes, now) {
+        } else if let Err(e) = batch.append(line.path, line.bytes, max_file_bytes, now, &writer.synced) {
             let why = classify(&e, failure(line.path, &e));
             // The lines the failure cuts back count too: a later line of
             // their key must not be written after them.
@@ -186,6 +256,12 @@ pub(crate) fn write_lines(lines: &[Line<'_>], max_file_bytes: u64, now: DateTime
         }
     }
     batch.sync_all();
+    // What is still open was synced, and its directory too where this
+    // writer had not synced it before.
+    if writer.synced.len() + batch.open.len() > REMEMBERED_FILES {
+        writer.synced.clear();
+    }
+    writer.synced.extend(batch.open.values().filter_map(|file| file.id));
     drop(locks);
     // A key that failed in one file after its later lines were written to
     // another: those fail too, to be retried behind it.
@@ -229,15 +305,29 @@ struct Batch<'a> {
     written: HashMap<&'a Path, Vec<usize>>,
     /// Why each failed file failed: a later line of it fails the same way.
     failed: HashMap<&'a Path, Unwritten>,
-    /// Directories whose entries changed (a file created or renamed).
+    /// Directories whose entries changed (a file created or renamed) or
+    /// may not be synced yet (a file this writer had not written).
     dirs: BTreeSet<PathBuf>,
     results: Vec<Result<(), Unwritten>>,
 }
 
 impl<'a> Batch<'a> {
-    fn append(&mut self, path: &'a Path, line: &[u8], max_file_bytes: u64, now: DateTime<Utc>) -> io::Result<()> {
+    /// `synced`: the files whose directory is known synced.
+    fn append(
+        &mut self,
+        path: &'a Path,
+        line: &[u8],
+        max_file_bytes: u64,
+        now: DateTime<Utc>,
+        synced: &HashSet<FileId>,
+    ) -> io::Result<()> {
         if !self.open.contains_key(path) {
             let file = Open::append(path, &mut self.dirs)?;
+            // Made by a writer that may have died before it synced the
+            // directory (this one's predecessor, `logrotate`): synced now.
+            if file.id.is_none_or(|id| !synced.contains(&id)) {
+                self.dirs.insert(parent(path).to_owned());
+            }
             self.open.insert(path, file);
         }
         let file = self.open.get_mut(path).expect("opened above");
@@ -306,105 +396,6 @@ impl<'a> Batch<'a> {
     }
 }
 
-/// Waits for the exclusive lock on each directory of `dirs`; they are
-/// released when the returned handles are dropped. Returns the handles, and
-/// the error of each directory that could not be opened or locked.
-///
-/// The lock is `flock`'s: it is held per open handle, so it excludes other
-/// handles in this process as well as other processes, and a second handle
-/// on a directory this batch already locked would wait for ever. So the
-/// directories are told apart by what they are, (device, inode) of the open
-/// handle, not by their paths, and each is locked once.
-#[cfg(unix)]
-fn lock_dirs(dirs: BTreeSet<&Path>) -> (Vec<File>, HashMap<&Path, io::Error>) {
-    use std::os::unix::fs::MetadataExt;
-    let mut unlocked = HashMap::new();
-    let mut by_identity: BTreeMap<(u64, u64), (File, Vec<&Path>)> = BTreeMap::new();
-    for dir in dirs {
-        let opened = File::open(dir).and_then(|handle| {
-            let meta = handle.metadata()?;
-            Ok(((meta.dev(), meta.ino()), handle))
-        });
-        match opened {
-            // A second path to a directory already opened: its handle is
-            // closed unlocked, which leaves the first handle's lock alone.
-            Ok((identity, handle)) => by_identity.entry(identity).or_insert((handle, Vec::new())).1.push(dir),
-            Err(e) => {
-                unlocked.insert(dir, e);
-            }
-        }
-    }
-    // Locked in the order of their canonical paths: one order for every
-    // writer, whatever paths its batch names them by, and for plain paths
-    // the order earlier releases lock in (by path), so that relays of both
-    // kinds side by side during an upgrade never wait on each other in a
-    // circle.
-    let mut ordered: Vec<(PathBuf, File, Vec<&Path>)> = by_identity
-        .into_values()
-        .map(|(handle, paths)| {
-            let key = fs::canonicalize(paths[0]).unwrap_or_else(|_| paths[0].to_path_buf());
-            (key, handle, paths)
-        })
-        .collect();
-    ordered.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut locks = Vec::with_capacity(ordered.len());
-    for (_, handle, paths) in ordered {
-        match handle.lock() {
-            Ok(()) => locks.push(handle),
-            Err(e) => {
-                for dir in paths {
-                    unlocked.insert(dir, io::Error::new(e.kind(), e.to_string()));
-                }
-            }
-        }
-    }
-    (locks, unlocked)
-}
-
-#[cfg(not(unix))]
-fn lock_dirs(_dirs: BTreeSet<&Path>) -> (Vec<()>, HashMap<&Path, io::Error>) {
-    (Vec::new(), HashMap::new())
-}
-
-/// `<name>.<UTC timestamp>.<n>` beside `path`, sorting after every file
-/// already rotated from it, so that timestamp-then-`n` order is write order:
-/// the stamp is `now`'s, or the newest rotated file's when that is later (a
-/// writer whose clock is behind, or that read it before waiting its turn for
-/// the lock), and `n` follows the highest taken under that stamp.
-pub(crate) fn rotated_name(path: &Path, now: DateTime<Utc>) -> PathBuf {
-    let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
-    let mut stamp = now.format(STAMP).to_string();
-    let mut n = 1;
-    if let Some((newest, last)) = newest_rotated(path, &name)
-        && newest >= stamp
-    {
-        n = last + 1;
-        stamp = newest;
-    }
-    (n..)
-        .map(|n| path.with_file_name(format!("{name}.{stamp}.{n}")))
-        .find(|candidate| !candidate.exists())
-        .expect("some suffix is free")
-}
-
-const STAMP: &str = "%Y%m%dT%H%M%SZ";
-
-/// The latest `(stamp, n)` among the files rotated from `path` (named
-/// `name`); none when the directory cannot be read.
-fn newest_rotated(path: &Path, name: &str) -> Option<(String, u64)> {
-    let prefix = format!("{name}.");
-    fs::read_dir(parent(path))
-        .ok()?
-        .filter_map(|entry| {
-            let entry = entry.ok()?.file_name();
-            let (stamp, n) = entry.to_str()?.strip_prefix(&prefix)?.split_once('.')?;
-            let n: u64 = n.parse().ok()?;
-            chrono::NaiveDateTime::parse_from_str(stamp, STAMP).ok()?;
-            Some((stamp.to_owned(), n))
-        })
-        .max()
-}
-
 pub(crate) fn parent(path: &Path) -> &Path {
     match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir,
@@ -415,6 +406,8 @@ pub(crate) fn parent(path: &Path) -> &Path {
 /// Makes a created or renamed directory entry durable.
 #[cfg(unix)]
 fn sync_dir(dir: &Path) -> io::Result<()> {
+    #[cfg(test)]
+    tests::DIRS_SYNCED.with_borrow_mut(|synced| synced.push(dir.to_owned()));
     File::open(dir)?.sync_all()
 }
 
@@ -429,6 +422,16 @@ mod tests {
 
     /// A line whose write fails, after the file's earlier lines were written.
     pub(super) const FAILS: &[u8] = b"<fails>\n";
+
+    thread_local! {
+        /// The directories this thread synced, in order.
+        pub(super) static DIRS_SYNCED: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// One batch, by a writer that has written nothing before.
+    fn write_lines(lines: &[Line<'_>], max_file_bytes: u64, now: DateTime<Utc>) -> Vec<Result<(), Unwritten>> {
+        super::write_lines(lines, max_file_bytes, now, &mut Writer::new(LOCK_WAIT))
+    }
 
     /// Lines without keys.
     fn unkeyed<'a>(batch: &[(&'a Path, &'a [u8])]) -> Vec<Line<'a>> {
@@ -449,41 +452,6 @@ mod tests {
             }
             other => panic!("{other:?}: expected a failure naming {}", path.display()),
         }
-    }
-
-    #[test]
-    fn rotated_names_take_the_next_free_number() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("events.jsonl");
-        let now = DateTime::parse_from_rfc3339("2026-11-30T08:22:31Z").unwrap().to_utc();
-        let first = rotated_name(&path, now);
-        assert_eq!(first, dir.path().join("events.jsonl.20261130T082231Z.1"));
-        fs::write(&first, b"").unwrap();
-        assert_eq!(
-            rotated_name(&path, now),
-            dir.path().join("events.jsonl.20261130T082231Z.2")
-        );
-    }
-
-    #[test]
-    fn a_rotated_name_sorts_after_every_file_rotated_before() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("events.jsonl");
-        let now = DateTime::parse_from_rfc3339("2026-11-30T08:22:31Z").unwrap().to_utc();
-        // Another writer, whose clock is ahead or who took the lock first,
-        // rotated at 08:22:40; the first of its files was archived since.
-        fs::write(dir.path().join("events.jsonl.20261130T082240Z.2"), b"").unwrap();
-        fs::write(dir.path().join("events.jsonl.20261130T082239Z.7"), b"").unwrap();
-        fs::write(dir.path().join("events.jsonl.notes"), b"").unwrap();
-        assert_eq!(
-            rotated_name(&path, now),
-            dir.path().join("events.jsonl.20261130T082240Z.3")
-        );
-        let later = DateTime::parse_from_rfc3339("2026-11-30T08:23:00Z").unwrap().to_utc();
-        assert_eq!(
-            rotated_name(&path, later),
-            dir.path().join("events.jsonl.20261130T082300Z.1")
-        );
     }
 
     /// What a writer killed in the middle of a line leaves: the retry's
@@ -508,6 +476,45 @@ mod tests {
         fs::write(&path, b"{\"cut").unwrap();
         all_written(&write_lines(&unkeyed(&lines), 1 << 20, Utc::now()));
         assert_eq!(fs::read(&path).unwrap(), b"{\"b\":2}\n");
+    }
+
+    /// The directory was synced only when the batch created the file. One
+    /// made by a writer that died before syncing its directory (or whose
+    /// directory sync failed), or by `logrotate`'s `create`, was appended
+    /// to and reported written for ever with its entry never synced: a
+    /// power cut could take the file, and every line reported written.
+    #[test]
+    fn a_file_this_writer_did_not_make_has_its_directory_synced_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        fs::write(&path, b"left by a writer that died before it synced the directory\n").unwrap();
+        let mut writer = Writer::new(LOCK_WAIT);
+        let mut synced_by = |line: &[u8]| {
+            DIRS_SYNCED.take();
+            let lines: [(&Path, &[u8]); 1] = [(path.as_path(), line)];
+            all_written(&super::write_lines(&unkeyed(&lines), 1024, Utc::now(), &mut writer));
+            DIRS_SYNCED.take()
+        };
+        assert_eq!(
+            synced_by(b"first\n"),
+            [dir.path()],
+            "the first write to a file that was there"
+        );
+        assert!(synced_by(b"second\n").is_empty(), "synced already");
+        // logrotate's `create`: the file moved away, an empty one in its place.
+        fs::rename(&path, dir.path().join("out.jsonl.1")).unwrap();
+        fs::write(&path, b"").unwrap();
+        assert_eq!(synced_by(b"third\n"), [dir.path()], "another file at the same path");
+        assert!(synced_by(b"fourth\n").is_empty());
+        assert_eq!(fs::read(&path).unwrap(), b"third\nfourth\n");
+        // A writer of its own, in this process or the next, syncs it once more.
+        DIRS_SYNCED.take();
+        all_written(&write_lines(
+            &unkeyed(&[(path.as_path(), b"fifth\n")]),
+            1024,
+            Utc::now(),
+        ));
+        assert_eq!(DIRS_SYNCED.take(), [dir.path()]);
     }
 
     #[test]
