@@ -77,6 +77,13 @@ async fn status_410_is_permanent() {
     expect_err(&answer(410).await.0, ErrorKind::Permanent, "HTTP 410 Gone");
 }
 
+/// RFC 8470: a receiver that will not take the request yet (425 Too
+/// Early) asks for a retry; it used to be taken as a refusal for good.
+#[tokio::test]
+async fn status_425_is_transient() {
+    expect_err(&answer(425).await.0, ErrorKind::Transient, "HTTP 425 Too Early");
+}
+
 #[tokio::test]
 async fn status_429_is_transient_with_the_retry_after_delay() {
     let (outcome, _) = answer(429).await;
