@@ -4,8 +4,10 @@
 //! waits in the delivery table); the outcomes become delivery rows when the
 //! batch is settled.
 
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
+use chrono::{DateTime, Utc};
 use ferry_core::{Claimed, Clock, DirectOutcome, ErrorKind, Recorded, Route, Store, Transition, decide};
 use rand::Rng;
 use tokio::time::{Duration, Instant};
@@ -18,9 +20,34 @@ use crate::metrics;
 pub(crate) struct DirectPublish {
     /// (caller's index, outcome) for every event handed in.
     pub outcomes: Vec<(usize, DirectOutcome)>,
-    /// Nothing was confirmed and something failed transiently: the
-    /// destination looks down.
+    /// Something failed transiently (timed out, most likely): the
+    /// destination, or part of it, looks down. A route that confirmed the
+    /// rest is down all the same: its next direct publish would wait for
+    /// the same failure, and every route and the router with it.
     pub down: bool,
+    /// The outcomes, to count once they are written.
+    pub tally: Tally,
+}
+
+/// A route's published outcomes, counted (metrics, [`crate::RunReport`])
+/// once they are written: an event whose write failed or was refused is
+/// published again, and counted then.
+pub(crate) struct Tally {
+    route: String,
+    outcomes: Vec<(Claimed, Recorded)>,
+    now: DateTime<Utc>,
+}
+
+impl Tally {
+    /// Counts every outcome but those of the events in `left` (not written).
+    pub fn count<S: Store, C: Clock>(&self, shared: &Shared<S, C>, left: &HashSet<i64>) {
+        let written = self
+            .outcomes
+            .iter()
+            .filter(|(c, _)| !left.contains(&c.event.seq))
+            .map(|(c, r)| (c, r));
+        crate::worker::account(shared, &self.route, written, self.now);
+    }
 }
 
 /// Publishes `claimed` (each tagged with the caller's index) to `route` as
@@ -54,13 +81,11 @@ pub(crate) async fn publish<S: Store, C: Clock>(
         ::metrics::counter!(metrics::ORDER_BREAKS, "route" => route.name.clone()).increment(published.order_breaks);
     }
     let Published { claimed, outcomes, .. } = published;
-    let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(()))));
     let transient = outcomes
         .iter()
         .any(|o| matches!(o, Some(Err(e)) if e.kind == ErrorKind::Transient));
     let mut out = Vec::with_capacity(claimed.len());
-    let mut recorded = Vec::with_capacity(claimed.len());
-    let mut accounted = Vec::with_capacity(claimed.len());
+    let mut tallied = Vec::with_capacity(claimed.len());
     {
         let mut rng = rand::rng();
         for ((i, c), o) in index.into_iter().zip(claimed).zip(outcomes) {
@@ -83,17 +108,21 @@ pub(crate) async fn publish<S: Store, C: Clock>(
                     },
                 },
             ));
-            recorded.push(Recorded {
+            let recorded = Recorded {
                 seq: c.event.seq,
                 expected_attempts: 0,
                 transition,
-            });
-            accounted.push(c);
+            };
+            tallied.push((c, recorded));
         }
     }
-    crate::worker::account(shared, route, &accounted, &recorded, now);
     DirectPublish {
         outcomes: out,
-        down: !confirmed && transient,
+        down: transient,
+        tally: Tally {
+            route: route.name.clone(),
+            outcomes: tallied,
+            now,
+        },
     }
 }

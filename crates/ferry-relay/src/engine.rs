@@ -251,6 +251,26 @@ impl<S: Store, C: Clock> Shared<S, C> {
         self.lease.borrow().holds(owned, partitions, Instant::now())
     }
 
+    /// Which of the items of a write fenced by the leases to count as
+    /// written: the store applied `applied` of them, read under `owned`
+    /// from `partitions` (one per item). All when it says all; none when it
+    /// says none, unless an earlier attempt whose answer was lost may have
+    /// written them (`retried`); otherwise those of the partitions still
+    /// held under the token they were read with, whose fence could not
+    /// have refused them.
+    pub fn written(&self, owned: &Ownership, partitions: &[Partition], applied: u64, retried: bool) -> Vec<bool> {
+        let n = partitions.len();
+        if applied >= n as u64 {
+            return vec![true; n];
+        }
+        if applied == 0 && !retried {
+            return vec![false; n];
+        }
+        let view = self.lease.borrow();
+        let now = Instant::now();
+        partitions.iter().map(|&p| view.holds(owned, [p], now)).collect()
+    }
+
     /// Runs `work` (a publish) while the lease is valid: `None` if the lease
     /// ran out first (renewals failing, the database out of reach), and the
     /// work is dropped. Past that point another relay may take the
@@ -421,8 +441,14 @@ impl<S: Store, C: Clock> Relay<S, C> {
             let sent = Instant::now();
             // A tick against an unreachable database may wait out a connect
             // timeout; a shutdown meanwhile ends the wait.
+            let limit = settings.tick_timeout();
             let tick = tokio::select! {
-                tick = store.tick(&settings.id, settings.lease, &[]) => tick,
+                tick = tokio::time::timeout(limit, store.tick(&settings.id, settings.lease, &[])) => {
+                    // A connection gone silent is tried again, like one refused.
+                    tick.unwrap_or_else(|_| Err(StoreError::transient(format!(
+                        "the database did not answer the first lease request within {limit:?} (7/15 of relay.lease)"
+                    ))))
+                }
                 _ = &mut shutdown => {
                     // The tick given up on may still have run on the server
                     // and taken partitions: hand back whatever it took.

@@ -1,6 +1,6 @@
 use std::sync::Arc;
 
-use ferry_core::{Clock, ErrorKind, Partition, Store, Wake};
+use ferry_core::{Clock, ErrorKind, Ownership, Partition, Store, StoreError, Wake};
 use tokio::sync::watch;
 use tokio::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -22,6 +22,18 @@ pub(crate) async fn keep<S: Store, C: Clock>(
 ) {
     let settings = &shared.settings;
     let mut release: Vec<Partition> = Vec::new();
+    // Handed back by a tick that failed or was given up on, and sent again
+    // with every tick until one answers: the first may still commit at any
+    // time (a statement stuck behind a lock, or on a connection gone
+    // silent), and a view taken from an answer in between would claim
+    // partitions another relay may already hold.
+    let mut unanswered: Vec<Partition> = Vec::new();
+    // Renewals are timed from the start of the one before, not from its
+    // answer: the view a renewal grants runs from when it was sent, so
+    // waiting a whole interval after a slow answer let the view lapse every
+    // cycle (dropping the publishes in flight) though the database lease
+    // never did.
+    let mut next = Instant::now();
     loop {
         let mut gate = None;
         if !release.is_empty() {
@@ -39,7 +51,7 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                         gate = Some(g);
                         break;
                     }
-                    _ = tokio::time::sleep(settings.renew_every()) => renew(&shared, &tx).await,
+                    _ = tokio::time::sleep_until(next) => next = renew(&shared, &tx).await,
                     _ = stop.cancelled() => break,
                 }
             }
@@ -53,10 +65,15 @@ pub(crate) async fn keep<S: Store, C: Clock>(
         // be flushing those partitions' messages.
         if shared.cancel.is_cancelled() {
             release.clear();
+            unanswered.clear();
         }
+        let mut sending = release.clone();
+        sending.extend(unanswered.iter().filter(|p| !release.contains(p)));
         let sent = Instant::now();
-        match shared.store.tick(&settings.id, settings.lease, &release).await {
+        next = sent + settings.renew_every();
+        match tick(&shared, &sending).await {
             Ok(mut owned) => {
+                unanswered.clear();
                 shared.progress.renewed();
                 owned.relay = settings.id.clone();
                 let fair = owned.fair_share();
@@ -95,15 +112,17 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                 }
             }
             Err(e) => {
-                if !release.is_empty() {
+                if !sending.is_empty() {
                     // The hand-back may have committed though its answer
-                    // was lost: another relay can take those partitions
-                    // now. Work on them stops here; the next tick that
-                    // answers says what this relay holds.
-                    tx.send_modify(|view| view.owned.leases.retain(|(p, _)| !release.contains(p)));
+                    // was lost (or may commit yet, for a tick given up on):
+                    // another relay can take those partitions now. Work on
+                    // them stops here, and they are handed back again until
+                    // a tick answers.
+                    tx.send_modify(|view| view.owned.leases.retain(|(p, _)| !sending.contains(p)));
                 }
                 drop(gate);
                 release.clear();
+                unanswered = sending;
                 ::metrics::counter!(metrics::STORE_ERRORS, "op" => "tick").increment(1);
                 if e.kind == ErrorKind::Transient {
                     warn!(error = %e, "lease renewal failed; work pauses when the lease runs out");
@@ -112,19 +131,41 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                 }
             }
         }
+        // A renewal given up on is sent again at once: it took longer than
+        // the interval.
         tokio::select! {
-            _ = tokio::time::sleep(settings.renew_every()) => {}
+            _ = tokio::time::sleep_until(next) => {}
             _ = stop.cancelled() => return,
         }
     }
 }
 
+/// One renewal, handing `release` back, bounded by the settings'
+/// [`tick_timeout`](crate::RelaySettings::tick_timeout). A renewal given up
+/// on is a failed one: its statement may still run on the server, which
+/// only extends the leases or takes partitions the next answer reports, or
+/// hands `release` back, as a failed renewal's may have; the view it would
+/// have granted is never claimed.
+async fn tick<S: Store, C: Clock>(shared: &Shared<S, C>, release: &[Partition]) -> Result<Ownership, StoreError> {
+    let settings = &shared.settings;
+    let limit = settings.tick_timeout();
+    match tokio::time::timeout(limit, shared.store.tick(&settings.id, settings.lease, release)).await {
+        Ok(answer) => answer,
+        Err(_) => Err(StoreError::transient(format!(
+            "the database did not answer a lease renewal within {limit:?} (7/15 of relay.lease); sending it \
+             again. If renewals are often this slow, raise relay.lease"
+        ))),
+    }
+}
+
 /// Renews the leases held, handing none back: the view stays as it was but
-/// for its deadline (and any partition lost meanwhile).
-async fn renew<S: Store, C: Clock>(shared: &Shared<S, C>, tx: &watch::Sender<LeaseView>) {
+/// for its deadline (and any partition lost meanwhile). Returns when the
+/// next renewal is due.
+async fn renew<S: Store, C: Clock>(shared: &Shared<S, C>, tx: &watch::Sender<LeaseView>) -> Instant {
     let settings = &shared.settings;
     let sent = Instant::now();
-    match shared.store.tick(&settings.id, settings.lease, &[]).await {
+    let next = sent + settings.renew_every();
+    match tick(shared, &[]).await {
         Ok(mut owned) => {
             shared.progress.renewed();
             owned.relay = settings.id.clone();
@@ -139,6 +180,7 @@ async fn renew<S: Store, C: Clock>(shared: &Shared<S, C>, tx: &watch::Sender<Lea
             warn!(error = %e, "lease renewal failed while handing partitions back");
         }
     }
+    next
 }
 
 /// Turns commit notifications into router wake-ups; reconnects with backoff.

@@ -4,13 +4,14 @@ use std::sync::atomic::Ordering;
 
 use chrono::{DateTime, Utc};
 use ferry_core::{
-    Claimed, Clock, DirectBatch, DirectOutcome, DirectRecord, NO_ROUTE, Ownership, Route, RoutePlan, Store,
+    Claimed, Clock, DirectBatch, DirectOutcome, DirectRecord, NO_ROUTE, Ownership, Partition, Route, RoutePlan, Store,
     UnroutedEvent,
 };
 use tokio::sync::RwLockReadGuard;
 use tokio::time::{Duration, Instant};
 use tracing::{debug, warn};
 
+use crate::direct::Tally;
 use crate::engine::Shared;
 use crate::{direct, metrics};
 
@@ -304,22 +305,17 @@ async fn route_step<S: Store, C: Clock>(shared: &Shared<S, C>, owned: &Ownership
     }
     let plans = plan_routes(&shared.routes, events);
     let touched: HashSet<&str> = plans.iter().flat_map(|p| p.routes.iter().map(String::as_str)).collect();
-    let unroutable = plans.iter().filter(|p| p.routes.is_empty()).count();
-    let mut per_type: HashMap<&str, u64> = HashMap::new();
-    for p in &plans {
-        *per_type.entry(p.event.event_type.as_str()).or_default() += 1;
-    }
     match shared.store.route(owned, &plans, shared.clock.now()).await {
         Ok(n) => {
             debug!(routed = n, "routed events");
             ::metrics::counter!(metrics::ROUTED).increment(n);
             // A store that routed fewer (a lost lease) leaves the rest to the
-            // relay that routes them next.
-            if n as usize == plans.len() {
-                for (event_type, count) in per_type {
-                    ::metrics::counter!(metrics::ENQUEUED, "type" => event_type.to_owned()).increment(count);
-                }
-            }
+            // relay that routes them next, which counts them.
+            let partitions: Vec<_> = plans.iter().map(|p| p.event.partition).collect();
+            let written = shared.written(owned, &partitions, n, false);
+            let routed = || plans.iter().zip(&written).filter(|(_, w)| **w).map(|(p, _)| p);
+            count_enqueued(routed().map(|p| p.event.event_type.as_str()));
+            let unroutable = routed().filter(|p| p.routes.is_empty()).count();
             if unroutable > 0 {
                 warn!(
                     events = unroutable,
@@ -348,9 +344,9 @@ async fn route_step<S: Store, C: Clock>(shared: &Shared<S, C>, owned: &Ownership
 /// publishing batch n + 1, or, caught up, the wait for the next commit.
 struct Direct<'a> {
     route_names: Vec<String>,
-    /// Routes whose last direct publish confirmed nothing and failed
-    /// transiently, with the step that found them down: their events park
-    /// until the route worker has emptied the table of them.
+    /// Routes whose last direct publish failed transiently, wholly or in
+    /// part, with the step that found them down: their events park until
+    /// the route worker has emptied the table of them.
     down: HashMap<String, u64>,
     /// Steps taken, for telling which fetch could see which settle.
     steps: u64,
@@ -378,7 +374,12 @@ struct Ahead {
 struct Unsettled {
     owned: Ownership,
     seqs: Vec<i64>,
+    /// Per event, as `seqs`: its partition and type.
+    partitions: Vec<Partition>,
+    types: Vec<String>,
     records: Vec<DirectRecord>,
+    /// Each route's outcomes, counted once settled.
+    tallies: Vec<Tally>,
     now: DateTime<Utc>,
 }
 
@@ -707,20 +708,6 @@ impl<'a> Direct<'a> {
                 NO_ROUTE,
                 DirectOutcome::no_route(&events[i].event.event_type),
             ));
-            ::metrics::counter!(metrics::UNROUTABLE).increment(1);
-        }
-        if !plan.unroutable.is_empty() {
-            warn!(
-                events = plan.unroutable.len(),
-                "events matched no route and are dead with reason `no route`"
-            );
-        }
-        let mut per_type: HashMap<&str, u64> = HashMap::new();
-        for c in events {
-            *per_type.entry(c.event.event_type.as_str()).or_default() += 1;
-        }
-        for (event_type, count) in per_type {
-            ::metrics::counter!(metrics::ENQUEUED, "type" => event_type.to_owned()).increment(count);
         }
         let mut publishes = Vec::new();
         for (route, (direct_ix, parked)) in shared.routes.iter().zip(plan.per_route) {
@@ -746,6 +733,7 @@ impl<'a> Direct<'a> {
             });
         }
         let mut down = Vec::new();
+        let mut tallies = Vec::new();
         for (route, published) in futures::future::join_all(publishes).await {
             if published.down {
                 down.push(route.name.clone());
@@ -753,14 +741,53 @@ impl<'a> Direct<'a> {
             for (i, outcome) in published.outcomes {
                 records.push(record(i, &route.name, outcome));
             }
+            tallies.push(published.tally);
         }
         let unsettled = Unsettled {
             owned,
             seqs: events.iter().map(|c| c.event.seq).collect(),
+            partitions: events.iter().map(|c| c.partition).collect(),
+            types: events.iter().map(|c| c.event.event_type.clone()).collect(),
             records,
+            tallies,
             now,
         };
         (unsettled, down)
+    }
+}
+
+/// Counts each event type routed in `types`, in `ferry_events_enqueued_total`.
+fn count_enqueued<'a>(types: impl IntoIterator<Item = &'a str>) {
+    let mut per_type: HashMap<&str, u64> = HashMap::new();
+    for t in types {
+        *per_type.entry(t).or_default() += 1;
+    }
+    for (event_type, count) in per_type {
+        ::metrics::counter!(metrics::ENQUEUED, "type" => event_type.to_owned()).increment(count);
+    }
+}
+
+/// Counts a settled batch's events but those `left` unsettled: each event
+/// is counted by the settle that takes it, not by every publish of it (a
+/// batch whose settle failed or was refused is fetched and published
+/// again), on this path as on the table path.
+fn count_settled<S: Store, C: Clock>(shared: &Shared<S, C>, u: &Unsettled, left: &HashSet<i64>) {
+    let settled = || u.seqs.iter().zip(&u.types).filter(|(s, _)| !left.contains(s));
+    count_enqueued(settled().map(|(_, t)| t.as_str()));
+    let unroutable = u
+        .records
+        .iter()
+        .filter(|r| r.route == NO_ROUTE && !left.contains(&r.seq))
+        .count();
+    if unroutable > 0 {
+        warn!(
+            events = unroutable,
+            "events matched no route and are dead with reason `no route`"
+        );
+        ::metrics::counter!(metrics::UNROUTABLE).increment(unroutable as u64);
+    }
+    for tally in &u.tallies {
+        tally.count(shared, left);
     }
 }
 
@@ -780,8 +807,29 @@ async fn settle<S: Store, C: Clock>(shared: &Shared<S, C>, u: Unsettled) -> bool
             Ok(taken) => {
                 shared.progress.router_step(true);
                 debug!(events = u.seqs.len(), took = ?started.elapsed(), "settled");
-                ::metrics::counter!(metrics::ROUTED).increment(taken);
-                let refused = u.seqs.len() as u64 - taken.min(u.seqs.len() as u64);
+                // After a failed attempt, events found taken already were
+                // taken by it (it committed, its answer was lost) as long
+                // as their partitions are still held under the same tokens:
+                // no fence could have refused them.
+                let written = shared.written(&u.owned, &u.partitions, taken, failures > 0);
+                let left: HashSet<i64> = u
+                    .seqs
+                    .iter()
+                    .zip(&written)
+                    .filter(|(_, w)| !**w)
+                    .map(|(s, _)| *s)
+                    .collect();
+                count_settled(shared, &u, &left);
+                let n = u.seqs.len() as u64;
+                let (routed, refused) = if failures > 0 {
+                    (n - left.len() as u64, left.len() as u64)
+                } else {
+                    (taken.min(n), n - taken.min(n))
+                };
+                if routed > taken {
+                    debug!(events = n, taken, "a settle whose answer was lost had taken the events");
+                }
+                ::metrics::counter!(metrics::ROUTED).increment(routed);
                 if refused > 0 {
                     warn!(
                         refused,

@@ -43,7 +43,22 @@ impl RelaySettings {
         self.lease / 5
     }
 
+    /// Renewals start this long after one another, each timed from the
+    /// start of the one before, not from its answer.
     pub(crate) fn renew_every(&self) -> Duration {
         self.lease / 3
+    }
+
+    /// How long a renewal may go unanswered before it is given up on and
+    /// sent again. A renewal starts [`renew_every`](Self::renew_every) after
+    /// the one before, whose view lasts the lease less its margin: answered
+    /// within this, it renews the view before the view lapses (a later
+    /// answer finds the work paused already). Without a bound, a connection
+    /// gone silent held the keeper until the kernel dropped the socket, and
+    /// every worker and the router stopped with it.
+    pub(crate) fn tick_timeout(&self) -> Duration {
+        self.lease
+            .saturating_sub(self.lease_margin())
+            .saturating_sub(self.renew_every())
     }
 }

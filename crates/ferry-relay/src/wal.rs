@@ -714,6 +714,9 @@ async fn publish_route<'a, S: Store, C: Clock>(
         })
         .collect();
     let published = crate::direct::publish(shared, route, tagged, Some(wal.options.publish_timeout), "wal").await;
+    // Counted as published, as the streamed events are counted as enqueued
+    // above: the settle that follows is retried until it succeeds.
+    published.tally.count(shared, &HashSet::new());
     out.extend(published.outcomes);
     let parked = out.iter().filter(|(_, o)| matches!(o, Outcome::Parked)).count();
     if parked > 0 {

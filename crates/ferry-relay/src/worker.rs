@@ -14,6 +14,8 @@ use crate::metrics;
 /// Outcomes of a published batch on their way into the store.
 struct Unrecorded {
     owned: Ownership,
+    /// The deliveries of `recorded`, in its order: counted once written.
+    claimed: Vec<Claimed>,
     recorded: Vec<Recorded>,
     now: chrono::DateTime<chrono::Utc>,
     /// Keys with a failed or held-back delivery in the batch: until the
@@ -238,10 +240,10 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 })
                 .unzip()
         };
-        account(&shared, &route, &claimed, &recorded, now);
         debug!(route = %route.name, events = claimed.len(), ?claim_took, ?record_took, ?publish_took, "batch published");
         let batch = Unrecorded {
             owned,
+            claimed,
             recorded,
             now,
             failed_keys,
@@ -262,7 +264,11 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
 /// moved on) or the lease ran out first.
 async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch: Unrecorded) -> bool {
     let Unrecorded {
-        owned, recorded, now, ..
+        owned,
+        claimed,
+        recorded,
+        now,
+        ..
     } = batch;
     if recorded.is_empty() {
         return true;
@@ -274,6 +280,12 @@ async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch:
     loop {
         match shared.store.record(owned, &route.name, recorded, now).await {
             Ok(applied) => {
+                // Counted once written: what was not is published again by
+                // whoever claims it next, and counted then.
+                let partitions: Vec<_> = claimed.iter().map(|c| c.partition).collect();
+                let written = shared.written(owned, &partitions, applied, failures > 0);
+                let outcomes = claimed.iter().zip(recorded).zip(&written);
+                account(shared, &route.name, outcomes.filter(|(_, w)| **w).map(|(o, _)| o), now);
                 let refused = recorded.len() as u64 - applied.min(recorded.len() as u64);
                 if refused > 0 {
                     warn!(route = %route.name, refused, "outcomes refused: lease lost or delivery moved on");
@@ -310,17 +322,19 @@ pub(crate) fn loud(failures: u32) -> bool {
     failures == 5 || failures.is_multiple_of(50)
 }
 
-pub(crate) fn account<S: Store, C: Clock>(
+/// Counts written outcomes in the metrics and the run report (and logs the
+/// failures): call it once the store has them, so that an event published
+/// again after a write that failed or was refused counts once.
+pub(crate) fn account<'a, S: Store, C: Clock>(
     shared: &Shared<S, C>,
-    route: &Route,
-    claimed: &[Claimed],
-    recorded: &[Recorded],
+    route: &str,
+    outcomes: impl IntoIterator<Item = (&'a Claimed, &'a Recorded)>,
     now: chrono::DateTime<chrono::Utc>,
 ) {
     let (mut published, mut retried, mut dead) = (0u64, 0u64, 0u64);
     // Per event type: (published, failed, dead).
     let mut by_type: std::collections::HashMap<&str, (u64, u64, u64)> = std::collections::HashMap::new();
-    for (c, r) in claimed.iter().zip(recorded) {
+    for (c, r) in outcomes {
         let counts = by_type.entry(c.event.event_type.as_str()).or_default();
         match &r.transition {
             Transition::Published { .. } => {
@@ -328,7 +342,7 @@ pub(crate) fn account<S: Store, C: Clock>(
                 counts.0 += 1;
                 if c.attempts == 0 {
                     let age = (now - c.event.created_at).to_std().unwrap_or_default();
-                    ::metrics::histogram!(metrics::COMMIT_TO_PUBLISH_SECONDS, "route" => route.name.clone())
+                    ::metrics::histogram!(metrics::COMMIT_TO_PUBLISH_SECONDS, "route" => route.to_owned())
                         .record(age.as_secs_f64());
                 }
             }
@@ -336,7 +350,7 @@ pub(crate) fn account<S: Store, C: Clock>(
                 retried += 1;
                 counts.1 += 1;
                 debug!(
-                    route = %route.name,
+                    route,
                     event_id = %c.event.id,
                     key = c.event.key.as_deref(),
                     attempt = c.attempts + 1,
@@ -349,7 +363,7 @@ pub(crate) fn account<S: Store, C: Clock>(
                 counts.1 += 1;
                 counts.2 += 1;
                 warn!(
-                    route = %route.name,
+                    route,
                     event_id = %c.event.id,
                     key = c.event.key.as_deref(),
                     event_type = %c.event.event_type,
@@ -361,7 +375,7 @@ pub(crate) fn account<S: Store, C: Clock>(
         }
     }
     for (event_type, (published, failed, dead)) in by_type {
-        let labels = [("route", route.name.clone()), ("type", event_type.to_owned())];
+        let labels = [("route", route.to_owned()), ("type", event_type.to_owned())];
         ::metrics::counter!(metrics::PUBLISHED, &labels).increment(published);
         if failed > 0 {
             ::metrics::counter!(metrics::FAILED, &labels).increment(failed);

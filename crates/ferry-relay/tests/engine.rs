@@ -1763,3 +1763,10 @@ async fn router_fails_at(which: &'static str) {
     let _ = stop.send(());
     handle.await.unwrap();
 }
+
+#[path = "engine/counting.rs"]
+mod counting;
+#[path = "engine/lease.rs"]
+mod lease;
+#[path = "engine/partial.rs"]
+mod partial;

@@ -24,12 +24,24 @@ pub type Hook = Arc<dyn Fn(&'static str) -> BoxFuture<'static, Result<(), StoreE
 /// drops after the commit.
 pub type AfterTick = Arc<dyn Fn(&[Partition]) -> Option<StoreError> + Send + Sync>;
 
+/// Runs before a fenced write (`settle` or `record`, by name) reaches the
+/// store; an answer returned is given in its place and the store is not
+/// called, as when the fence refused it all (`Ok(0)`).
+pub type BeforeWrite = Arc<dyn Fn(&'static str) -> Option<Result<u64, StoreError>> + Send + Sync>;
+
+/// Runs after a fenced write (`settle` or `record`, by name) the store
+/// answered, given how many items it applied; an error returned replaces
+/// the answer, as when the connection drops after the commit.
+pub type AfterWrite = Arc<dyn Fn(&'static str, u64) -> Option<StoreError> + Send + Sync>;
+
 /// `inner`, with `hook` run before every call.
 #[derive(Clone)]
 pub struct Hooked<S> {
     pub inner: S,
     pub hook: Hook,
     pub after_tick: Option<AfterTick>,
+    pub before_write: Option<BeforeWrite>,
+    pub after_write: Option<AfterWrite>,
 }
 
 impl<S> Hooked<S> {
@@ -38,6 +50,39 @@ impl<S> Hooked<S> {
             inner,
             hook,
             after_tick: None,
+            before_write: None,
+            after_write: None,
+        }
+    }
+
+    /// Answers the writes `before` says to in the store's place, writing
+    /// nothing.
+    pub fn answering_writes(mut self, before: BeforeWrite) -> Self {
+        self.before_write = Some(before);
+        self
+    }
+
+    /// Loses the answer of the writes `after` says to: the store wrote, the
+    /// caller gets the error.
+    pub fn losing_write_answers(mut self, after: AfterWrite) -> Self {
+        self.after_write = Some(after);
+        self
+    }
+
+    /// A fenced write, with `before_write` and `after_write` around it.
+    async fn write(
+        &self,
+        method: &'static str,
+        call: impl std::future::Future<Output = Result<u64, StoreError>>,
+    ) -> Result<u64, StoreError> {
+        (self.hook)(method).await?;
+        if let Some(answer) = self.before_write.as_ref().and_then(|before| before(method)) {
+            return answer;
+        }
+        let applied = call.await?;
+        match self.after_write.as_ref().and_then(|after| after(method, applied)) {
+            Some(lost) => Err(lost),
+            None => Ok(applied),
         }
     }
 
@@ -58,11 +103,7 @@ impl<S> Hooked<S> {
                 Ok(())
             })
         });
-        Self {
-            inner,
-            hook,
-            after_tick: None,
-        }
+        Self::new(inner, hook)
     }
 }
 
@@ -106,8 +147,7 @@ impl<S: Store> Store for Hooked<S> {
         records: &[DirectRecord],
         now: DateTime<Utc>,
     ) -> Result<u64, StoreError> {
-        (self.hook)("settle").await?;
-        self.inner.settle(owned, seqs, records, now).await
+        self.write("settle", self.inner.settle(owned, seqs, records, now)).await
     }
     async fn claim(
         &self,
@@ -127,8 +167,8 @@ impl<S: Store> Store for Hooked<S> {
         outcomes: &[Recorded],
         now: DateTime<Utc>,
     ) -> Result<u64, StoreError> {
-        (self.hook)("record").await?;
-        self.inner.record(owned, route, outcomes, now).await
+        self.write("record", self.inner.record(owned, route, outcomes, now))
+            .await
     }
     async fn next_due(
         &self,
