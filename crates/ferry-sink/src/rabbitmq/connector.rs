@@ -17,6 +17,7 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
+use super::missing::MissingExchanges;
 use super::reply::{self, NOT_FOUND};
 use crate::backoff::Backoff;
 
@@ -39,8 +40,18 @@ pub(crate) struct Connector {
     /// Bounds each connect, channel open and declare.
     timeout: Duration,
     link: Option<Link>,
-    /// How many publishing channels a link holds.
+    /// How many publishing channels a link holds: `configured`, or fewer
+    /// once the broker refused one.
     lanes: usize,
+    /// The sink's `channels` setting.
+    configured: usize,
+    /// Whether the broker allows a channel beyond the publishing ones, for
+    /// passive declares: assumed until a refusal says otherwise.
+    spare: bool,
+    /// The broker's refusal that lowered `lanes`, for `check` to report.
+    shortfall: Option<String>,
+    /// Exchanges found missing, checked again before events go to them.
+    pub(crate) missing: MissingExchanges,
     backoff: Backoff,
     /// The broker refused the last connect for its credentials or vhost.
     refused: bool,
@@ -64,6 +75,10 @@ impl Connector {
             timeout,
             link: None,
             lanes: lanes.max(1),
+            configured: lanes.max(1),
+            spare: true,
+            shortfall: None,
+            missing: MissingExchanges::default(),
             backoff: Backoff::new(reconnect_max_delay),
             refused: false,
         }
@@ -72,12 +87,33 @@ impl Connector {
     /// The publishing channels, one per lane, connecting or reopening them
     /// if needed. Never waits out a backoff: while one is pending this fails
     /// at once, so a publish against a down broker returns promptly.
-    pub(crate) async fn confirm_channels(&mut self) -> Result<Vec<Channel>, SinkError> {
-        self.connection().await?;
-        if self.blocked() {
-            return Err(self.blocked_error("not sent"));
+    ///
+    /// Where the broker refuses a channel (a user's `max-channels`, a node's
+    /// channel limit, the negotiated `channel_max`), the sink publishes over
+    /// fewer from then on and warns; only when it refuses the first is this
+    /// an error, transient and naming the limit and `sinks.<sink>.channels`.
+    pub(crate) async fn confirm_channels(&mut self, sink: &str) -> Result<Vec<Channel>, SinkError> {
+        // Each refusal past the first channel lowers `lanes`, so this ends.
+        loop {
+            self.connection().await?;
+            if self.blocked() {
+                return Err(self.blocked_error("not sent"));
+            }
+            self.settle_owed().await?;
+            match self.open_lanes().await? {
+                Ok(channels) => return Ok(channels),
+                Err((lane, refusal)) if lane > 0 => self.fewer_lanes(lane, &refusal),
+                Err((_, refusal)) => {
+                    let error = self.limit_error("opening a publishing channel", &refusal, sink);
+                    return Err(self.lost(error));
+                }
+            }
         }
-        self.settle_owed().await?;
+    }
+
+    /// Opens the lanes' missing channels: the inner error is the lane whose
+    /// channel the broker refused for a channel limit, and the refusal.
+    async fn open_lanes(&mut self) -> Result<Result<Vec<Channel>, (usize, lapin::Error)>, SinkError> {
         let link = self.link.as_mut().expect("connection() leaves a link");
         let mut channels = Vec::with_capacity(link.channels.len());
         for lane in 0..link.channels.len() {
@@ -97,48 +133,117 @@ impl Connector {
                     link.channels[lane] = Some(channel.clone());
                     channels.push(channel);
                 }
-                Ok(Err(e)) if lane > 0 && matches!(e.kind(), lapin::ErrorKind::ChannelsLimitReached) => {
-                    // The broker (or the URL's channel_max) allows fewer
-                    // channels than configured: publish over those open,
-                    // leaving one free for the passive declares that check
-                    // exchanges.
-                    let keep = (lane - 1).max(1);
-                    warn!(
-                        url = %self.display_url,
-                        configured = link.channels.len(),
-                        publishing_over = keep,
-                        "RabbitMQ allows no more channels on this connection; lower the sink's channels"
-                    );
-                    link.channels.truncate(keep);
-                    channels.truncate(keep);
-                    break;
-                }
+                Ok(Err(e)) if reply::channel_refused(&e) => return Ok(Err((lane, e))),
                 Ok(Err(e)) => return Err(self.lost(reply::from_lapin("opening a confirm channel", &e))),
                 // Blocked meanwhile: lapin writes nothing until the alarm clears.
                 Err(_) if self.blocked() => return Err(self.blocked_error("not sent")),
                 Err(_) => return Err(self.lost(self.timed_out("opening a confirm channel"))),
             }
         }
-        Ok(channels)
+        Ok(Ok(channels))
+    }
+
+    /// The broker allows `lane` channels, not one more: publish over one
+    /// fewer, leaving one free for the passive declares that check
+    /// exchanges (over the one, with none free, when it allows only one).
+    /// Kept for the sink's life: a refusal RabbitMQ answers by closing the
+    /// connection is not worth meeting again on every reconnect.
+    fn fewer_lanes(&mut self, lane: usize, refusal: &lapin::Error) {
+        let keep = (lane - 1).max(1);
+        self.spare = lane >= 2;
+        self.lanes = keep;
+        self.shortfall = Some(refusal.to_string());
+        warn!(
+            url = %self.display_url,
+            configured = self.configured,
+            publishing_over = keep,
+            refusal = %refusal,
+            "RabbitMQ allows fewer channels than the sink's channels setting; publishing over those it allows"
+        );
+        let Some(link) = &mut self.link else { return };
+        if matches!(refusal.kind(), lapin::ErrorKind::ChannelsLimitReached) {
+            // lapin refused it itself: the connection is fine.
+            link.channels.truncate(keep);
+        } else {
+            // RabbitMQ refuses a channel by closing the connection.
+            self.link = None;
+        }
+    }
+
+    /// The error for a channel refused for a channel limit, naming the fix.
+    fn limit_error(&self, what: &str, refusal: &lapin::Error, sink: &str) -> SinkError {
+        SinkError::transient(format!(
+            "{what}: RabbitMQ at {} refused a channel for a channel limit ({refusal}); raise the user's \
+             max-channels limit (rabbitmqctl set_user_limits) or the broker's channel_max, or lower \
+             sinks.{sink}.channels (now {}), and look for other connections of the same user holding channels",
+            self.display_url, self.configured
+        ))
+    }
+
+    /// When the broker allowed fewer channels than configured, what to tell
+    /// the operator, naming the setting.
+    pub(crate) fn shortfall(&self, sink: &str) -> Option<String> {
+        let refusal = self.shortfall.as_deref()?;
+        let spare = if self.spare {
+            ""
+        } else {
+            ", with none spare for checking exchanges"
+        };
+        Some(format!(
+            "RabbitMQ allows fewer channels than sinks.{sink}.channels = {} ({refusal}): publishing over {}{spare}; \
+             raise the user's max-channels limit or the broker's channel_max, or lower sinks.{sink}.channels",
+            self.configured, self.lanes
+        ))
     }
 
     /// Whether `exchange` exists, asked with a passive declare on a throwaway
     /// channel: a failed passive declare makes the broker close the channel,
     /// which must not be the publishing one.
-    pub(crate) async fn exchange_exists(&mut self, exchange: &str) -> Result<bool, SinkError> {
+    pub(crate) async fn exchange_exists(&mut self, exchange: &str, sink: &str) -> Result<bool, SinkError> {
         let Ok(name) = ShortString::try_new(exchange) else {
             return Err(SinkError::config(format!(
                 "exchange name is {} bytes, AMQP allows at most 255; shorten routes[].destination",
                 exchange.len()
             )));
         };
-        let limit = self.timeout;
-        self.connection().await?;
-        if self.blocked() {
-            return Err(self.blocked_error(&format!("exchange {exchange:?} not checked")));
+        // A refused channel costs the connection; the second try is on a
+        // fresh one, where the publishing channels are not open yet.
+        for attempt in 0..2 {
+            self.connection().await?;
+            if self.blocked() {
+                return Err(self.blocked_error(&format!("exchange {exchange:?} not checked")));
+            }
+            self.make_room().await;
+            match self.declare_passive(name.clone()).await {
+                Ok(Ok(())) => return Ok(true),
+                Ok(Err(e)) if reply::reply_code(&e) == Some(NOT_FOUND) => return Ok(false),
+                Ok(Err(e)) if reply::channel_refused(&e) => {
+                    self.spare = false;
+                    let error = self.limit_error(&format!("checking exchange {exchange:?}"), &e, sink);
+                    let error = self.lost(error);
+                    if attempt == 1 {
+                        return Err(error);
+                    }
+                }
+                Ok(Err(e)) => {
+                    self.discard_dead();
+                    return Err(reply::from_lapin(&format!("checking exchange {exchange:?}"), &e));
+                }
+                Err(_) if self.blocked() => {
+                    return Err(self.blocked_error(&format!("exchange {exchange:?} not checked")));
+                }
+                Err(_) => return Err(self.lost(self.timed_out(&format!("checking exchange {exchange:?}")))),
+            }
         }
+        unreachable!("the second attempt returns")
+    }
+
+    async fn declare_passive(
+        &self,
+        name: ShortString,
+    ) -> Result<Result<(), lapin::Error>, tokio::time::error::Elapsed> {
         let connection = &self.link.as_ref().expect("connection() leaves a link").connection;
-        let declared = timeout(limit, async {
+        timeout(self.timeout, async {
             let channel = connection.create_channel().await?;
             let options = ExchangeDeclareOptions {
                 passive: true,
@@ -148,20 +253,41 @@ impl Connector {
             let result = channel
                 .exchange_declare(name, ExchangeKind::Topic, options, FieldTable::default())
                 .await;
-            // Dropping the last handle closes the channel if the broker has not.
-            drop(channel);
+            if result.is_ok() {
+                // Closed before the publishing channels reopen: where the
+                // broker allows no spare channel, this one is in the way.
+                let _ = channel.close(200, "OK".into()).await;
+            }
             result
         })
-        .await;
-        match declared {
-            Ok(Ok(())) => Ok(true),
-            Ok(Err(e)) if reply::reply_code(&e) == Some(NOT_FOUND) => Ok(false),
-            Ok(Err(e)) => {
-                self.discard_dead();
-                Err(reply::from_lapin(&format!("checking exchange {exchange:?}"), &e))
+        .await
+    }
+
+    /// Where the broker allows no channel beyond the publishing ones, closes
+    /// those (idle between batches; reopened by the next) to free one for a
+    /// passive declare. Not while confirms are owed on them.
+    async fn make_room(&mut self) {
+        if self.spare {
+            return;
+        }
+        let Some(link) = self.link.as_mut().filter(|link| !link.owed) else {
+            return;
+        };
+        for slot in &mut link.channels {
+            if let Some(channel) = slot.take() {
+                let _ = timeout(self.timeout, channel.close(200, "OK".into())).await;
             }
-            Err(_) if self.blocked() => Err(self.blocked_error(&format!("exchange {exchange:?} not checked"))),
-            Err(_) => Err(self.lost(self.timed_out(&format!("checking exchange {exchange:?}")))),
+        }
+    }
+
+    /// Forgets a publishing channel the broker closed, so that the next call
+    /// opens a fresh one even if lapin has not marked it closed yet.
+    pub(crate) fn forget_channel(&mut self, channel: &Channel) {
+        let Some(link) = &mut self.link else { return };
+        for slot in &mut link.channels {
+            if slot.as_ref().is_some_and(|c| c.id() == channel.id()) {
+                *slot = None;
+            }
         }
     }
 
@@ -182,9 +308,6 @@ impl Connector {
         }
     }
 
-    /// Abandons the link after a failure whose state is unknown (a timeout, an
-    /// error mid-handshake) and returns `error` for the caller to report. The
-    /// next call reconnects at once: only failed attempts back off.
     /// Whether the broker blocked the link's connection for a resource
     /// alarm (memory or disk). It reads nothing from a blocked connection,
     /// and lapin writes nothing to it, until the alarm clears; a new
@@ -236,6 +359,9 @@ impl Connector {
         ))
     }
 
+    /// Abandons the link after a failure whose state is unknown (a timeout, an
+    /// error mid-handshake) and returns `error` for the caller to report. The
+    /// next call reconnects at once: only failed attempts back off.
     pub(crate) fn lost(&mut self, error: SinkError) -> SinkError {
         if self.link.take().is_some() {
             warn!(url = %self.display_url, %error, "dropping RabbitMQ connection");

@@ -20,8 +20,10 @@
 mod bindings;
 mod connector;
 mod message;
+mod missing;
 mod publish;
 mod reply;
+mod resend;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -74,9 +76,12 @@ pub struct RabbitMqOptions {
     /// by key: a key's events always share one channel, which keeps their
     /// order. RabbitMQ works each channel in a process of its own, so more
     /// than one lets a busy broker use more than one core. At least 1;
-    /// default [`DEFAULT_CHANNELS`]. Where the broker allows fewer per
-    /// connection, the sink publishes over those it gets, keeping one free
-    /// for the passive declares that check exchanges, and logs a warning.
+    /// default [`DEFAULT_CHANNELS`]. Where the broker allows fewer (the
+    /// negotiated `channel_max`, a user's `max-channels` limit, a node's
+    /// channel limit), the sink publishes over those it gets from then on,
+    /// keeping one free for the passive declares that check exchanges, logs
+    /// a warning, and `check` reports it; where it allows none, publishing
+    /// fails transiently, naming the limit.
     pub channels: usize,
 }
 
@@ -122,7 +127,11 @@ impl std::fmt::Debug for RabbitMqOptions {
 /// one at a time: a batch is spread over the channels by key and pipelined
 /// (every message is written, then every confirm awaited), and holding the
 /// channels for the whole batch keeps one batch's channel error from failing
-/// another's events.
+/// another's events. Within a batch, a message the broker refuses by closing
+/// its channel (a missing exchange, a write the user may not make) fails
+/// alone: the events that failed with it are sent again in the same call.
+/// An exchange found missing is remembered, and checked again with a passive
+/// declare before later events are sent to it.
 pub struct RabbitMqSink {
     options: RabbitMqOptions,
     connector: Mutex<Connector>,
@@ -217,10 +226,18 @@ impl Sink for RabbitMqSink {
         // size the broker negotiated, not refused for RabbitMQ's default.
         batch.connector.connect_if_needed().await;
         let frame_max = self.frame_max.load(Ordering::Relaxed);
-        let prepared = prepare_in_key_order(events, |event| {
-            Message::prepare(route, event, &opts.source, opts.max_message_bytes, frame_max)
-        });
-        let outcomes = publish::publish_batch(&mut batch.connector, events, prepared, opts.publish_timeout).await;
+        let prepare =
+            |event: &StoredEvent| Message::prepare(route, event, &opts.source, opts.max_message_bytes, frame_max);
+        let prepared = prepare_in_key_order(events, prepare);
+        let outcomes = publish::publish_batch(
+            &mut batch.connector,
+            route,
+            events,
+            prepared,
+            opts.publish_timeout,
+            &prepare,
+        )
+        .await;
         batch.finished = true;
         log_published("RabbitMQ", route, events, &outcomes);
         outcomes
@@ -236,15 +253,19 @@ impl Sink for RabbitMqSink {
     async fn check_with_caveats(&self, route: &Route) -> Result<Vec<String>, SinkError> {
         let mut connector = self.connector.lock().await;
         let exchange = route.destination.as_str();
+        let sink = route.sink.as_str();
+        // The publishing channels first: a broker allowing fewer than
+        // configured (or none) says so here, before any event.
+        if let Err(e) = connector.confirm_channels(sink).await {
+            return Err(connector.refusal_is_config(e));
+        }
+        let mut caveats: Vec<String> = connector.shortfall(sink).into_iter().collect();
         // A template names many exchanges, known only per event, and the
         // default exchange always exists: connectivity is all there is to check.
         if exchange.contains('{') || exchange.is_empty() {
-            return match connector.confirm_channels().await {
-                Ok(_) => Ok(Vec::new()),
-                Err(e) => Err(connector.refusal_is_config(e)),
-            };
+            return Ok(caveats);
         }
-        let exists = match connector.exchange_exists(exchange).await {
+        let exists = match connector.exchange_exists(exchange, sink).await {
             Ok(exists) => exists,
             Err(e) => return Err(connector.refusal_is_config(e)),
         };
@@ -266,7 +287,7 @@ impl Sink for RabbitMqSink {
             self.options.publish_timeout,
         )?;
         match api.reach(exchange, key).await? {
-            Reach::Bound(_) => Ok(Vec::new()),
+            Reach::Bound(_) => Ok(caveats),
             Reach::Nobody(what) => Err(SinkError::config(format!(
                 "route {:?} reaches nobody: {what}, so every event would come back unroutable \
                  and be retried until dead; bind a consumer's queue to the exchange, or fix \
@@ -276,7 +297,10 @@ impl Sink for RabbitMqSink {
             // The broker's own returns still catch an unroutable message
             // at publish time: nothing is lost, but the operator must hear
             // that this check could not look.
-            Reach::Unknown(why) => Ok(vec![format!("exchange exists; bindings not checked: {why}")]),
+            Reach::Unknown(why) => {
+                caveats.push(format!("exchange exists; bindings not checked: {why}"));
+                Ok(caveats)
+            }
         }
     }
 

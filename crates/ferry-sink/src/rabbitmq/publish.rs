@@ -1,12 +1,13 @@
 //! One pipelined batch: spread over the link's channels by key, write every
 //! message, await every confirm, then turn what the broker said into one
-//! outcome per event.
+//! outcome per event. Where the broker closed a channel over one message,
+//! [`super::resend`] settles the rest of the batch in the same call.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 
-use ferry_core::{ErrorKind, PublishOutcome, SinkError, StoredEvent};
+use ferry_core::{PublishOutcome, Route, SinkError, StoredEvent};
 use lapin::options::BasicPublishOptions;
 use lapin::{Channel, Confirmation};
 use tokio::time::{Instant, timeout, timeout_at};
@@ -15,10 +16,11 @@ use tracing::{debug, warn};
 use super::UNROUTABLE_METRIC;
 use super::connector::Connector;
 use super::message::Message;
-use super::reply::{self, NOT_FOUND};
+use super::reply;
+use super::resend;
 
 /// What happened to one event on the wire.
-enum Fate {
+pub(super) enum Fate {
     /// Decided without the broker: refused before sending.
     Decided(PublishOutcome),
     /// Not written because the channel failed earlier in the batch.
@@ -30,13 +32,23 @@ enum Fate {
     TimedOut,
 }
 
-pub(super) async fn publish_batch(
+/// Publishes `events` (`prepared` in key order) and returns one outcome
+/// each. `prepare` prepares an event again, for one sent a second time.
+pub(super) async fn publish_batch<P>(
     connector: &mut Connector,
+    route: &Route,
     events: &[StoredEvent],
-    prepared: Vec<Result<Message, SinkError>>,
+    mut prepared: Vec<Result<Message, SinkError>>,
     publish_timeout: Duration,
-) -> Vec<PublishOutcome> {
-    let channels = match connector.confirm_channels().await {
+    prepare: &P,
+) -> Vec<PublishOutcome>
+where
+    P: Fn(&StoredEvent) -> Result<Message, SinkError> + Sync,
+{
+    let started = Instant::now();
+    let sink = route.sink.as_str();
+    skip_missing_exchanges(connector, sink, events, &mut prepared).await;
+    let channels = match connector.confirm_channels(sink).await {
         Ok(channels) => channels,
         Err(e) => return prepared.into_iter().map(|p| p.and(Err(e.clone()))).collect(),
     };
@@ -78,37 +90,36 @@ pub(super) async fn publish_batch(
         connector.lost(SinkError::transient("the publishing channel failed"));
     }
 
-    let missing = missing_exchanges(connector, &fates, &exchanges).await;
-    let doubtful_kind = shared_close_kind(&fates, &exchanges);
     let timed_out = fates.iter().any(|f| matches!(f, Fate::TimedOut));
     let blocked = connector.blocked();
-    let outcomes: Vec<PublishOutcome> = fates
+    // The broker closed a channel over one message it refused: the other
+    // events that failed with it are sent again below, so that none fails
+    // for a neighbour (and at the relay's next attempt, again).
+    let closed = fates
+        .iter()
+        .any(|f| matches!(f, Fate::Failed(e) if reply::closed_channel(e)));
+    let resending = closed && !blocked;
+    let mut outcomes: Vec<Option<PublishOutcome>> = fates
         .into_iter()
         .zip(events)
         .zip(&exchanges)
-        .map(|((fate, event), exchange)| {
-            if let Some(err) = returned.get(&event.id.to_string()) {
-                // Nobody home at run time: no queue took the message.
-                metrics::counter!(UNROUTABLE_METRIC, "exchange" => exchange.clone().unwrap_or_default()).increment(1);
-                return Err(err.clone());
-            }
-            match fate {
-                Fate::Decided(outcome) => outcome,
-                Fate::Acked => Ok(()),
-                Fate::Nacked => Err(SinkError::transient(
-                    "RabbitMQ nacked the message: it could not be stored",
-                )),
-                Fate::TimedOut if blocked => Err(connector.blocked_error(&format!(
-                    "no publisher confirm within {publish_timeout:?}, and the message may be stored once \
-                     the alarm clears"
-                ))),
-                Fate::TimedOut => Err(SinkError::transient(format!(
-                    "no publisher confirm from RabbitMQ within {publish_timeout:?}"
-                ))),
-                Fate::NotSent(_) if blocked => Err(connector.blocked_error("not sent")),
-                Fate::NotSent(cause) => missing_error(exchange.as_deref(), &missing).unwrap_or(Err(cause)),
-                Fate::Failed(e) => classify_failure(&e, exchange.as_deref(), &missing, doubtful_kind),
-            }
+        .map(|((fate, event), exchange)| match fate {
+            Fate::Acked | Fate::Nacked => Some(confirmed(&fate, event, exchange.as_deref(), &returned)),
+            Fate::Decided(outcome) => Some(outcome),
+            Fate::TimedOut if blocked => Some(Err(connector.blocked_error(&format!(
+                "no publisher confirm within {publish_timeout:?}, and the message may be stored once \
+                 the alarm clears"
+            )))),
+            Fate::TimedOut => Some(Err(SinkError::transient(format!(
+                "no publisher confirm from RabbitMQ within {publish_timeout:?}"
+            )))),
+            Fate::NotSent(_) if blocked => Some(Err(connector.blocked_error("not sent"))),
+            Fate::Failed(_) | Fate::NotSent(_) if resending => None,
+            Fate::NotSent(cause) => Some(Err(cause)),
+            // The link failed, not one message: nothing a retry cannot cure.
+            Fate::Failed(e) => Some(Err(SinkError::transient(
+                reply::from_lapin("publishing to RabbitMQ", &e).message,
+            ))),
         })
         .collect();
 
@@ -119,11 +130,120 @@ pub(super) async fn publish_batch(
     } else if timed_out {
         connector.keep_blocked();
     }
+    if resending {
+        // Within the publish timeout the relay allowed for the batch.
+        resend::settle(
+            connector,
+            sink,
+            events,
+            &mut outcomes,
+            prepare,
+            started + publish_timeout,
+        )
+        .await;
+    }
     // A blocked connection is kept: the next batch is refused at once, not
     // sent to wait out its own timeout. Once the alarm clears lapin writes
     // what it holds, and the next batch waits for those confirms first.
     connector.discard_dead();
     outcomes
+        .into_iter()
+        .map(|outcome| {
+            outcome.unwrap_or_else(|| {
+                Err(SinkError::transient(
+                    "not confirmed: RabbitMQ closed the channel over another message of this batch, \
+                     and sending this one again did not finish within the publish timeout or failed",
+                ))
+            })
+        })
+        .collect()
+}
+
+/// The outcome of an acked or nacked message: a message RabbitMQ returned
+/// (nobody home at run time, no queue took it) failed even if acked.
+pub(super) fn confirmed(
+    fate: &Fate,
+    event: &StoredEvent,
+    exchange: Option<&str>,
+    returned: &HashMap<String, SinkError>,
+) -> PublishOutcome {
+    if let Some(err) = returned.get(&event.id.to_string()) {
+        metrics::counter!(UNROUTABLE_METRIC, "exchange" => exchange.unwrap_or_default().to_owned()).increment(1);
+        return Err(err.clone());
+    }
+    match fate {
+        Fate::Acked => Ok(()),
+        _ => Err(SinkError::transient(
+            "RabbitMQ nacked the message: it could not be stored",
+        )),
+    }
+}
+
+/// Refuses, before sending, the events to exchanges found missing in an
+/// earlier batch that a passive declare finds missing still (later events
+/// of their keys are held back), and forgets those that exist again.
+async fn skip_missing_exchanges(
+    connector: &mut Connector,
+    sink: &str,
+    events: &[StoredEvent],
+    prepared: &mut [Result<Message, SinkError>],
+) {
+    let now = std::time::Instant::now();
+    connector.missing.expire(now);
+    if connector.missing.is_empty() {
+        return;
+    }
+    let suspects: HashSet<String> = prepared
+        .iter()
+        .flatten()
+        .map(|m| m.exchange.as_str())
+        .filter(|x| connector.missing.suspects(x, now))
+        .map(str::to_owned)
+        .collect();
+    let mut missing = HashSet::new();
+    for exchange in suspects {
+        match connector.exchange_exists(&exchange, sink).await {
+            Ok(true) => connector.missing.forget(&exchange),
+            Ok(false) => {
+                connector.missing.remember(&exchange, now);
+                missing.insert(exchange);
+            }
+            // Unknown: sent, and settled if the broker refuses it.
+            Err(e) => debug!(%e, exchange, "could not check an exchange found missing before"),
+        }
+    }
+    if missing.is_empty() {
+        return;
+    }
+    fail_in_key_order(events, prepared, |m| {
+        let exchange = m.exchange.as_str();
+        missing.contains(exchange).then(|| missing_error(exchange))
+    });
+}
+
+/// Fails the prepared messages `refuse` says to, and holds back the later
+/// events of their keys, as [`ferry_core::prepare_in_key_order`] does.
+fn fail_in_key_order(
+    events: &[StoredEvent],
+    prepared: &mut [Result<Message, SinkError>],
+    refuse: impl Fn(&Message) -> Option<SinkError>,
+) {
+    let mut failed: HashMap<&str, &StoredEvent> = HashMap::new();
+    for (event, message) in events.iter().zip(prepared.iter_mut()) {
+        let key = event.key.as_deref();
+        if let Some(first) = key.and_then(|k| failed.get(k)) {
+            if message.is_ok() {
+                *message = Err(SinkError::held_back_behind(first));
+            }
+            continue;
+        }
+        if let Some(err) = message.as_ref().ok().and_then(&refuse) {
+            *message = Err(err);
+        }
+        if let (Err(_), Some(key)) = (&message, key) {
+            failed.insert(key, event);
+        }
+    }
 }
 
 /// The lane (channel) of each event: all events of a key share one, so the
@@ -156,7 +276,7 @@ fn lanes(events: &[StoredEvent], n: usize) -> Vec<usize> {
 /// order, so a return can ride on a neighbour's confirm. Every return arrives
 /// before its own ack, so once all confirms of the batch are in, every return
 /// has been handed to one of them.
-async fn send(
+pub(super) async fn send(
     channel: &Channel,
     prepared: Vec<Result<Message, SinkError>>,
     publish_timeout: Duration,
@@ -254,86 +374,6 @@ fn record_return(returned: &mut HashMap<String, SinkError>, message: Option<lapi
     }
 }
 
-/// After the broker closed the channel with 404 NOT_FOUND, finds out which of
-/// the failed events' exchanges are missing. The close does not say which
-/// publish caused it, and parsing its text would be guesswork; a passive
-/// declare per distinct exchange answers exactly.
-async fn missing_exchanges(
-    connector: &mut Connector,
-    fates: &[Fate],
-    exchanges: &[Option<String>],
-) -> HashMap<String, bool> {
-    let not_found = fates
-        .iter()
-        .any(|f| matches!(f, Fate::Failed(e) if reply::reply_code(e) == Some(NOT_FOUND)));
-    let mut missing = HashMap::new();
-    if !not_found {
-        return missing;
-    }
-    for (fate, exchange) in fates.iter().zip(exchanges) {
-        let (Fate::Failed(_) | Fate::NotSent(_), Some(exchange)) = (fate, exchange) else {
-            continue;
-        };
-        if exchange.is_empty() || missing.contains_key(exchange) {
-            continue;
-        }
-        match connector.exchange_exists(exchange).await {
-            Ok(exists) => {
-                missing.insert(exchange.clone(), !exists);
-            }
-            // Unknown stays transient; the retry will ask again.
-            Err(e) => {
-                debug!(%e, "could not check exchanges after a 404");
-                break;
-            }
-        }
-    }
-    missing
-}
-
-/// The kind of the broker's channel close, if it is not transient and every
-/// failed event targeted the same exchange, so the close can only be theirs.
-fn shared_close_kind(fates: &[Fate], exchanges: &[Option<String>]) -> Option<ErrorKind> {
-    let mut code = None;
-    let mut target: Option<&str> = None;
-    for (fate, exchange) in fates.iter().zip(exchanges) {
-        let Fate::Failed(e) = fate else { continue };
-        code = code.or(reply::reply_code(e));
-        match (target, exchange.as_deref()) {
-            (None, Some(x)) => target = Some(x),
-            (Some(t), Some(x)) if t != x => return None,
-            _ => {}
-        }
-    }
-    let kind = reply::reply_code_kind(code?);
-    (kind != ErrorKind::Transient).then_some(kind)
-}
-
-fn classify_failure(
-    err: &lapin::Error,
-    exchange: Option<&str>,
-    missing: &HashMap<String, bool>,
-    shared_kind: Option<ErrorKind>,
-) -> PublishOutcome {
-    if let Some(outcome) = missing_error(exchange, missing) {
-        return outcome;
-    }
-    if reply::reply_code(err) == Some(NOT_FOUND) {
-        // This event's exchange exists (or could not be checked): another
-        // publish in the batch made the broker close the channel.
-        return Err(SinkError::transient(format!(
-            "not confirmed: RabbitMQ closed the channel over another message ({err})"
-        )));
-    }
-    let classified = reply::from_lapin("publishing to RabbitMQ", err);
-    match (classified.kind, shared_kind) {
-        (ErrorKind::Transient, _) => Err(classified),
-        (_, Some(_)) => Err(classified),
-        // The close might have been caused by another event's exchange.
-        _ => Err(SinkError::transient(classified.message)),
-    }
-}
-
 /// The error for an event whose exchange was found missing: transient,
 /// since an application redeclaring its exchange (on a deploy, or a
 /// non-durable one after a node restart) makes it missing for a moment, and
@@ -341,14 +381,11 @@ fn classify_failure(
 /// first attempt. A route to an exchange that is really gone ends dead
 /// after `max_attempts`, with the fix in its reason; `ferry check` and the
 /// relay's start refuse it as a configuration error.
-fn missing_error(exchange: Option<&str>, missing: &HashMap<String, bool>) -> Option<PublishOutcome> {
-    let exchange = exchange?;
-    missing.get(exchange).copied().unwrap_or(false).then(|| {
-        Err(SinkError::transient(format!(
-            "exchange {exchange:?} does not exist; retried, and dead after max_attempts: declare it or fix \
-             routes[].destination"
-        )))
-    })
+pub(super) fn missing_error(exchange: &str) -> SinkError {
+    SinkError::transient(format!(
+        "exchange {exchange:?} does not exist; retried, and dead after max_attempts: declare it or fix \
+         routes[].destination"
+    ))
 }
 
 #[cfg(test)]

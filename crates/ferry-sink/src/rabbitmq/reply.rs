@@ -3,6 +3,7 @@
 
 use ferry_core::{ErrorKind, SinkError};
 use lapin::ErrorKind as LapinErrorKind;
+use lapin::protocol::AMQPErrorKind;
 
 /// `basic.return`: the message was larger than the broker accepts.
 pub const CONTENT_TOO_LARGE: u16 = 311;
@@ -18,8 +19,12 @@ pub const INVALID_PATH: u16 = 402;
 pub const ACCESS_REFUSED: u16 = 403;
 /// The exchange (or queue) does not exist.
 pub const NOT_FOUND: u16 = 404;
-/// The user may not do this at all, e.g. open the vhost.
+/// The user may not do this at all, e.g. open the vhost, or one more
+/// channel past a channel limit.
 pub const NOT_ALLOWED: u16 = 530;
+/// A channel-level refusal; on `basic.publish`, a message over the broker's
+/// `max_message_size`.
+pub(crate) const PRECONDITION_FAILED: u16 = 406;
 
 /// How a failure carrying this AMQP reply code should be handled.
 ///
@@ -53,6 +58,20 @@ pub(crate) fn reply_code(err: &lapin::Error) -> Option<u16> {
         LapinErrorKind::ProtocolError(e) => Some(e.get_id()),
         _ => None,
     }
+}
+
+/// Whether the broker closed the channel (a soft error) over something sent
+/// on it: one message it refused, not the link.
+pub(crate) fn closed_channel(err: &lapin::Error) -> bool {
+    matches!(err.kind(), LapinErrorKind::ProtocolError(e) if matches!(e.kind(), AMQPErrorKind::Soft(_)))
+}
+
+/// Whether opening a channel was refused for a channel limit: lapin's own
+/// (the negotiated `channel_max`), or the broker's 530 NOT_ALLOWED (a
+/// user's `max-channels` limit, a node's channel limit), which RabbitMQ
+/// sends as a connection close.
+pub(crate) fn channel_refused(err: &lapin::Error) -> bool {
+    matches!(err.kind(), LapinErrorKind::ChannelsLimitReached) || reply_code(err) == Some(NOT_ALLOWED)
 }
 
 /// Classifies a lapin error; errors without a reply code (I/O, a closed
@@ -91,7 +110,7 @@ pub(crate) fn returned(exchange: &str, routing_key: &str, code: u16, text: &str)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+    use lapin::protocol::{AMQPError, AMQPHardError, AMQPSoftError};
 
     #[test]
     fn reply_codes() {
@@ -120,6 +139,28 @@ mod tests {
         let io = lapin::Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
         assert_eq!(reply_code(&io), None);
         assert_eq!(from_lapin("publish", &io).kind, ErrorKind::Transient);
+    }
+
+    #[test]
+    fn channel_closes_and_channel_refusals() {
+        let not_found = lapin::Error::from(LapinErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND),
+            "NOT_FOUND - no exchange 'x' in vhost '/'".into(),
+        )));
+        assert!(closed_channel(&not_found));
+        assert!(!channel_refused(&not_found));
+        let limit = lapin::Error::from(LapinErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED),
+            "NOT_ALLOWED - number of channels opened for user 'u' has reached the maximum allowed user limit of (1)"
+                .into(),
+        )));
+        assert!(!closed_channel(&limit), "a hard error closes the connection");
+        assert!(channel_refused(&limit));
+        assert!(channel_refused(&lapin::Error::from(
+            LapinErrorKind::ChannelsLimitReached
+        )));
+        let io = lapin::Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(!closed_channel(&io) && !channel_refused(&io));
     }
 
     #[test]
