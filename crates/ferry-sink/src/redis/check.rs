@@ -144,12 +144,14 @@ impl RedisSink {
             }
             other => answered(link, "INFO cluster", limit, other)?,
         };
+        // A caveat, not a refusal: a cluster of one shard serves every key
+        // and publishes fine, until it is scaled out.
         if info_field(&info, "cluster_enabled") == Some("1") {
-            return Err(SinkError::config(format!(
+            return Ok(Some(format!(
                 "sinks.{sink}.url reaches a Redis Cluster node (INFO cluster: cluster_enabled:1), which the \
                  sink does not support: it does not follow cluster redirects, so an event whose stream key \
-                 another node serves would go dead with MOVED; point sinks.{sink}.url at a Redis server \
-                 that is not in cluster mode",
+                 another node serves goes dead with MOVED (a cluster of one shard serves every key); point \
+                 sinks.{sink}.url at a Redis server that is not in cluster mode",
                 sink = route.sink
             )));
         }
