@@ -28,6 +28,9 @@ pub fn init_logs_with(cfg: &LogConfig, spans: Option<Box<dyn Layer<Registry> + S
         eprintln!("warning: {problem}; logging at log.level {:?} instead", cfg.level);
         EnvFilter::new(&cfg.level)
     });
+    if let Some(warning) = rust_log_warning(std::env::var_os(RUST_LOG).as_deref()) {
+        eprintln!("warning: {warning}");
+    }
     let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let lines = match cfg.format {
         LogFormat::Text => lines.with_filter(filter).boxed(),
@@ -57,11 +60,81 @@ pub fn log_filter(cfg: &LogConfig, rust_log: Option<&OsStr>) -> Result<EnvFilter
         Some(Some(value)) if value.trim().is_empty() => cfg.level.as_str(),
         Some(Some(value)) => {
             let value = value.trim();
-            check_log_filter(value).map_err(|problem| format!("{RUST_LOG}: {problem}; or {unset}"))?;
+            // A bare word naming a target (`ferry_relay`, or another
+            // program's crate in a `RUST_LOG` the environment shares) is
+            // tracing's own syntax, and was taken before: only one meant as
+            // a level is refused.
+            let checked = match bare_target(value) {
+                Some(_) if !meant_as_level(value) => Ok(()),
+                _ => check_log_filter(value),
+            };
+            checked.map_err(|problem| format!("{RUST_LOG}: {problem}; or {unset}"))?;
             value
         }
     };
     EnvFilter::try_new(level).map_err(|e| format!("{RUST_LOG} or log.level: {level:?} is not a valid filter ({e})"))
+}
+
+/// A warning for a `RUST_LOG` that [`log_filter`] takes but that hides
+/// Ferry's own lines, the warnings of dead deliveries among them: a bare
+/// target other than one of Ferry's (`RUST_LOG=lapin`).
+pub fn rust_log_warning(rust_log: Option<&OsStr>) -> Option<String> {
+    let value = rust_log?.to_str()?.trim();
+    let target = bare_target(value)?;
+    if target == "ferry" || target.starts_with("ferry_") || meant_as_level(value) {
+        return None;
+    }
+    Some(format!(
+        "{RUST_LOG}={value:?} logs target {value:?} alone: Ferry's own lines, the warnings of dead deliveries \
+         among them, are not logged; add a level for the rest, as in {RUST_LOG}=\"info,{value}=debug\""
+    ))
+}
+
+/// The crate a bare word names (`ferry_relay::lease` names `ferry_relay`),
+/// or `None` for a directive with a level, several directives, a span
+/// filter or a level name.
+fn bare_target(value: &str) -> Option<&str> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    if value.is_empty() || value.contains(['=', ',', '[']) || LEVELS.contains(&value.to_ascii_lowercase().as_str()) {
+        return None;
+    }
+    Some(value.split("::").next().unwrap_or(value))
+}
+
+/// Whether a bare word was meant as a level: another logger's level name
+/// (`verbose`, `warning`) or a level misspelt by a letter (`debg`, `inf`).
+fn meant_as_level(value: &str) -> bool {
+    const ELSEWHERE: [&str; 10] = [
+        "verbose",
+        "warning",
+        "fatal",
+        "critical",
+        "all",
+        "none",
+        "notice",
+        "information",
+        "err",
+        "silent",
+    ];
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+    let word = value.to_ascii_lowercase();
+    ELSEWHERE.contains(&word.as_str()) || LEVELS.iter().any(|level| edit_distance(&word, level) <= 1)
+}
+
+/// Levenshtein distance, for words of a few letters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diagonal = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let above = row[j + 1];
+            row[j + 1] = (above + 1).min(row[j] + 1).min(diagonal + usize::from(ca != cb));
+            diagonal = above;
+        }
+    }
+    row[b.len()]
 }
 
 /// Installs the Prometheus recorder; [`crate::health::serve`] then serves
@@ -117,6 +190,36 @@ mod tests {
             use std::os::unix::ffi::OsStrExt;
             let e = log_filter(&level("info"), Some(OsStr::from_bytes(b"\xff"))).unwrap_err();
             assert!(e.starts_with("RUST_LOG: not valid UTF-8"), "{e}");
+        }
+    }
+
+    /// A bare target is tracing's own syntax: `RUST_LOG=ferry_relay`
+    /// worked before it was checked, and a `RUST_LOG` shared with another
+    /// program may name that program's crate. Only one that hides Ferry's
+    /// lines is warned of.
+    #[test]
+    fn a_bare_target_is_taken_and_one_not_of_ferry_warned_of() {
+        for target in ["ferry", "ferry_relay", "ferry_sink::kafka", "lapin", "my_app"] {
+            assert_eq!(filter(Some(target)).unwrap(), format!("{target}=trace"), "{target}");
+        }
+        let warned = |v: &str| rust_log_warning(Some(OsStr::new(v)));
+        for quiet in [
+            "ferry",
+            "ferry_relay",
+            "ferry_sink::kafka",
+            "info",
+            "info,lapin=debug",
+            "lapin=debug",
+        ] {
+            assert_eq!(warned(quiet), None, "{quiet}");
+        }
+        let warning = warned("lapin").unwrap();
+        assert!(
+            warning.contains("dead deliveries") && warning.contains("info,lapin"),
+            "{warning}"
+        );
+        for level_meant in ["verbose", "WARNING", "debg", "inf", "eror", "trac"] {
+            assert!(filter(Some(level_meant)).is_err(), "{level_meant}");
         }
     }
 
