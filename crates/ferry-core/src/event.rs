@@ -208,8 +208,8 @@ impl Event {
     }
 
     /// Adds the current span's W3C `traceparent` and `tracestate` headers,
-    /// unless the event already has a valid `traceparent` (under that exact
-    /// name; a header in another case is kept and the span goes in beside it).
+    /// unless the event already has a valid `traceparent` (its name in any
+    /// case).
     /// The stores' `enqueue` and `emit` call this when their `otel` feature is
     /// on.
     #[cfg(feature = "otel")]

@@ -34,12 +34,12 @@ pub fn current_context() -> Context {
 
 /// Writes `cx` into `headers` as `traceparent` and `tracestate`, unless
 /// they already carry a context that [`span_context`] reads back: a context
-/// the caller set explicitly wins, but only one the relay and consumers will
-/// find. Ferry's header names are exact, as AMQP, Kafka and NATS headers
-/// are, so a `Traceparent` is an ordinary header: it is kept as given and
-/// the current context goes in beside it, under the exact name (a webhook,
-/// whose header names ignore case, sends that one: it sorts last). A
-/// `traceparent` that does not parse is replaced, with its `tracestate`. A
+/// the caller set explicitly wins, but only a valid one. Its name may be in
+/// any case (HTTP header names ignore case, and the relay reads it so);
+/// AMQP, Kafka and NATS consumers usually look for the exact lowercase name.
+/// A `traceparent` that does not parse gives way to the current context,
+/// written under the exact name (a webhook, which folds the names, sends
+/// that one: it sorts after any other case), with its `tracestate`. A
 /// context without a valid span writes nothing.
 pub fn inject(cx: &Context, headers: &mut Headers) {
     if span_context(headers).is_some() {
@@ -69,8 +69,19 @@ impl Injector for HeaderWriter<'_> {
 struct HeaderReader<'a>(&'a Headers);
 
 impl Extractor for HeaderReader<'_> {
+    /// The exact name first, else the same name in another case: HTTP
+    /// header names ignore case, and a webhook sends `Traceparent` as
+    /// `traceparent`.
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).map(String::as_str)
+        self.0
+            .get(key)
+            .or_else(|| {
+                self.0
+                    .iter()
+                    .find(|(name, _)| name.eq_ignore_ascii_case(key))
+                    .map(|(_, v)| v)
+            })
+            .map(String::as_str)
     }
 
     fn keys(&self) -> Vec<&str> {
@@ -125,16 +136,30 @@ mod tests {
     }
 
     #[test]
-    fn a_traceparent_in_another_case_is_kept_and_the_span_goes_in_beside_it() {
-        // Nothing reads `Traceparent`: left to win, it would leave the
-        // relay's span unlinked.
+    fn a_valid_traceparent_in_another_case_wins_and_reads_back() {
+        // The relay read only the exact name: the explicit context won, but
+        // the relay's span was left unlinked.
         let (trace_id, event) = in_span(|| {
             Event::new("order.paid", serde_json::json!({}))
                 .header("Traceparent", EXPLICIT)
                 .with_current_trace_context()
         });
+        assert_eq!(event.headers().len(), 1, "{:?}", event.headers());
         assert_eq!(event.headers()["Traceparent"], EXPLICIT);
+        let read = span_context(event.headers()).unwrap().trace_id();
+        assert_eq!(read.to_string(), "0af7651916cd43dd8448eb211c80319c");
+        assert_ne!(read, trace_id);
+    }
+
+    #[test]
+    fn an_unparsable_traceparent_in_another_case_gives_way_under_the_exact_name() {
+        let (trace_id, event) = in_span(|| {
+            Event::new("order.paid", serde_json::json!({}))
+                .header("Traceparent", "garbage")
+                .with_current_trace_context()
+        });
         assert_eq!(span_context(event.headers()).unwrap().trace_id(), trace_id);
+        assert_eq!(event.headers()["Traceparent"], "garbage");
     }
 
     #[test]
@@ -180,8 +205,12 @@ mod tests {
                     .with_current_trace_context()
             });
             let read = span_context(event.headers()).unwrap_or_else(|| panic!("{given:?}: {:?}", event.headers()));
-            if given == explicit {
-                assert_eq!(event.headers()[TRACEPARENT], EXPLICIT);
+            if given == explicit || given == other_case {
+                assert_eq!(
+                    read.trace_id().to_string(),
+                    "0af7651916cd43dd8448eb211c80319c",
+                    "{given:?}"
+                );
             } else {
                 assert_eq!(read.trace_id(), trace_id, "{given:?}");
             }
