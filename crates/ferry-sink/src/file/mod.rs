@@ -16,6 +16,7 @@
 
 mod lock;
 mod rotate;
+mod synced;
 mod writer;
 
 use std::io;

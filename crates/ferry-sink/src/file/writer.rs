@@ -28,8 +28,10 @@
 //! not only when it creates it: a file left by a writer that died before
 //! syncing its directory, or made by `logrotate`'s `create`, may not
 //! survive a power cut otherwise, and with it every line appended since.
+//! A file is told from one made later at its path, even one given its
+//! freed inode, as [`super::synced`] says.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -41,14 +43,7 @@ use tracing::warn;
 use super::lock::LOCK_WAIT;
 use super::lock::lock_dirs;
 use super::rotate::rotated_name;
-
-/// What tells a file from another whatever its path: (device, inode).
-type FileId = (u64, u64);
-
-/// How many files a [`Writer`] remembers having synced the directory of;
-/// past it, it forgets them all (a templated path may name a file per key),
-/// and syncs each directory once more.
-const REMEMBERED_FILES: usize = 10_000;
+use super::synced::{FileId, Synced, file_id};
 
 /// An open destination file and how many bytes it holds.
 struct Open {
@@ -56,7 +51,7 @@ struct Open {
     size: u64,
     /// Its length before this batch wrote to it: where a failure cuts it back.
     start: u64,
-    /// What it is, when the platform tells.
+    /// What it was when opened, when the platform tells.
     id: Option<FileId>,
 }
 
@@ -102,6 +97,11 @@ impl Open {
     fn sync(&mut self) -> io::Result<()> {
         self.writer.flush()?;
         self.writer.get_ref().sync_data()
+    }
+
+    /// What it is now, after this batch's writes.
+    fn left(&self) -> Option<FileId> {
+        file_id(&self.writer.get_ref().metadata().ok()?)
     }
 }
 
@@ -163,22 +163,11 @@ pub(crate) fn options() -> OpenOptions {
     options
 }
 
-#[cfg(unix)]
-fn file_id(meta: &fs::Metadata) -> Option<FileId> {
-    use std::os::unix::fs::MetadataExt;
-    Some((meta.dev(), meta.ino()))
-}
-
-#[cfg(not(unix))]
-fn file_id(_meta: &fs::Metadata) -> Option<FileId> {
-    None
-}
-
 /// What [`write_lines`] keeps between the batches of one sink: the files
 /// whose directory entry it has synced, and how long it waits for another
 /// writer's lock on a directory.
 pub(crate) struct Writer {
-    synced: HashSet<FileId>,
+    synced: Synced,
     /// How long a batch waits for another writer's lock on a directory.
     lock_wait: std::time::Duration,
 }
@@ -186,7 +175,7 @@ pub(crate) struct Writer {
 impl Writer {
     pub(crate) fn new(lock_wait: std::time::Duration) -> Self {
         Self {
-            synced: HashSet::new(),
+            synced: Synced::default(),
             lock_wait,
         }
     }
@@ -196,7 +185,7 @@ impl Writer {
 /// files: when it would take a non-empty file past `max_file_bytes`, the file
 /// is rotated first. Returns, per line, whether it is written: only once
 /// its file is synced, and its directory if the file was created or
-/// renamed, or not written by `writer` before.
+/// renamed, or if `writer` has not synced it for this file at this path.
 ///
 /// A file that cannot be locked, opened, written, rotated or synced fails
 /// alone: it is cut back to where the batch found it (a file rotated away
@@ -257,11 +246,11 @@ pub(crate) fn write_lines(
     }
     batch.sync_all();
     // What is still open was synced, and its directory too where this
-    // writer had not synced it before.
-    if writer.synced.len() + batch.open.len() > REMEMBERED_FILES {
-        writer.synced.clear();
-    }
-    writer.synced.extend(batch.open.values().filter_map(|file| file.id));
+    // writer had not synced it before. Taken under the directory's lock:
+    // another writer's lines cannot change it in between.
+    writer
+        .synced
+        .remember(batch.open.iter().map(|(&path, file)| (path, file.left())));
     drop(locks);
     // A key that failed in one file after its later lines were written to
     // another: those fail too, to be retried behind it.
@@ -319,13 +308,13 @@ impl<'a> Batch<'a> {
         line: &[u8],
         max_file_bytes: u64,
         now: DateTime<Utc>,
-        synced: &HashSet<FileId>,
+        synced: &Synced,
     ) -> io::Result<()> {
         if !self.open.contains_key(path) {
             let file = Open::append(path, &mut self.dirs)?;
             // Made by a writer that may have died before it synced the
             // directory (this one's predecessor, `logrotate`): synced now.
-            if file.id.is_none_or(|id| !synced.contains(&id)) {
+            if !synced.holds(path, file.id.as_ref()) {
                 self.dirs.insert(parent(path).to_owned());
             }
             self.open.insert(path, file);
@@ -515,6 +504,49 @@ mod tests {
             Utc::now(),
         ));
         assert_eq!(DIRS_SYNCED.take(), [dir.path()]);
+    }
+
+    /// `logrotate` deletes the oldest rotated file, then `create` makes a
+    /// new one; ext4 gives the new file the inode just freed. A writer that
+    /// remembered the files it had synced by inode alone took the new
+    /// file's entry for one it had synced, and never synced it: a power cut
+    /// could take the file, and the lines reported written in it.
+    #[cfg(unix)]
+    #[test]
+    fn a_new_file_given_a_freed_inode_has_its_directory_synced() {
+        use std::os::unix::fs::MetadataExt;
+        let inode = |path: &Path| fs::metadata(path).unwrap().ino();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        let oldest = dir.path().join("out.jsonl.2");
+        let mut writer = Writer::new(LOCK_WAIT);
+        let mut synced_by = |path: &Path, line: &[u8]| {
+            DIRS_SYNCED.take();
+            let lines: [(&Path, &[u8]); 1] = [(path, line)];
+            all_written(&super::write_lines(&unkeyed(&lines), 1024, Utc::now(), &mut writer));
+            DIRS_SYNCED.take()
+        };
+        assert_eq!(synced_by(&oldest, b"oldest\n"), [dir.path()]);
+        assert_eq!(synced_by(&path, b"first\n"), [dir.path()]);
+        // The oldest deleted, the file rotated, a new one created.
+        let freed = inode(&oldest);
+        fs::remove_file(&oldest).unwrap();
+        fs::rename(&path, dir.path().join("out.jsonl.1")).unwrap();
+        fs::write(&path, b"").unwrap();
+        let mut reused = inode(&path) == freed;
+        assert_eq!(synced_by(&path, b"second\n"), [dir.path()], "a new file at the path");
+        assert!(synced_by(&path, b"third\n").is_empty(), "synced already");
+        // The file deleted and made again at its own path.
+        let freed = inode(&path);
+        fs::remove_file(&path).unwrap();
+        fs::write(&path, b"").unwrap();
+        reused |= inode(&path) == freed;
+        assert_eq!(synced_by(&path, b"fourth\n"), [dir.path()], "a new file at the path");
+        assert!(synced_by(&path, b"fifth\n").is_empty(), "synced already");
+        assert_eq!(fs::read(&path).unwrap(), b"fourth\nfifth\n");
+        if !reused {
+            eprintln!("this file system gave no new file a freed inode: the decision is tested alone in `synced`");
+        }
     }
 
     #[test]
