@@ -13,7 +13,7 @@ use rdkafka::producer::{FutureProducer, Producer};
 use tokio::sync::watch;
 use tracing::debug;
 
-use super::{KafkaOptions, codes};
+use super::{KafkaOptions, OffRuntime, codes};
 
 /// The longest the second metadata request (see `topic_exists`) may take.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
@@ -93,7 +93,9 @@ const PROBE_STATS_INTERVAL_MS: &str = "20";
 /// sink's producer would meet only at its first publish, failing every
 /// message with "Purged in queue". librdkafka tells the idempotence state
 /// only in its statistics, so the probe is a producer of its own that
-/// reports them often, and lives only for the check.
+/// reports them often, and lives only for the check. However the check
+/// ends, a timeout or a caller that gives up included, the probe is
+/// destroyed on a blocking thread: destroying a client blocks.
 pub(super) async fn producer_id(options: &KafkaOptions) -> Result<(), SinkError> {
     let timeout = options.publish_timeout;
     let bootstrap = options.bootstrap_servers.clone();
@@ -106,6 +108,7 @@ pub(super) async fn producer_id(options: &KafkaOptions) -> Result<(), SinkError>
             super::config_error(&e)
         ))
     })?;
+    let probe = OffRuntime::new(probe);
     // A producer connects only when it needs a broker: asking for metadata
     // (twice, see `topic_exists`) leaves it one to ask for its id.
     let client = probe.clone();
@@ -115,7 +118,7 @@ pub(super) async fn producer_id(options: &KafkaOptions) -> Result<(), SinkError>
         Ok::<_, KafkaError>(())
     })
     .await;
-    let outcome = match connected {
+    match connected {
         Err(e) => Err(SinkError::transient(format!("fetching Kafka metadata: {e}"))),
         Ok(Err(e)) => Err(SinkError::transient(format!(
             "fetching metadata from Kafka at {bootstrap}: {e} (waited {timeout:?})"
@@ -135,10 +138,7 @@ pub(super) async fn producer_id(options: &KafkaOptions) -> Result<(), SinkError>
                 ))),
             }
         }
-    };
-    // Dropping a client joins its threads: not on the runtime's.
-    tokio::task::spawn_blocking(move || drop(probe));
-    outcome
+    }
 }
 
 /// The probe's context: passes on the idempotent producer's state
@@ -181,17 +181,16 @@ const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// refuses the record batch carrying an oversized message with
 /// `MessageSizeTooLarge` (retried, see `codes::delivery_error`).
 pub(super) async fn topic_max_message_bytes(config: &ClientConfig, topic: &str, timeout: Duration) -> Option<usize> {
-    let admin: AdminClient<DefaultClientContext> = match config.create() {
-        Ok(admin) => admin,
+    let admin: OffRuntime<AdminClient<DefaultClientContext>> = match config.create() {
+        Ok(admin) => OffRuntime::new(admin),
         Err(e) => {
             debug!(error = %super::config_error(&e), "no admin client to read the topic's max.message.bytes");
             return None;
         }
     };
-    let limit = describe_max_message_bytes(&admin, topic, timeout.min(DESCRIBE_TIMEOUT)).await;
-    // Dropping a client joins its threads: not on the runtime's.
-    tokio::task::spawn_blocking(move || drop(admin));
-    limit
+    // Dropped on a blocking thread, a check cut short included: destroying
+    // a client joins its threads.
+    describe_max_message_bytes(&admin, topic, timeout.min(DESCRIBE_TIMEOUT)).await
 }
 
 async fn describe_max_message_bytes(

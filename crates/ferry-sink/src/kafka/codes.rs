@@ -126,11 +126,12 @@ pub(crate) fn follows_fatal(err: &KafkaError) -> bool {
 }
 
 /// A fatal error of the idempotent producer (`rd_kafka_fatal_error`),
-/// classified with its fix. Without a producer id the producer sends
-/// nothing: a principal without the IdempotentWrite permission, or a
-/// cluster without idempotence, is a configuration error that no new
-/// producer cures. A fenced producer, or one that lost its sequence, is
-/// replaced and the event retried.
+/// classified with its fix, as `check` reports it. Without a producer id
+/// the producer sends nothing: a principal without the IdempotentWrite
+/// permission, or a cluster without idempotence, is a configuration error
+/// that start-up and `ferry check` refuse. A fenced producer, or one that
+/// lost its sequence, is replaced and the event retried. A publish reports
+/// every fatal error through [`fatal_error_in_publish`].
 pub(crate) fn fatal_error(code: RDKafkaErrorCode, reason: &str) -> SinkError {
     match code {
         C::ClusterAuthorizationFailed => SinkError::config(format!(
@@ -153,6 +154,25 @@ pub(crate) fn fatal_error(code: RDKafkaErrorCode, reason: &str) -> SinkError {
             format!("the Kafka producer failed fatally ({code}: {reason}); it is replaced by a new one"),
         ),
     }
+}
+
+/// A fatal error (see [`fatal_error`]) as a publish reports it: transient,
+/// with the same cause and fix. The error is the producer's, never the
+/// event's, and a refusal met while running may pass (an ACL revoked for a
+/// moment, an authorizer not ready after a broker restart): failing the
+/// events as a configuration error would send each of them dead at its
+/// first attempt, to be requeued by hand. Retried, they go dead only after
+/// `relay.max_attempts`, with the cause as their last error.
+pub(crate) fn fatal_error_in_publish(fatal: SinkError) -> SinkError {
+    if fatal.is_transient() {
+        return fatal;
+    }
+    let mut err = SinkError::transient(format!(
+        "{}; the event is retried, and dead after relay.max_attempts",
+        fatal.message
+    ));
+    err.retry_after = fatal.retry_after;
+    err
 }
 
 pub(crate) fn with_kind(kind: ErrorKind, message: String) -> SinkError {
@@ -281,16 +301,37 @@ mod tests {
         );
     }
 
+    /// `check` refuses a producer id the cluster will not give; a publish
+    /// retries it, with the same cause and fix.
     #[test]
-    fn fatal_errors_name_their_cause_and_only_a_fence_is_retried() {
-        let err = fatal_error(C::ClusterAuthorizationFailed, "Failed to acquire idempotence PID");
-        assert_eq!(err.kind, ErrorKind::Config);
-        for text in ["Failed to acquire idempotence PID", "IdempotentWrite", "kafka-acls.sh"] {
-            assert!(err.message.contains(text), "{text}: {}", err.message);
+    fn a_refused_producer_id_fails_check_as_config_and_a_publish_as_transient_with_its_cause() {
+        let pid = "Failed to acquire idempotence PID";
+        let refused = [
+            (
+                fatal_error(C::ClusterAuthorizationFailed, pid),
+                [pid, "IdempotentWrite", "kafka-acls.sh"],
+            ),
+            (
+                fatal_error(C::UnsupportedFeature, "not supported"),
+                ["not supported", "idempotent producer", "InitProducerId"],
+            ),
+        ];
+        for (err, texts) in refused {
+            assert_eq!(err.kind, ErrorKind::Config, "{err}");
+            let wait = std::time::Duration::from_millis(800);
+            let published = fatal_error_in_publish(err.clone().with_retry_after(wait));
+            assert_eq!(published.kind, ErrorKind::Transient, "{published}");
+            assert_eq!(published.retry_after, Some(wait));
+            assert!(published.message.starts_with(&err.message), "{published}");
+            assert!(published.message.contains("relay.max_attempts"), "{published}");
+            for text in texts {
+                assert!(err.message.contains(text), "{text}: {err}");
+            }
         }
-        let err = fatal_error(C::UnsupportedFeature, "not supported");
-        assert_eq!(err.kind, ErrorKind::Config);
-        assert!(err.message.contains("InitProducerId"), "{}", err.message);
+    }
+
+    #[test]
+    fn a_fenced_producer_or_a_lost_sequence_is_retried_everywhere() {
         for code in [C::Fenced, C::ProducerFenced, C::OutOfOrderSequenceNumber] {
             let err = fatal_error(code, "why");
             assert_eq!(err.kind, ErrorKind::Transient, "{code:?}");
@@ -299,6 +340,7 @@ mod tests {
                 "{}",
                 err.message
             );
+            assert_eq!(fatal_error_in_publish(err.clone()), err);
         }
         assert!(follows_fatal(&KafkaError::MessageProduction(C::PurgeQueue)));
         assert!(!follows_fatal(&KafkaError::MessageProduction(C::MessageTimedOut)));

@@ -36,10 +36,10 @@ mod check;
 mod codes;
 mod config;
 mod message;
+mod producer_id;
 mod publish;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -123,10 +123,43 @@ struct Slot {
     /// Counts the producers made, so that a batch finishing on a replaced
     /// one does not vouch for its successor.
     generation: u64,
-    /// The last fatal error, classified: while a replacement waits out the
-    /// backoff, a configuration error (a missing IdempotentWrite
-    /// permission) is what the events fail with, not a pause.
+    /// The last fatal error, classified as `check` reports it: while a
+    /// replacement waits out the backoff, a refused producer id (a missing
+    /// IdempotentWrite permission) is what check fails with and, as a
+    /// transient error, what the events fail with: their cause, not a
+    /// pause.
     fatal: Option<SinkError>,
+}
+
+/// Why [`KafkaSink::producer`] has no producer to give.
+#[derive(Debug)]
+enum NoProducer {
+    /// The last producer failed fatally and its replacement waits out the
+    /// backoff for `wait`; `cause` is the fatal error (see `Slot::fatal`),
+    /// or says that a replacement is pending.
+    Waiting { cause: SinkError, wait: Duration },
+    /// A producer could not be made.
+    Failed(SinkError),
+}
+
+impl NoProducer {
+    /// As `check` reports it: a refused producer id is a configuration
+    /// error, which start-up and `ferry check` refuse with the fix.
+    fn in_check(self) -> SinkError {
+        match self {
+            Self::Waiting { cause, .. } | Self::Failed(cause) => cause,
+        }
+    }
+
+    /// As a publish reports it: the cause, transient (see
+    /// `codes::fatal_error_in_publish`), retried no sooner than the
+    /// replacement may be made.
+    fn in_publish(self) -> SinkError {
+        match self {
+            Self::Waiting { cause, wait } => codes::fatal_error_in_publish(cause.with_retry_after(wait)),
+            Self::Failed(err) => err,
+        }
+    }
 }
 
 /// Publishes to Kafka topics through one idempotent producer shared by all
@@ -139,9 +172,10 @@ pub struct KafkaSink {
     topic_limits: Arc<Mutex<TopicLimits>>,
     /// The producer compresses record batches (`extra`), read once.
     compresses: bool,
-    /// A `check` saw a producer of this sink's options get a producer id:
-    /// later checks (one per route) need not ask again.
-    producer_id_checked: AtomicBool,
+    /// Whether a producer of this sink's options gets a producer id, as
+    /// far as known: checks (one per route, and the health probe's) ask
+    /// the cluster once, not each.
+    producer_ids: Arc<producer_id::ProducerIds>,
 }
 
 /// How long a topic's `max.message.bytes`, or its being unreadable, stands
@@ -211,7 +245,7 @@ impl KafkaSink {
                 fatal: None,
             }),
             compresses: options.compresses(),
-            producer_id_checked: AtomicBool::new(false),
+            producer_ids: Arc::new(producer_id::ProducerIds::new()),
             options,
             topic_limits: Arc::new(Mutex::new(TopicLimits::default())),
         })
@@ -225,7 +259,7 @@ impl KafkaSink {
     /// (possible with idempotence, e.g. after an unrecoverable sequence gap):
     /// a producer in that state refuses everything until it is recreated.
     /// With it, its generation.
-    fn producer(&self) -> Result<(FutureProducer, u64), SinkError> {
+    fn producer(&self) -> Result<(FutureProducer, u64), NoProducer> {
         let batch_cap = self
             .topic_limits
             .lock()
@@ -242,34 +276,41 @@ impl KafkaSink {
                 limit = cap,
                 "remaking the Kafka producer to keep its batches under a topic's max.message.bytes"
             );
-            // Dropping a producer flushes and joins its thread: not on the
-            // runtime's (publishes in flight hold their own handle).
-            tokio::task::spawn_blocking(move || drop(old));
+            // Publishes in flight hold their own handle.
+            drop_client(old);
         }
         if let Some(producer) = &slot.producer {
             match producer.client().fatal_error() {
                 None => return Ok((producer.clone(), slot.generation)),
                 Some((code, reason)) => {
                     warn!(%code, %reason, "Kafka producer hit a fatal error; replacing it");
-                    slot.producer = None;
+                    if let Some(failed) = slot.producer.take() {
+                        drop_client(failed);
+                    }
                     if !std::mem::replace(&mut slot.delivered, false) {
                         slot.backoff
                             .failed(Instant::now(), format!("fatal producer error {code}: {reason}"));
                     }
-                    slot.fatal = Some(codes::fatal_error(code, &reason));
+                    let fatal = codes::fatal_error(code, &reason);
+                    if !fatal.is_transient() {
+                        // The health probe's check reports it, not an older proof.
+                        self.producer_ids.refused(fatal.clone(), Instant::now());
+                    }
+                    slot.fatal = Some(fatal);
                 }
             }
         }
         if let Err(wait) = slot.backoff.ready(Instant::now()) {
-            if let Some(fatal) = slot.fatal.as_ref().filter(|e| !e.is_transient()) {
-                return Err(fatal.clone());
-            }
-            return Err(SinkError::transient(format!(
-                "the Kafka producer is being replaced; next attempt in {wait:?} (last error: {})",
-                slot.backoff.last_error().unwrap_or("none")
-            )));
+            let cause = match slot.fatal.as_ref().filter(|e| !e.is_transient()) {
+                Some(fatal) => fatal.clone(),
+                None => SinkError::transient(format!(
+                    "the Kafka producer is being replaced; next attempt in {wait:?} (last error: {})",
+                    slot.backoff.last_error().unwrap_or("none")
+                )),
+            };
+            return Err(NoProducer::Waiting { cause, wait });
         }
-        let producer = create_producer(&self.options, batch_cap)?;
+        let producer = create_producer(&self.options, batch_cap).map_err(NoProducer::Failed)?;
         slot.batch_cap = batch_cap;
         info!(bootstrap = %self.options.bootstrap_servers, "created a new Kafka producer");
         crate::connected("kafka");
@@ -279,15 +320,34 @@ impl KafkaSink {
     }
 
     /// Fails with the cause and the fix when the cluster will not give this
-    /// sink's producer a producer id (see `check::producer_id`); asked until
-    /// it once succeeds.
+    /// sink's producer a producer id (see `check::producer_id`). Asked until
+    /// a probe or a delivery proves it; a failure stands for
+    /// `producer_id::FAILED_PROBE_TTL`, and checks meanwhile (the next
+    /// route's, the health probe's) return it at once.
     async fn check_producer_id(&self) -> Result<(), SinkError> {
-        if self.producer_id_checked.load(Ordering::Relaxed) {
-            return Ok(());
+        let mut settled = match self.producer_ids.next(Instant::now()) {
+            producer_id::Next::Known(outcome) => return outcome,
+            producer_id::Next::Wait(settled) => settled,
+            producer_id::Next::Probe(send) => {
+                let settled = send.subscribe();
+                let options = self.options.clone();
+                let known = self.producer_ids.clone();
+                // Apart from the caller: a check cut short (the health
+                // probe's limit) still leaves the outcome for the next one.
+                tokio::spawn(async move {
+                    let outcome = check::producer_id(&options).await;
+                    known.settle(&outcome, Instant::now());
+                    send.send_replace(Some(outcome));
+                });
+                settled
+            }
+        };
+        match settled.wait_for(Option::is_some).await {
+            Ok(outcome) => outcome.clone().expect("waited for an outcome"),
+            Err(_) => Err(SinkError::transient(
+                "the Kafka producer-id check ended without an outcome; it is asked again at the next check",
+            )),
         }
-        check::producer_id(&self.options).await?;
-        self.producer_id_checked.store(true, Ordering::Relaxed);
-        Ok(())
     }
 
     fn prepare(&self, route: &Route, event: &StoredEvent) -> Result<Record, SinkError> {
@@ -346,6 +406,42 @@ impl KafkaSink {
     }
 }
 
+/// Drops a librdkafka client where its destruction, which purges, flushes
+/// for up to half a second and joins its threads, blocks no runtime worker:
+/// on a blocking thread when in a runtime.
+fn drop_client<T: Send + 'static>(client: T) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => drop(runtime.spawn_blocking(move || drop(client))),
+        Err(_) => drop(client),
+    }
+}
+
+/// A librdkafka client dropped with [`drop_client`] however its holder ends,
+/// a future cut short included.
+struct OffRuntime<T: Send + 'static>(Option<T>);
+
+impl<T: Send + 'static> OffRuntime<T> {
+    fn new(client: T) -> Self {
+        Self(Some(client))
+    }
+}
+
+impl<T: Send + 'static> std::ops::Deref for OffRuntime<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        self.0.as_ref().expect("held until dropped")
+    }
+}
+
+impl<T: Send + 'static> Drop for OffRuntime<T> {
+    fn drop(&mut self) {
+        if let Some(client) = self.0.take() {
+            drop_client(client);
+        }
+    }
+}
+
 fn create_producer(options: &KafkaOptions, batch_cap: Option<usize>) -> Result<FutureProducer, SinkError> {
     options.producer_config(batch_cap).create().map_err(|e| {
         SinkError::config(format!(
@@ -398,7 +494,7 @@ impl Sink for KafkaSink {
         }
         let (producer, generation) = match self.producer() {
             Ok(made) => made,
-            Err(e) => return vec![Err(e); events.len()],
+            Err(no) => return vec![Err(no.in_publish()); events.len()],
         };
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
@@ -407,6 +503,9 @@ impl Sink for KafkaSink {
         let outcomes = publish::publish_batch(&producer, events, prepared, self.options.publish_timeout).await;
         log_published("Kafka", route, events, &outcomes);
         if outcomes.iter().any(Result::is_ok) {
+            // The idempotent producer delivers nothing without a producer
+            // id: checks need not probe for one.
+            self.producer_ids.proven();
             // A producer that delivers is healthy: a later fatal error is
             // replaced at once, and the backoff starts from its base again.
             let mut slot = self.slot.lock().expect("the producer slot is never poisoned");
@@ -427,7 +526,9 @@ impl Sink for KafkaSink {
                 route.name
             )));
         }
-        let (producer, _) = self.producer()?;
+        let (producer, _) = self.producer().map_err(NoProducer::in_check)?;
+        // The slot holds the producer, but a replacement may take it meanwhile.
+        let producer = OffRuntime::new(producer);
         let opts = &self.options;
         let topic = route.destination.as_str();
         // A template names many topics, known only per event: connectivity

@@ -153,11 +153,12 @@ async fn enqueue(
 
 /// The cause of a record's failure when the producer failed fatally: its
 /// records then fail `Purged in queue` or `Fatal`, which name no cause, and
-/// without it an operator would see only those.
+/// without it an operator would see only those. Transient, as every fatal
+/// error is in a publish (see `codes::fatal_error_in_publish`).
 fn fatal_cause(producer: &FutureProducer, err: &KafkaError) -> Option<SinkError> {
     if !codes::follows_fatal(err) {
         return None;
     }
     let (code, reason) = producer.client().fatal_error()?;
-    Some(codes::fatal_error(code, &reason))
+    Some(codes::fatal_error_in_publish(codes::fatal_error(code, &reason)))
 }
