@@ -20,10 +20,9 @@ use crate::metrics;
 pub(crate) struct DirectPublish {
     /// (caller's index, outcome) for every event handed in.
     pub outcomes: Vec<(usize, DirectOutcome)>,
-    /// Something failed transiently (timed out, most likely): the
-    /// destination, or part of it, looks down. A route that confirmed the
-    /// rest is down all the same: its next direct publish would wait for
-    /// the same failure, and every route and the router with it.
+    /// The destination, or part of it, looks down: something failed
+    /// transiently and either nothing was confirmed, or the publish was
+    /// slow (see [`publish`]).
     pub down: bool,
     /// The outcomes, to count once they are written.
     pub tally: Tally,
@@ -53,7 +52,8 @@ impl Tally {
 /// Publishes `claimed` (each tagged with the caller's index) to `route` as
 /// one pipelined batch, in order. An event held back behind a failure of its
 /// key in the batch comes back [`DirectOutcome::Parked`]. A publish slower
-/// than `timeout` counts as a transient failure of every event in it.
+/// than `timeout` counts as a transient failure of every event in it, and
+/// puts the route down as any failure of all of it does.
 pub(crate) async fn publish<S: Store, C: Clock>(
     shared: &Shared<S, C>,
     route: &Route,
@@ -70,8 +70,8 @@ pub(crate) async fn publish<S: Store, C: Clock>(
     crate::worker::link_producers(&span, &claimed);
     let published =
         tracing::Instrument::instrument(publish_in_order(sink.as_ref(), route, claimed, timeout), span).await;
-    ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone())
-        .record(started.elapsed().as_secs_f64());
+    let took = started.elapsed();
+    ::metrics::histogram!(metrics::PUBLISH_SECONDS, "route" => route.name.clone()).record(took.as_secs_f64());
     let now = shared.clock.now();
     if published.order_breaks > 0 {
         shared
@@ -84,6 +84,20 @@ pub(crate) async fn publish<S: Store, C: Clock>(
     let transient = outcomes
         .iter()
         .any(|o| matches!(o, Some(Err(e)) if e.kind == ErrorKind::Transient));
+    let confirmed = outcomes.iter().any(|o| matches!(o, Some(Ok(()))));
+    // A route that confirmed part of its share and failed the rest
+    // transiently is down only if the publish was slow: a part of the
+    // destination that stalls (a Kafka partition without a leader) fails
+    // its events at the sink's own publish timeout, which the configuration
+    // keeps at most half of `timeout`, by default a third, and the next
+    // direct publish with a fresh key there would wait as long, holding up
+    // every route and the router. A quick failure of some events (a
+    // RabbitMQ return, a missing exchange) comes back with the confirms, in
+    // milliseconds; `carry` holds its key back, and putting the route down
+    // for it would keep the route on its worker until nothing of it is
+    // pending, which a delivery retried for ever never allows. A tenth of
+    // `timeout` tells the two apart with room to spare either way.
+    let slow = timeout.is_some_and(|t| took >= t / 10);
     let mut out = Vec::with_capacity(claimed.len());
     let mut tallied = Vec::with_capacity(claimed.len());
     {
@@ -118,7 +132,7 @@ pub(crate) async fn publish<S: Store, C: Clock>(
     }
     DirectPublish {
         outcomes: out,
-        down: transient,
+        down: transient && (!confirmed || slow),
         tally: Tally {
             route: route.name.clone(),
             outcomes: tallied,

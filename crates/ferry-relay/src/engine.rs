@@ -257,7 +257,16 @@ impl<S: Store, C: Clock> Shared<S, C> {
     /// says none, unless an earlier attempt whose answer was lost may have
     /// written them (`retried`); otherwise those of the partitions still
     /// held under the token they were read with, whose fence could not
-    /// have refused them.
+    /// have refused them, as long as their number is the store's.
+    ///
+    /// The store says how many, not which. Fewer applied than held means
+    /// some items had moved on (a delivery an operator cancelled while it
+    /// was in flight), and more means the lease was lost after the write;
+    /// either way which items were written is not known, and none is
+    /// counted: a written outcome missing from the totals misleads less
+    /// than a cancelled delivery counted as published or dead beside the
+    /// refusal. After a lost answer the earlier attempt's share is not
+    /// known either, and the held ones are counted.
     pub fn written(&self, owned: &Ownership, partitions: &[Partition], applied: u64, retried: bool) -> Vec<bool> {
         let n = partitions.len();
         if applied >= n as u64 {
@@ -268,7 +277,11 @@ impl<S: Store, C: Clock> Shared<S, C> {
         }
         let view = self.lease.borrow();
         let now = Instant::now();
-        partitions.iter().map(|&p| view.holds(owned, [p], now)).collect()
+        let held: Vec<bool> = partitions.iter().map(|&p| view.holds(owned, [p], now)).collect();
+        if !retried && held.iter().filter(|h| **h).count() as u64 != applied {
+            return vec![false; n];
+        }
+        held
     }
 
     /// Runs `work` (a publish) while the lease is valid: `None` if the lease

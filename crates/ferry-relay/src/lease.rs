@@ -22,11 +22,16 @@ pub(crate) async fn keep<S: Store, C: Clock>(
 ) {
     let settings = &shared.settings;
     let mut release: Vec<Partition> = Vec::new();
-    // Handed back by a tick that failed or was given up on, and sent again
-    // with every tick until one answers: the first may still commit at any
-    // time (a statement stuck behind a lock, or on a connection gone
-    // silent), and a view taken from an answer in between would claim
-    // partitions another relay may already hold.
+    // Handed back by a tick that failed, and sent again with every tick
+    // until one answers. A tick that returned an error has run its course:
+    // refused or rolled back, committed with its answer lost, or never
+    // delivered (a broken connection surfaces long after a statement that
+    // did arrive finished its short lock waits). The next answer is the
+    // truth either way; sending the hand-back again only carries out what
+    // the failed one meant, on partitions no work has touched since (the
+    // view dropped them). A tick handing partitions back is never given up
+    // on (see `tick`): one that could still run later would free
+    // partitions this relay may have taken again since.
     let mut unanswered: Vec<Partition> = Vec::new();
     // Renewals are timed from the start of the one before, not from its
     // answer: the view a renewal grants runs from when it was sent, so
@@ -114,10 +119,9 @@ pub(crate) async fn keep<S: Store, C: Clock>(
             Err(e) => {
                 if !sending.is_empty() {
                     // The hand-back may have committed though its answer
-                    // was lost (or may commit yet, for a tick given up on):
-                    // another relay can take those partitions now. Work on
-                    // them stops here, and they are handed back again until
-                    // a tick answers.
+                    // was lost: another relay can take those partitions
+                    // now. Work on them stops here, and they are handed
+                    // back again until a tick answers.
                     tx.send_modify(|view| view.owned.leases.retain(|(p, _)| !sending.contains(p)));
                 }
                 drop(gate);
@@ -131,8 +135,8 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                 }
             }
         }
-        // A renewal given up on is sent again at once: it took longer than
-        // the interval.
+        // A renewal given up on (or a slow hand-back) is followed at once:
+        // it took longer than the interval.
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
             _ = stop.cancelled() => return,
@@ -140,16 +144,28 @@ pub(crate) async fn keep<S: Store, C: Clock>(
     }
 }
 
-/// One renewal, handing `release` back, bounded by the settings'
-/// [`tick_timeout`](crate::RelaySettings::tick_timeout). A renewal given up
-/// on is a failed one: its statement may still run on the server, which
-/// only extends the leases or takes partitions the next answer reports, or
-/// hands `release` back, as a failed renewal's may have; the view it would
-/// have granted is never claimed.
+/// One renewal, handing `release` back. With nothing to hand back it is
+/// bounded by the settings' [`tick_timeout`](crate::RelaySettings::tick_timeout)
+/// and, given up on, counts as failed: its statement may still run on the
+/// server, which only extends the leases or takes free partitions that the
+/// next answer reports; the view it would have granted is never claimed.
+///
+/// A hand-back is awaited however long it takes. Given up on, it could
+/// still run on the server much later (a connection gone silent delivers
+/// it when it recovers), after a later tick answered and this relay took
+/// some of those partitions again under a new token: the release does not
+/// check the token, so it would free them in the database while this relay
+/// still works them, and another relay would take them and publish the
+/// same keys beside it. Waiting only pauses the work once the view lapses,
+/// as an unanswered renewal does.
 async fn tick<S: Store, C: Clock>(shared: &Shared<S, C>, release: &[Partition]) -> Result<Ownership, StoreError> {
     let settings = &shared.settings;
+    let call = shared.store.tick(&settings.id, settings.lease, release);
+    if !release.is_empty() {
+        return call.await;
+    }
     let limit = settings.tick_timeout();
-    match tokio::time::timeout(limit, shared.store.tick(&settings.id, settings.lease, release)).await {
+    match tokio::time::timeout(limit, call).await {
         Ok(answer) => answer,
         Err(_) => Err(StoreError::transient(format!(
             "the database did not answer a lease renewal within {limit:?} (7/15 of relay.lease); sending it \

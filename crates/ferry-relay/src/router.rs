@@ -344,9 +344,10 @@ async fn route_step<S: Store, C: Clock>(shared: &Shared<S, C>, owned: &Ownership
 /// publishing batch n + 1, or, caught up, the wait for the next commit.
 struct Direct<'a> {
     route_names: Vec<String>,
-    /// Routes whose last direct publish failed transiently, wholly or in
-    /// part, with the step that found them down: their events park until
-    /// the route worker has emptied the table of them.
+    /// Routes whose last direct publish failed transiently, wholly, or in
+    /// part and slowly (see `direct::publish`), with the step that found
+    /// them down: their events park until the route worker has emptied the
+    /// table of them.
     down: HashMap<String, u64>,
     /// Steps taken, for telling which fetch could see which settle.
     steps: u64,

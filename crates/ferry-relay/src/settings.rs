@@ -55,7 +55,9 @@ impl RelaySettings {
     /// within this, it renews the view before the view lapses (a later
     /// answer finds the work paused already). Without a bound, a connection
     /// gone silent held the keeper until the kernel dropped the socket, and
-    /// every worker and the router stopped with it.
+    /// every worker and the router stopped with it. A tick handing
+    /// partitions back is not bounded: given up on, it could free them
+    /// later, after this relay took them again.
     pub(crate) fn tick_timeout(&self) -> Duration {
         self.lease
             .saturating_sub(self.lease_margin())

@@ -24,6 +24,12 @@ pub type Hook = Arc<dyn Fn(&'static str) -> BoxFuture<'static, Result<(), StoreE
 /// drops after the commit.
 pub type AfterTick = Arc<dyn Fn(&[Partition]) -> Option<StoreError> + Send + Sync>;
 
+/// Runs before a `tick` reaches the store (after the hook), given the
+/// partitions it hands back: it can hold the tick up, as a slow database
+/// would, and see whether the caller waited for it (a future dropped half
+/// way was given up on).
+pub type BeforeTick = Arc<dyn Fn(&[Partition]) -> BoxFuture<'static, ()> + Send + Sync>;
+
 /// Runs before a fenced write (`settle` or `record`, by name) reaches the
 /// store; an answer returned is given in its place and the store is not
 /// called, as when the fence refused it all (`Ok(0)`).
@@ -40,6 +46,7 @@ pub struct Hooked<S> {
     pub inner: S,
     pub hook: Hook,
     pub after_tick: Option<AfterTick>,
+    pub before_tick: Option<BeforeTick>,
     pub before_write: Option<BeforeWrite>,
     pub after_write: Option<AfterWrite>,
 }
@@ -50,6 +57,7 @@ impl<S> Hooked<S> {
             inner,
             hook,
             after_tick: None,
+            before_tick: None,
             before_write: None,
             after_write: None,
         }
@@ -86,6 +94,12 @@ impl<S> Hooked<S> {
         }
     }
 
+    /// Runs `before` ahead of every tick, given what it hands back.
+    pub fn before_ticks(mut self, before: BeforeTick) -> Self {
+        self.before_tick = Some(before);
+        self
+    }
+
     /// Loses the answer of the ticks `after` says to: the store did the
     /// work, the caller gets the error.
     pub fn losing_tick_answers(mut self, after: AfterTick) -> Self {
@@ -111,6 +125,9 @@ impl<S> Hooked<S> {
 impl<S: Store> Store for Hooked<S> {
     async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
         (self.hook)("tick").await?;
+        if let Some(before) = &self.before_tick {
+            before(release).await;
+        }
         let answer = self.inner.tick(relay, lease, release).await;
         match self.after_tick.as_ref().and_then(|after| after(release)) {
             Some(lost) => Err(lost),

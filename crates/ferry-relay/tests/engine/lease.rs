@@ -54,26 +54,29 @@ async fn a_lease_renewal_that_never_answers_is_sent_again() {
     assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
 }
 
-/// Renewals that take 600 ms of a 2 s lease (a database under load) keep
+/// Renewals that take 1.8 s of a 6 s lease (a database under load) keep
 /// the lease view whole. The next renewal was sent a third of the lease
 /// after the last one's answer, not after its start, so the view (which
-/// runs from the start) lapsed for a while every cycle though the database
-/// lease never did, and the publishes in flight then were abandoned and
-/// sent again.
+/// runs from the start, for 4.8 s) lapsed for a while every cycle (the
+/// next answer came 2 × 1.8 + 2 = 5.6 s after the last start) though the
+/// database lease never did, and the publishes in flight then were
+/// abandoned and sent again. Timed from the start, an answer comes 3.8 s
+/// after it, and the tick is given up on only past 2.8 s: each leaves a
+/// second for the database's own time on a busy machine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn slow_lease_renewals_abandon_no_publish() {
     let e = env().await;
     e.sink.delay_when(|_| Some(Duration::from_millis(400)));
-    let store = Hooked::delaying(PgStore::new(e.pool.clone()), "tick", Duration::from_millis(600));
+    let store = Hooked::delaying(PgStore::new(e.pool.clone()), "tick", Duration::from_millis(1800));
     let s = RelaySettings {
-        lease: Duration::from_secs(2),
+        lease: Duration::from_secs(6),
         ..settings("slow-tick", 4)
     };
     let relay = start_on(&e, store, s, vec![route("orders", "order.**")]);
-    // A publish in flight most of the time, for about 5 s: several
+    // A publish in flight most of the time, for about 12 s: several
     // renewals.
     let mut ids = Vec::new();
-    for i in 0..50 {
+    for i in 0..120 {
         ids.extend(
             produce(
                 &e.pool,
@@ -96,4 +99,84 @@ async fn slow_lease_renewals_abandon_no_publish() {
     );
     assert_eq!(report.refused, 0);
     assert_complete_and_ordered(&ids, &e.sink.delivered("orders"));
+}
+
+/// A tick handing partitions back that the database answers only after
+/// the renewal bound is waited for, not given up on and followed by
+/// another. Given up on, it could still run on the server later (a
+/// connection gone silent delivers it when it recovers), after a later
+/// tick answered and the relay took some of those partitions again under
+/// a new token: the release does not check the token, so it would free
+/// them while the relay works them, for another relay to take and publish
+/// beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_slow_hand_back_is_waited_for_not_given_up_on() {
+    use ferry_testkit::hooked::{BeforeTick, Hook};
+    let e = env().await;
+    let ticks = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let hook: Hook = {
+        let ticks = ticks.clone();
+        Arc::new(move |called| {
+            if called == "tick" {
+                ticks.fetch_add(1, Ordering::SeqCst);
+            }
+            Box::pin(async { Ok(()) })
+        })
+    };
+    let slowed = Arc::new(AtomicBool::new(false));
+    // Ticks sent while the slow hand-back waited, once it is answered.
+    let beside = Arc::new(std::sync::Mutex::new(None::<u64>));
+    let before: BeforeTick = {
+        let (ticks, slowed, beside) = (ticks.clone(), slowed.clone(), beside.clone());
+        Arc::new(move |release| {
+            let slow = !release.is_empty() && !slowed.swap(true, Ordering::SeqCst);
+            let (ticks, beside) = (ticks.clone(), beside.clone());
+            Box::pin(async move {
+                if slow {
+                    let sent = ticks.load(Ordering::SeqCst);
+                    // Past the 1.4 s bound of a 3 s lease, and past the
+                    // lease itself.
+                    tokio::time::sleep(Duration::from_secs(4)).await;
+                    *beside.lock().unwrap() = Some(ticks.load(Ordering::SeqCst) - sent);
+                }
+            })
+        })
+    };
+    let store = Hooked::new(PgStore::new(e.pool.clone()), hook).before_ticks(before);
+    let relay = start_on(
+        &e,
+        store,
+        settings("slow-hand-back", 4),
+        vec![route("orders", "order.**")],
+    );
+    eventually_async("every partition leased", Duration::from_secs(20), async || {
+        leased(&e.pool, Some("slow-hand-back")).await == 32
+    })
+    .await;
+    // Another live relay: this one's fair share halves, and it hands 16
+    // partitions back.
+    sqlx::query("INSERT INTO ferry.relays (id, heartbeat_at) VALUES ('elsewhere', now() + interval '1 hour')")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    eventually("a hand-back sent", Duration::from_secs(20), || {
+        slowed.load(Ordering::SeqCst)
+    })
+    .await;
+    eventually(
+        "the slow hand-back waited for to its answer",
+        Duration::from_secs(20),
+        || beside.lock().unwrap().is_some(),
+    )
+    .await;
+    assert_eq!(
+        *beside.lock().unwrap(),
+        Some(0),
+        "ticks sent while the hand-back was unanswered: it was given up on"
+    );
+    eventually_async("half the partitions handed back", Duration::from_secs(20), async || {
+        leased(&e.pool, Some("slow-hand-back")).await == 16
+    })
+    .await;
+    relay.stop().await;
 }
