@@ -4,6 +4,8 @@
 
 #[path = "rabbitmq/channel_limit.rs"]
 mod channel_limit;
+#[path = "rabbitmq/deadline.rs"]
+mod deadline;
 #[path = "rabbitmq/faults.rs"]
 mod faults;
 #[path = "rabbitmq/poison.rs"]

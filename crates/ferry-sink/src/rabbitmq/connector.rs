@@ -17,6 +17,8 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
+use super::deadline::Deadline;
+use super::lanes::Lanes;
 use super::missing::MissingExchanges;
 use super::reply::{self, NOT_FOUND};
 use crate::backoff::Backoff;
@@ -37,19 +39,16 @@ pub(crate) struct Connector {
     url: String,
     /// `url` without its password, for messages and logs.
     display_url: String,
-    /// Bounds each connect, channel open and declare.
+    /// Bounds each connect, channel open and declare outside a publish
+    /// call (`check`, `close`).
     timeout: Duration,
+    /// The current publish call's deadline: within a call it bounds every
+    /// step instead of `timeout`, and no step starts once it passed.
+    deadline: Option<Deadline>,
     link: Option<Link>,
-    /// How many publishing channels a link holds: `configured`, or fewer
-    /// once the broker refused one.
-    lanes: usize,
-    /// The sink's `channels` setting.
-    configured: usize,
-    /// Whether the broker allows a channel beyond the publishing ones, for
-    /// passive declares: assumed until a refusal says otherwise.
-    spare: bool,
-    /// The broker's refusal that lowered `lanes`, for `check` to report.
-    shortfall: Option<String>,
+    /// How many publishing channels a link holds: the sink's `channels`
+    /// setting, or fewer for a while after the broker refused one.
+    lanes: Lanes,
     /// Exchanges found missing, checked again before events go to them.
     pub(crate) missing: MissingExchanges,
     backoff: Backoff,
@@ -73,15 +72,36 @@ impl Connector {
             display_url: ferry_core::redact::url(&url),
             url,
             timeout,
+            deadline: None,
             link: None,
-            lanes: lanes.max(1),
-            configured: lanes.max(1),
-            spare: true,
-            shortfall: None,
+            lanes: Lanes::new(lanes, super::lanes::RETRY_AFTER),
             missing: MissingExchanges::default(),
             backoff: Backoff::new(reconnect_max_delay),
             refused: false,
         }
+    }
+
+    /// Bounds every step until `deadline` (one publish call's), or each by
+    /// the timeout again (`None`).
+    pub(crate) fn set_deadline(&mut self, deadline: Option<Deadline>) {
+        self.deadline = deadline;
+    }
+
+    /// How long the broker may take over the next step, `what`: the timeout,
+    /// or what is left of the call's deadline; an error once it passed, so
+    /// that the step does not start.
+    fn bound(&self, what: &str) -> Result<Duration, SinkError> {
+        match &self.deadline {
+            None => Ok(self.timeout),
+            Some(deadline) if deadline.passed() => Err(deadline.error(what)),
+            Some(deadline) => Ok(deadline.left().min(self.timeout)),
+        }
+    }
+
+    /// How long after a channel-limit refusal the configured number of
+    /// channels is tried again.
+    pub(crate) fn set_channels_retry_after(&mut self, after: Duration) {
+        self.lanes.set_retry_after(after);
     }
 
     /// The publishing channels, one per lane, connecting or reopening them
@@ -90,10 +110,22 @@ impl Connector {
     ///
     /// Where the broker refuses a channel (a user's `max-channels`, a node's
     /// channel limit, the negotiated `channel_max`), the sink publishes over
-    /// fewer from then on and warns; only when it refuses the first is this
-    /// an error, transient and naming the limit and `sinks.<sink>.channels`.
+    /// fewer and warns, trying the configured number again after a
+    /// cool-down ([`Lanes`]); only when it refuses the first is this an
+    /// error, transient and naming the limit and `sinks.<sink>.channels`.
     pub(crate) async fn confirm_channels(&mut self, sink: &str) -> Result<Vec<Channel>, SinkError> {
-        // Each refusal past the first channel lowers `lanes`, so this ends.
+        if self.lanes.retry_due(Instant::now()) {
+            info!(
+                url = %self.display_url,
+                channels = self.lanes.configured(),
+                "trying the configured number of RabbitMQ channels again after a channel-limit refusal"
+            );
+            let lanes = self.lanes.current();
+            if let Some(link) = &mut self.link {
+                link.channels.resize(lanes, None);
+            }
+        }
+        // Each refusal past the first channel lowers the lanes, so this ends.
         loop {
             self.connection().await?;
             if self.blocked() {
@@ -101,7 +133,10 @@ impl Connector {
             }
             self.settle_owed().await?;
             match self.open_lanes().await? {
-                Ok(channels) => return Ok(channels),
+                Ok(channels) => {
+                    self.lanes.opened(channels.len());
+                    return Ok(channels);
+                }
                 Err((lane, refusal)) if lane > 0 => self.fewer_lanes(lane, &refusal),
                 Err((_, refusal)) => {
                     let error = self.limit_error("opening a publishing channel", &refusal, sink);
@@ -114,14 +149,16 @@ impl Connector {
     /// Opens the lanes' missing channels: the inner error is the lane whose
     /// channel the broker refused for a channel limit, and the refusal.
     async fn open_lanes(&mut self) -> Result<Result<Vec<Channel>, (usize, lapin::Error)>, SinkError> {
-        let link = self.link.as_mut().expect("connection() leaves a link");
-        let mut channels = Vec::with_capacity(link.channels.len());
-        for lane in 0..link.channels.len() {
+        let lanes = self.link.as_ref().expect("connection() leaves a link").channels.len();
+        let mut channels = Vec::with_capacity(lanes);
+        for lane in 0..lanes {
+            let bound = self.bound("publishing channel not opened")?;
+            let link = self.link.as_mut().expect("connection() leaves a link");
             if let Some(channel) = &link.channels[lane] {
                 channels.push(channel.clone());
                 continue;
             }
-            let opened = timeout(self.timeout, async {
+            let opened = timeout(bound, async {
                 let channel = link.connection.create_channel().await?;
                 channel.confirm_select(ConfirmSelectOptions::default()).await?;
                 Ok::<_, lapin::Error>(channel)
@@ -137,7 +174,7 @@ impl Connector {
                 Ok(Err(e)) => return Err(self.lost(reply::from_lapin("opening a confirm channel", &e))),
                 // Blocked meanwhile: lapin writes nothing until the alarm clears.
                 Err(_) if self.blocked() => return Err(self.blocked_error("not sent")),
-                Err(_) => return Err(self.lost(self.timed_out("opening a confirm channel"))),
+                Err(_) => return Err(self.lost(self.timed_out("opening a confirm channel", bound))),
             }
         }
         Ok(Ok(channels))
@@ -146,16 +183,13 @@ impl Connector {
     /// The broker allows `lane` channels, not one more: publish over one
     /// fewer, leaving one free for the passive declares that check
     /// exchanges (over the one, with none free, when it allows only one).
-    /// Kept for the sink's life: a refusal RabbitMQ answers by closing the
-    /// connection is not worth meeting again on every reconnect.
+    /// Kept until the cool-down passes ([`Lanes`]), not met again on every
+    /// reconnect: RabbitMQ answers the refusal by closing the connection.
     fn fewer_lanes(&mut self, lane: usize, refusal: &lapin::Error) {
-        let keep = (lane - 1).max(1);
-        self.spare = lane >= 2;
-        self.lanes = keep;
-        self.shortfall = Some(refusal.to_string());
+        let keep = self.lanes.refused(lane, refusal.to_string(), Instant::now());
         warn!(
             url = %self.display_url,
-            configured = self.configured,
+            configured = self.lanes.configured(),
             publishing_over = keep,
             refusal = %refusal,
             "RabbitMQ allows fewer channels than the sink's channels setting; publishing over those it allows"
@@ -176,15 +210,16 @@ impl Connector {
             "{what}: RabbitMQ at {} refused a channel for a channel limit ({refusal}); raise the user's \
              max-channels limit (rabbitmqctl set_user_limits) or the broker's channel_max, or lower \
              sinks.{sink}.channels (now {}), and look for other connections of the same user holding channels",
-            self.display_url, self.configured
+            self.display_url,
+            self.lanes.configured()
         ))
     }
 
     /// When the broker allowed fewer channels than configured, what to tell
     /// the operator, naming the setting.
     pub(crate) fn shortfall(&self, sink: &str) -> Option<String> {
-        let refusal = self.shortfall.as_deref()?;
-        let spare = if self.spare {
+        let refusal = self.lanes.refusal()?;
+        let spare = if self.lanes.spare() {
             ""
         } else {
             ", with none spare for checking exchanges"
@@ -192,7 +227,8 @@ impl Connector {
         Some(format!(
             "RabbitMQ allows fewer channels than sinks.{sink}.channels = {} ({refusal}): publishing over {}{spare}; \
              raise the user's max-channels limit or the broker's channel_max, or lower sinks.{sink}.channels",
-            self.configured, self.lanes
+            self.lanes.configured(),
+            self.lanes.current()
         ))
     }
 
@@ -214,11 +250,12 @@ impl Connector {
                 return Err(self.blocked_error(&format!("exchange {exchange:?} not checked")));
             }
             self.make_room().await;
-            match self.declare_passive(name.clone()).await {
+            let bound = self.bound(&format!("exchange {exchange:?} not checked"))?;
+            match self.declare_passive(name.clone(), bound).await {
                 Ok(Ok(())) => return Ok(true),
                 Ok(Err(e)) if reply::reply_code(&e) == Some(NOT_FOUND) => return Ok(false),
                 Ok(Err(e)) if reply::channel_refused(&e) => {
-                    self.spare = false;
+                    self.lanes.no_spare(Instant::now());
                     let error = self.limit_error(&format!("checking exchange {exchange:?}"), &e, sink);
                     let error = self.lost(error);
                     if attempt == 1 {
@@ -232,7 +269,10 @@ impl Connector {
                 Err(_) if self.blocked() => {
                     return Err(self.blocked_error(&format!("exchange {exchange:?} not checked")));
                 }
-                Err(_) => return Err(self.lost(self.timed_out(&format!("checking exchange {exchange:?}")))),
+                Err(_) => {
+                    let error = self.timed_out(&format!("checking exchange {exchange:?}"), bound);
+                    return Err(self.lost(error));
+                }
             }
         }
         unreachable!("the second attempt returns")
@@ -241,9 +281,10 @@ impl Connector {
     async fn declare_passive(
         &self,
         name: ShortString,
+        bound: Duration,
     ) -> Result<Result<(), lapin::Error>, tokio::time::error::Elapsed> {
         let connection = &self.link.as_ref().expect("connection() leaves a link").connection;
-        timeout(self.timeout, async {
+        timeout(bound, async {
             let channel = connection.create_channel().await?;
             let options = ExchangeDeclareOptions {
                 passive: true,
@@ -267,15 +308,16 @@ impl Connector {
     /// those (idle between batches; reopened by the next) to free one for a
     /// passive declare. Not while confirms are owed on them.
     async fn make_room(&mut self) {
-        if self.spare {
+        if self.lanes.spare() {
             return;
         }
+        let Ok(bound) = self.bound("") else { return };
         let Some(link) = self.link.as_mut().filter(|link| !link.owed) else {
             return;
         };
         for slot in &mut link.channels {
             if let Some(channel) = slot.take() {
-                let _ = timeout(self.timeout, channel.close(200, "OK".into())).await;
+                let _ = timeout(bound, channel.close(200, "OK".into())).await;
             }
         }
     }
@@ -329,11 +371,13 @@ impl Connector {
     /// blocked (its returns are drained with them), or gives the connection
     /// up if they do not come.
     async fn settle_owed(&mut self) -> Result<(), SinkError> {
-        let Some(link) = self.link.as_mut().filter(|link| link.owed) else {
+        if !self.link.as_ref().is_some_and(|link| link.owed) {
             return Ok(());
-        };
+        }
+        let bound = self.bound("not sent while confirms owed since the alarm are awaited")?;
+        let Some(link) = self.link.as_mut() else { return Ok(()) };
         let channels: Vec<Channel> = link.channels.iter().flatten().cloned().collect();
-        let settled = timeout(self.timeout, async {
+        let settled = timeout(bound, async {
             for channel in &channels {
                 channel.wait_for_confirms().await?;
             }
@@ -346,7 +390,7 @@ impl Connector {
                 Ok(())
             }
             Ok(Err(e)) => Err(self.lost(reply::from_lapin("settling confirms owed since the alarm", &e))),
-            Err(_) => Err(self.lost(self.timed_out("settling confirms owed since the alarm"))),
+            Err(_) => Err(self.lost(self.timed_out("settling confirms owed since the alarm", bound))),
         }
     }
 
@@ -369,11 +413,17 @@ impl Connector {
         error
     }
 
-    pub(crate) fn timed_out(&self, what: &str) -> SinkError {
-        SinkError::transient(format!(
-            "{what}: no answer from RabbitMQ at {} within {:?}",
-            self.display_url, self.timeout
-        ))
+    /// `what` got no answer within `bound`: the timeout, or what was left
+    /// of the call's deadline, which then says so.
+    pub(crate) fn timed_out(&self, what: &str, bound: Duration) -> SinkError {
+        let what = format!(
+            "{what}: no answer from RabbitMQ at {} within {bound:?}",
+            self.display_url
+        );
+        match &self.deadline {
+            Some(deadline) if bound < self.timeout => deadline.error(&what),
+            _ => SinkError::transient(what),
+        }
     }
 
     /// Closes the channels and the connection, waiting for the broker's
@@ -420,7 +470,7 @@ impl Connector {
             let connection = self.connect().await?;
             self.link = Some(Link {
                 connection,
-                channels: vec![None; self.lanes],
+                channels: vec![None; self.lanes.current()],
                 owed: false,
             });
         }
@@ -436,8 +486,9 @@ impl Connector {
                 self.backoff.last_error().unwrap_or("none")
             )));
         }
+        let bound = self.bound("not connected to RabbitMQ")?;
         let properties = ConnectionProperties::default().with_connection_name("ferry".into());
-        let error = match timeout(self.timeout, Connection::connect(&self.url, properties)).await {
+        let error = match timeout(bound, Connection::connect(&self.url, properties)).await {
             Ok(Ok(connection)) => {
                 self.refused = false;
                 let frame_max = connection.configuration().frame_max();
@@ -453,6 +504,12 @@ impl Connector {
                 self.refused =
                     reply::reply_code(&e).is_some_and(|code| reply::reply_code_kind(code) == ErrorKind::Config);
                 format!("connecting to RabbitMQ at {}: {e}", self.display_url)
+            }
+            // Cut short by the call's deadline: no sign of a broker down,
+            // so no backoff; the next call connects with its full time.
+            Err(_) if bound < self.timeout => {
+                self.refused = false;
+                return Err(self.timed_out("connecting", bound));
             }
             Err(_) => {
                 self.refused = false;

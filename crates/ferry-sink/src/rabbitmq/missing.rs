@@ -46,6 +46,19 @@ impl MissingExchanges {
             .is_some_and(|at| now.saturating_duration_since(*at) < REMEMBERED_FOR)
     }
 
+    /// Those of `named` found missing within [`REMEMBERED_FOR`] of `now`,
+    /// the longest ago first: a check finding one missing again puts it
+    /// last, so that checks capped per call take each in turn.
+    pub(crate) fn suspects_among<'a>(&self, named: impl IntoIterator<Item = &'a str>, now: Instant) -> Vec<String> {
+        let mut suspects: Vec<(Instant, &str)> = named
+            .into_iter()
+            .filter(|x| self.suspects(x, now))
+            .map(|x| (self.found[x], x))
+            .collect();
+        suspects.sort_unstable();
+        suspects.into_iter().map(|(_, x)| x.to_owned()).collect()
+    }
+
     /// Drops what is older than [`REMEMBERED_FOR`].
     pub(crate) fn expire(&mut self, now: Instant) {
         self.found
@@ -80,5 +93,21 @@ mod tests {
         assert!(missing.suspects(&format!("x{}", CAPACITY + 9), start));
         missing.forget(&format!("x{}", CAPACITY + 9));
         assert_eq!(missing.found.len(), CAPACITY - 1);
+    }
+
+    #[test]
+    fn suspects_come_longest_unchecked_first_and_take_turns() {
+        let start = Instant::now();
+        let mut missing = MissingExchanges::default();
+        for (i, x) in ["a", "b", "c", "d"].into_iter().enumerate() {
+            missing.remember(x, start + Duration::from_secs(i as u64));
+        }
+        let now = start + Duration::from_secs(10);
+        let named = ["d", "b", "elsewhere", "a"];
+        assert_eq!(missing.suspects_among(named, now), ["a", "b", "d"]);
+        // a and b checked, found missing again: d's turn comes first.
+        missing.remember("a", now);
+        missing.remember("b", now + Duration::from_secs(1));
+        assert_eq!(missing.suspects_among(named, now), ["d", "a", "b"]);
     }
 }

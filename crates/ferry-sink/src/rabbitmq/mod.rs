@@ -19,6 +19,8 @@
 
 mod bindings;
 mod connector;
+mod deadline;
+mod lanes;
 mod message;
 mod missing;
 mod publish;
@@ -42,6 +44,7 @@ pub use reply::{
 use crate::batch::log_published;
 use bindings::{Management, Reach};
 use connector::Connector;
+use deadline::Deadline;
 use ferry_core::prepare_in_key_order;
 use message::Message;
 
@@ -56,8 +59,12 @@ pub struct RabbitMqOptions {
     /// `amqp://` or `amqps://` URL; the vhost is the path, URL-encoded
     /// (`%2f` for `/`). Default `amqp://127.0.0.1:5672/%2f`.
     pub url: String,
-    /// How long to wait for the broker: for the publisher confirms of a batch
-    /// once it is on the wire, and for each connect or declare. Default 10 s.
+    /// The longest a publish takes, from the call's start: connecting,
+    /// checking exchanges found missing before, opening channels, writing
+    /// the batch, sending again what a channel close failed, and awaiting
+    /// the confirms all fit in it; what is not confirmed by then fails
+    /// transiently. Also bounds each connect and declare of `check`.
+    /// Default 10 s.
     pub publish_timeout: Duration,
     /// The longest pause between failed connection attempts. Default 30 s.
     pub reconnect_max_delay: Duration,
@@ -78,9 +85,11 @@ pub struct RabbitMqOptions {
     /// than one lets a busy broker use more than one core. At least 1;
     /// default [`DEFAULT_CHANNELS`]. Where the broker allows fewer (the
     /// negotiated `channel_max`, a user's `max-channels` limit, a node's
-    /// channel limit), the sink publishes over those it gets from then on,
-    /// keeping one free for the passive declares that check exchanges, logs
-    /// a warning, and `check` reports it; where it allows none, publishing
+    /// channel limit), the sink publishes over those it gets, keeping one
+    /// free for the passive declares that check exchanges, logs a warning,
+    /// and `check` reports it; it tries the configured number again a
+    /// minute later (then after a cool-down that doubles while the broker
+    /// keeps refusing, up to ten minutes). Where it allows none, publishing
     /// fails transiently, naming the limit.
     pub channels: usize,
 }
@@ -163,6 +172,15 @@ impl RabbitMqSink {
     pub fn options(&self) -> &RabbitMqOptions {
         &self.options
     }
+
+    /// How long after a channel-limit refusal the sink tries its configured
+    /// number of channels again (the first cool-down; default a minute).
+    /// For tests, which cannot wait a minute.
+    #[doc(hidden)]
+    pub fn with_channels_retry_after(mut self, after: Duration) -> Self {
+        self.connector.get_mut().set_channels_retry_after(after);
+        self
+    }
 }
 
 impl std::fmt::Debug for RabbitMqSink {
@@ -174,11 +192,12 @@ impl std::fmt::Debug for RabbitMqSink {
     }
 }
 
-/// The connection while a batch is on it. A batch its caller stopped
-/// awaiting (a relay's bound on a publish) leaves confirms owed on the
-/// channels, and lapin hands a `basic.return` to whichever confirm resolves
-/// next: a later batch's unroutable message could ride on a stale confirm
-/// and pass for delivered. So an unfinished batch drops the connection.
+/// The connection while a batch is on it, bound by the call's deadline. A
+/// batch its caller stopped awaiting (a relay's bound on a publish) leaves
+/// confirms owed on the channels, and lapin hands a `basic.return` to
+/// whichever confirm resolves next: a later batch's unroutable message
+/// could ride on a stale confirm and pass for delivered. So an unfinished
+/// batch drops the connection.
 struct InFlight<'a> {
     connector: tokio::sync::MutexGuard<'a, Connector>,
     finished: bool,
@@ -186,6 +205,7 @@ struct InFlight<'a> {
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
+        self.connector.set_deadline(None);
         if !self.finished {
             self.connector.lost(SinkError::transient(
                 "a batch was abandoned before its confirms were in",
@@ -216,12 +236,15 @@ impl Sink for RabbitMqSink {
             return Vec::new();
         }
         let opts = &self.options;
+        // From the call's start: the relay's bound on it runs from there too.
+        let deadline = Deadline::after(opts.publish_timeout, &route.sink);
         // The relay admits events first; checking again keeps a direct caller
         // from sending what admit() would have refused, out of key order.
         let mut batch = InFlight {
             connector: self.connector.lock().await,
             finished: false,
         };
+        batch.connector.set_deadline(Some(deadline.clone()));
         // Connected first, so that the events are checked against the frame
         // size the broker negotiated, not refused for RabbitMQ's default.
         batch.connector.connect_if_needed().await;
@@ -229,15 +252,7 @@ impl Sink for RabbitMqSink {
         let prepare =
             |event: &StoredEvent| Message::prepare(route, event, &opts.source, opts.max_message_bytes, frame_max);
         let prepared = prepare_in_key_order(events, prepare);
-        let outcomes = publish::publish_batch(
-            &mut batch.connector,
-            route,
-            events,
-            prepared,
-            opts.publish_timeout,
-            &prepare,
-        )
-        .await;
+        let outcomes = publish::publish_batch(&mut batch.connector, route, events, prepared, &deadline, &prepare).await;
         batch.finished = true;
         log_published("RabbitMQ", route, events, &outcomes);
         outcomes

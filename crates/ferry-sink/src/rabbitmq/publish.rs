@@ -5,16 +5,16 @@
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::time::Duration;
 
 use ferry_core::{PublishOutcome, Route, SinkError, StoredEvent};
 use lapin::options::BasicPublishOptions;
 use lapin::{Channel, Confirmation};
-use tokio::time::{Instant, timeout, timeout_at};
+use tokio::time::timeout_at;
 use tracing::{debug, warn};
 
 use super::UNROUTABLE_METRIC;
 use super::connector::Connector;
+use super::deadline::Deadline;
 use super::message::Message;
 use super::reply;
 use super::resend;
@@ -32,22 +32,28 @@ pub(super) enum Fate {
     TimedOut,
 }
 
-/// Publishes `events` (`prepared` in key order) and returns one outcome
-/// each. `prepare` prepares an event again, for one sent a second time.
+/// At most this many exchanges found missing before are checked again in
+/// one call: each check costs a few round trips (more where it must make
+/// room for its channel, or reconnect), and a batch naming many of them
+/// must not spend its time on checks. The rest wait for a later call.
+const CHECKS_PER_CALL: usize = 4;
+
+/// Publishes `events` (`prepared` in key order) by `deadline` and returns
+/// one outcome each. `prepare` prepares an event again, for one sent a
+/// second time.
 pub(super) async fn publish_batch<P>(
     connector: &mut Connector,
     route: &Route,
     events: &[StoredEvent],
     mut prepared: Vec<Result<Message, SinkError>>,
-    publish_timeout: Duration,
+    deadline: &Deadline,
     prepare: &P,
 ) -> Vec<PublishOutcome>
 where
     P: Fn(&StoredEvent) -> Result<Message, SinkError> + Sync,
 {
-    let started = Instant::now();
     let sink = route.sink.as_str();
-    skip_missing_exchanges(connector, sink, events, &mut prepared).await;
+    skip_missing_exchanges(connector, sink, events, &mut prepared, deadline).await;
     let channels = match connector.confirm_channels(sink).await {
         Ok(channels) => channels,
         Err(e) => return prepared.into_iter().map(|p| p.and(Err(e.clone()))).collect(),
@@ -67,7 +73,7 @@ where
         parts
             .into_iter()
             .zip(&channels)
-            .map(|(part, channel)| send(channel, part, publish_timeout)),
+            .map(|(part, channel)| send(channel, part, deadline)),
     )
     .await;
     drop(channels);
@@ -106,13 +112,11 @@ where
         .map(|((fate, event), exchange)| match fate {
             Fate::Acked | Fate::Nacked => Some(confirmed(&fate, event, exchange.as_deref(), &returned)),
             Fate::Decided(outcome) => Some(outcome),
-            Fate::TimedOut if blocked => Some(Err(connector.blocked_error(&format!(
-                "no publisher confirm within {publish_timeout:?}, and the message may be stored once \
-                 the alarm clears"
-            )))),
-            Fate::TimedOut => Some(Err(SinkError::transient(format!(
-                "no publisher confirm from RabbitMQ within {publish_timeout:?}"
-            )))),
+            Fate::TimedOut if blocked => Some(Err(connector.blocked_error(
+                "no publisher confirm within the publish timeout, and the message may be stored once \
+                 the alarm clears",
+            ))),
+            Fate::TimedOut => Some(Err(deadline.error("no publisher confirm from RabbitMQ"))),
             Fate::NotSent(_) if blocked => Some(Err(connector.blocked_error("not sent"))),
             Fate::Failed(_) | Fate::NotSent(_) if resending => None,
             Fate::NotSent(cause) => Some(Err(cause)),
@@ -131,16 +135,7 @@ where
         connector.keep_blocked();
     }
     if resending {
-        // Within the publish timeout the relay allowed for the batch.
-        resend::settle(
-            connector,
-            sink,
-            events,
-            &mut outcomes,
-            prepare,
-            started + publish_timeout,
-        )
-        .await;
+        resend::settle(connector, sink, events, &mut outcomes, prepare, deadline).await;
     }
     // A blocked connection is kept: the next batch is refused at once, not
     // sent to wait out its own timeout. Once the alarm clears lapin writes
@@ -150,10 +145,13 @@ where
         .into_iter()
         .map(|outcome| {
             outcome.unwrap_or_else(|| {
-                Err(SinkError::transient(
-                    "not confirmed: RabbitMQ closed the channel over another message of this batch, \
-                     and sending this one again did not finish within the publish timeout or failed",
-                ))
+                let what = "not confirmed: RabbitMQ closed the channel over another message of this batch, \
+                            and sending this one again did not finish";
+                Err(if deadline.passed() {
+                    deadline.error(what)
+                } else {
+                    SinkError::transient(format!("{what}: the link failed meanwhile"))
+                })
             })
         })
         .collect()
@@ -182,36 +180,48 @@ pub(super) fn confirmed(
 /// Refuses, before sending, the events to exchanges found missing in an
 /// earlier batch that a passive declare finds missing still (later events
 /// of their keys are held back), and forgets those that exist again.
+///
+/// Only the exchanges the batch names are checked, the longest unchecked
+/// first, at most [`CHECKS_PER_CALL`] of them and within half the call's
+/// time, so that the batch keeps the other half. Those not checked are
+/// taken as missing still, and checked in a later call.
 async fn skip_missing_exchanges(
     connector: &mut Connector,
     sink: &str,
     events: &[StoredEvent],
     prepared: &mut [Result<Message, SinkError>],
+    deadline: &Deadline,
 ) {
     let now = std::time::Instant::now();
     connector.missing.expire(now);
     if connector.missing.is_empty() {
         return;
     }
-    let suspects: HashSet<String> = prepared
-        .iter()
-        .flatten()
-        .map(|m| m.exchange.as_str())
-        .filter(|x| connector.missing.suspects(x, now))
-        .map(str::to_owned)
-        .collect();
+    let named: HashSet<&str> = prepared.iter().flatten().map(|m| m.exchange.as_str()).collect();
+    let suspects = connector.missing.suspects_among(named, now);
+    let checks = deadline.until(tokio::time::Instant::now() + deadline.left() / 2);
+    connector.set_deadline(Some(checks.clone()));
     let mut missing = HashSet::new();
-    for exchange in suspects {
+    for (n, exchange) in suspects.into_iter().enumerate() {
+        if n >= CHECKS_PER_CALL || checks.passed() {
+            missing.insert(exchange);
+            continue;
+        }
         match connector.exchange_exists(&exchange, sink).await {
             Ok(true) => connector.missing.forget(&exchange),
             Ok(false) => {
-                connector.missing.remember(&exchange, now);
+                connector.missing.remember(&exchange, std::time::Instant::now());
+                missing.insert(exchange);
+            }
+            // Out of time for checks: as if not its turn.
+            Err(_) if checks.passed() => {
                 missing.insert(exchange);
             }
             // Unknown: sent, and settled if the broker refuses it.
             Err(e) => debug!(%e, exchange, "could not check an exchange found missing before"),
         }
     }
+    connector.set_deadline(Some(deadline.clone()));
     if missing.is_empty() {
         return;
     }
@@ -276,10 +286,13 @@ fn lanes(events: &[StoredEvent], n: usize) -> Vec<usize> {
 /// order, so a return can ride on a neighbour's confirm. Every return arrives
 /// before its own ack, so once all confirms of the batch are in, every return
 /// has been handed to one of them.
+///
+/// Nothing is written once `deadline` passed, and confirms not in by then
+/// time out.
 pub(super) async fn send(
     channel: &Channel,
     prepared: Vec<Result<Message, SinkError>>,
-    publish_timeout: Duration,
+    deadline: &Deadline,
 ) -> (Vec<Fate>, HashMap<String, SinkError>) {
     let options = BasicPublishOptions {
         mandatory: true,
@@ -298,6 +311,12 @@ pub(super) async fn send(
                 in_flight.push(Err(Fate::NotSent(cause.clone())));
                 continue;
             }
+            (Ok(_), None) if deadline.passed() => {
+                let cause = deadline.error("not sent");
+                broken = Some(cause.clone());
+                in_flight.push(Err(Fate::NotSent(cause)));
+                continue;
+            }
             (Ok(message), None) => message,
         };
         let publish = channel.basic_publish(
@@ -307,7 +326,7 @@ pub(super) async fn send(
             &message.payload,
             message.properties,
         );
-        match timeout(publish_timeout, publish).await {
+        match timeout_at(deadline.at(), publish).await {
             Ok(Ok(confirm)) => in_flight.push(Ok(confirm)),
             Ok(Err(e)) => {
                 broken = Some(SinkError::transient(format!(
@@ -324,7 +343,6 @@ pub(super) async fn send(
         }
     }
 
-    let deadline = Instant::now() + publish_timeout;
     let mut returned = HashMap::new();
     let mut fates = Vec::with_capacity(in_flight.len());
     for entry in in_flight {
@@ -337,7 +355,7 @@ pub(super) async fn send(
         };
         // timeout_at polls the confirm before the clock, so confirms that are
         // already in still count after the deadline has passed.
-        let fate = match timeout_at(deadline, confirm).await {
+        let fate = match timeout_at(deadline.at(), confirm).await {
             Ok(Ok(Confirmation::Ack(back))) => {
                 record_return(&mut returned, back);
                 Fate::Acked

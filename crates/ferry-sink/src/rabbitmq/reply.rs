@@ -23,7 +23,7 @@ pub const NOT_FOUND: u16 = 404;
 /// channel past a channel limit.
 pub const NOT_ALLOWED: u16 = 530;
 /// A channel-level refusal; on `basic.publish`, a message over the broker's
-/// `max_message_size`.
+/// `max_message_size` among others (see [`too_large`]).
 pub(crate) const PRECONDITION_FAILED: u16 = 406;
 
 /// How a failure carrying this AMQP reply code should be handled.
@@ -31,9 +31,12 @@ pub(crate) const PRECONDITION_FAILED: u16 = 406;
 /// Only codes that name a fault retrying cannot cure are permanent or
 /// configuration errors. Everything else, including `406 PRECONDITION_FAILED`,
 /// is transient: RabbitMQ uses 406 for unrelated conditions (a message over
-/// its `max_message_size`, but also delivery-tag mix-ups), and an event that
-/// keeps failing reaches the retry policy's attempt limit anyway, whereas a
-/// wrong "permanent" would send healthy events to dead.
+/// its `max_message_size`, but also delivery-tag mix-ups, or a policy
+/// changed under an exchange), and an event that keeps failing reaches the
+/// retry policy's attempt limit anyway, whereas a wrong "permanent" would
+/// send healthy events to dead. The one exception is decided on the
+/// broker's text, not its code: a message sent alone that the broker
+/// refuses as over its size limit ([`too_large`]) is permanent.
 ///
 /// ```
 /// use ferry_core::ErrorKind;
@@ -58,6 +61,19 @@ pub(crate) fn reply_code(err: &lapin::Error) -> Option<u16> {
         LapinErrorKind::ProtocolError(e) => Some(e.get_id()),
         _ => None,
     }
+}
+
+/// Whether the broker refused a message as over its `max_message_size`
+/// (`406 PRECONDITION_FAILED - message size N is larger than [configured]
+/// max size M`): sent again, that message would be refused again. The only
+/// place the reply text is read, as RabbitMQ gives this 406 no code of its
+/// own.
+pub(crate) fn too_large(err: &lapin::Error) -> bool {
+    let LapinErrorKind::ProtocolError(e) = err.kind() else {
+        return false;
+    };
+    let text = e.get_message().as_str();
+    e.get_id() == PRECONDITION_FAILED && text.contains("message size") && text.contains("max size")
 }
 
 /// Whether the broker closed the channel (a soft error) over something sent
@@ -161,6 +177,33 @@ mod tests {
         )));
         let io = lapin::Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
         assert!(!closed_channel(&io) && !channel_refused(&io));
+    }
+
+    #[test]
+    fn only_a_406_for_the_message_size_is_too_large() {
+        let closed = |soft, text: &str| {
+            lapin::Error::from(LapinErrorKind::ProtocolError(AMQPError::new(
+                AMQPErrorKind::Soft(soft),
+                text.into(),
+            )))
+        };
+        assert!(too_large(&closed(
+            AMQPSoftError::PRECONDITIONFAILED,
+            "PRECONDITION_FAILED - message size 17000000 is larger than configured max size 16777216"
+        )));
+        assert!(!too_large(&closed(
+            AMQPSoftError::PRECONDITIONFAILED,
+            "PRECONDITION_FAILED - unknown delivery tag 7"
+        )));
+        // The text without the code: not this refusal.
+        assert!(!too_large(&closed(
+            AMQPSoftError::NOTFOUND,
+            "NOT_FOUND - message size of exchange 'max size'"
+        )));
+        let io = lapin::Error::from(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(!too_large(&io));
+        // The rule for the code stands.
+        assert_eq!(reply_code_kind(PRECONDITION_FAILED), ErrorKind::Transient);
     }
 
     #[test]

@@ -12,18 +12,19 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use ferry_core::{PublishOutcome, SinkError, StoredEvent};
-use tokio::time::Instant;
 
 use super::connector::Connector;
+use super::deadline::Deadline;
 use super::message::Message;
 use super::publish::{Fate, confirmed, missing_error, send};
-use super::reply::{self, ACCESS_REFUSED, NOT_FOUND, PRECONDITION_FAILED};
+use super::reply::{self, ACCESS_REFUSED, NOT_FOUND};
 
 /// The longest run sent at once: a close costs a run's unconfirmed
 /// publishes, sent again one at a time.
 const MAX_RUN: usize = 256;
 
-/// Sends again the events whose `outcomes` are `None`, until `deadline`;
+/// Sends again the events whose `outcomes` are `None`, until `deadline`
+/// (the call's, which also bounds each reconnect and channel open here);
 /// those still unsettled then are left `None`. Keeps each key's order: an
 /// event is held back behind an earlier failed event of its key.
 pub(super) async fn settle<P>(
@@ -32,7 +33,7 @@ pub(super) async fn settle<P>(
     events: &[StoredEvent],
     outcomes: &mut [Option<PublishOutcome>],
     prepare: &P,
-    deadline: Instant,
+    deadline: &Deadline,
 ) where
     P: Fn(&StoredEvent) -> Result<Message, SinkError> + Sync,
 {
@@ -47,7 +48,7 @@ pub(super) async fn settle<P>(
     }
     let mut missing: HashSet<String> = HashSet::new();
     let mut run = 1;
-    while !queue.is_empty() && Instant::now() < deadline {
+    while !queue.is_empty() && !deadline.passed() {
         let mut picked = Vec::with_capacity(run);
         let mut messages = Vec::with_capacity(run);
         while picked.len() < run
@@ -85,8 +86,7 @@ pub(super) async fn settle<P>(
                 break;
             }
         };
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (fates, returned) = send(&channel, messages, left).await;
+        let (fates, returned) = send(&channel, messages, deadline).await;
         let alone = picked.len() == 1;
         let closed = fates
             .iter()
@@ -164,11 +164,12 @@ fn refused(err: &lapin::Error, exchange: &str, sink: &str) -> SinkError {
             "RabbitMQ refused the message ({err}): grant the user of sinks.{sink}.url write access to \
              exchange {exchange:?}, or fix routes[].destination"
         )),
-        // On a publish, and alone on its channel: the message itself, most
-        // likely over the broker's max_message_size.
-        Some(PRECONDITION_FAILED) => SinkError::permanent(format!(
-            "RabbitMQ refused the message ({err}); if it is over the broker's max_message_size, set \
-             sinks.{sink}.max_message_bytes to at most that limit, so such events are refused before sending"
+        // Over the broker's max_message_size: that message can never pass.
+        // Other 406s (a policy changed under the exchange) stay transient,
+        // as reply_code_kind has them.
+        _ if reply::too_large(err) => SinkError::permanent(format!(
+            "RabbitMQ refused the message as too large ({err}): set sinks.{sink}.max_message_bytes to at \
+             most the broker's max_message_size, so such events are refused before sending"
         )),
         _ => reply::from_lapin("RabbitMQ refused the message", err),
     }
@@ -198,8 +199,61 @@ impl<'a> Failed<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::Failed;
+    use super::{Failed, refused};
     use crate::limits::fixtures::event;
+    use ferry_core::ErrorKind;
+    use lapin::ErrorKind as LapinErrorKind;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+
+    fn closed_with(soft: AMQPSoftError, text: &str) -> lapin::Error {
+        lapin::Error::from(LapinErrorKind::ProtocolError(AMQPError::new(
+            AMQPErrorKind::Soft(soft),
+            text.into(),
+        )))
+    }
+
+    #[test]
+    fn a_lone_406_is_permanent_only_for_a_message_over_the_size_limit() {
+        for text in [
+            "PRECONDITION_FAILED - message size 17000000 is larger than configured max size 16777216",
+            "PRECONDITION_FAILED - message size 600000000 is larger than max size 536870912",
+        ] {
+            let err = refused(
+                &closed_with(AMQPSoftError::PRECONDITIONFAILED, text),
+                "orders",
+                "rabbit",
+            );
+            assert_eq!(err.kind, ErrorKind::Permanent, "{err}");
+            assert!(err.message.contains("sinks.rabbit.max_message_bytes"), "{err}");
+        }
+        // The same code for other reasons, e.g. a policy changed meanwhile:
+        // transient, as reply_code_kind has 406.
+        for text in [
+            "PRECONDITION_FAILED - unknown delivery tag 7",
+            "PRECONDITION_FAILED - inequivalent arg 'type' for exchange 'orders' in vhost '/'",
+        ] {
+            let err = refused(
+                &closed_with(AMQPSoftError::PRECONDITIONFAILED, text),
+                "orders",
+                "rabbit",
+            );
+            assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+            assert!(err.message.contains(text), "{err}");
+        }
+        let err = refused(
+            &closed_with(AMQPSoftError::NOTFOUND, "NOT_FOUND - no exchange 'orders' in vhost '/'"),
+            "orders",
+            "rabbit",
+        );
+        assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+        assert!(err.message.contains("routes[].destination"), "{err}");
+        let err = refused(
+            &closed_with(AMQPSoftError::ACCESSREFUSED, "ACCESS_REFUSED - write access"),
+            "orders",
+            "rabbit",
+        );
+        assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    }
 
     #[test]
     fn a_failure_holds_back_only_the_later_events_of_its_key() {

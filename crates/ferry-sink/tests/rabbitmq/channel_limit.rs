@@ -118,3 +118,54 @@ async fn a_user_allowed_no_channel_fails_transiently_naming_the_limit() {
     user.delete().await;
     topology.delete().await;
 }
+
+#[tokio::test]
+async fn a_channel_limit_raised_again_gets_the_configured_channels_used_after_a_cool_down() {
+    // A refusal may be brief: another connection of the same user in a
+    // rolling deploy, or RabbitMQ counting closed channels a moment late.
+    let topology = TestTopology::create("chan-back").await;
+    let user = TestUser::create(".*").await;
+    user.limit_channels(1).await;
+    let sink = sink_with_channels(user.url(), 2).with_channels_retry_after(Duration::from_millis(300));
+    let to = route(topology.exchange(), None);
+    publish_until_published(&sink, &to, &keyed(20, |seq| format!("k{}", seq % 5))).await;
+    let caveats = sink.check_with_caveats(&to).await.expect("the route checks");
+    assert!(
+        caveats.iter().any(|c| c.contains("sinks.rabbit.channels")),
+        "the shortfall is reported while it lasts: {caveats:?}"
+    );
+
+    user.limit_channels(10).await;
+    // Once the cool-down passed, the sink tries the two configured again,
+    // gets them, and has nothing left to report.
+    let deadline = tokio::time::Instant::now() + ARRIVAL_TIMEOUT;
+    let mut round = 0;
+    loop {
+        round += 1;
+        let events = keyed(20, |seq| format!("r{round}-{}", seq % 5));
+        publish_until_published(&sink, &to, &events).await;
+        let caveats = sink.check_with_caveats(&to).await.expect("the route checks");
+        // (The test user may not ask the management API: a caveat of its own.)
+        if !caveats.iter().any(|c| c.contains("sinks.rabbit.channels")) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still publishing over fewer channels than configured: {caveats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // And publishes over both: the broker counts two channels open on the
+    // sink's connection (its statistics come a few seconds late).
+    while user.channels_open().await != 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the broker counts {} channels of the sink's, not 2",
+            user.channels_open().await
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    sink.close().await;
+    user.delete().await;
+    topology.delete().await;
+}

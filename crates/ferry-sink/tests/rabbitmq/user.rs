@@ -63,6 +63,28 @@ impl TestUser {
         .await;
     }
 
+    /// The channels open on this user's connections, as the management API
+    /// last heard (its statistics lag by a few seconds).
+    pub async fn channels_open(&self) -> i64 {
+        let url = self.api.join("connections?columns=user,channels").unwrap();
+        let connections: Vec<serde_json::Value> = self
+            .client
+            .get(url.clone())
+            .basic_auth(&self.admin.0, Some(&self.admin.1))
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+        connections
+            .iter()
+            .filter(|c| c["user"] == self.name.as_str())
+            .map(|c| c["channels"].as_i64().unwrap_or(0))
+            .sum()
+    }
+
     /// The test broker's URL, logged in as this user.
     pub fn url(&self) -> String {
         let mut url = Url::parse(&amqp_url()).unwrap();
