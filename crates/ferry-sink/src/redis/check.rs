@@ -144,18 +144,43 @@ impl RedisSink {
             }
             other => answered(link, "INFO cluster", limit, other)?,
         };
-        // A caveat, not a refusal: a cluster of one shard serves every key
-        // and publishes fine, until it is scaled out.
-        if info_field(&info, "cluster_enabled") == Some("1") {
-            return Ok(Some(format!(
-                "sinks.{sink}.url reaches a Redis Cluster node (INFO cluster: cluster_enabled:1), which the \
-                 sink does not support: it does not follow cluster redirects, so an event whose stream key \
-                 another node serves goes dead with MOVED (a cluster of one shard serves every key); point \
-                 sinks.{sink}.url at a Redis server that is not in cluster mode",
-                sink = route.sink
-            )));
+        if info_field(&info, "cluster_enabled") != Some("1") {
+            return Ok(None);
         }
-        Ok(None)
+        let unsupported = format!(
+            "sinks.{sink}.url reaches a Redis Cluster node (INFO cluster: cluster_enabled:1), which the sink \
+             does not support: it does not follow cluster redirects, so an event whose stream key another \
+             node serves goes dead with MOVED",
+            sink = route.sink
+        );
+        let fix = format!(
+            "point sinks.{sink}.url at a Redis server that is not in cluster mode",
+            sink = route.sink
+        );
+        // A cluster of one shard serves every key and publishes fine,
+        // until it is scaled out: a caveat. Of several, a refusal.
+        let mut asked = ::redis::cmd("CLUSTER");
+        asked.arg("INFO");
+        let shards = match timeout(limit, asked.query_async::<String>(connection)).await {
+            Ok(Ok(info)) => info_field(&info, "cluster_size").and_then(|n| n.trim().parse::<u64>().ok()),
+            Ok(Err(e)) if e.code().is_some() => {
+                debug!(error = %e, "Redis answers CLUSTER INFO with an error; its shards go uncounted");
+                None
+            }
+            other => answered(link, "CLUSTER INFO", limit, other).map(|_| None)?,
+        };
+        match shards {
+            Some(n) if n > 1 => Err(SinkError::config(format!(
+                "{unsupported}: this cluster has {n} shards (CLUSTER INFO: cluster_size:{n}); {fix}"
+            ))),
+            Some(_) => Ok(Some(format!(
+                "{unsupported} once the cluster, of one shard now, is scaled out; {fix}"
+            ))),
+            None => Ok(Some(format!(
+                "{unsupported} (a cluster of one shard serves every key; CLUSTER INFO could not be read to \
+                 count them); {fix}"
+            ))),
+        }
     }
 
     /// For `wait_replicas`: Redis must allow the user WAIT (or every batch

@@ -2,7 +2,8 @@
 //! publish. A user that may only XADD can publish, so `check` must not stop
 //! a relay from starting because it is refused the commands it looks with;
 //! a cluster node redirects keys it does not serve, which the sink does not
-//! follow, so `check` warns of it and a redirect says what it means.
+//! follow, so `check` refuses a cluster of several shards, warns of one of
+//! one shard, and a redirect says what it means.
 
 use std::time::Duration;
 
@@ -202,6 +203,13 @@ async fn a_cluster_redirect_names_the_cluster_and_the_fix() {
         ..RedisOptions::default()
     });
     let to = route("test", &key);
+    // Two shards: `check` refuses the node before any event goes dead.
+    let err = sink.check(&to).await.expect_err("a cluster of two shards");
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    assert!(
+        err.message.contains("cluster_size:2") && err.message.contains("point sinks.redis.url at"),
+        "{err}"
+    );
     for outcome in sink.publish(&to, &keyed(1, |_| "k".into())).await {
         expect_err(&outcome, ErrorKind::Config, "MOVED");
         expect_err(
