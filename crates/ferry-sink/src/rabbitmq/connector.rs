@@ -14,7 +14,7 @@ use ferry_core::{ErrorKind, SinkError};
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
-use tokio::time::timeout;
+use tokio::time::{timeout, timeout_at};
 use tracing::{debug, info, warn};
 
 use super::deadline::Deadline;
@@ -96,6 +96,14 @@ impl Connector {
             Some(deadline) if deadline.passed() => Err(deadline.error(what)),
             Some(deadline) => Ok(deadline.left().min(self.timeout)),
         }
+    }
+
+    /// Whether a step given `bound` was cut short by the call's deadline:
+    /// given clearly less than the timeout, not just what the call's first
+    /// moments took from it. Running out of such a bound says nothing of
+    /// the broker, so it costs no backoff and no connection.
+    fn cut_short(&self, bound: Duration) -> bool {
+        self.deadline.is_some() && bound < self.timeout.mul_f64(0.9)
     }
 
     /// How long after a channel-limit refusal the configured number of
@@ -269,6 +277,12 @@ impl Connector {
                 Err(_) if self.blocked() => {
                     return Err(self.blocked_error(&format!("exchange {exchange:?} not checked")));
                 }
+                // Out of the time the sink gave the checks: says nothing of
+                // the link, which is kept; the check's channel is left to
+                // finish (see declare_passive).
+                Err(_) if self.cut_short(bound) => {
+                    return Err(self.timed_out(&format!("checking exchange {exchange:?}"), bound));
+                }
                 Err(_) => {
                     let error = self.timed_out(&format!("checking exchange {exchange:?}"), bound);
                     return Err(self.lost(error));
@@ -284,12 +298,16 @@ impl Connector {
         bound: Duration,
     ) -> Result<Result<(), lapin::Error>, tokio::time::error::Elapsed> {
         let connection = &self.link.as_ref().expect("connection() leaves a link").connection;
-        timeout(bound, async {
-            let channel = connection.create_channel().await?;
-            let options = ExchangeDeclareOptions {
-                passive: true,
-                ..Default::default()
-            };
+        let by = tokio::time::Instant::now() + bound;
+        let channel = match timeout_at(by, connection.create_channel()).await? {
+            Ok(channel) => channel,
+            Err(e) => return Ok(Err(e)),
+        };
+        let options = ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let mut declare = Box::pin(async move {
             // The kind is ignored by a passive declare.
             let result = channel
                 .exchange_declare(name, ExchangeKind::Topic, options, FieldTable::default())
@@ -300,8 +318,17 @@ impl Connector {
                 let _ = channel.close(200, "OK".into()).await;
             }
             result
-        })
-        .await
+        });
+        match timeout_at(by, &mut declare).await {
+            Ok(result) => Ok(result),
+            Err(elapsed) => {
+                // Left to finish: dropped, the channel would close itself
+                // and cross the broker's close of a missing exchange's
+                // channel, which lapin takes for a broken connection.
+                tokio::spawn(timeout(self.timeout, declare));
+                Err(elapsed)
+            }
+        }
     }
 
     /// Where the broker allows no channel beyond the publishing ones, closes
@@ -507,7 +534,7 @@ impl Connector {
             }
             // Cut short by the call's deadline: no sign of a broker down,
             // so no backoff; the next call connects with its full time.
-            Err(_) if bound < self.timeout => {
+            Err(_) if self.cut_short(bound) => {
                 self.refused = false;
                 return Err(self.timed_out("connecting", bound));
             }
@@ -519,7 +546,9 @@ impl Connector {
                 )
             }
         };
-        let delay = self.backoff.failed(now, error.clone());
+        // From the failure, not the attempt's start: a connect that waited
+        // out the whole timeout is otherwise due again at once.
+        let delay = self.backoff.failed(Instant::now(), error.clone());
         warn!(%error, retry_in = ?delay, "RabbitMQ connection failed");
         Err(SinkError::transient(error))
     }

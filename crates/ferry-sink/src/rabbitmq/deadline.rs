@@ -1,4 +1,5 @@
-//! The one bound on a publish call: `publish_timeout` from the call's start.
+//! The one bound on a publish call: `publish_timeout` from when the call
+//! has the connection (not counting its wait behind other batches).
 //!
 //! The relay bounds a publish too (its direct publish timeout, the lease),
 //! and past that bound it reports every event failed, including those the

@@ -59,11 +59,13 @@ pub struct RabbitMqOptions {
     /// `amqp://` or `amqps://` URL; the vhost is the path, URL-encoded
     /// (`%2f` for `/`). Default `amqp://127.0.0.1:5672/%2f`.
     pub url: String,
-    /// The longest a publish takes, from the call's start: connecting,
-    /// checking exchanges found missing before, opening channels, writing
-    /// the batch, sending again what a channel close failed, and awaiting
-    /// the confirms all fit in it; what is not confirmed by then fails
-    /// transiently. Also bounds each connect and declare of `check`.
+    /// The longest a publish takes, from when the call has the connection
+    /// (batches to one sink go one at a time, and a call's wait for the
+    /// one before it is not counted): connecting, checking exchanges found
+    /// missing before, opening channels, writing the batch, sending again
+    /// what a channel close failed, and awaiting the confirms all fit in
+    /// it; what is not confirmed by then fails transiently. Also bounds
+    /// each connect and declare of `check`.
     /// Default 10 s.
     pub publish_timeout: Duration,
     /// The longest pause between failed connection attempts. Default 30 s.
@@ -236,18 +238,19 @@ impl Sink for RabbitMqSink {
             return Vec::new();
         }
         let opts = &self.options;
-        // From the call's start: the relay's bound on it runs from there too.
-        let deadline = Deadline::after(opts.publish_timeout, &route.sink);
-        // The relay admits events first; checking again keeps a direct caller
-        // from sending what admit() would have refused, out of key order.
         let mut batch = InFlight {
             connector: self.connector.lock().await,
             finished: false,
         };
+        // From when the connection is this call's: time spent queued behind
+        // other routes' batches on this sink is not taken from its own.
+        let deadline = Deadline::after(opts.publish_timeout, &route.sink);
         batch.connector.set_deadline(Some(deadline.clone()));
         // Connected first, so that the events are checked against the frame
         // size the broker negotiated, not refused for RabbitMQ's default.
         batch.connector.connect_if_needed().await;
+        // The relay admits events first; checking again keeps a direct caller
+        // from sending what admit() would have refused, out of key order.
         let frame_max = self.frame_max.load(Ordering::Relaxed);
         let prepare =
             |event: &StoredEvent| Message::prepare(route, event, &opts.source, opts.max_message_bytes, frame_max);

@@ -4,7 +4,7 @@
 //! and past that bound acked events are reported failed and sent twice.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use ferry_core::{ErrorKind, Sink, StoredEvent};
@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::support::proxy;
-use crate::support::{LIMIT, expect_err, route};
+use crate::support::{LIMIT, expect_err, keyed, route};
 
 /// A TCP proxy in front of the test broker that delays what the broker
 /// sends by a latency that can be changed at any time: a far or slow
@@ -27,6 +27,8 @@ use crate::support::{LIMIT, expect_err, route};
 struct SlowLink {
     addr: std::net::SocketAddr,
     latency_ms: Arc<AtomicU64>,
+    /// Connections accepted so far.
+    accepted: Arc<AtomicUsize>,
     accept: JoinHandle<()>,
 }
 
@@ -37,17 +39,36 @@ impl SlowLink {
         let addr = listener.local_addr().unwrap();
         let latency_ms = Arc::new(AtomicU64::new(0));
         let latency = Arc::clone(&latency_ms);
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&accepted);
         let accept = tokio::spawn(async move {
             let mut links = tokio::task::JoinSet::new();
             while let Ok((client, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
                 links.spawn(forward(client, upstream.clone(), Arc::clone(&latency)));
             }
         });
         Self {
             addr,
             latency_ms,
+            accepted,
             accept,
         }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+
+    /// A sink through this link, publishing over one channel.
+    fn sink(&self, publish_timeout: Duration) -> RabbitMqSink {
+        RabbitMqSink::new(RabbitMqOptions {
+            url: self.url(),
+            publish_timeout,
+            max_message_bytes: LIMIT,
+            channels: 1,
+            ..RabbitMqOptions::default()
+        })
     }
 
     fn url(&self) -> String {
@@ -126,38 +147,43 @@ fn batch(exchange: &str, missing: &[String], good: i64, round: i64) -> Vec<Store
     events
 }
 
+/// Events of one key of their own to each exchange in `missing`, one call
+/// each on a fast link: each exchange is found missing and remembered,
+/// without one call having to do it all within its publish timeout.
+async fn remember_missing(sink: &RabbitMqSink, missing: &[String]) {
+    let templated = route("{domain}", None);
+    for (i, domain) in missing.iter().enumerate() {
+        let seed = vec![event(
+            900_000 + i as i64,
+            &format!("{domain}.item.created"),
+            Some(&format!("seed{i}")),
+            json!({ "seed": i }),
+        )];
+        for outcome in &sink.publish(&templated, &seed).await {
+            expect_err(outcome, ErrorKind::Transient, "does not exist");
+        }
+    }
+}
+
 #[tokio::test]
 async fn checking_many_exchanges_found_missing_on_a_slow_link_keeps_within_the_publish_timeout() {
     let topology = TestTopology::create("deadline").await;
     let missing: Vec<String> = (0..20).map(|i| unique_name(&format!("deadline-gone{i}"))).collect();
     let link = SlowLink::start().await;
-    let publish_timeout = Duration::from_secs(2);
-    let sink = RabbitMqSink::new(RabbitMqOptions {
-        url: link.url(),
-        publish_timeout,
-        max_message_bytes: LIMIT,
-        channels: 1,
-        ..RabbitMqOptions::default()
-    });
+    let publish_timeout = Duration::from_secs(4);
+    let sink = link.sink(publish_timeout);
     let templated = route("{domain}", None);
 
     // On a fast link, the sink finds the twenty exchanges missing and
     // remembers them.
-    let first = batch(topology.exchange(), &missing, 8, 0);
-    let outcomes = sink.publish(&templated, &first).await;
-    for (e, outcome) in first.iter().zip(&outcomes) {
-        if e.key.as_deref().is_some_and(|k| k.starts_with('m')) {
-            expect_err(outcome, ErrorKind::Transient, "does not exist");
-        } else {
-            assert_eq!(outcome, &Ok(()), "event {}", e.seq);
-        }
-    }
+    remember_missing(&sink, &missing).await;
 
-    // 100 ms from the broker: a passive check of one exchange (channel
-    // open, declare, close) takes up to three round trips, all twenty
+    // 200 ms from the broker: a passive check of one exchange (channel
+    // open, declare, close) takes two or three round trips, all twenty
     // well past the publish timeout.
-    link.set_latency(Duration::from_millis(100));
-    let bound = publish_timeout + Duration::from_millis(500);
+    link.set_latency(Duration::from_millis(200));
+    // Generous for a busy machine, and still far below the twenty checks.
+    let bound = publish_timeout * 3 / 2;
     let deadline = Instant::now() + ARRIVAL_TIMEOUT;
     let mut good_published = false;
     for round in 1.. {
@@ -193,4 +219,98 @@ async fn checking_many_exchanges_found_missing_on_a_slow_link_keeps_within_the_p
     }
     sink.close().await;
     topology.delete().await;
+}
+
+/// The checks of exchanges found missing get half the call's time; running
+/// out of it says nothing of the connection, which the batch then uses.
+#[tokio::test]
+async fn a_check_cut_short_by_its_half_of_the_call_keeps_the_connection() {
+    let topology = TestTopology::create("deadline-keep").await;
+    let missing = vec![unique_name("deadline-keep-gone")];
+    let link = SlowLink::start().await;
+    let publish_timeout = Duration::from_secs(6);
+    let sink = link.sink(publish_timeout);
+    remember_missing(&sink, &missing).await;
+    let to = route(topology.exchange(), None);
+    assert!(
+        sink.publish(&to, &keyed(2, |seq| format!("w{seq}")))
+            .await
+            .iter()
+            .all(Result::is_ok)
+    );
+    let connections = link.accepted();
+
+    // A check takes two round trips (channel open, declare), 3.6 s, past
+    // its 3 s; the batch's one round trip fits in the 3 s left, while a
+    // reconnect (three round trips, then the channel's two) would not.
+    link.set_latency(Duration::from_millis(1800));
+    let events = batch(topology.exchange(), &missing, 4, 1);
+    let outcomes = sink.publish(&route("{domain}", None), &events).await;
+    for (e, outcome) in events.iter().zip(&outcomes) {
+        if e.key.as_deref().is_some_and(|k| k.starts_with('m')) {
+            expect_err(outcome, ErrorKind::Transient, "does not exist");
+        } else {
+            assert_eq!(outcome, &Ok(()), "event {}", e.seq);
+        }
+    }
+    assert_eq!(
+        link.accepted(),
+        connections,
+        "the connection was dropped for a check cut short"
+    );
+    link.set_latency(Duration::ZERO);
+    sink.close().await;
+    topology.delete().await;
+}
+
+/// Batches to one sink go one at a time: a call waiting for the one before
+/// it still gets its whole publish timeout once the connection is its own.
+#[tokio::test]
+async fn a_call_queued_behind_another_gets_its_whole_publish_timeout() {
+    let topology = TestTopology::create("deadline-queued").await;
+    let link = SlowLink::start().await;
+    let sink = link.sink(Duration::from_secs(4));
+    let to = route(topology.exchange(), None);
+    assert!(
+        sink.publish(&to, &keyed(2, |seq| format!("w{seq}")))
+            .await
+            .iter()
+            .all(Result::is_ok)
+    );
+
+    // Each batch takes one round trip, 2.5 s: the second waits that long
+    // for the first, then needs as long again.
+    link.set_latency(Duration::from_millis(2500));
+    let first = keyed(3, |seq| format!("a{seq}"));
+    let second = keyed(3, |seq| format!("b{seq}"));
+    let (first_outcomes, second_outcomes) = tokio::join!(sink.publish(&to, &first), sink.publish(&to, &second));
+    assert!(first_outcomes.iter().all(Result::is_ok), "{first_outcomes:?}");
+    assert!(second_outcomes.iter().all(Result::is_ok), "{second_outcomes:?}");
+    link.set_latency(Duration::ZERO);
+    sink.close().await;
+    topology.delete().await;
+}
+
+/// A connect nobody answers within the whole publish timeout is a failed
+/// connect like any other: it backs off and says so, and does not blame
+/// the publish timeout for a broker that is not there.
+#[tokio::test]
+async fn a_connect_nobody_answers_backs_off_without_blaming_the_publish_timeout() {
+    // Never accepted: the kernel completes the handshake, nothing answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let sink = RabbitMqSink::new(RabbitMqOptions {
+        url: proxy::redirect(&amqp_url(), silent.local_addr().unwrap()).0,
+        publish_timeout: Duration::from_secs(2),
+        max_message_bytes: LIMIT,
+        ..RabbitMqOptions::default()
+    });
+    let outcomes = sink
+        .publish(&route("anything", None), &keyed(2, |seq| format!("k{seq}")))
+        .await;
+    for outcome in &outcomes {
+        expect_err(outcome, ErrorKind::Transient, "no answer within 2s");
+        let err = outcome.as_ref().unwrap_err();
+        assert!(!err.message.contains("publish_timeout"), "{err}");
+    }
+    sink.close().await;
 }
