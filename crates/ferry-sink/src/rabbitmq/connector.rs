@@ -14,7 +14,7 @@ use ferry_core::{ErrorKind, SinkError};
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
-use tokio::time::{timeout, timeout_at};
+use tokio::time::timeout;
 use tracing::{debug, info, warn};
 
 use super::deadline::Deadline;
@@ -277,12 +277,6 @@ impl Connector {
                 Err(_) if self.blocked() => {
                     return Err(self.blocked_error(&format!("exchange {exchange:?} not checked")));
                 }
-                // Out of the time the sink gave the checks: says nothing of
-                // the link, which is kept; the check's channel is left to
-                // finish (see declare_passive).
-                Err(_) if self.cut_short(bound) => {
-                    return Err(self.timed_out(&format!("checking exchange {exchange:?}"), bound));
-                }
                 Err(_) => {
                     let error = self.timed_out(&format!("checking exchange {exchange:?}"), bound);
                     return Err(self.lost(error));
@@ -298,16 +292,12 @@ impl Connector {
         bound: Duration,
     ) -> Result<Result<(), lapin::Error>, tokio::time::error::Elapsed> {
         let connection = &self.link.as_ref().expect("connection() leaves a link").connection;
-        let by = tokio::time::Instant::now() + bound;
-        let channel = match timeout_at(by, connection.create_channel()).await? {
-            Ok(channel) => channel,
-            Err(e) => return Ok(Err(e)),
-        };
-        let options = ExchangeDeclareOptions {
-            passive: true,
-            ..Default::default()
-        };
-        let mut declare = Box::pin(async move {
+        timeout(bound, async {
+            let channel = connection.create_channel().await?;
+            let options = ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            };
             // The kind is ignored by a passive declare.
             let result = channel
                 .exchange_declare(name, ExchangeKind::Topic, options, FieldTable::default())
@@ -318,17 +308,8 @@ impl Connector {
                 let _ = channel.close(200, "OK".into()).await;
             }
             result
-        });
-        match timeout_at(by, &mut declare).await {
-            Ok(result) => Ok(result),
-            Err(elapsed) => {
-                // Left to finish: dropped, the channel would close itself
-                // and cross the broker's close of a missing exchange's
-                // channel, which lapin takes for a broken connection.
-                tokio::spawn(timeout(self.timeout, declare));
-                Err(elapsed)
-            }
-        }
+        })
+        .await
     }
 
     /// Where the broker allows no channel beyond the publishing ones, closes

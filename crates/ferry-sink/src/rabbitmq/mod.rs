@@ -61,7 +61,8 @@ pub struct RabbitMqOptions {
     pub url: String,
     /// The longest a publish takes, from when the call has the connection
     /// (batches to one sink go one at a time, and a call's wait for the
-    /// one before it is not counted): connecting, checking exchanges found
+    /// one before it is not counted, up to twice this from the call's
+    /// start, which the relay's own bound on a publish leaves): connecting, checking exchanges found
     /// missing before, opening channels, writing the batch, sending again
     /// what a channel close failed, and awaiting the confirms all fit in
     /// it; what is not confirmed by then fails transiently. Also bounds
@@ -238,13 +239,19 @@ impl Sink for RabbitMqSink {
             return Vec::new();
         }
         let opts = &self.options;
+        let called = tokio::time::Instant::now();
         let mut batch = InFlight {
             connector: self.connector.lock().await,
             finished: false,
         };
         // From when the connection is this call's: time spent queued behind
-        // other routes' batches on this sink is not taken from its own.
-        let deadline = Deadline::after(opts.publish_timeout, &route.sink);
+        // another route's batch on this sink is not taken from its own. But
+        // the relay's bound on the call runs from its start and is at least
+        // twice the publish timeout, so the call never runs past that.
+        let time = opts
+            .publish_timeout
+            .min((called + opts.publish_timeout * 2).saturating_duration_since(tokio::time::Instant::now()));
+        let deadline = Deadline::after(time, &route.sink);
         batch.connector.set_deadline(Some(deadline.clone()));
         // Connected first, so that the events are checked against the frame
         // size the broker negotiated, not refused for RabbitMQ's default.
