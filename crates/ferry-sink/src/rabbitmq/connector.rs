@@ -98,10 +98,10 @@ impl Connector {
         }
     }
 
-    /// Whether a step given `bound` was cut short by the call's deadline:
+    /// Whether a connect given `bound` was cut short by the call's deadline:
     /// given clearly less than the timeout, not just what the call's first
     /// moments took from it. Running out of such a bound says nothing of
-    /// the broker, so it costs no backoff and no connection.
+    /// the broker, so it costs no backoff.
     fn cut_short(&self, bound: Duration) -> bool {
         self.deadline.is_some() && bound < self.timeout.mul_f64(0.9)
     }

@@ -1,5 +1,6 @@
 //! The one bound on a publish call: `publish_timeout` from when the call
-//! has the connection (not counting its wait behind other batches).
+//! has the connection (not counting its wait behind other batches), and
+//! at most twice that, less a margin, from the call's start.
 //!
 //! The relay bounds a publish too (its direct publish timeout, the lease),
 //! and past that bound it reports every event failed, including those the

@@ -1,7 +1,9 @@
-//! A publish call ends within its `publish_timeout`, whatever it has to do
-//! on the way (check exchanges found missing before, reconnect, open
-//! channels, send again): the relay's own bound on it is not much longer,
-//! and past that bound acked events are reported failed and sent twice.
+//! A publish call ends within its `publish_timeout` from when it has the
+//! sink's connection, and within twice that from its start, whatever it
+//! has to do on the way (check exchanges found missing before, reconnect,
+//! open channels, send again): the relay's own bound on it is not much
+//! longer, and past that bound acked events are reported failed and sent
+//! twice.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -234,6 +236,51 @@ async fn a_call_queued_behind_another_gets_its_whole_publish_timeout() {
     let (first_outcomes, second_outcomes) = tokio::join!(sink.publish(&to, &first), sink.publish(&to, &second));
     assert!(first_outcomes.iter().all(Result::is_ok), "{first_outcomes:?}");
     assert!(second_outcomes.iter().all(Result::is_ok), "{second_outcomes:?}");
+    link.set_latency(Duration::ZERO);
+    sink.close().await;
+    topology.delete().await;
+}
+
+/// The relay's bound on a publish runs from the call's start: a call queued
+/// behind two others gets what is left of twice its publish timeout, not a
+/// whole one more, and fails transiently, unsent, rather than run past the
+/// relay's bound (which would report acked events failed).
+#[tokio::test]
+async fn a_call_queued_past_twice_the_publish_timeout_ends_inside_it() {
+    let topology = TestTopology::create("deadline-capped").await;
+    let link = SlowLink::start().await;
+    let sink = link.sink(Duration::from_secs(2));
+    let to = route(topology.exchange(), None);
+    assert!(
+        sink.publish(&to, &keyed(2, |seq| format!("w{seq}")))
+            .await
+            .iter()
+            .all(Result::is_ok)
+    );
+
+    // Each batch takes one round trip, 1.5 s: the third waits 3 s for the
+    // two before it, which leaves it 0.8 s of the 3.8 s its call may take.
+    link.set_latency(Duration::from_millis(1500));
+    let first = keyed(2, |seq| format!("a{seq}"));
+    let second = keyed(2, |seq| format!("b{seq}"));
+    let third = keyed(2, |seq| format!("c{seq}"));
+    let started = tokio::time::Instant::now();
+    let (first_outcomes, (second_outcomes, third_outcomes)) = tokio::join!(sink.publish(&to, &first), async {
+        // Queued in this order behind the first.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::join!(sink.publish(&to, &second), async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let outcomes = sink.publish(&to, &third).await;
+            (outcomes, started.elapsed())
+        })
+    });
+    assert!(first_outcomes.iter().all(Result::is_ok), "{first_outcomes:?}");
+    assert!(second_outcomes.iter().all(Result::is_ok), "{second_outcomes:?}");
+    let (third_outcomes, took) = third_outcomes;
+    for outcome in &third_outcomes {
+        expect_err(outcome, ErrorKind::Transient, "publish_timeout (2s)");
+    }
+    assert!(took < Duration::from_secs(6), "the third call took {took:?}");
     link.set_latency(Duration::ZERO);
     sink.close().await;
     topology.delete().await;
