@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use ferry_core::{ErrorKind, Sink, StoredEvent};
+use ferry_core::{ErrorKind, Route, Sink, StoredEvent};
 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
 use ferry_testkit::rabbit::{TestTopology, amqp_url, unique_name};
 use ferry_testkit::sink_suite::{ARRIVAL_TIMEOUT, event};
@@ -213,13 +213,12 @@ async fn checking_many_exchanges_found_missing_on_a_slow_link_keeps_within_the_p
     topology.delete().await;
 }
 
-/// Batches to one sink go one at a time: a call waiting for the one before
-/// it still gets its whole publish timeout once the connection is its own.
-#[tokio::test]
-async fn a_call_queued_behind_another_gets_its_whole_publish_timeout() {
-    let topology = TestTopology::create("deadline-queued").await;
+/// A sink through a slow link of no latency yet, with `publish_timeout`,
+/// connected by a first batch to a fresh exchange.
+async fn connected(name: &str, publish_timeout: Duration) -> (TestTopology, SlowLink, RabbitMqSink, Route) {
+    let topology = TestTopology::create(name).await;
     let link = SlowLink::start().await;
-    let sink = link.sink(Duration::from_secs(4));
+    let sink = link.sink(publish_timeout);
     let to = route(topology.exchange(), None);
     assert!(
         sink.publish(&to, &keyed(2, |seq| format!("w{seq}")))
@@ -227,6 +226,14 @@ async fn a_call_queued_behind_another_gets_its_whole_publish_timeout() {
             .iter()
             .all(Result::is_ok)
     );
+    (topology, link, sink, to)
+}
+
+/// Batches to one sink go one at a time: a call waiting for the one before
+/// it still gets its whole publish timeout once the connection is its own.
+#[tokio::test]
+async fn a_call_queued_behind_another_gets_its_whole_publish_timeout() {
+    let (topology, link, sink, to) = connected("deadline-queued", Duration::from_secs(4)).await;
 
     // Each batch takes one round trip, 2.5 s: the second waits that long
     // for the first, then needs as long again.
@@ -247,16 +254,7 @@ async fn a_call_queued_behind_another_gets_its_whole_publish_timeout() {
 /// relay's bound (which would report acked events failed).
 #[tokio::test]
 async fn a_call_queued_past_twice_the_publish_timeout_ends_inside_it() {
-    let topology = TestTopology::create("deadline-capped").await;
-    let link = SlowLink::start().await;
-    let sink = link.sink(Duration::from_secs(2));
-    let to = route(topology.exchange(), None);
-    assert!(
-        sink.publish(&to, &keyed(2, |seq| format!("w{seq}")))
-            .await
-            .iter()
-            .all(Result::is_ok)
-    );
+    let (topology, link, sink, to) = connected("deadline-capped", Duration::from_secs(2)).await;
 
     // Each batch takes one round trip, 1.5 s: the third waits 3 s for the
     // two before it, which leaves it 0.8 s of the 3.8 s its call may take.
