@@ -945,16 +945,27 @@ fn log(check: &mut Checker, raw: RawLog) -> LogConfig {
     LogConfig { format, level }
 }
 
+/// The levels tracing knows, as `log.level` and `RUST_LOG` name them.
+pub(crate) const LOG_LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+
+/// The crate a bare word names as tracing reads it (`ferry_relay::lease`
+/// names `ferry_relay`), or `None` for a level name, a directive with a
+/// level, several directives or a span filter.
+pub(crate) fn bare_target(value: &str) -> Option<&str> {
+    if value.contains(['=', ',', '[']) || LOG_LEVELS.contains(&value.to_ascii_lowercase().as_str()) {
+        return None;
+    }
+    Some(value.split("::").next().unwrap_or(value))
+}
+
 /// Checks a log level or filter, as `log.level` or `RUST_LOG` gives it; the
 /// error says what is wrong and which values are taken.
 pub(crate) fn check_log_filter(level: &str) -> Result<(), String> {
-    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
     let fix = "use one of off, error, warn, info, debug, trace, or a filter like \"info,ferry=debug\"";
     // A bare word that is not a level would be read by tracing as a target
     // name ("verbose" = everything from target `verbose`, so nothing of
     // Ferry's): almost surely a typo.
-    let is_filter = level.contains(['=', ',', '[']);
-    if !is_filter && !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
+    if bare_target(level).is_some() {
         return Err(format!("unknown level {level:?}; {fix}"));
     }
     tracing_subscriber::EnvFilter::try_new(level)

@@ -7,7 +7,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
 
-use crate::config::{LogConfig, LogFormat, check_log_filter};
+use crate::config::{LOG_LEVELS, LogConfig, LogFormat, bare_target, check_log_filter};
 
 /// The variable that, set and not blank, replaces `log.level`.
 pub const RUST_LOG: &str = "RUST_LOG";
@@ -80,6 +80,9 @@ pub fn log_filter(cfg: &LogConfig, rust_log: Option<&OsStr>) -> Result<EnvFilter
 /// target other than one of Ferry's (`RUST_LOG=lapin`).
 pub fn rust_log_warning(rust_log: Option<&OsStr>) -> Option<String> {
     let value = rust_log?.to_str()?.trim();
+    if value.is_empty() {
+        return None;
+    }
     let target = bare_target(value)?;
     if target == "ferry" || target.starts_with("ferry_") || meant_as_level(value) {
         return None;
@@ -88,17 +91,6 @@ pub fn rust_log_warning(rust_log: Option<&OsStr>) -> Option<String> {
         "{RUST_LOG}={value:?} logs target {value:?} alone: Ferry's own lines, the warnings of dead deliveries \
          among them, are not logged; add a level for the rest, as in {RUST_LOG}=\"info,{value}=debug\""
     ))
-}
-
-/// The crate a bare word names (`ferry_relay::lease` names `ferry_relay`),
-/// or `None` for a directive with a level, several directives, a span
-/// filter or a level name.
-fn bare_target(value: &str) -> Option<&str> {
-    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
-    if value.is_empty() || value.contains(['=', ',', '[']) || LEVELS.contains(&value.to_ascii_lowercase().as_str()) {
-        return None;
-    }
-    Some(value.split("::").next().unwrap_or(value))
 }
 
 /// Whether a bare word was meant as a level: another logger's level name
@@ -116,9 +108,8 @@ fn meant_as_level(value: &str) -> bool {
         "err",
         "silent",
     ];
-    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
     let word = value.to_ascii_lowercase();
-    ELSEWHERE.contains(&word.as_str()) || LEVELS.iter().any(|level| edit_distance(&word, level) <= 1)
+    ELSEWHERE.contains(&word.as_str()) || LOG_LEVELS.iter().any(|level| edit_distance(&word, level) <= 1)
 }
 
 /// Levenshtein distance, for words of a few letters.
