@@ -1280,34 +1280,23 @@ async fn a_nullable_key_column_is_reported() {
     assert!(capture::check(&mut conn).await.unwrap().is_empty());
 }
 
-/// A table renamed after it was captured: `ferry check` reports it gone
-/// by its name and suggests removing the capture, which must work (its
-/// trigger still calls the capture's function on the renamed table).
+/// A table dropped after it was captured: `ferry check` reports it gone
+/// and suggests removing the capture, which works. (A table renamed is
+/// another matter: see `a_renamed_table_is_followed_and_its_trigger_never_dropped`.)
 #[tokio::test]
-async fn a_capture_of_a_renamed_table_can_be_removed() {
+async fn a_capture_of_a_dropped_table_can_be_removed() {
     let (_db, pool) = database(ORDERS).await;
     add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
         .await
         .unwrap();
-    exec(&pool, "ALTER TABLE orders RENAME TO orders_v2").await;
+    exec(&pool, "DROP TABLE orders").await;
     let mut conn = pool.acquire().await.unwrap();
     let found = capture::check(&mut conn).await.unwrap();
-    assert!(
-        found
-            .iter()
-            .any(|d| d.fix.contains("ferry capture remove public.orders")),
-        "{found:?}"
-    );
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].problem, "the table no longer exists");
+    assert_eq!(found[0].fix, "ferry capture remove public.orders");
     capture::remove(&mut conn, "public.orders").await.unwrap();
-    let triggers: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'orders_v2'::regclass AND NOT tgisinternal",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    assert_eq!(triggers, 0, "the renamed table kept a trigger");
-    exec(&pool, "INSERT INTO orders_v2 (id, status) VALUES (1, 'new')").await;
-    assert!(events(&pool).await.is_empty());
+    assert!(capture::list(&mut conn).await.unwrap().is_empty());
     assert!(capture::check(&mut conn).await.unwrap().is_empty());
 }
 
@@ -1360,7 +1349,7 @@ async fn a_spec_replaced_while_writers_insert_loses_no_event() {
             assert!(tokio::time::Instant::now() < deadline, "the writers stalled");
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        assert_eq!(capture::replace(&mut conn, spec).await.unwrap(), "public.orders");
+        assert_eq!(capture::replace(&mut conn, spec).await.unwrap().table, "public.orders");
     }
     let until = order_rows(&pool).await + 25;
     while order_rows(&pool).await < until {
@@ -1636,4 +1625,894 @@ async fn a_partitioned_table_takes_no_soft_delete_column() {
         .await
         .unwrap();
     assert!(capture::check(&mut conn).await.unwrap().is_empty());
+}
+
+/// Two producers of one table, each holding one customer's key lock and
+/// then writing the other's: PostgreSQL ends the deadlock by failing one
+/// of the two writes. Returns the error code of the write that failed, or
+/// `None` when both went through, after rolling the failed one back and
+/// committing the other.
+async fn two_writers_deadlock_on_their_keys(pool: &PgPool) -> Option<String> {
+    let buckets: (i32, i32) = sqlx::query_as("SELECT hashtext('ada') & 1023, hashtext('bob') & 1023")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_ne!(buckets.0, buckets.1, "the two keys must take different locks");
+    let mut first = pool.begin().await.unwrap();
+    let mut second = pool.begin().await.unwrap();
+    exec_in(&mut first, "INSERT INTO accounts (id, customer) VALUES (1, 'ada')").await;
+    exec_in(&mut second, "INSERT INTO accounts (id, customer) VALUES (2, 'bob')").await;
+    let waiting = tokio::spawn(async move {
+        let r = sqlx::query("INSERT INTO accounts (id, customer) VALUES (3, 'bob')")
+            .execute(&mut *first)
+            .await;
+        (first, r)
+    });
+    // The first writer waits for bob's lock before the second asks for ada's.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second_result = sqlx::query("INSERT INTO accounts (id, customer) VALUES (4, 'ada')")
+        .execute(&mut *second)
+        .await;
+    let code = |e: sqlx::Error| e.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+    match second_result {
+        Err(e) => {
+            let code = code(e);
+            second.rollback().await.unwrap();
+            let (first, r) = waiting.await.unwrap();
+            r.unwrap();
+            first.commit().await.unwrap();
+            code
+        }
+        Ok(_) => {
+            let (first, r) = waiting.await.unwrap();
+            match r {
+                Err(e) => {
+                    first.rollback().await.unwrap();
+                    second.commit().await.unwrap();
+                    code(e)
+                }
+                Ok(_) => {
+                    first.commit().await.unwrap();
+                    second.commit().await.unwrap();
+                    None
+                }
+            }
+        }
+    }
+}
+
+async fn exec_in(tx: &mut sqlx::Transaction<'static, sqlx::Postgres>, sql: &str) {
+    sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut **tx)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+const ACCOUNTS_BY_CUSTOMER: &str = "CREATE TABLE accounts (id bigint PRIMARY KEY, customer text NOT NULL)";
+
+/// Every committed row has its event, and warn mode counted no drop.
+async fn each_row_has_its_event(pool: &PgPool) {
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM accounts")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 2, "one writer's transaction committed");
+    let got = events(pool).await;
+    assert_eq!(got.len(), 2, "a committed row without its event: {got:?}");
+    let listed = capture::list(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let accounts = listed.iter().find(|c| c.table == "public.accounts").unwrap();
+    assert_eq!(accounts.dropped, 0, "{listed:?}");
+}
+
+/// Warn mode drops an event that cannot be written, but a deadlock on the
+/// key's lock says the transaction must be retried, not that the event is
+/// bad: caught, the write committed without its event, which the
+/// application's retry would have written. It fails the statement, as it
+/// would without the capture.
+#[tokio::test]
+async fn warn_mode_fails_a_deadlocked_write_instead_of_dropping_its_event() {
+    let (_db, pool) = database(ACCOUNTS_BY_CUSTOMER).await;
+    add(
+        &pool,
+        CaptureSpec::new("accounts", "crm.account", "customer").on_error(OnError::Warn),
+    )
+    .await
+    .unwrap();
+    let code = two_writers_deadlock_on_their_keys(&pool).await;
+    assert_eq!(code.as_deref(), Some("40P01"), "the deadlock must fail one write");
+    each_row_has_its_event(&pool).await;
+
+    // An event that cannot be written is still dropped and counted.
+    exec(
+        &pool,
+        "INSERT INTO accounts (id, customer) VALUES (9, repeat('x', 1100000))",
+    )
+    .await;
+    let listed = capture::list(&mut pool.acquire().await.unwrap()).await.unwrap();
+    assert_eq!(listed[0].dropped, 1, "{listed:?}");
+}
+
+/// Schema 27 mends the warn-mode triggers made before it in place: the
+/// same handler a new install writes, nothing else changed; a fail-mode
+/// trigger is left as it was.
+#[tokio::test]
+async fn the_upgrade_mends_existing_warn_mode_triggers() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate_up_to(&pool, 26).await;
+    exec(&pool, ACCOUNTS_BY_CUSTOMER).await;
+    exec(&pool, ORDERS).await;
+    add(
+        &pool,
+        CaptureSpec::new("accounts", "crm.account", "customer").on_error(OnError::Warn),
+    )
+    .await
+    .unwrap();
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    let source = |table: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT p.prosrc FROM ferry.captures k
+                   JOIN pg_proc p ON p.pronamespace = 'ferry'::regnamespace AND p.proname = 'capture_' || k.id
+                  WHERE k.table_name = $1",
+            )
+            .bind(table)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let orders_before = source("orders").await;
+    assert!(!source("accounts").await.contains("transaction_rollback"));
+
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(migrate(&mut conn).await.unwrap().contains(&27));
+    drop(conn);
+    let mended = source("accounts").await;
+    assert!(mended.contains("transaction_rollback"), "{mended}");
+    assert_eq!(
+        source("orders").await,
+        orders_before,
+        "a fail-mode trigger is left as it was"
+    );
+    let code = two_writers_deadlock_on_their_keys(&pool).await;
+    assert_eq!(code.as_deref(), Some("40P01"), "the deadlock must fail one write");
+    each_row_has_its_event(&pool).await;
+
+    // What the migration wrote is what an install writes now.
+    exec(
+        &pool,
+        "SELECT ferry.capture_install_rows(id) FROM ferry.captures WHERE table_name = 'accounts'",
+    )
+    .await;
+    assert_eq!(source("accounts").await, mended);
+}
+
+/// Whether a trigger named `ferry_capture` is on `table`.
+async fn has_capture_trigger(pool: &PgPool, table: &str) -> bool {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) AND tgname = 'ferry_capture')",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// The `table` header of the last event.
+async fn last_table_header(pool: &PgPool) -> Value {
+    events(pool).await.pop().unwrap().headers["table"].clone()
+}
+
+/// A table renamed after it was captured keeps its trigger, whose events
+/// still named the old table. `ferry check` said the table was gone and
+/// gave a remove as the fix, and that remove dropped the trigger on the
+/// renamed table with a NOTICE only: its later changes sent no event. Now
+/// check reports the rename with a refresh, which follows it, and a remove
+/// by the old name refuses, naming where the trigger is and what to run.
+#[tokio::test]
+async fn a_renamed_table_is_followed_and_its_trigger_never_dropped() {
+    let (_db, pool) = database(ORDERS).await;
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "ALTER TABLE orders RENAME TO orders_v2").await;
+    let mut conn = pool.acquire().await.unwrap();
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].table, "public.orders");
+    assert!(
+        found[0].problem.contains("renamed") && found[0].problem.contains("public.orders_v2"),
+        "{found:?}"
+    );
+    assert_eq!(found[0].fix, "ferry capture refresh public.orders");
+
+    match capture::remove(&mut conn, "public.orders").await {
+        Err(CaptureError::Invalid { message, hint }) => {
+            assert!(message.contains("public.orders_v2"), "{message}");
+            assert!(
+                hint.contains("`ferry capture refresh public.orders`")
+                    && hint.contains("`ferry capture remove public.orders_v2`"),
+                "{hint}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        has_capture_trigger(&pool, "orders_v2").await,
+        "the remove dropped the trigger"
+    );
+    exec(&pool, "INSERT INTO orders_v2 (id, status) VALUES (1, 'new')").await;
+    assert_eq!(events(&pool).await.len(), 1);
+
+    // The fix, as check gave it: the capture follows the rename.
+    let done = capture::refresh(&mut conn, Tables::One("public.orders")).await.unwrap();
+    assert_eq!(done, ["public.orders_v2"]);
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    assert_eq!(capture::list(&mut conn).await.unwrap()[0].table, "public.orders_v2");
+    exec(&pool, "UPDATE orders_v2 SET status = 'paid' WHERE id = 1").await;
+    let last = events(&pool).await.pop().unwrap();
+    assert_eq!(last.event_type, "shop.order.updated");
+    assert_eq!(last.headers["table"], "public.orders_v2");
+
+    // By its new name it is removed, triggers and all.
+    capture::remove(&mut conn, "orders_v2").await.unwrap();
+    assert!(!has_capture_trigger(&pool, "orders_v2").await);
+}
+
+/// `ALTER TABLE ... SET SCHEMA` is a rename too. Refreshing every table
+/// follows it, with the table's dropped-event count, and goes on past a
+/// table that is gone instead of stopping there.
+#[tokio::test]
+async fn a_table_moved_to_another_schema_is_followed_by_a_refresh_of_all() {
+    let (_db, pool) = database(&format!(
+        "{ORDERS}; CREATE TABLE visits (id bigint PRIMARY KEY, page text);
+         CREATE TABLE notes (id bigint PRIMARY KEY, body text); CREATE SCHEMA archive;"
+    ))
+    .await;
+    add(
+        &pool,
+        CaptureSpec::new("orders", "shop.order", "id").on_error(OnError::Warn),
+    )
+    .await
+    .unwrap();
+    add(&pool, CaptureSpec::new("visits", "web.visit", "id")).await.unwrap();
+    add(&pool, CaptureSpec::new("notes", "app.note", "id")).await.unwrap();
+    exec(&pool, HUGE_INSERT).await; // a drop, counted for public.orders
+    exec(&pool, "ALTER TABLE orders SET SCHEMA archive").await;
+    exec(&pool, "DROP TABLE notes").await;
+    let mut conn = pool.acquire().await.unwrap();
+    let found = capture::check(&mut conn).await.unwrap();
+    let moved = found.iter().find(|d| d.table == "public.orders").unwrap();
+    assert!(moved.problem.contains("archive.orders"), "{found:?}");
+    assert_eq!(moved.fix, "ferry capture refresh public.orders");
+
+    let done = capture::refresh(&mut conn, Tables::All).await.unwrap();
+    assert_eq!(done, ["archive.orders", "public.visits"]);
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(
+        (found[0].table.as_str(), found[0].fix.as_str()),
+        ("public.notes", "ferry capture remove public.notes")
+    );
+    let listed = capture::list(&mut conn).await.unwrap();
+    let orders = listed.iter().find(|c| c.table == "archive.orders").unwrap();
+    assert_eq!(orders.dropped, 1, "the drop count went with the table");
+
+    exec(&pool, "INSERT INTO archive.orders (id, status) VALUES (2, 'new')").await;
+    assert_eq!(last_table_header(&pool).await, "archive.orders");
+    capture::remove(&mut conn, "public.notes").await.unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+}
+
+/// A table renamed, then a new one made under the old name: the capture's
+/// trigger is missing on the new table and still fires on the old one.
+/// Both are reported; a remove by the name refuses to drop the trigger on
+/// the other table, until that table is decided for.
+#[tokio::test]
+async fn a_trigger_left_on_a_table_renamed_away_is_reported_and_kept() {
+    let (_db, pool) = database(ORDERS).await;
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "ALTER TABLE orders RENAME TO orders_old").await;
+    exec(&pool, ORDERS).await;
+    let mut conn = pool.acquire().await.unwrap();
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(
+        found[0].problem.contains("also fires on public.orders_old"),
+        "{found:?}"
+    );
+    assert!(
+        found[0]
+            .fix
+            .starts_with("DROP TRIGGER ferry_capture ON public.orders_old"),
+        "{found:?}"
+    );
+    assert_eq!(found[1].problem, "its trigger is missing");
+
+    match capture::remove(&mut conn, "orders").await {
+        Err(CaptureError::Invalid { message, hint }) => {
+            assert!(message.contains("public.orders_old"), "{message}");
+            assert!(
+                hint.contains("DROP TRIGGER ferry_capture ON public.orders_old"),
+                "{hint}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        has_capture_trigger(&pool, "orders_old").await,
+        "the remove dropped the trigger"
+    );
+
+    exec(&pool, "DROP TRIGGER ferry_capture ON public.orders_old").await;
+    capture::refresh(&mut conn, Tables::One("orders")).await.unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec(&pool, "INSERT INTO orders (id, status) VALUES (1, 'new')").await;
+    assert_eq!(last_table_header(&pool).await, "public.orders");
+    capture::remove(&mut conn, "orders").await.unwrap();
+}
+
+/// With the soft-delete column excluded, setting it back to NULL (an
+/// undelete) changed no tracked column and sent nothing: consumers kept
+/// the row deleted. Refused now, by an add and a replace; a capture so
+/// made before the upgrade is reported, with the replace that fixes it.
+#[tokio::test]
+async fn a_soft_delete_column_cannot_be_excluded() {
+    let (_db, pool) = database(ORDERS).await;
+    let spec = CaptureSpec::new("orders", "shop.order", "id")
+        .exclude(["deleted_at"])
+        .soft_delete("deleted_at");
+    match add(&pool, spec.clone()).await {
+        Err(CaptureError::Invalid { message, hint }) => {
+            assert!(
+                message.contains("soft-delete column 'deleted_at' is also excluded"),
+                "{message}"
+            );
+            assert!(hint.contains("--exclude") && hint.contains("--soft-delete"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let refused = capture::replace(&mut conn, &spec).await;
+    assert!(
+        matches!(&refused, Err(CaptureError::Invalid { message, .. }) if message.contains("also excluded")),
+        "{refused:?}"
+    );
+    assert!(capture::list(&mut conn).await.unwrap()[0].soft_delete.is_none());
+}
+
+#[tokio::test]
+async fn a_soft_delete_column_excluded_before_the_upgrade_is_reported() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate_up_to(&pool, 27).await;
+    exec(&pool, ORDERS).await;
+    exec(
+        &pool,
+        "SELECT ferry.capture_add('orders', 'shop.order', 'id', '{card_token,deleted_at}', 'deleted_at',
+                                  '{insert,update,delete}', 'fail')",
+    )
+    .await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].problem.contains("undelete"), "{found:?}");
+    assert_eq!(
+        found[0].fix,
+        "ferry capture add public.orders --replace --type-prefix shop.order --key id --exclude card_token \
+         --soft-delete deleted_at --on insert,update,delete"
+    );
+
+    let fixed = CaptureSpec::new("orders", "shop.order", "id")
+        .exclude(["card_token"])
+        .soft_delete("deleted_at");
+    capture::replace(&mut conn, &fixed).await.unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec(&pool, "INSERT INTO orders (id, status) VALUES (1, 'new')").await;
+    exec(&pool, "UPDATE orders SET deleted_at = now() WHERE id = 1").await;
+    exec(&pool, "UPDATE orders SET deleted_at = NULL WHERE id = 1").await;
+    let types: Vec<String> = events(&pool).await.into_iter().map(|e| e.event_type).collect();
+    assert_eq!(
+        types,
+        ["shop.order.created", "shop.order.deleted", "shop.order.updated"]
+    );
+}
+
+/// A replace that changes the key column puts a row's unpublished events
+/// and its later ones under two keys, which keep no order between them:
+/// the replace counts the events still waiting, so that the command can
+/// say so. The same key, or nothing waiting, counts nothing.
+#[tokio::test]
+async fn a_replace_that_changes_the_key_counts_the_events_still_unpublished() {
+    let (_db, pool) = database(ORDERS).await;
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    exec(
+        &pool,
+        "INSERT INTO orders (id, status) VALUES (1, 'new'), (2, 'new');
+         SELECT ferry.enqueue('shop.order.note', '1', '{}')",
+    )
+    .await;
+    let mut conn = pool.acquire().await.unwrap();
+    let same_key = capture::replace(&mut conn, &CaptureSpec::new("orders", "shop.v2.order", "id"))
+        .await
+        .unwrap();
+    assert_eq!(same_key.key_change, None);
+
+    let replaced = capture::replace(&mut conn, &CaptureSpec::new("orders", "shop.order", "status"))
+        .await
+        .unwrap();
+    let change = replaced.key_change.unwrap();
+    assert_eq!(
+        (change.from.as_str(), change.type_prefix.as_str()),
+        ("id", "shop.v2.order")
+    );
+    assert_eq!(change.unpublished, 0, "no shop.v2.order event was written");
+    let replaced = capture::replace(&mut conn, &CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    let change = replaced.key_change.unwrap();
+    assert_eq!(
+        (change.from.as_str(), change.type_prefix.as_str()),
+        ("status", "shop.order")
+    );
+    assert_eq!(change.unpublished, 2, "the two created events, not the other type");
+
+    // Published, an event no longer counts; dead, it does.
+    let seqs: Vec<i64> =
+        sqlx::query_scalar("SELECT seq FROM ferry.events WHERE type = 'shop.order.created' ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    exec(
+        &pool,
+        &format!(
+            "DELETE FROM ferry.unrouted WHERE seq IN ({0}, {1});
+             INSERT INTO ferry.deliveries (seq, route, partition, key, state)
+             VALUES ({0}, 'orders', 0, '1', 'published'), ({1}, 'orders', 0, '2', 'dead')",
+            seqs[0], seqs[1]
+        ),
+    )
+    .await;
+    let replaced = capture::replace(&mut conn, &CaptureSpec::new("orders", "shop.order", "status"))
+        .await
+        .unwrap();
+    assert_eq!(replaced.key_change.unwrap().unpublished, 1);
+}
+
+/// Each event's payload as the bytes the outbox stores, as text.
+async fn payload_texts(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT convert_from(payload, 'UTF8') FROM ferry.events ORDER BY seq")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+const MEASURES: &str = "CREATE TABLE measures (id bigint PRIMARY KEY, f float8)";
+
+/// jsonb takes a float as the session prints it: under extra_float_digits
+/// <= 0 the trigger saw 0.1 and 0.10000000000000003 as one value, and the
+/// update wrote no event, in fail mode too.
+#[tokio::test]
+async fn an_update_of_a_float_writes_its_event_whatever_the_writers_float_digits() {
+    let (_db, pool) = database(MEASURES).await;
+    add(&pool, CaptureSpec::new("measures", "lab.measure", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "INSERT INTO measures VALUES (1, 0.1)").await;
+    exec_in_session(
+        &pool,
+        "SET extra_float_digits = 0",
+        "UPDATE measures SET f = 0.10000000000000003 WHERE id = 1;
+         INSERT INTO measures VALUES (2, 0.1::float8 + 0.2)",
+    )
+    .await;
+    assert_eq!(
+        payload_texts(&pool).await,
+        [
+            r#"{"data": {"f": 0.1, "id": 1}}"#,
+            r#"{"data": {"f": 0.10000000000000003, "id": 1}, "previous": {"f": 0.1}}"#,
+            r#"{"data": {"f": 0.30000000000000004, "id": 2}}"#,
+        ]
+    );
+}
+
+const SAMPLES: &str = "CREATE TABLE samples (id bigint PRIMARY KEY, at timestamptz, span interval, body bytea,
+                                              f8 float8, f4 real, price money, during tstzrange, days daterange,
+                                              pos point, ats timestamptz[], day date, n numeric)";
+
+const SAMPLE_ROW: &str = "INSERT INTO samples VALUES (1, '2026-01-01 12:00:00+00', '1 day 02:00:00', 'x',
+    0.1::float8 + 0.2, 0.1, 1.5, tstzrange('2026-01-01 12:00+00', '2026-01-02 12:00+00'),
+    daterange('2026-03-04', '2026-03-05'), point(0.1, 0.1::float8 + 0.2),
+    ARRAY['2026-01-01 12:00:00+00'::timestamptz], '2026-03-04', 1.50)";
+
+/// A row's payload is the same bytes whatever the settings of the session
+/// that writes it, in the form the key has (schema 14): UTC, hex bytea,
+/// exact floats, postgres intervals, ISO dates in ranges.
+#[tokio::test]
+async fn a_payload_is_the_same_bytes_whatever_the_writers_session_settings() {
+    let (_db, pool) = database(SAMPLES).await;
+    add(&pool, CaptureSpec::new("samples", "lab.sample", "id"))
+        .await
+        .unwrap();
+    let india = "SET TimeZone = 'Asia/Kolkata'; SET extra_float_digits = 0; SET bytea_output = 'escape';
+                 SET IntervalStyle = 'sql_standard'; SET DateStyle = 'German, DMY'";
+    for settings in [LOCAL, UTC, india] {
+        exec_in_session(&pool, settings, SAMPLE_ROW).await;
+        exec_in_session(&pool, settings, "DELETE FROM samples").await;
+    }
+    let texts = payload_texts(&pool).await;
+    assert_eq!(texts.len(), 6);
+    for text in &texts[1..] {
+        assert_eq!(text, &texts[0]);
+    }
+    let data = &serde_json::from_str::<Value>(&texts[0]).unwrap()["data"];
+    assert_eq!(
+        data,
+        &json!({
+            "id": 1, "at": "2026-01-01T12:00:00+00:00", "span": "1 day 02:00:00", "body": "\\x78",
+            "f8": 0.30000000000000004, "f4": 0.1, "price": "$1.50",
+            "during": "[\"2026-01-01 12:00:00+00\",\"2026-01-02 12:00:00+00\")",
+            "days": "[2026-03-04,2026-03-05)", "pos": "(0.1,0.30000000000000004)",
+            "ats": ["2026-01-01T12:00:00+00:00"], "day": "2026-03-04", "n": 1.50
+        })
+    );
+    assert!(texts[0].contains("0.30000000000000004"), "{}", texts[0]);
+}
+
+/// The settings of a trigger function: what `ALTER FUNCTION ... SET` gave it.
+async fn trigger_settings(pool: &PgPool, table: &str) -> Option<Vec<String>> {
+    sqlx::query_scalar(
+        "SELECT p.proconfig::text[] FROM ferry.captures k
+           JOIN pg_proc p ON p.pronamespace = 'ferry'::regnamespace AND p.proname = 'capture_' || k.id
+          WHERE k.table_name = $1",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Applies the migrations after `after` up to `last`, as `migrate` would.
+async fn migrate_from_to(pool: &PgPool, after: i32, last: i32) {
+    for &(version, name, sql) in MIGRATIONS.iter().filter(|m| m.0 > after && m.0 <= last) {
+        sqlx::raw_sql(sql).execute(pool).await.unwrap();
+        sqlx::query("INSERT INTO ferry.schema_migrations (version, name) VALUES ($1, $2)")
+            .bind(version)
+            .bind(name)
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+}
+
+/// Schema 27 gives the triggers made before it the settings, their text
+/// untouched, but for a trigger that still writes its key as each session
+/// prints it (made before schema 14): its keys would change text in the
+/// upgrade, which is left to the operator's refresh. The settings are what
+/// an install gives.
+#[tokio::test]
+async fn the_upgrade_renders_existing_triggers_under_the_fixed_settings() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate_up_to(&pool, 13).await;
+    exec(&pool, "CREATE TABLE visits (at timestamptz PRIMARY KEY, n int)").await;
+    add(&pool, CaptureSpec::new("visits", "web.visit", "at")).await.unwrap();
+    migrate_from_to(&pool, 13, 26).await;
+    exec(&pool, MEASURES).await;
+    exec(&pool, ACCOUNTS_BY_CUSTOMER).await;
+    add(&pool, CaptureSpec::new("measures", "lab.measure", "id"))
+        .await
+        .unwrap();
+    add(
+        &pool,
+        CaptureSpec::new("accounts", "crm.account", "customer").on_error(OnError::Warn),
+    )
+    .await
+    .unwrap();
+    let source = |table: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT p.prosrc FROM ferry.captures k
+                   JOIN pg_proc p ON p.pronamespace = 'ferry'::regnamespace AND p.proname = 'capture_' || k.id
+                  WHERE k.table_name = $1",
+            )
+            .bind(table)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let measures_before = source("measures").await;
+    assert_eq!(trigger_settings(&pool, "measures").await, None);
+    exec(&pool, "INSERT INTO measures VALUES (1, 0.1)").await;
+
+    let mut conn = pool.acquire().await.unwrap();
+    assert!(migrate(&mut conn).await.unwrap().contains(&27));
+    drop(conn);
+    let fixed: Vec<String> = sqlx::query_scalar("SELECT unnest(ferry.capture_settings())")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert!(fixed.contains(&"TimeZone=UTC".to_owned()), "{fixed:?}");
+    for table in ["measures", "accounts"] {
+        assert_eq!(trigger_settings(&pool, table).await.as_ref(), Some(&fixed), "{table}");
+    }
+    assert_eq!(source("measures").await, measures_before, "the text is left as it was");
+    assert_eq!(
+        trigger_settings(&pool, "visits").await,
+        None,
+        "a key written per session keeps its text until refreshed"
+    );
+    exec_in_session(
+        &pool,
+        "SET extra_float_digits = 0",
+        "UPDATE measures SET f = 0.10000000000000003",
+    )
+    .await;
+    assert_eq!(
+        payload_texts(&pool).await.last().unwrap(),
+        r#"{"data": {"f": 0.10000000000000003, "id": 1}, "previous": {"f": 0.1}}"#
+    );
+
+    // What the migration set is what an install sets now; the refresh
+    // ferry check asks for gives the old trigger its settings too.
+    exec(
+        &pool,
+        "SELECT ferry.capture_install_rows(id) FROM ferry.captures WHERE table_name IN ('measures', 'accounts')",
+    )
+    .await;
+    for table in ["measures", "accounts"] {
+        assert_eq!(trigger_settings(&pool, table).await.as_ref(), Some(&fixed), "{table}");
+    }
+    let mut conn = pool.acquire().await.unwrap();
+    capture::refresh(&mut conn, Tables::One("public.visits")).await.unwrap();
+    assert_eq!(trigger_settings(&pool, "visits").await.as_ref(), Some(&fixed));
+}
+
+/// The message and hint of a statement's error, written as `role` when
+/// given.
+async fn refused_as(pool: &PgPool, role: Option<&str>, sql: &str) -> (String, String) {
+    let mut tx = pool.begin().await.unwrap();
+    if let Some(role) = role {
+        exec_in(&mut tx, &format!("SET LOCAL ROLE {role}")).await;
+    }
+    let err = sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut *tx)
+        .await
+        .expect_err(sql);
+    tx.rollback().await.unwrap();
+    let db = err.as_database_error().unwrap_or_else(|| panic!("{sql}: {err}"));
+    let hint = db.try_downcast_ref::<PgDatabaseError>().and_then(PgDatabaseError::hint);
+    (db.message().to_owned(), hint.unwrap_or_default().to_owned())
+}
+
+const DOCS: &str = "CREATE TABLE docs (id bigint PRIMARY KEY, title text, body text, notes text)";
+
+/// An update carries a changed column twice, in data and in previous: a
+/// row with a 600 KB column goes in, but its update is over the 1 MiB
+/// payload limit. The error names the table and the column, and gives the
+/// replace that keeps the column out of the events, also for a writer with
+/// the producer grants alone, who may not read the capture's spec.
+#[tokio::test]
+async fn an_event_over_the_payload_limit_names_the_column_to_exclude() {
+    let (db, pool) = database(DOCS).await;
+    add(&pool, CaptureSpec::new("docs", "cms.doc", "id").exclude(["notes"]))
+        .await
+        .unwrap();
+    exec(&pool, "INSERT INTO docs VALUES (1, 'a', repeat('x', 600000), 'n')").await;
+    let role = format!("{}_writer", db.name());
+    exec(
+        &pool,
+        &format!(
+            "CREATE ROLE {role} NOLOGIN;
+             GRANT SELECT, INSERT, UPDATE ON docs TO {role};
+             GRANT USAGE ON SCHEMA ferry TO {role};
+             GRANT SELECT, INSERT ON ferry.events, ferry.unrouted TO {role};
+             GRANT SELECT ON ferry.relays TO {role};
+             GRANT SELECT ON ferry.wal_slots TO {role};
+             GRANT SELECT, INSERT, UPDATE ON ferry.capture_dropped TO {role};"
+        ),
+    )
+    .await;
+    let update = "UPDATE docs SET body = repeat('y', 600000) WHERE id = 1";
+    let fix = concat!(
+        "ferry capture add public.docs --replace --type-prefix cms.doc --key id ",
+        "--exclude notes --exclude body --on insert,update,delete"
+    );
+    for writer in [None, Some(role.as_str())] {
+        let (message, hint) = refused_as(&pool, writer, update).await;
+        assert!(
+            message.starts_with("ferry: capture of public.docs: invalid event payload: 1200"),
+            "{message}"
+        );
+        assert!(message.contains("the column body takes 1200"), "{message}");
+        assert!(message.contains("in data and in previous"), "{message}");
+        assert!(hint.contains(&format!("`{fix}`")), "{hint}");
+    }
+
+    // No column enough alone: as many as it takes are named, larger first.
+    exec(
+        &pool,
+        "CREATE TABLE pages (id bigint PRIMARY KEY, a text, b text, c text, d text)",
+    )
+    .await;
+    add(&pool, CaptureSpec::new("pages", "cms.page", "id")).await.unwrap();
+    let (message, hint) = refused(
+        &pool,
+        "INSERT INTO pages VALUES (1, repeat('a', 350000), repeat('b', 350000), repeat('c', 350000), repeat('d', 350000))",
+    )
+    .await;
+    assert!(message.contains("the columns a, b take 700018 bytes"), "{message}");
+    assert!(!message.contains("in previous"), "{message}");
+    assert!(hint.contains("--key id --exclude a --exclude b --on"), "{hint}");
+
+    // Nothing a capture may leave out brings it under: the soft-delete
+    // column (the key is refused first, over 512 bytes).
+    exec(&pool, "CREATE TABLE tags (id bigint PRIMARY KEY, gone text)").await;
+    add(&pool, CaptureSpec::new("tags", "cms.tag", "id").soft_delete("gone"))
+        .await
+        .unwrap();
+    let (message, hint) = refused(&pool, "INSERT INTO tags VALUES (1, repeat('g', 1100000))").await;
+    assert!(
+        message.contains("capture of public.tags: invalid event payload"),
+        "{message}"
+    );
+    assert!(
+        message.contains("(all but the key column and the soft-delete column)"),
+        "{message}"
+    );
+    assert!(hint.contains("another table"), "{hint}");
+
+    // The replace the hint gives lets such an update through, its event
+    // without the column.
+    let mut conn = pool.acquire().await.unwrap();
+    capture::replace(
+        &mut conn,
+        &CaptureSpec::new("docs", "cms.doc", "id").exclude(["notes", "body"]),
+    )
+    .await
+    .unwrap();
+    exec(
+        &pool,
+        "UPDATE docs SET body = repeat('y', 600000), title = 'b' WHERE id = 1",
+    )
+    .await;
+    assert_eq!(
+        payload_texts(&pool).await.pop().unwrap(),
+        r#"{"data": {"id": 1, "title": "b"}, "previous": {"title": "a"}}"#
+    );
+    drop(conn);
+    exec(&pool, &format!("DROP OWNED BY {role}; DROP ROLE {role};")).await;
+}
+
+/// A table renamed away and a new one made under the old name: the
+/// refresh of that name regenerated the capture's one function from the
+/// new table's columns, and the trigger left on the renamed table, which
+/// calls it, then failed that table's writes. The refresh refuses now,
+/// naming the table and what to run; a refresh of every table reports it
+/// and goes on.
+#[tokio::test]
+async fn a_refresh_refuses_while_the_trigger_sits_on_a_table_renamed_away() {
+    let (_db, pool) = database(&format!(
+        "{ORDERS}; CREATE TABLE visits (id bigint PRIMARY KEY, page text)"
+    ))
+    .await;
+    add(&pool, CaptureSpec::new("visits", "web.visit", "id")).await.unwrap();
+    exec(
+        &pool,
+        &format!(
+            "ALTER TABLE visits RENAME TO visits_old; {}",
+            ORDERS.replace("orders", "visits")
+        ),
+    )
+    .await;
+    let mut conn = pool.acquire().await.unwrap();
+    match capture::refresh(&mut conn, Tables::One("visits")).await {
+        Err(CaptureError::Invalid { message, hint }) => {
+            assert!(message.contains("also fires on public.visits_old"), "{message}");
+            assert!(
+                hint.contains("DROP TRIGGER ferry_capture ON public.visits_old")
+                    && hint.contains("ferry capture add public.visits_old"),
+                "{hint}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    exec(&pool, "INSERT INTO visits_old (id, page) VALUES (1, '/')").await;
+    assert_eq!(last_table_header(&pool).await, "public.visits");
+
+    add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "ALTER TABLE orders ADD COLUMN note text").await;
+    let done = capture::refresh(&mut conn, Tables::All).await.unwrap();
+    assert_eq!(done, ["public.orders"]);
+    exec(&pool, "INSERT INTO visits_old (id, page) VALUES (2, '/')").await;
+    let found = capture::check(&mut conn).await.unwrap();
+    assert!(
+        found.iter().all(|d| d.table == "public.visits") && found.len() == 2,
+        "{found:?}"
+    );
+    assert!(
+        found[1]
+            .fix
+            .contains("once public.visits_old no longer has its trigger"),
+        "{found:?}"
+    );
+}
+
+/// Captures of `o` and `o_v2`; `o_v2` dropped and `o` renamed to `o_v2`.
+/// The refresh of every table stopped on a raw unique-constraint error,
+/// and `ferry check` said nothing of the capture whose table is gone. Now
+/// both are reported, the refresh names the remove to run first and goes
+/// past them, the remove leaves the renamed table's trigger alone, and the
+/// refresh then follows the rename.
+#[tokio::test]
+async fn a_rename_onto_a_captured_name_whose_table_is_gone_is_reported_and_followed() {
+    let (_db, pool) = database(
+        "CREATE TABLE o (id bigint PRIMARY KEY, state text); CREATE TABLE o_v2 (id bigint PRIMARY KEY, state text);
+         CREATE TABLE notes (id bigint PRIMARY KEY, body text)",
+    )
+    .await;
+    add(&pool, CaptureSpec::new("o", "shop.o", "id")).await.unwrap();
+    add(&pool, CaptureSpec::new("o_v2", "shop.o2", "id")).await.unwrap();
+    add(&pool, CaptureSpec::new("notes", "app.note", "id")).await.unwrap();
+    exec(&pool, "DROP TABLE o_v2; ALTER TABLE o RENAME TO o_v2").await;
+    let mut conn = pool.acquire().await.unwrap();
+    let found = capture::check(&mut conn).await.unwrap();
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert_eq!(found[0].table, "public.o");
+    assert_eq!(
+        found[0].fix,
+        "ferry capture remove public.o_v2, then ferry capture refresh public.o"
+    );
+    assert_eq!(found[1].table, "public.o_v2");
+    assert!(found[1].problem.starts_with("the table no longer exists"), "{found:?}");
+    assert_eq!(found[1].fix, "ferry capture remove public.o_v2");
+
+    match capture::refresh(&mut conn, Tables::One("public.o")).await {
+        Err(CaptureError::Invalid { message, hint }) => {
+            assert!(message.contains("public.o_v2"), "{message}");
+            assert!(hint.contains("`ferry capture remove public.o_v2`"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        matches!(
+            capture::refresh(&mut conn, Tables::One("o_v2")).await,
+            Err(CaptureError::Invalid { .. })
+        ),
+        "a refresh of the capture whose table is gone took the trigger over"
+    );
+    let done = capture::refresh(&mut conn, Tables::All).await.unwrap();
+    assert_eq!(done, ["public.notes"]);
+    exec(&pool, "INSERT INTO o_v2 (id, state) VALUES (1, 'new')").await;
+    assert_eq!(events(&pool).await.pop().unwrap().event_type, "shop.o.created");
+
+    // The fix, as check gave it.
+    capture::remove(&mut conn, "public.o_v2").await.unwrap();
+    assert!(
+        has_capture_trigger(&pool, "o_v2").await,
+        "the remove dropped the renamed table's trigger"
+    );
+    let done = capture::refresh(&mut conn, Tables::One("public.o")).await.unwrap();
+    assert_eq!(done, ["public.o_v2"]);
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    exec(&pool, "UPDATE o_v2 SET state = 'paid' WHERE id = 1").await;
+    let last = events(&pool).await.pop().unwrap();
+    assert_eq!(last.event_type, "shop.o.updated");
+    assert_eq!(last.headers["table"], "public.o_v2");
 }

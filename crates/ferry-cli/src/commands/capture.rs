@@ -23,7 +23,10 @@ pub enum CaptureCommand {
     /// with --replace, change the spec of a table already captured.
     Add(AddArgs),
     /// Regenerate the trigger of TABLE (all captured tables when left out)
-    /// from the table's columns now; run it after a schema change.
+    /// from the table's columns now; run it after a schema change. A table
+    /// renamed since it was captured is followed, and captured by its new
+    /// name; one whose refresh would break another table's trigger is
+    /// refused, with what to run first.
     Refresh {
         /// A captured table, as `ferry capture list` names it.
         table: Option<String>,
@@ -35,7 +38,9 @@ pub enum CaptureCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Drop TABLE's trigger and stop capturing it.
+    /// Drop TABLE's trigger and stop capturing it. Refused while the
+    /// trigger fires on another table (TABLE renamed since): `refresh`
+    /// follows the rename.
     Remove {
         /// A captured table, as `ferry capture list` names it.
         table: String,
@@ -105,12 +110,12 @@ pub async fn run(cfg: &Config, args: CaptureArgs) -> anyhow::Result<ExitCode> {
                     OnErrorArg::Warn => OnError::Warn,
                 },
             };
-            let table = if add.replace {
-                capture::replace(&mut conn, &spec).await
+            let (table, key_change) = if add.replace {
+                let replaced = capture::replace(&mut conn, &spec).await.map_err(usage)?;
+                (replaced.table, replaced.key_change)
             } else {
-                capture::add(&mut conn, &spec).await
-            }
-            .map_err(usage)?;
+                (capture::add(&mut conn, &spec).await.map_err(usage)?, None)
+            };
             let ops: Vec<&str> = spec.on.iter().map(|op| op.as_str()).collect();
             println!(
                 "capturing {table}{}: {} as {}.* events keyed by {}",
@@ -119,6 +124,15 @@ pub async fn run(cfg: &Config, args: CaptureArgs) -> anyhow::Result<ExitCode> {
                 spec.type_prefix,
                 spec.key_column
             );
+            if let Some(change) = key_change.filter(|c| c.unpublished > 0) {
+                println!(
+                    "warning: the key column changed from {} to {} while {} event(s) of {}.* were unpublished: \
+                     a row's events under the new key may be delivered before its events still waiting under \
+                     the old one; change a key with the table's events drained (`ferry status` shows none \
+                     pending or dead for their routes)",
+                    change.from, spec.key_column, change.unpublished, change.type_prefix
+                );
+            }
             if spec.on_error == OnError::Warn {
                 println!("warning: on-error warn drops events it cannot write; watch `ferry capture list`");
             }
@@ -136,11 +150,27 @@ pub async fn run(cfg: &Config, args: CaptureArgs) -> anyhow::Result<ExitCode> {
         CaptureCommand::Refresh { table } => {
             let which = table.as_deref().map_or(Tables::All, Tables::One);
             let done = capture::refresh(&mut conn, which).await.map_err(usage)?;
-            if done.is_empty() {
-                println!("no captured tables");
-            }
-            for table in done {
+            for table in &done {
                 println!("refreshed {table}");
+            }
+            // Refreshing all passes over a table that is gone: say which,
+            // with its fix. The refresh is committed: a check that fails is
+            // only told.
+            let skipped = match table {
+                Some(_) => Vec::new(),
+                None => match capture::check(&mut conn).await {
+                    Ok(drifts) => drifts.into_iter().filter(|d| !done.contains(&d.table)).collect(),
+                    Err(e) => {
+                        println!("warning: could not check the tables not refreshed ({e}); run `ferry check`");
+                        Vec::new()
+                    }
+                },
+            };
+            for drift in &skipped {
+                println!("not refreshed {}: {}; fix: {}", drift.table, drift.problem, drift.fix);
+            }
+            if done.is_empty() && skipped.is_empty() {
+                println!("no captured tables");
             }
         }
         CaptureCommand::List { json } => {

@@ -20,6 +20,11 @@
 //! between the old triggers and the new in which a change commits without
 //! its event.
 //!
+//! A table renamed (or moved to another schema) keeps its trigger, whose
+//! events name the old table until [`refresh`] follows the rename; [`check`]
+//! reports it, and [`remove`] refuses to drop a trigger from any table but
+//! the one it names.
+//!
 //! A partitioned table, or a partition, is captured for all three
 //! operations and without a soft-delete column: PostgreSQL runs an UPDATE
 //! that moves a row to another partition as a DELETE and an INSERT, which
@@ -122,7 +127,8 @@ pub struct CaptureSpec {
     pub exclude: Vec<String>,
     /// A column whose change from NULL to a value is a `.deleted` event.
     /// Refused on a partitioned table, where a move between partitions
-    /// would turn a soft-deleted row into a created one.
+    /// would turn a soft-deleted row into a created one, and among
+    /// `exclude`, where setting it back to NULL would send nothing.
     pub soft_delete: Option<String>,
     /// The operations that write events: all three on a partitioned table.
     pub on: Vec<Operation>,
@@ -194,6 +200,31 @@ pub struct Drift {
     pub fix: String,
 }
 
+/// What [`replace`] did: the table, as [`list`] prints it, and the key
+/// column it changed, if it did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Replaced {
+    pub table: String,
+    pub key_change: Option<KeyChange>,
+}
+
+/// A replace that changed the key column. A row's events written before it
+/// and still unpublished are under the old key, its later ones under the
+/// new: the two keys keep no order between them, so the later ones may be
+/// delivered first.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct KeyChange {
+    /// The key column before the replace.
+    pub from: String,
+    /// The type prefix before the replace: its events are those counted.
+    pub type_prefix: String,
+    /// Events of `type_prefix` not yet published when the table was
+    /// locked for the replace (unrouted, pending, retrying or dead): the
+    /// ones whose order against the new key's events is not kept. Zero:
+    /// the change kept every order.
+    pub unpublished: u64,
+}
+
 /// Which captured tables [`refresh`] regenerates.
 #[derive(Debug, Clone, Copy)]
 pub enum Tables<'a> {
@@ -246,7 +277,11 @@ const LOCK_TIMEOUT: &str = "5s";
 /// Starts capturing `spec.table` and returns its name as [`list`] prints it.
 /// Installs the trigger, which takes a brief exclusive lock on the table.
 pub async fn add(conn: &mut PgConnection, spec: &CaptureSpec) -> Result<String, CaptureError> {
-    install(conn, "SELECT ferry.capture_add($1, $2, $3, $4, $5, $6, $7)", spec).await
+    let mut tx = conn.begin().await?;
+    limit_lock_wait(&mut tx).await?;
+    let table = install(&mut tx, "SELECT ferry.capture_add($1, $2, $3, $4, $5, $6, $7)", spec).await?;
+    tx.commit().await?;
+    Ok(table)
 }
 
 /// Gives the table `spec.table`, captured already, the spec `spec` in one
@@ -255,16 +290,52 @@ pub async fn add(conn: &mut PgConnection, spec: &CaptureSpec) -> Result<String, 
 /// the old spec's events or the new one's. ([`remove`] then [`add`] would
 /// let a change commit between the two with no event.) The spec is checked
 /// as [`add`] checks it, and a refused one leaves the capture as it was;
-/// the table's dropped-event count is kept. Returns the table's name as
-/// [`list`] prints it.
-pub async fn replace(conn: &mut PgConnection, spec: &CaptureSpec) -> Result<String, CaptureError> {
-    install(conn, "SELECT ferry.capture_replace($1, $2, $3, $4, $5, $6, $7)", spec).await
+/// the table's dropped-event count is kept.
+///
+/// A new key column is taken even with events of the table still waiting,
+/// and [`Replaced::key_change`] counts them: a row's events among them may
+/// be delivered after its events under the new key. Drain first.
+pub async fn replace(conn: &mut PgConnection, spec: &CaptureSpec) -> Result<Replaced, CaptureError> {
+    let mut tx = conn.begin().await?;
+    limit_lock_wait(&mut tx).await?;
+    // The spec being replaced, in the replace's own transaction; none for a
+    // table not captured, which the replace then refuses.
+    let before: Option<(String, String)> = sqlx::query_as(
+        "SELECT k.key_column, k.type_prefix
+           FROM ferry.capture_resolve($1) r
+           JOIN ferry.captures k ON k.table_schema = r.o_schema AND k.table_name = r.o_name",
+    )
+    .bind(&spec.table)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let table = install(
+        &mut tx,
+        "SELECT ferry.capture_replace($1, $2, $3, $4, $5, $6, $7)",
+        spec,
+    )
+    .await?;
+    let key_change = match before {
+        Some((from, type_prefix)) if from != spec.key_column => {
+            // After the replace took the table's lock: no event of the old
+            // key commits from here on.
+            let unpublished: i64 = sqlx::query_scalar("SELECT ferry.capture_unpublished($1)")
+                .bind(&type_prefix)
+                .fetch_one(&mut *tx)
+                .await?;
+            Some(KeyChange {
+                from,
+                type_prefix,
+                unpublished: unpublished.max(0) as u64,
+            })
+        }
+        _ => None,
+    };
+    tx.commit().await?;
+    Ok(Replaced { table, key_change })
 }
 
 async fn install(conn: &mut PgConnection, sql: &'static str, spec: &CaptureSpec) -> Result<String, CaptureError> {
     let on: Vec<&str> = spec.on.iter().map(|op| op.as_str()).collect();
-    let mut tx = conn.begin().await?;
-    limit_lock_wait(&mut tx).await?;
     let table: String = sqlx::query_scalar(sql)
         .bind(&spec.table)
         .bind(&spec.type_prefix)
@@ -273,14 +344,23 @@ async fn install(conn: &mut PgConnection, sql: &'static str, spec: &CaptureSpec)
         .bind(&spec.soft_delete)
         .bind(&on)
         .bind(spec.on_error.as_str())
-        .fetch_one(&mut *tx)
+        .fetch_one(conn)
         .await?;
-    tx.commit().await?;
     Ok(table)
 }
 
 /// Regenerates the triggers of `tables` from their tables' columns now;
-/// returns the tables refreshed.
+/// returns the tables refreshed, by their names now.
+///
+/// A table renamed, or moved to another schema, since it was captured is
+/// followed: found by its trigger, recorded under its new name, and its
+/// events name it from then on. Refused where the regenerated function
+/// would break another table that calls it: the capture's trigger left on
+/// a table renamed away (a new table has the name), a rename onto a name
+/// another capture still records, or a table of the name that is another
+/// capture's, renamed since. Refreshing all, such a table, and one that is
+/// gone (no table of its name, nor one with its trigger), is passed over:
+/// [`check`] reports it, with its fix.
 pub async fn refresh(conn: &mut PgConnection, tables: Tables<'_>) -> Result<Vec<String>, CaptureError> {
     let one = match tables {
         Tables::One(t) => Some(t),
@@ -298,6 +378,11 @@ pub async fn refresh(conn: &mut PgConnection, tables: Tables<'_>) -> Result<Vec<
 
 /// Stops capturing `table`: drops its trigger and forgets it (its dropped
 /// count too). Returns its name as [`list`] printed it.
+///
+/// Refused while the capture's trigger fires on another table (the table
+/// renamed since, or another table that took the trigger along): removing
+/// it would stop that table's events too. The error names that table and
+/// what to run ([`refresh`] follows a rename).
 pub async fn remove(conn: &mut PgConnection, table: &str) -> Result<String, CaptureError> {
     let mut tx = conn.begin().await?;
     limit_lock_wait(&mut tx).await?;
@@ -342,10 +427,11 @@ pub async fn list(conn: &mut PgConnection) -> Result<Vec<Capture>, CaptureError>
 
 /// Captured tables whose triggers would miss changes (disabled, or not
 /// firing always, on the table or a partition; a partition without its
-/// `TRUNCATE` guard) or are out of date with the table (columns added or
-/// gone, the trigger missing, the table gone), each with its fix, the
-/// worst first; a table can have several. Empty when every trigger fires
-/// always and matches its table.
+/// `TRUNCATE` guard; a soft-delete column also excluded, whose undelete
+/// sends nothing) or are out of date with the table (columns added or
+/// gone, the trigger missing, the table renamed or gone, the trigger left
+/// on another table), each with its fix, the worst first; a table can have
+/// several. Empty when every trigger fires always and matches its table.
 pub async fn check(conn: &mut PgConnection) -> Result<Vec<Drift>, CaptureError> {
     let rows: Vec<(String, String, String)> =
         sqlx::query_as("SELECT table_name, problem, fix FROM ferry.capture_check()")

@@ -64,6 +64,12 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "wal_slot_watermark",
         include_str!("migrations/0026_wal_slot_watermark.sql"),
     ),
+    (
+        27,
+        "capture_warn_retryable",
+        include_str!("migrations/0027_capture_warn_retryable.sql"),
+    ),
+    (28, "capture_rename", include_str!("migrations/0028_capture_rename.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
