@@ -253,12 +253,19 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
         let mut batch = Batch::default();
         batch.take(first);
         // Whatever else has arrived joins the batch, up to its size.
+        let mut failed = None;
         while batch.events < shared.settings.batch_size {
             match stream.try_next() {
                 Ok(Some(item)) => batch.take(item),
                 Ok(None) => break,
-                // What this batch read so far is replayed by the next session.
-                Err(e) => return Err(settle_then_fail(shared, wal, &stream, unsettled.take(), e).await),
+                // What this batch read so far is published and settled all
+                // the same, then the stream ends: the next session may be on
+                // a new slot, which would not replay it (a slot that cannot
+                // stream past a change, see WalSource::prepare).
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
             }
         }
         let carry = unsettled.as_ref().map(Carry::of).unwrap_or_default();
@@ -282,6 +289,9 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
             }
         }
         shared.progress.advanced();
+        if let Some(e) = failed {
+            return Err(settle_then_fail(shared, wal, &stream, unsettled.take(), e).await);
+        }
     }
 }
 
@@ -468,18 +478,17 @@ async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource, wh
     Ok(())
 }
 
-/// Takes requeued events into the table path, every `lag_every` while
-/// streaming; a failure waits for the next time, the stream goes on.
 /// What the streaming relay does every `lag_every`: reads the slot's lag,
-/// takes requeued events into the table path, and checks the publication.
-/// An error only when the publication no longer carries the outbox's
-/// inserts ([`WalSource::check_publication`]): the stream stops.
+/// takes requeued events into the table path (a failure waits for the next
+/// time, the stream goes on), and checks the publication. An error only
+/// when the publication is gone or no longer carries every insert into the
+/// outbox ([`WalSource::check_publication`]): the stream stops.
 async fn now_and_then<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result<(), StoreError> {
     read_lag(&wal.source, &wal.options).await;
     sweep_requeued(shared, &wal.source).await;
     match wal.source.check_publication().await {
         Err(e) if e.kind == ErrorKind::Config => {
-            error!(error = %e, "the publication no longer carries the outbox's events; the WAL stream stops");
+            error!(error = %e, "the publication does not carry the outbox's events; the WAL stream stops");
             Err(e)
         }
         Err(e) => {

@@ -1665,3 +1665,100 @@ async fn a_foreign_ferry_message_is_kept_as_a_dead_event_and_the_stream_goes_on(
     e.pool.close().await;
     e.db.drop_db().await;
 }
+
+/// An operator drops the publication while a relay streams (meaning to
+/// make it again, say) and an outbox row commits before it exists again.
+/// PostgreSQL before 18 decodes each change against the publications of
+/// its time: the slot can never stream past that row, however often the
+/// publication is made again. The relay sees why, replaces the slot and
+/// sweeps what is undelivered into the table path: every outbox row
+/// arrives, and the replacement is counted.
+#[tokio::test]
+async fn a_slot_stopped_by_a_dropped_publication_is_replaced_and_no_outbox_row_is_lost() {
+    use ferry_relay::metrics::WAL_SLOT_REPLACED;
+    use ferry_testkit::metrics::Counts;
+    let counts = Counts::by_label("reason");
+    // The relay's tasks run on this thread (a current-thread runtime).
+    let _recording = metrics::set_default_local_recorder(&counts);
+    let e = env().await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let mut expected = enqueue_rows(&e.pool, "streamed", 20).await;
+    expected.extend(emit_events(&e.pool, "streamed", 7).await);
+    eventually("the first events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= expected.len()
+    })
+    .await;
+
+    sqlx::raw_sql("DROP PUBLICATION ferry").execute(&e.pool).await.unwrap();
+    expected.extend(enqueue_rows(&e.pool, "unpublished", 10).await);
+    // The relay may have made it again already.
+    let _ = sqlx::raw_sql("CREATE PUBLICATION ferry FOR TABLE ferry.events WITH (publish = 'insert')")
+        .execute(&e.pool)
+        .await;
+    expected.extend(enqueue_rows(&e.pool, "made again", 20).await);
+    eventually("the slot replaced", Duration::from_secs(60), || {
+        counts.get(WAL_SLOT_REPLACED, "unpublished") > 0
+    })
+    .await;
+    streaming(&e).await;
+    expected.extend(emit_events(&e.pool, "new slot", 7).await);
+    expected.extend(enqueue_rows(&e.pool, "new slot", 20).await);
+    eventually("every outbox row and every new event", Duration::from_secs(60), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    assert_eq!(
+        counts.get(WAL_SLOT_REPLACED, "unpublished"),
+        1,
+        "replaced more than once"
+    );
+    relay.stop().await;
+    e.pool.close().await;
+    e.db.drop_db().await;
+}
+
+/// Tableless events read in the same batch as the change a dropped
+/// publication stops the slot at are published and settled before the
+/// stream ends: the next session is on a new slot, which would not replay
+/// them. Each arrives once.
+#[tokio::test]
+async fn events_read_with_the_change_that_stops_the_slot_arrive_once() {
+    let e = env().await;
+    // The relay is held publishing the gate while what follows, up to the
+    // change it cannot stream past, arrives: its next batch reads it all.
+    e.sink.delay_when(|ev| {
+        (serde_json::from_slice::<serde_json::Value>(&ev.payload).is_ok_and(|p| p["tag"] == "gate"))
+            .then_some(Duration::from_secs(3))
+    });
+    let options = WalOptions {
+        publish_timeout: Duration::from_secs(30),
+        ..WalOptions::default()
+    };
+    let (relay, _) = start_with(&e, "wal-a", vec![route("all", "mock")], Some(options));
+    streaming(&e).await;
+    let gate = emit_events(&e.pool, "gate", 1).await;
+    eventually("the gate being published", Duration::from_secs(30), || {
+        e.sink.attempts() > 0
+    })
+    .await;
+    let held = emit_events(&e.pool, "held", 5).await;
+    sqlx::raw_sql("DROP PUBLICATION ferry").execute(&e.pool).await.unwrap();
+    let unpublished = enqueue_rows(&e.pool, "unpublished", 1).await;
+    let mut expected: Vec<(EventId, String)> = gate.into_iter().chain(held.clone()).collect();
+    expected.extend(unpublished);
+    eventually("every event", Duration::from_secs(60), || {
+        let arrived = unique(&e.sink.delivered("all"));
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    let delivered = e.sink.delivered("all");
+    for (id, _) in &held {
+        assert_eq!(delivered.iter().filter(|ev| ev.id == *id).count(), 1, "{id:?}");
+    }
+    relay.stop().await;
+    e.pool.close().await;
+    e.db.drop_db().await;
+}

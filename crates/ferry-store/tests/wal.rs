@@ -1286,3 +1286,380 @@ async fn a_foreign_ferry_message_does_not_stop_the_stream() {
     pool.close().await;
     db.drop_db().await;
 }
+
+/// What `ferry check` says of the publication.
+async fn publication_check(db: &TestDb, pool: &PgPool) -> Finding {
+    diagnose(pool, &config_of(db), u64::MAX)
+        .await
+        .into_iter()
+        .find(|f| f.what.starts_with("publication"))
+        .expect("a finding on the publication")
+}
+
+/// Commits one outbox row; its id.
+async fn enqueue_one(pool: &PgPool) -> EventId {
+    let mut tx = pool.begin().await.unwrap();
+    let id = ferry_store::postgres::enqueue(&mut tx, Event::new("order.placed", json!({ "n": 1 })).key("k"))
+        .await
+        .unwrap()
+        .id;
+    tx.commit().await.unwrap();
+    id
+}
+
+/// A publication dropped while its slot exists is a problem `ferry check`
+/// names. PostgreSQL before 18 decodes each change against the
+/// publications of its time, so a change committed before it exists again
+/// stops the slot for good: the stream says why and where, and the next
+/// `prepare` replaces the slot (reporting it), with `ferry.emit` writing
+/// outbox rows until the new slot is swept, and the row the old slot
+/// stopped at waiting for that sweep.
+#[tokio::test]
+async fn a_slot_stopped_by_a_dropped_publication_is_reported_and_replaced() {
+    use ferry_store::postgres::wal::WalItem;
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    assert!(publication_check(&db, &pool).await.ok);
+    let mut stream = source.open(&prepared).await.unwrap();
+    let old_slot: i64 = sqlx::query_scalar(
+        "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(db.name())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+
+    sqlx::raw_sql("DROP PUBLICATION ferry").execute(&pool).await.unwrap();
+    let check = publication_check(&db, &pool).await;
+    assert!(!check.ok, "{check:?}");
+    assert!(
+        check.detail.contains("does not exist, though replication slot")
+            && check.detail.contains("CREATE PUBLICATION ferry FOR TABLE ferry.events"),
+        "{check:?}"
+    );
+    let unpublished = enqueue_one(&pool).await;
+    sqlx::raw_sql("CREATE PUBLICATION ferry FOR TABLE ferry.events WITH (publish = 'insert')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(publication_check(&db, &pool).await.ok);
+    let err = loop {
+        match tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+            .await
+            .expect("the stream neither failed nor moved")
+        {
+            Ok(WalItem::Txn(t)) => assert!(t.events.is_empty(), "an event streamed past the drop"),
+            Ok(WalItem::Idle { .. }) => {}
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        err.message
+            .contains("cannot stream past a change committed after WAL position")
+            && err.message.contains("publication ferry did not exist")
+            && err.message.contains("replaces the slot"),
+        "{err}"
+    );
+    stream.close().await;
+
+    // The walsender may take a moment to let the slot go.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    let replaced = loop {
+        // Refused while the walsender still holds the slot.
+        if let Ok(again) = source.prepare().await
+            && again.replaced.is_some()
+        {
+            break again;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the slot was not replaced");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(seen(replaced), (true, Some(SlotLoss::Unpublished)));
+    let new_slot: i64 = sqlx::query_scalar(
+        "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(db.name())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(new_slot > old_slot, "the slot that stopped is still there");
+    assert!(
+        emit_one(&pool).await,
+        "a tableless event was written before the new slot was swept"
+    );
+    let waiting: Vec<EventId> = source.unrouted(100).await.unwrap().iter().map(|e| e.event.id).collect();
+    assert!(
+        waiting.contains(&unpublished),
+        "the row the slot stopped at is not swept"
+    );
+    assert!(source.mark_swept(&replaced).await.unwrap());
+    let mut stream = source.open(&replaced).await.unwrap();
+    let after = enqueue_one(&pool).await;
+    // The row emit wrote comes first.
+    loop {
+        let item = tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+            .await
+            .expect("the new slot does not stream")
+            .unwrap();
+        if let WalItem::Txn(t) = item
+            && t.events.iter().any(|e| e.event.id == after)
+        {
+            break;
+        }
+    }
+    stream.close().await;
+    // Once is enough: the new slot is not replaced again.
+    assert_eq!(seen(source.prepare().await.unwrap()), (false, None));
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// The slot's confirmed position, if it exists.
+async fn slot_position(db: &TestDb, pool: &PgPool) -> Option<i64> {
+    sqlx::query_scalar(
+        "SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(db.name())
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+}
+
+/// Streams from `prepared` until the event `id` arrives.
+async fn streams(source: &WalSource, prepared: &Prepared, id: EventId) {
+    use ferry_store::postgres::wal::WalItem;
+    let mut stream = source.open(prepared).await.unwrap();
+    loop {
+        let item = tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+            .await
+            .expect("the slot does not stream")
+            .unwrap();
+        if let WalItem::Txn(t) = item
+            && t.events.iter().any(|e| e.event.id == id)
+        {
+            break;
+        }
+    }
+    stream.close().await;
+}
+
+/// A publication dropped while the slot streams stops the stream at the
+/// next check and marks the slot not ready: `ferry.emit` writes outbox
+/// rows. Before PostgreSQL 18 the check's own write is a change the slot
+/// can never stream past, so the next `prepare` replaces the slot rather
+/// than sweep it and mark it ready: a tableless event written then would
+/// be lost with it. Tableless events go into the new slot, and stream.
+#[tokio::test]
+async fn a_publication_dropped_under_the_slot_stops_the_stream_and_the_slot_is_replaced() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    let old_slot = slot_position(&db, &pool).await.unwrap();
+    sqlx::raw_sql("DROP PUBLICATION ferry").execute(&pool).await.unwrap();
+    let err = source.check_publication().await.unwrap_err();
+    assert_eq!(err.kind, ferry_core::ErrorKind::Config, "{err}");
+    assert!(err.message.contains("does not exist, though replication slot"), "{err}");
+    assert!(
+        emit_one(&pool).await,
+        "emit wrote a tableless event beside a slot without its publication"
+    );
+    // The relay makes it again, and replaces the slot before any is ready.
+    let again = source.prepare().await.unwrap();
+    assert_eq!(seen(again), (true, Some(SlotLoss::Unpublished)));
+    assert!(
+        slot_position(&db, &pool).await.unwrap() > old_slot,
+        "the slot that cannot stream on is kept"
+    );
+    assert!(publication_check(&db, &pool).await.ok);
+    assert!(source.mark_swept(&again).await.unwrap());
+    let mut tx = pool.begin().await.unwrap();
+    let tableless = emit(&mut tx, Event::new("order.placed", json!({ "n": 2 })).key("k"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    streams(&source, &again, tableless).await;
+    assert_eq!(seen(source.prepare().await.unwrap()), (false, None));
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// A relay that finds the publication missing beside the slot as it starts
+/// makes it again, and sweeps what is unrouted: from PostgreSQL 18 on, the
+/// slot survives but never streams what committed meanwhile; before 18, it
+/// is replaced (the only branch this server can show).
+#[tokio::test]
+async fn a_publication_made_again_beside_the_slot_leads_to_a_sweep() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    sqlx::raw_sql("DROP PUBLICATION ferry").execute(&pool).await.unwrap();
+    let unpublished = enqueue_one(&pool).await;
+    let fresh = source_of(&db, &pool);
+    let again = fresh.prepare().await.unwrap();
+    assert!(
+        again.unswept,
+        "rows committed while the publication was missing are not swept"
+    );
+    let waiting: Vec<EventId> = fresh.unrouted(100).await.unwrap().iter().map(|e| e.event.id).collect();
+    assert!(waiting.contains(&unpublished), "{waiting:?}");
+    assert!(fresh.mark_swept(&again).await.unwrap());
+    let after = enqueue_one(&pool).await;
+    streams(&fresh, &again, after).await;
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// A `prepare` that fails after dropping a slot that could not stream on
+/// (here: its role may not create the publication) still has the loss
+/// told, by the next `prepare` that succeeds.
+#[tokio::test]
+async fn an_unpublished_slot_dropped_by_a_failing_prepare_is_still_reported() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    // Replication, and the outbox's tables, but not their ownership.
+    let role = format!("{}_relay", db.name());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE ROLE {role} LOGIN REPLICATION; \
+         GRANT USAGE ON SCHEMA ferry TO {role}; \
+         GRANT ALL ON ALL TABLES IN SCHEMA ferry TO {role}; \
+         GRANT ALL ON ALL SEQUENCES IN SCHEMA ferry TO {role}; \
+         GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA ferry TO {role}"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let options: sqlx::postgres::PgConnectOptions = db.url().parse().unwrap();
+    let small = PgPool::connect_with(options.clone().username(&role)).await.unwrap();
+    let relay = WalSource::new(small.clone(), config_of(&db)).unwrap();
+    sqlx::raw_sql("DROP PUBLICATION ferry").execute(&pool).await.unwrap();
+    assert!(relay.check_publication().await.is_err());
+    let err = relay.prepare().await.unwrap_err();
+    assert!(err.message.contains("create the publication"), "{err}");
+    assert_eq!(slot_position(&db, &pool).await, None, "the slot was not dropped");
+    sqlx::raw_sql("CREATE PUBLICATION ferry FOR TABLE ferry.events WITH (publish = 'insert')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        seen(relay.prepare().await.unwrap()),
+        (true, Some(SlotLoss::Unpublished))
+    );
+    assert_eq!(seen(relay.prepare().await.unwrap()), (true, None), "told twice");
+    small.close().await;
+    pool.close().await;
+    db.drop_db().await;
+    let mut admin = sqlx::PgConnection::connect_with(&options.database("postgres"))
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP ROLE {role}")))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+}
+
+/// A row filter or a column list on the publication (PostgreSQL 15 and
+/// later) keeps rows, or their columns, from the stream: refused like a
+/// publication without the table, naming the statement that mends it, and
+/// the rows committed meanwhile are swept once it is mended.
+#[tokio::test]
+async fn a_publication_with_a_row_filter_or_a_column_list_is_refused_with_the_fix() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    let fix = "ALTER PUBLICATION ferry SET TABLE ferry.events";
+    for (narrowing, says) in [
+        ("SET TABLE ferry.events WHERE (key IS NULL)", "row filter"),
+        (
+            "SET TABLE ferry.events (seq, id, type, key, partition, payload, content_type, headers, created_at)",
+            "column list",
+        ),
+    ] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("ALTER PUBLICATION ferry {narrowing}")))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let err = source.check_publication().await.unwrap_err();
+        assert_eq!(err.kind, ferry_core::ErrorKind::Config, "{err}");
+        assert!(err.message.contains(says) && err.message.contains(fix), "{err}");
+        let check = publication_check(&db, &pool).await;
+        assert!(
+            !check.ok && check.detail.contains(says) && check.detail.contains(fix),
+            "{check:?}"
+        );
+        let err = source.prepare().await.unwrap_err();
+        assert!(err.message.contains(says), "{err}");
+        sqlx::raw_sql(fix).execute(&pool).await.unwrap();
+        assert!(publication_check(&db, &pool).await.ok);
+        let mended = source.prepare().await.unwrap();
+        assert_eq!(seen(mended), (true, None), "rows committed meanwhile are not swept");
+        assert!(source.mark_swept(&mended).await.unwrap());
+    }
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// `retire` waits for the transactions open when it marked the slot, and
+/// says whom it waits for: a session left idle in a transaction holds it
+/// until it ends.
+#[tokio::test]
+async fn retire_names_the_sessions_it_waits_for() {
+    use ferry_store::postgres::wal::Retiring;
+    use std::sync::{Arc, Mutex};
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    let mut idle = sqlx::PgConnection::connect(db.url()).await.unwrap();
+    sqlx::raw_sql("BEGIN").execute(&mut idle).await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut idle)
+        .await
+        .unwrap();
+    let heard: Arc<Mutex<Vec<Retiring>>> = Arc::default();
+    let retiring = {
+        let (pool, slot, heard) = (pool.clone(), db.name().to_owned(), heard.clone());
+        tokio::spawn(async move {
+            ferry_store::postgres::wal::retire(&pool, &slot, |step| heard.lock().unwrap().push(step)).await
+        })
+    };
+    let named = |heard: &[Retiring]| {
+        heard
+            .iter()
+            .any(|step| matches!(step, Retiring::Waiting { pids, .. } if pids.contains(&pid)))
+    };
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !named(&heard.lock().unwrap()) {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", heard.lock().unwrap());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    sqlx::raw_sql("COMMIT").execute(&mut idle).await.unwrap();
+    // Then it waits for a relay to drain the slot, which none does here.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !heard.lock().unwrap().contains(&Retiring::NoRelay) {
+        assert!(tokio::time::Instant::now() < deadline, "{:?}", heard.lock().unwrap());
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    retiring.abort();
+    idle.close().await.unwrap();
+    pool.close().await;
+    db.drop_db().await;
+}

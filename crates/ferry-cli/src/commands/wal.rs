@@ -2,6 +2,7 @@
 //! itself.
 
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use ferry_core::ErrorKind;
 use ferry_store::postgres::wal::{self, Retiring};
@@ -45,11 +46,33 @@ pub async fn run(cfg: &Config, args: WalArgs) -> anyhow::Result<ExitCode> {
         return Err(UsageError("ferry wal: WAL streaming needs a postgres:// database.url".into()).into());
     };
     let mut told_no_relay = false;
+    // Transactions end in moments as a rule: whom the wait is for is said
+    // once it has lasted, and every ten seconds after.
+    let mut told_waiting = Instant::now();
     let through = wal::retire(pg.pool(), &slot, |step| match step {
         Retiring::Marked => eprintln!(
             "slot {slot} marked not ready: ferry.emit writes outbox rows from now on; \
              waiting for transactions that may still emit for it"
         ),
+        Retiring::Waiting { pids, prepared } => {
+            if told_waiting.elapsed() < Duration::from_secs(10) {
+                return;
+            }
+            told_waiting = Instant::now();
+            if !pids.is_empty() {
+                eprintln!(
+                    "still waiting for sessions whose transactions were open when the slot was marked (server \
+                     process ids {pids:?}): end them (commit or roll back; a session idle in a transaction: \
+                     SELECT pg_terminate_backend(pid)), see pg_stat_activity"
+                );
+            }
+            if !prepared.is_empty() {
+                eprintln!(
+                    "still waiting for prepared transactions {prepared:?}: COMMIT PREPARED or ROLLBACK PREPARED \
+                     them, see pg_prepared_xacts"
+                );
+            }
+        }
         Retiring::Draining { behind, .. } => {
             told_no_relay = false;
             eprintln!("waiting for the relay to settle the slot: {behind} bytes of WAL to go");

@@ -75,13 +75,30 @@ async fn inspect(pool: &PgPool, config: &WalConfig, lag_budget: u64) -> Result<V
     let what = format!("publication {publication}");
     let publication_row = super::publication_fault(pool, publication).await?;
     let create = format!("CREATE PUBLICATION {publication} FOR TABLE ferry.events WITH (publish = 'insert')");
+    let has_slot: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)")
+        .bind(slot)
+        .fetch_one(pool)
+        .await?;
     out.push(match publication_row {
+        // PostgreSQL before 18 decodes each change against the publications
+        // of its time: one committed now stops the slot for good.
+        None if has_slot => finding(
+            what,
+            false,
+            format!(
+                "does not exist, though replication slot {slot} does (dropped by hand?): a change committed in \
+                 this database while it is missing stops the slot for good. Run {create} (a relay in WAL mode \
+                 makes it at its next attempt to stream); a relay replaces the slot if it has stopped, sweeping \
+                 every undelivered outbox row into the table path, and tableless events the slot holds past that \
+                 change are lost. Drop the publication only with the slot"
+            ),
+        ),
         None => finding(
             what,
             true,
             format!("not created yet; the relay creates it at start (as the owner of ferry.events), or run {create}"),
         ),
-        Some(None) => finding(what, true, "publishes inserts into ferry.events"),
+        Some(None) => finding(what, true, "publishes every insert into ferry.events, whole"),
         Some(Some(wrong)) => finding(what, false, wrong),
     });
 

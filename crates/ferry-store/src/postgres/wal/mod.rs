@@ -13,15 +13,17 @@
 
 mod decode;
 mod diagnose;
+mod publication;
 mod settle;
 mod watermark;
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, StoreError};
-use pgwire_replication::{Lsn, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
+use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot, watch};
 
@@ -29,6 +31,7 @@ use crate::postgres::{EnqueueError, store_error};
 
 pub use decode::{PART_BYTES, PART_EVENTS, UNDECODABLE_TYPE, WalEvent, WalTxn};
 pub use diagnose::{Finding, diagnose};
+use publication::{Stall, publication_fault};
 pub use settle::{Look, Outcome, Settled, Settlement};
 
 /// Where a relay in WAL mode streams from.
@@ -81,7 +84,7 @@ pub struct Prepared {
     pub retired: bool,
 }
 
-/// How the slot a relay had streamed from was lost. Either way the outbox
+/// How the slot a relay had streamed from was lost. Whichever way, the outbox
 /// rows are safe (the new slot's sweep delivers them), but tableless events
 /// the old slot had not yet handed over, and those whose failed delivery the
 /// relay had not yet written to the outbox, are gone: they lived only in
@@ -96,6 +99,12 @@ pub enum SlotLoss {
     /// the primary), a restore from backup, or a drop by hand, whether or
     /// not a slot of the same name was made anew since.
     Vanished,
+    /// It stopped at a change committed while its publication did not
+    /// exist (dropped by hand, say, and made again): PostgreSQL before 18
+    /// decodes each change against the publications of its time, so the
+    /// slot could never stream past it. Reported by the relay that replaced
+    /// it only: `ferry.wal_slots.lost` does not record it.
+    Unpublished,
 }
 
 impl SlotLoss {
@@ -112,6 +121,7 @@ impl SlotLoss {
         match self {
             SlotLoss::Lost => "lost",
             SlotLoss::Vanished => "vanished",
+            SlotLoss::Unpublished => "unpublished",
         }
     }
 }
@@ -127,6 +137,11 @@ impl std::fmt::Display for SlotLoss {
                 "the replication slot is gone though it had streamed (a failover to a standby, a restore \
                  from backup, or a drop by hand; a slot of the same name made since is a new one)"
             }
+            SlotLoss::Unpublished => {
+                "the replication slot stopped at a change committed while its publication did not exist, and \
+                 can never stream past it (PostgreSQL reads the publication as of each change, even once it is \
+                 made again)"
+            }
         })
     }
 }
@@ -137,6 +152,15 @@ pub struct WalSource {
     pool: PgPool,
     config: WalConfig,
     read_ahead: usize,
+    /// Set by a stream of this source that the server ended at a change
+    /// committed while the publication did not exist, or when the
+    /// publication was found missing beside the slot (PostgreSQL before
+    /// 18); the next [`prepare`](Self::prepare) replaces the slot.
+    stalled: Arc<Mutex<Option<Stall>>>,
+    /// A slot this source dropped as [`SlotLoss::Unpublished`], not yet
+    /// told in a [`Prepared`]: a `prepare` that fails after the drop leaves
+    /// it for the next one.
+    unreported: Arc<AtomicBool>,
 }
 
 /// How many bytes of change data a stream reads ahead of the relay, by
@@ -162,6 +186,8 @@ impl WalSource {
             pool,
             config,
             read_ahead: READ_AHEAD_BYTES,
+            stalled: Arc::default(),
+            unreported: Arc::default(),
         })
     }
 
@@ -201,6 +227,13 @@ impl WalSource {
     /// told apart by its position (see `watermark.rs`) and taken as a new
     /// slot: swept, its predecessor's loss reported if that had streamed,
     /// and not retired.
+    ///
+    /// A slot a stream of this source found stopped at a change committed
+    /// while the publication did not exist ([`SlotLoss::Unpublished`]) is
+    /// replaced the same way: it can never stream past that change. So is
+    /// one found beside a missing publication, here or by
+    /// [`check_publication`](Self::check_publication), on PostgreSQL before
+    /// 18 (see [`publication_missing`](Self::publication_missing)).
     pub async fn prepare(&self) -> Result<Prepared, StoreError> {
         let mut conn = self.pool.acquire().await.map_err(store_error)?;
         let wal_level: String = sqlx::query_scalar("SHOW wal_level")
@@ -217,12 +250,42 @@ impl WalSource {
         if let Some(other) = emit_slots(&self.pool, Some(slot)).await?.first() {
             return Err(StoreError::config(another_slot(other, slot)));
         }
-        let has_publication: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)")
-                .bind(publication)
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(store_error)?;
+        let (has_publication, has_slot): (bool, bool) = sqlx::query_as(
+            "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1), \
+                    EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $2)",
+        )
+        .bind(publication)
+        .bind(slot)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(store_error)?;
+        if !has_publication && has_slot {
+            // Said where the cause is seen: the stream, if it stops, says
+            // only where.
+            tracing::error!(
+                slot = %slot,
+                publication = %publication,
+                "publication {publication} does not exist, though replication slot {slot} does (dropped by \
+                 hand?); the relay makes it again, and every outbox row not yet delivered is swept into the \
+                 table path, since none committed while it was missing is ever streamed. Before PostgreSQL 18 \
+                 the slot can never stream past a change committed meanwhile: the relay replaces it, and \
+                 tableless events it holds past that change are lost. Drop the publication only with the \
+                 slot (see the operations guide, \"WAL streaming\")"
+            );
+            self.publication_missing(&mut conn).await?;
+        }
+        // Before the publication is made again, if it is missing: the new
+        // slot must start where every change decodes.
+        self.replace_stalled(&mut conn).await?;
+        if self.stalled.lock().expect("not poisoned").is_some() {
+            // Held by a walsender a moment longer, say: swept now, it would
+            // be marked ready, and tableless events written into WAL it can
+            // never stream.
+            return Err(StoreError::transient(format!(
+                "replication slot {slot} cannot stream on and is not dropped yet (still in use?); the relay \
+                 replaces it at its next attempt"
+            )));
+        }
         if !has_publication {
             // Two relays starting at once may both try; the loser's error is harmless.
             let made = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
@@ -379,51 +442,21 @@ impl WalSource {
         .fetch_one(&mut *conn)
         .await
         .map_err(store_error)?;
+        // One loss a time: an unpublished slot not told yet waits for the
+        // next prepare.
+        let replaced = match reported.as_deref().and_then(SlotLoss::parse) {
+            Some(loss) => Some(loss),
+            None => self
+                .unreported
+                .swap(false, Ordering::SeqCst)
+                .then_some(SlotLoss::Unpublished),
+        };
         Ok(Prepared {
             unswept: !swept,
-            replaced: reported.as_deref().and_then(SlotLoss::parse),
+            replaced,
             generation,
             retired,
         })
-    }
-
-    /// Checks that the publication carries the inserts into `ferry.events`,
-    /// as the relay creates it. One made by an administrator without the
-    /// table or without inserts (or altered so since) streams the tableless
-    /// events but none of the outbox rows: the slot would move past them,
-    /// and they would wait in `ferry.unrouted` for ever, nothing said. So a
-    /// publication found so stops the stream, and marks the slot's record
-    /// for a sweep: once it is mended, the relay takes what is unrouted into
-    /// the table path before it streams again, as for a new slot (PostgreSQL
-    /// never streams inserts made while they were not published, even from
-    /// a slot that had not passed them yet).
-    pub async fn check_publication(&self) -> Result<(), StoreError> {
-        let WalConfig { slot, publication, .. } = &self.config;
-        let Some(Some(wrong)) = publication_fault(&self.pool, publication).await.map_err(store_error)? else {
-            return Ok(());
-        };
-        // Only while it is still wrong, in the same statement: a relay that
-        // read it a moment before it was mended must not undo the sweep
-        // another relay has made since. A retired slot is not swept again
-        // (the relays leave it for polling, which takes what is unrouted).
-        sqlx::query(
-            "UPDATE ferry.wal_slots SET ready = false, swept_generation = NULL \
-              WHERE slot = $1 AND NOT retired \
-                AND NOT EXISTS (SELECT 1 FROM pg_publication p \
-                                 WHERE p.pubname = $2 AND p.pubinsert \
-                                   AND EXISTS (SELECT 1 FROM pg_publication_tables t \
-                                                WHERE t.pubname = p.pubname AND t.schemaname = 'ferry' \
-                                                  AND t.tablename = 'events'))",
-        )
-        .bind(slot)
-        .bind(publication)
-        .execute(&self.pool)
-        .await
-        .map_err(store_error)?;
-        Err(StoreError::config(format!(
-            "publication {publication} {wrong}; the outbox's events are not streamed until it does (they wait, \
-             and are taken into the table path once it is mended)"
-        )))
     }
 
     /// Records that the events committed before the slot existed are swept
@@ -439,6 +472,13 @@ impl WalSource {
     /// at a time, and the second is refused as `prepare` would refuse it.
     pub async fn mark_swept(&self, prepared: &Prepared) -> Result<bool, StoreError> {
         let slot = &self.config.slot;
+        // Never ready a slot that is to be replaced: the tableless events
+        // written then would be lost with it.
+        if self.stalled.lock().expect("not poisoned").is_some() {
+            return Err(StoreError::transient(format!(
+                "replication slot {slot} cannot stream on and is to be replaced; starting over"
+            )));
+        }
         let mut tx = self.pool.begin().await.map_err(store_error)?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext('ferry.wal_slots: mark ready'))")
             .execute(&mut *tx)
@@ -526,15 +566,18 @@ impl WalSource {
     /// one the record speaks of (see [`prepare`](Self::prepare)).
     pub async fn open(&self, prepared: &Prepared) -> Result<WalStream, StoreError> {
         let mut cfg = replication_config(&self.config)?;
-        type Record = (Option<i64>, i64, Option<i64>, Option<i64>);
+        type Record = (Option<i64>, i64, Option<i64>, Option<i64>, Option<i64>);
         let record: Option<Record> = sqlx::query_as(
-            "SELECT settled_lsn, generation, part_lsn, part_events FROM ferry.wal_slots WHERE slot = $1",
+            "SELECT settled_lsn, generation, part_lsn, part_events, \
+                    (SELECT (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint FROM pg_replication_slots \
+                      WHERE slot_name = $1) \
+               FROM ferry.wal_slots WHERE slot = $1",
         )
         .bind(&self.config.slot)
         .fetch_optional(&self.pool)
         .await
         .map_err(store_error)?;
-        let (settled, generation, part_lsn, part_events) = record.unwrap_or_default();
+        let (settled, generation, part_lsn, part_events, confirmed) = record.unwrap_or_default();
         if generation != prepared.generation {
             return Err(StoreError::transient(
                 "the replication slot was replaced since it was prepared; starting over with the new slot",
@@ -601,6 +644,7 @@ impl WalSource {
                 keeper,
             },
             stop_rx,
+            self.config.publication.clone(),
         ));
         Ok(WalStream {
             rx,
@@ -609,6 +653,10 @@ impl WalSource {
             forwarder,
             decoder: decode::Decoder::resuming(resume),
             generation,
+            // The server starts at the later of the two.
+            reached: settled.max(confirmed).unwrap_or(0).max(0) as u64,
+            stalled: self.stalled.clone(),
+            config: self.config.clone(),
         })
     }
 
@@ -662,6 +710,10 @@ pub enum Retiring {
     /// The slot is marked not ready: new `ferry.emit` calls write outbox
     /// rows. Waiting for transactions that may still emit for the slot.
     Marked,
+    /// Those transactions still running: sessions by server process id (a
+    /// session left idle in a transaction holds the retirement until it
+    /// ends), then transactions prepared for two-phase commit by gid.
+    Waiting { pids: Vec<i32>, prepared: Vec<String> },
     /// Every such transaction has ended; waiting for the streaming relay to
     /// settle the WAL through `through` (bytes still to go: `behind`).
     Draining { through: u64, behind: u64 },
@@ -681,8 +733,10 @@ pub enum Retiring {
 /// again ([`WalSource::mark_swept`]). A new slot of the same name starts
 /// afresh.
 ///
-/// `report` hears each step (and every second while waiting); the wait
-/// ends only when the slot has caught up, or fails on a database error.
+/// `report` hears each step, whom it waits for each time it looks (about
+/// five times a second, for the caller to say as often as it likes), and
+/// every second how far the relay has to go; the wait ends only when the
+/// slot has caught up, or fails on a database error.
 pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring)) -> Result<u64, StoreError> {
     let marked: Option<i64> = sqlx::query_scalar(
         "UPDATE ferry.wal_slots SET ready = false, retired = true WHERE slot = $1 RETURNING generation",
@@ -716,8 +770,15 @@ pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring))
     .map_err(store_error)?;
     wait_until_none(
         pool,
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'virtualxid' AND virtualxid = ANY($1)",
+        "SELECT DISTINCT coalesce(pid, 0)::text FROM pg_locks \
+          WHERE locktype = 'virtualxid' AND mode = 'ExclusiveLock' AND granted AND virtualxid = ANY($1)",
         &running,
+        |pids| {
+            report(Retiring::Waiting {
+                pids: pids.iter().filter_map(|pid| pid.parse().ok()).collect(),
+                prepared: Vec::new(),
+            })
+        },
     )
     .await?;
     // A transaction prepared for two-phase commit has let its virtual id go
@@ -729,8 +790,14 @@ pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring))
             .map_err(store_error)?;
     wait_until_none(
         pool,
-        "SELECT count(*) FROM pg_prepared_xacts WHERE database = current_database() AND gid = ANY($1)",
+        "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() AND gid = ANY($1)",
         &prepared,
+        |prepared| {
+            report(Retiring::Waiting {
+                pids: Vec::new(),
+                prepared,
+            })
+        },
     )
     .await?;
     // The insert position, not the write position: a transaction committed
@@ -783,20 +850,27 @@ pub async fn retire(pool: &PgPool, slot: &str, mut report: impl FnMut(Retiring))
     }
 }
 
-/// Polls `count` (a query counting which of `$1` remain) until none does.
-async fn wait_until_none(pool: &PgPool, count: &'static str, of: &[String]) -> Result<(), StoreError> {
+/// Polls `left` (a query naming, as text, what of `$1` remains) until none
+/// does, telling `waiting` what remains each time.
+async fn wait_until_none(
+    pool: &PgPool,
+    left: &'static str,
+    of: &[String],
+    mut waiting: impl FnMut(Vec<String>),
+) -> Result<(), StoreError> {
     if of.is_empty() {
         return Ok(());
     }
     loop {
-        let left: i64 = sqlx::query_scalar(count)
+        let remain: Vec<String> = sqlx::query_scalar(left)
             .bind(of)
-            .fetch_one(pool)
+            .fetch_all(pool)
             .await
             .map_err(store_error)?;
-        if left == 0 {
+        if remain.is_empty() {
             return Ok(());
         }
+        waiting(remain);
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -962,7 +1036,25 @@ struct Confirms {
 
 /// A message read from the replication connection, with its share of the
 /// stream's read-ahead budget, given back once decoded.
-type Forwarded = Result<(ReplicationEvent, OwnedSemaphorePermit), StoreError>;
+type Forwarded = Result<(ReplicationEvent, OwnedSemaphorePermit), Ended>;
+
+/// Why the replication connection ended.
+enum Ended {
+    Failed(StoreError),
+    /// The server could not decode a change, committed while the
+    /// publication did not exist: no session ever will (see
+    /// [`WalSource::prepare`]). With the server's words.
+    Unpublished(String),
+}
+
+impl Ended {
+    fn of(e: PgWireError, publication: &str) -> Ended {
+        match publication::unpublished(&e, publication) {
+            Some(server) => Ended::Unpublished(server),
+            None => Ended::Failed(StoreError::transient(format!("replication stream: {e}"))),
+        }
+    }
+}
 
 /// The bytes a message holds the budget for: its change data.
 fn weight(event: &ReplicationEvent) -> usize {
@@ -986,8 +1078,8 @@ async fn forward(
     read_ahead: usize,
     confirms: Confirms,
     mut stop: oneshot::Receiver<()>,
+    publication: String,
 ) {
-    let stream_error = |e: pgwire_replication::PgWireError| StoreError::transient(format!("replication stream: {e}"));
     let Confirms {
         mut applied,
         mut keeper,
@@ -1021,11 +1113,11 @@ async fn forward(
         let event = match event {
             Ok(Some(event)) => event,
             Ok(None) => {
-                let _ = tx.send(Err(StoreError::transient("replication stream ended")));
+                let _ = tx.send(Err(Ended::Failed(StoreError::transient("replication stream ended"))));
                 return;
             }
             Err(e) => {
-                let _ = tx.send(Err(stream_error(e)));
+                let _ = tx.send(Err(Ended::of(e, &publication)));
                 return;
             }
         };
@@ -1084,7 +1176,9 @@ async fn raise_or_end(
         return true;
     }
     client.abort();
-    let _ = tx.send(Err(StoreError::transient("the slot's watermark could not be recorded")));
+    let _ = tx.send(Err(Ended::Failed(StoreError::transient(
+        "the slot's watermark could not be recorded",
+    ))));
     false
 }
 
@@ -1109,6 +1203,12 @@ pub struct WalStream {
     forwarder: tokio::task::JoinHandle<()>,
     decoder: decode::Decoder,
     generation: i64,
+    /// The furthest position handed over (or the start).
+    reached: u64,
+    /// The source's: set when the server ends the stream at a change it can
+    /// never decode ([`Ended::Unpublished`]).
+    stalled: Arc<Mutex<Option<Stall>>>,
+    config: WalConfig,
 }
 
 impl WalStream {
@@ -1144,8 +1244,19 @@ impl WalStream {
 
     /// Decodes one message; its read-ahead budget is given back after.
     fn feed(&mut self, forwarded: Option<Forwarded>) -> Result<Option<WalItem>, StoreError> {
-        let (event, _permit) = forwarded.ok_or_else(|| StoreError::transient("replication stream ended"))??;
-        self.decoder.feed(event)
+        let (event, _permit) = match forwarded {
+            Some(Ok(forwarded)) => forwarded,
+            Some(Err(Ended::Failed(e))) => return Err(e),
+            Some(Err(Ended::Unpublished(server))) => return Err(self.stall(&server)),
+            None => return Err(StoreError::transient("replication stream ended")),
+        };
+        let item = self.decoder.feed(event)?;
+        match &item {
+            Some(WalItem::Txn(t)) => self.reached = self.reached.max(t.end_lsn),
+            Some(WalItem::Idle { lsn }) => self.reached = self.reached.max(*lsn),
+            None => {}
+        }
+        Ok(item)
     }
 
     /// Tells the slot that everything before `lsn` is settled; the server
@@ -1220,32 +1331,6 @@ pub async fn emit(conn: &mut PgConnection, event: Event) -> Result<EventId, Enqu
         .fetch_one(&mut *conn)
         .await?;
     Ok(EventId(id))
-}
-
-/// Whether `publication` exists (`None` when not) and, if so, what is wrong
-/// with it for the relay, with the fix (`Some(None)` when it publishes
-/// inserts into `ferry.events`).
-pub(crate) async fn publication_fault<'c>(
-    conn: impl sqlx::PgExecutor<'c>,
-    publication: &str,
-) -> Result<Option<Option<String>>, sqlx::Error> {
-    let row: Option<(bool, bool)> = sqlx::query_as(
-        "SELECT p.pubinsert, EXISTS (SELECT 1 FROM pg_publication_tables t \
-                 WHERE t.pubname = p.pubname AND t.schemaname = 'ferry' AND t.tablename = 'events') \
-           FROM pg_publication p WHERE p.pubname = $1",
-    )
-    .bind(publication)
-    .fetch_optional(conn)
-    .await?;
-    Ok(row.map(|row| match row {
-        (true, true) => None,
-        (false, _) => Some(format!(
-            "does not publish inserts; run ALTER PUBLICATION {publication} SET (publish = 'insert')"
-        )),
-        (_, false) => Some(format!(
-            "does not include ferry.events; run ALTER PUBLICATION {publication} ADD TABLE ferry.events"
-        )),
-    }))
 }
 
 #[cfg(test)]
