@@ -42,6 +42,8 @@ const START: &str = include_str!("sql/start.sql");
 const ABANDONED: &str = include_str!("sql/abandoned.sql");
 #[cfg(feature = "postgres")]
 const ROLLED_BACK: &str = include_str!("sql/rolled_back.sql");
+#[cfg(feature = "postgres")]
+const CHECK: &str = include_str!("sql/check.sql");
 /// How long an attempt waits by default for the event's row while another
 /// attempt holds it.
 #[cfg(feature = "postgres")]
@@ -102,13 +104,56 @@ pub fn after_failure(attempts: u32, error: &HandlerError, policy: &RetryPolicy, 
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum InboxError {
+    /// The database could not be reached, or failed the statement: an
+    /// outage, waited out.
     #[error("inbox database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+    /// The inbox's table is missing, older than this release needs, or not
+    /// the database role's to use: every delivery would fail the same way
+    /// until an operator acts, so the runners stop, saying what to do,
+    /// instead of waiting it out as an outage. The text names the fix.
+    #[error("the inbox cannot use its table: {0}")]
+    Schema(String),
     #[error(
         "consumer name {0:?} is invalid; use a non-empty name of at most 200 bytes, without NUL bytes, that identifies this consumer"
     )]
     InvalidConsumer(String),
 }
+
+impl From<sqlx::Error> for InboxError {
+    fn from(e: sqlx::Error) -> Self {
+        match schema_problem(&e) {
+            Some(why) => InboxError::Schema(why),
+            None => InboxError::Database(e),
+        }
+    }
+}
+
+/// What an operator must do about an error of the inbox's own statements
+/// that no redelivery mends, by its SQLSTATE: the table (or the schema) is
+/// missing, a column or function of a later migration is, or the role may
+/// not use them. Only PostgreSQL's codes match: SQLite's are numbers.
+fn schema_problem(e: &sqlx::Error) -> Option<String> {
+    let code = e.as_database_error()?.code()?;
+    let fix = match code.as_ref() {
+        // undefined_table, invalid_schema_name
+        "42P01" | "3F000" => "the table ferry.inbox does not exist in this database: run `ferry migrate` against it",
+        // undefined_column, undefined_function
+        "42703" | "42883" => {
+            "the table ferry.inbox is older than this release of the inbox needs (schema 25, which adds \
+             `unfinished`): run `ferry migrate`"
+        }
+        // insufficient_privilege
+        "42501" => GRANT_FIX,
+        _ => return None,
+    };
+    Some(format!("{fix} ({e})"))
+}
+
+/// The fix for a role that may not use the inbox's table.
+const GRANT_FIX: &str = "the database role may not use the table ferry.inbox: as its owner, run `GRANT USAGE ON SCHEMA \
+     ferry TO <role>; GRANT SELECT, INSERT, UPDATE ON ferry.inbox TO <role>` for the consumer's role (and DELETE \
+     for one that runs `purge` or `release`; docs/OPERATIONS.md, \"Least-privilege database roles\")";
 
 /// One inbox row, for operators and tests.
 #[derive(Debug, Clone, PartialEq)]
@@ -492,6 +537,30 @@ impl Inbox {
 
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// Checks that `ferry.inbox` exists as this release needs it and that
+    /// the pool's role may read and write it: [`InboxError::Schema`],
+    /// naming the fix, if not. Each runner checks before it consumes: an
+    /// application deployed before `ferry migrate`, or run as a role without
+    /// the grants, would otherwise fail every delivery, taken for a
+    /// database outage and retried for ever (and past a broker's delivery
+    /// limit, dropped). [`InboxError::Database`] when the database cannot
+    /// be reached.
+    pub async fn check(&self) -> Result<(), InboxError> {
+        // Not DELETE: the runners never delete, only `purge` and `release`.
+        let (insert, update, _): (bool, bool, i64) = sqlx::query_as(CHECK).fetch_one(&self.pool).await?;
+        let missing: Vec<&str> = [("INSERT", insert), ("UPDATE", update)]
+            .into_iter()
+            .filter_map(|(right, held)| (!held).then_some(right))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        Err(InboxError::Schema(format!(
+            "{GRANT_FIX} (it lacks {})",
+            missing.join(", ")
+        )))
     }
 
     /// Runs `handler` for `event` unless this consumer already processed it.

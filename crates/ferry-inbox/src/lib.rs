@@ -23,7 +23,9 @@
 //! - Runners, one per broker behind a feature, consume, decode, call the
 //!   inbox and acknowledge only after its commit: `rabbitmq`, `redis`
 //!   (Streams), `nats` (JetStream) and `kafka`. They drive the PostgreSQL
-//!   [`Inbox`].
+//!   [`Inbox`], and stop (`ConsumerError::Inbox`) rather than retry for
+//!   ever when its table is missing, out of date or not the role's to use
+//!   ([`Inbox::check`], asked before they consume).
 //! - With the `sqlite` feature, [`sqlite::Inbox`] is the same inbox over an
 //!   SQLite file (the `ferry_inbox` table), with the same outcomes and
 //!   counters; a consumer calls its `process` from its own receive loop.

@@ -21,7 +21,9 @@ pub const IN_PROGRESS: &str = "ferry_inbox_in_progress_total";
 pub const MALFORMED: &str = "ferry_inbox_malformed_total";
 /// Messages the broker removed before they were handled: their events are
 /// lost to the consumer. Labelled by `reason`: `trimmed` (Redis MAXLEN or
-/// XTRIM removed stream entries before the group read or acknowledged them).
+/// XTRIM removed stream entries before the group read or acknowledged
+/// them), `offset_reset` (a Kafka group's committed offset fell out of the
+/// log, and librdkafka moved it past records the group had not read).
 pub const LOST: &str = "ferry_inbox_lost_total";
 
 pub(crate) fn processed(consumer: &str) {
@@ -53,7 +55,7 @@ pub(crate) fn malformed(consumer: &str) {
     metrics::counter!(MALFORMED, "consumer" => consumer.to_owned()).increment(1);
 }
 
-#[cfg_attr(not(feature = "redis"), allow(dead_code))]
+#[cfg_attr(not(any(feature = "redis", feature = "kafka")), allow(dead_code))]
 pub(crate) fn lost(consumer: &str, reason: &'static str, n: u64) {
     metrics::counter!(LOST, "consumer" => consumer.to_owned(), "reason" => reason).increment(n);
 }

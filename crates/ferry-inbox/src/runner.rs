@@ -2,6 +2,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::{Inbox, InboxError};
+
 /// The longest dead-letter reason a header carries: a handler's error text
 /// (a panic's, say) can be long, and the dead letter must fit the broker's
 /// message size.
@@ -18,13 +20,39 @@ pub(crate) fn bounded_reason(reason: &str) -> &str {
     &reason[..end]
 }
 
-/// A consumer that cannot start; a broker or database outage is never one
-/// (the runner waits and reconnects).
+/// A consumer that cannot start, or cannot go on; a broker or database
+/// outage is never one (the runner waits and reconnects).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConsumerError {
     #[error("invalid consumer options: {0}")]
     Config(String),
+    /// The inbox's table is missing, out of date or not the role's to use
+    /// ([`InboxError::Schema`]), found at start or at a delivery; the
+    /// message of that delivery is left to the broker, unacknowledged.
+    #[error(transparent)]
+    Inbox(InboxError),
+}
+
+/// Refuses to start a runner whose inbox cannot use its table
+/// ([`Inbox::check`]). A database that cannot be reached is an outage: the
+/// runner starts, and its deliveries wait for the database.
+pub(crate) async fn check_inbox(inbox: &Inbox, what: &str) -> Result<(), ConsumerError> {
+    match inbox.check().await {
+        Ok(()) => Ok(()),
+        Err(e @ InboxError::Schema(_)) => Err(stopped_by_inbox(inbox, what, e)),
+        Err(e) => {
+            tracing::warn!(consumer = inbox.consumer(), error = %e, "could not check the inbox's table; consuming, each delivery waits for the database");
+            Ok(())
+        }
+    }
+}
+
+/// Logs that the runner for `what` stops because its inbox cannot use its
+/// table, and returns the error `run` returns.
+pub(crate) fn stopped_by_inbox(inbox: &Inbox, what: &str, e: InboxError) -> ConsumerError {
+    tracing::error!(consumer = inbox.consumer(), "consumer of {what} stops: {e}");
+    ConsumerError::Inbox(e)
 }
 
 /// Refuses a zero `value` for the duration option `field`, saying what zero

@@ -1139,3 +1139,94 @@ async fn a_finished_attempt_counts_the_unfinished_ones_and_clears_them() {
     assert!(matches!(outcome, Outcome::Retry { attempts: 2, .. }), "{outcome:?}");
     assert_eq!(marks(&e.pool, ev.id).await, ("failing".into(), 2, 0));
 }
+
+/// A database the migrations brought to `version` only, as one an
+/// application is deployed against before `ferry migrate` runs.
+async fn migrated_to(version: i32) -> (TestDb, PgPool) {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    sqlx::query("CREATE SCHEMA ferry").execute(&pool).await.unwrap();
+    for (_, _, sql) in ferry_store::postgres::MIGRATIONS.iter().filter(|m| m.0 <= version) {
+        sqlx::raw_sql(*sql).execute(&pool).await.unwrap();
+    }
+    (db, pool)
+}
+
+/// Before schema 25 (`ferry.inbox.unfinished`), without `ferry.inbox`, or
+/// as a role without the grants, every statement of the inbox failed, and
+/// the error read as a database outage: the runners put every delivery back
+/// for ever. The inbox now says what is wrong and what to do, both when
+/// asked at start and at a delivery.
+#[tokio::test]
+async fn an_inbox_table_it_cannot_use_is_a_schema_error_naming_the_fix() {
+    use ferry_inbox::InboxError;
+    let (_db, pool) = migrated_to(24).await;
+    let inbox = Inbox::new(pool.clone(), "billing").unwrap();
+    let schema = |e: InboxError| match e {
+        InboxError::Schema(why) => why,
+        other => panic!("{other:?}"),
+    };
+    let why = schema(inbox.check().await.unwrap_err());
+    assert!(why.contains("ferry migrate") && why.contains("schema 25"), "{why}");
+    let why = schema(inbox.process(&event(), async |_, _| Ok(())).await.unwrap_err());
+    assert!(why.contains("ferry migrate"), "{why}");
+    let why = schema(
+        inbox
+            .process_redelivered(&event(), async |_, _| Ok(()))
+            .await
+            .unwrap_err(),
+    );
+    assert!(why.contains("ferry migrate"), "{why}");
+
+    let (_db, pool) = migrated_to(1).await;
+    let why = schema(Inbox::new(pool, "billing").unwrap().check().await.unwrap_err());
+    assert!(why.contains("does not exist") && why.contains("ferry migrate"), "{why}");
+
+    // A role that may read the table but not write it, one that may not
+    // use the schema at all, and a consumer's least-privilege role, which
+    // may not delete: the runners never do.
+    let e = env().await;
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    let (reader, stranger, consumer) = (
+        format!("{name}_reader"),
+        format!("{name}_stranger"),
+        format!("{name}_consumer"),
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP ROLE IF EXISTS {reader}; CREATE ROLE {reader} LOGIN; \
+         DROP ROLE IF EXISTS {stranger}; CREATE ROLE {stranger} LOGIN; \
+         DROP ROLE IF EXISTS {consumer}; CREATE ROLE {consumer} LOGIN; \
+         GRANT USAGE ON SCHEMA ferry TO {reader}, {consumer}; GRANT SELECT ON ferry.inbox TO {reader}; \
+         GRANT SELECT, INSERT, UPDATE ON ferry.inbox TO {consumer}"
+    )))
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let options = e.pool.connect_options();
+    for (role, says) in [(&reader, "it lacks INSERT, UPDATE)"), (&stranger, "permission denied")] {
+        let pool = PgPool::connect_with((*options).clone().username(role)).await.unwrap();
+        let inbox = Inbox::new(pool.clone(), "billing").unwrap();
+        let why = schema(inbox.check().await.unwrap_err());
+        assert!(why.contains("GRANT SELECT, INSERT, UPDATE ON ferry.inbox"), "{why}");
+        assert!(why.contains(says), "{why}");
+        pool.close().await;
+    }
+    let pool = PgPool::connect_with((*options).clone().username(&consumer))
+        .await
+        .unwrap();
+    let inbox = Inbox::new(pool.clone(), "billing").unwrap();
+    inbox.check().await.unwrap();
+    inbox.process(&event(), async |_, _| Ok(())).await.unwrap();
+    pool.close().await;
+    Inbox::new(e.pool.clone(), "billing").unwrap().check().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP OWNED BY {reader}; DROP ROLE {reader}; DROP ROLE {stranger}; \
+         DROP OWNED BY {consumer}; DROP ROLE {consumer}"
+    )))
+    .execute(&e.pool)
+    .await
+    .unwrap();
+}

@@ -7,8 +7,8 @@
 mod support;
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, RetryPolicy, Sink};
@@ -16,6 +16,7 @@ use ferry_inbox::kafka::{DEAD_GROUP_HEADER, DEAD_REASON_HEADER, KafkaConsumer, K
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::kafka::{KafkaOptions, KafkaSink};
 use ferry_testkit::kafka::broker;
+use ferry_testkit::metrics::Counts;
 use ferry_testkit::rabbit::unique_name;
 use rdkafka::consumer::{BaseConsumer, Consumer, StreamConsumer};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -129,6 +130,52 @@ impl Env<'_> {
         .unwrap();
     }
 
+    /// Waits until group `billing` has committed `offset` on the one
+    /// partition of the topic that holds records.
+    async fn wait_committed(&self, offset: i64) {
+        let (partition, _, _) = self.only_partition().await;
+        let (servers, topic) = (self.cluster.bootstrap_servers(), self.topic.clone());
+        wait("the offset committed", || {
+            let (servers, topic) = (servers.clone(), topic.clone());
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    let reader: BaseConsumer = ClientConfig::new()
+                        .set("bootstrap.servers", servers)
+                        .set("group.id", "billing")
+                        .create()
+                        .unwrap();
+                    let mut one = TopicPartitionList::new();
+                    one.add_partition(&topic, partition);
+                    let committed = reader.committed_offsets(one, WITHIN).unwrap();
+                    committed.find_partition(&topic, partition).unwrap().offset() == Offset::Offset(offset)
+                })
+                .await
+                .unwrap()
+            }
+        })
+        .await;
+    }
+
+    /// The one partition of the topic that holds records, with its log
+    /// start and end.
+    async fn only_partition(&self) -> (i32, i64, i64) {
+        let (servers, topic) = (self.cluster.bootstrap_servers(), self.topic.clone());
+        tokio::task::spawn_blocking(move || {
+            let reader: BaseConsumer = ClientConfig::new().set("bootstrap.servers", servers).create().unwrap();
+            let held: Vec<(i32, i64, i64)> = (0..PARTITIONS)
+                .map(|p| {
+                    let (low, high) = reader.fetch_watermarks(&topic, p, WITHIN).unwrap();
+                    (p, low, high)
+                })
+                .filter(|(_, _, high)| *high > 0)
+                .collect();
+            assert_eq!(held.len(), 1, "{held:?}");
+            held[0]
+        })
+        .await
+        .unwrap()
+    }
+
     /// Per key (event n has key k(n % 7)), effects happened in the order
     /// the events were produced.
     async fn assert_effects_in_key_order(&self) {
@@ -173,6 +220,17 @@ impl Env<'_> {
         }
         got
     }
+}
+
+/// Counter increments of this test process, by consumer (each test that
+/// reads them names its inbox consumer uniquely).
+fn counts() -> &'static Counts {
+    static COUNTS: OnceLock<Counts> = OnceLock::new();
+    COUNTS.get_or_init(|| {
+        let counts = Counts::by_label("consumer");
+        metrics::set_global_recorder(counts.clone()).expect("no other recorder in this test binary");
+        counts
+    })
 }
 
 fn keyed(n: usize) -> Vec<Event> {
@@ -859,4 +917,79 @@ async fn a_record_whose_handler_kills_the_process_is_dead_lettered_after_its_att
     env.assert_effects_in_key_order().await;
     let dead = env.dead_letters(1).await;
     support::assert_dead_unfinished(&inbox, ids[KILLER as usize], ATTEMPTS, &dead[0].0[DEAD_REASON_HEADER]).await;
+}
+
+/// A group's committed offset can fall out of its partition's log: the
+/// records from it on removed while the consumer was stopped (retention,
+/// `kafka-delete-records`; here the mock broker, which keeps 5 MiB a
+/// partition). librdkafka then reset the position to the log start and said
+/// so only in a warning the runner dropped: the records in between were
+/// skipped with no error and nothing counted. The reset is now reported,
+/// its skipped records counted in `ferry_inbox_lost_total`.
+#[tokio::test]
+async fn records_an_offset_reset_skips_are_reported_and_counted() {
+    const FIRST: i64 = 3;
+    const LARGE: i64 = 7;
+    let env = Env::new("inbox-kafka-reset").await;
+    let name = unique_name("billing");
+    let lost = || counts().get(ferry_inbox::metrics::LOST, &name);
+    let mut options = env.options();
+    // The mock broker lets the second member join only once the first
+    // one's session expired.
+    options.extra.insert("session.timeout.ms".into(), "6000".into());
+    let consumer =
+        || KafkaConsumer::new(Inbox::new(env.db.pool.clone(), name.as_str()).unwrap(), options.clone()).unwrap();
+    let relay = env.relay(&["orders"]);
+    // One key: one partition.
+    let event = |n: i64, pad: &str| Event::new("order.item.created", json!({ "n": n, "pad": pad })).key("k");
+    env.db.produce((0..FIRST).map(|n| event(n, "")).collect()).await;
+    env.db.all_published(FIRST).await;
+
+    let first = consumer();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = first.run(effect, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        wait("the first records processed", || async {
+            first.report().processed == FIRST as u64
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(run, scenario);
+    report.unwrap();
+    env.wait_committed(FIRST).await;
+    assert_eq!(lost(), 0, "a new group starting at the log start loses nothing");
+
+    // While the consumer is stopped, enough arrives for the broker to drop
+    // the oldest records, the committed offset's among them.
+    let pad = "x".repeat(999_000);
+    env.db
+        .produce((FIRST..FIRST + LARGE).map(|n| event(n, &pad)).collect())
+        .await;
+    env.db.all_published(FIRST + LARGE).await;
+    relay.stop().await;
+    let (partition, low, high) = env.only_partition().await;
+    assert_eq!(high, FIRST + LARGE);
+    assert!(
+        low > FIRST,
+        "the log of partition {partition} starts at {low}, past the committed {FIRST}"
+    );
+
+    let second = consumer();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = second.run(effect, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        wait("the reset counted and what is left processed", || async {
+            lost() == (low - FIRST) as u64 && second.report().processed == (high - low) as u64
+        })
+        .await;
+        let _ = stop.send(());
+    };
+    let (report, ()) = tokio::join!(run, scenario);
+    assert_eq!(report.unwrap().processed, (high - low) as u64);
+    assert_eq!(lost(), (low - FIRST) as u64, "reported once");
 }

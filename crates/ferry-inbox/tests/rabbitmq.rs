@@ -854,3 +854,65 @@ async fn a_consumer_on_a_silent_connection_stops_when_asked() {
     report.unwrap();
     env.cleanup().await;
 }
+
+/// Deployed before `ferry migrate` brought the database to schema 25
+/// (`ferry.inbox.unfinished`), the consumer failed every delivery with an
+/// undefined column, logged it as an inbox outage and put the message back
+/// every second, for ever; a quorum queue dropped it past its delivery
+/// limit, the inbox bypassed. The consumer now refuses to start, saying to
+/// migrate; and a table that goes wrong while it runs stops it the same way,
+/// the message back in the queue.
+#[tokio::test]
+async fn an_inbox_table_before_schema_25_stops_the_consumer_saying_to_migrate() {
+    let env = Env::new("inbox-rabbit-schema").await;
+    let old = TestDb::create().await;
+    let pool = old.pool().await;
+    sqlx::query("CREATE SCHEMA ferry").execute(&pool).await.unwrap();
+    for (_, _, sql) in ferry_store::postgres::MIGRATIONS.iter().filter(|m| m.0 <= 24) {
+        sqlx::raw_sql(*sql).execute(&pool).await.unwrap();
+    }
+    let consumer = RabbitMqConsumer::new(Inbox::new(pool, "billing").unwrap(), env.options(amqp_url())).unwrap();
+    let stopped = |result: Option<Result<_, ferry_inbox::ConsumerError>>| match result {
+        Some(Err(e @ ferry_inbox::ConsumerError::Inbox(_))) => e.to_string(),
+        other => panic!("the consumer did not stop for its inbox: {other:?}"),
+    };
+    let run = tokio::time::timeout(WITHIN, consumer.run(effect, std::future::pending()));
+    let err = stopped(run.await.ok());
+    assert!(err.contains("ferry migrate") && err.contains("schema 25"), "{err}");
+
+    // Running on an up-to-date table, which then loses the column.
+    let consumer = RabbitMqConsumer::new(
+        Inbox::new(env.db.pool.clone(), "billing").unwrap(),
+        env.options(amqp_url()),
+    )
+    .unwrap();
+    env.declare(&consumer).await;
+    let relay = env.relay(&["orders"]);
+    let publish = async |n: i64| {
+        env.db
+            .produce(vec![Event::new("order.item.created", json!({ "n": n }))])
+            .await;
+        env.db.all_published(n).await;
+    };
+    let run = tokio::time::timeout(WITHIN, consumer.run(effect, std::future::pending()));
+    let scenario = async {
+        publish(1).await;
+        wait("the first event processed", || async {
+            consumer.report().processed == 1
+        })
+        .await;
+        sqlx::query("ALTER TABLE ferry.inbox DROP COLUMN unfinished")
+            .execute(&env.db.pool)
+            .await
+            .unwrap();
+        publish(2).await;
+    };
+    let (run, ()) = tokio::join!(run, scenario);
+    relay.stop().await;
+    let err = stopped(run.ok());
+    assert!(err.contains("ferry migrate"), "{err}");
+    let report = consumer.report();
+    assert_eq!((report.processed, report.inbox_unavailable), (1, 0), "{report:?}");
+    wait("the message back in the queue", || async { env.ready().await == 1 }).await;
+    env.cleanup().await;
+}

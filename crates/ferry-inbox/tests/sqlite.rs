@@ -733,3 +733,25 @@ async fn attempts_the_process_died_in_are_counted_and_cleared_when_one_finishes(
     assert_eq!(marks(&e.pool, ev.id).await, ("done".into(), 4, 0));
     assert_eq!(effects(&e.pool, ev.id).await, 1);
 }
+
+/// A file `ferry migrate` had not brought to schema 6 (`unfinished`) failed
+/// every delivery with an error like any other database error. The inbox's
+/// check now says what is wrong and what to do.
+#[tokio::test]
+async fn an_inbox_table_it_cannot_use_is_a_schema_error_naming_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("old.db").to_str().unwrap().to_owned();
+    let pool = open(&path).await;
+    for (_, _, sql) in ferry_store::sqlite::MIGRATIONS.iter().filter(|m| m.0 <= 5) {
+        sqlx::raw_sql(*sql).execute(&pool).await.unwrap();
+    }
+    let inbox = Inbox::new(pool, "billing").unwrap();
+    match inbox.check().await {
+        Err(ferry_inbox::InboxError::Schema(why)) => {
+            assert!(why.contains("ferry migrate") && why.contains("schema 6"), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let e = env().await;
+    Inbox::new(e.pool.clone(), "billing").unwrap().check().await.unwrap();
+}

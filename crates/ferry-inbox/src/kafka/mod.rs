@@ -36,15 +36,23 @@
 //! that dies, or a partition that moves to another member before its offset
 //! is committed, is read again from the last committed offset, and the inbox
 //! skips what was done.
+//!
+//! A committed offset that fell out of its partition's log (records deleted
+//! by retention or `kafka-delete-records` before the group read them) is
+//! moved by librdkafka to `auto.offset.reset`, which only librdkafka's log
+//! says: the consumer reads it there, logs an error and counts the records
+//! skipped in [`metrics::LOST`].
 
 mod dead_letter;
 mod decode;
+mod reset;
 
 use std::collections::{BTreeMap, HashSet};
 use std::pin::{Pin, pin};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
@@ -52,12 +60,12 @@ use rdkafka::producer::FutureProducer;
 use rdkafka::{ClientConfig, ClientContext, Offset, TopicPartitionList};
 use sqlx::PgConnection;
 use tokio::time::Instant;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 pub use decode::decode;
 
-use crate::runner::{Counters, Reconnect};
-use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+use crate::runner::{Counters, Reconnect, check_inbox, stopped_by_inbox};
+use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, InboxError, Outcome, ReceivedEvent, metrics};
 
 /// Header of a dead-lettered record: why it was given up on.
 pub const DEAD_REASON_HEADER: &str = "ferry-dead-reason";
@@ -137,6 +145,15 @@ impl KafkaConsumerOptions {
         }
     }
 
+    /// The value of `extra."auto.offset.reset"` if it sends a partition
+    /// without a usable committed offset to the end of its log.
+    fn resets_to_end(&self) -> Option<&str> {
+        self.extra
+            .get("auto.offset.reset")
+            .map(String::as_str)
+            .filter(|v| ["latest", "largest", "end"].contains(&v.trim().to_ascii_lowercase().as_str()))
+    }
+
     fn validate(&self) -> Result<(), ConsumerError> {
         for (field, value) in [
             ("bootstrap_servers", &self.bootstrap_servers),
@@ -164,7 +181,15 @@ impl KafkaConsumerOptions {
     }
 
     fn consumer(&self) -> Result<Member, String> {
-        self.consumer_config()
+        let mut config = self.consumer_config();
+        // librdkafka reports an offset reset only as a warning in its log
+        // (see `reset`), and rdkafka sets its log level from the `log`
+        // crate's: an application that logs errors only, or none, would
+        // hide it.
+        if (config.log_level as i32) < RDKafkaLogLevel::Warning as i32 {
+            config.set_log_level(RDKafkaLogLevel::Warning);
+        }
+        config
             .create_with_context(MemberContext::default())
             .map_err(|e| format!("creating the Kafka consumer: {}", kafka_config_error(&e)))
     }
@@ -253,7 +278,9 @@ type Member = StreamConsumer<MemberContext>;
 
 /// What the member keeps beside its consumer: it logs offset commits that
 /// failed (commits are asynchronous; their results come back while the
-/// consumer polls), and tracks which partitions may hand out replays.
+/// consumer polls), picks the offset resets out of librdkafka's log for the
+/// session to report ([`reset`]), and tracks which partitions may hand out
+/// replays.
 ///
 /// Kafka says nothing of a record delivered before, so after each
 /// assignment of a partition every record read from it may be one whose
@@ -266,6 +293,7 @@ type Member = StreamConsumer<MemberContext>;
 struct MemberContext {
     /// Partitions that had a record processed anew since their assignment.
     settled: Mutex<HashSet<(String, i32)>>,
+    resets: reset::Resets,
 }
 
 impl MemberContext {
@@ -280,7 +308,27 @@ impl MemberContext {
     }
 }
 
-impl ClientContext for MemberContext {}
+impl ClientContext for MemberContext {
+    /// Forwards librdkafka's log as rdkafka does by default (to `tracing`
+    /// here), keeping the offset resets it reports.
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, line: &str) {
+        use RDKafkaLogLevel as L;
+        match level {
+            L::Emerg | L::Alert | L::Critical | L::Error => error!(target: "librdkafka", "librdkafka: {fac} {line}"),
+            L::Warning => warn!(target: "librdkafka", "librdkafka: {fac} {line}"),
+            L::Notice | L::Info => info!(target: "librdkafka", "librdkafka: {fac} {line}"),
+            L::Debug => debug!(target: "librdkafka", "librdkafka: {fac} {line}"),
+        }
+        // Resets librdkafka made for an error are warnings; a group's first
+        // start, without a committed offset, is a debug line.
+        if fac == "OFFSET"
+            && (level as i32) <= L::Warning as i32
+            && let Some(reset) = reset::parse(line)
+        {
+            self.resets.push(reset);
+        }
+    }
+}
 
 impl ConsumerContext for MemberContext {
     /// A partition assigned (again) or taken away is read from its
@@ -315,6 +363,8 @@ enum Failure {
     Lost(String),
     /// The dead-letter topic does not exist: do not go on.
     Refused(String),
+    /// The inbox cannot use its table: do not go on.
+    Inbox(InboxError),
 }
 
 impl From<String> for Failure {
@@ -350,6 +400,18 @@ impl KafkaConsumer {
         let mut shutdown = pin!(shutdown);
         let mut reconnect = Reconnect::new(self.options.reconnect_max_delay);
         let what = format!("Kafka topic {}", self.options.topic);
+        check_inbox(&self.inbox, &what).await?;
+        if let Some(latest) = self.options.resets_to_end() {
+            warn!(
+                topic = %self.options.topic,
+                group = %self.options.group,
+                "extra.auto.offset.reset is {latest:?}: a new group starts at the end of the topic, and so does \
+                 a group whose committed offset falls out of the log (retention or kafka-delete-records removed \
+                 records before it read them), skipping every record still retained; each such jump is logged \
+                 and counted in ferry_inbox_lost_total{{reason=\"offset_reset\"}}; remove the setting (earliest) \
+                 once the group has committed offsets"
+            );
+        }
         loop {
             let mut started = false;
             let error = match self.session(&handler, shutdown.as_mut(), &mut started).await {
@@ -359,6 +421,7 @@ impl KafkaConsumer {
                     error!(topic = %self.options.topic, group = %self.options.group, "consumer stops: {why}");
                     return Err(ConsumerError::Config(why));
                 }
+                Err(Failure::Inbox(e)) => return Err(stopped_by_inbox(&self.inbox, &what, e)),
             };
             if !reconnect
                 .after_loss(started, &self.counters, &what, &error, shutdown.as_mut())
@@ -418,6 +481,15 @@ impl KafkaConsumer {
             let message = tokio::select! {
                 biased;
                 () = shutdown.as_mut() => break,
+                () = consumer.context().resets.noticed() => {
+                    // Beside the loop: its watermark reads can take the
+                    // options' timeout each, while the member must go on
+                    // polling and shutdown must not wait for them.
+                    let (options, name) = (self.options.clone(), self.inbox.consumer().to_owned());
+                    let resets = consumer.context().resets.take();
+                    tokio::spawn(async move { reset::report(&options, &name, resets).await });
+                    continue;
+                }
                 () = tokio::time::sleep_until(next_due.unwrap_or_else(Instant::now)), if next_due.is_some() => {
                     self.release(consumer, &mut waiting)?;
                     continue;
@@ -513,6 +585,9 @@ impl KafkaConsumer {
                 Counters::bump(&self.counters.in_progress);
                 delay
             }
+            // Left uncommitted, for the group to read again once the table
+            // is fixed.
+            Err(e @ InboxError::Schema(_)) => return Err(Failure::Inbox(e)),
             Err(e) => {
                 Counters::bump(&self.counters.inbox_unavailable);
                 warn!(consumer = name, event = %event.id, error = %e, "inbox unavailable; the record waits");
@@ -606,7 +681,9 @@ fn assignment(consumer: &Member) -> Result<TopicPartitionList, Failure> {
 /// with the partitions kept; or any other error (fatal, the poll interval
 /// exceeded, a record batch that failed its checks, authorization), which
 /// starts the session over from the committed offsets, so that nothing
-/// librdkafka skipped past is skipped by the consumer.
+/// librdkafka skipped past is skipped by the consumer. With
+/// `auto.offset.reset` set to `error`, a partition without a usable
+/// committed offset stops the consumer: a new session would meet it again.
 fn received(read: KafkaResult<BorrowedMessage<'_>>) -> Result<Option<BorrowedMessage<'_>>, Failure> {
     use RDKafkaErrorCode as C;
     match read {
@@ -626,6 +703,12 @@ fn received(read: KafkaResult<BorrowedMessage<'_>>) -> Result<Option<BorrowedMes
             warn!(error = %e, "reading: librdkafka reconnects by itself; the consumer keeps its partitions");
             Ok(None)
         }
+        Err(KafkaError::MessageConsumption(C::AutoOffsetReset)) => Err(Failure::Refused(
+            "a partition has no committed offset in its log (none yet, for a new group, or one that retention \
+             or kafka-delete-records removed records past) and extra.auto.offset.reset is \"error\": set the \
+             group's offsets (kafka-consumer-groups.sh --reset-offsets), or choose earliest or latest"
+                .into(),
+        )),
         Err(e) => Err(Failure::Lost(format!("reading: {e}"))),
     }
 }
@@ -710,6 +793,12 @@ mod tests {
             );
         }
         assert!(matches!(received(Err(KafkaError::PartitionEOF(2))), Ok(None)));
+        // `auto.offset.reset` = error, and a partition without a usable
+        // committed offset: a new session would meet it again.
+        assert!(matches!(
+            received(Err(KafkaError::MessageConsumption(C::AutoOffsetReset))),
+            Err(Failure::Refused(_))
+        ));
         // A batch that failed its CRC check, one in a format librdkafka does
         // not read (both skipped by librdkafka), a refusal, the poll
         // interval exceeded, and a fatal error: read again from the

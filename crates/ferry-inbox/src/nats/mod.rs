@@ -38,7 +38,7 @@ use tracing::{error, info};
 
 pub use decode::decode;
 
-use crate::runner::{Counters, Reconnect};
+use crate::runner::{Counters, Reconnect, check_inbox, stopped_by_inbox};
 use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, ReceivedEvent};
 
 /// Header of a dead-lettered message: why it was given up on.
@@ -208,6 +208,7 @@ impl NatsConsumer {
         let mut shutdown = pin!(shutdown);
         let mut reconnect = Reconnect::new(self.options.reconnect_max_delay);
         let what = format!("JetStream stream {}", self.options.stream);
+        check_inbox(&self.inbox, &what).await?;
         loop {
             let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
             let error = match session.run(shutdown.as_mut()).await {
@@ -217,6 +218,7 @@ impl NatsConsumer {
                     error!(stream = %self.options.stream, durable = %self.options.durable, "consumer refuses to start: {why}");
                     return Err(ConsumerError::Config(why));
                 }
+                Err(session::Failure::Inbox(e)) => return Err(stopped_by_inbox(&self.inbox, &what, e)),
             };
             if !reconnect
                 .after_loss(session.started(), &self.counters, &what, &error, shutdown.as_mut())

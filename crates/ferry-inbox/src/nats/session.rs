@@ -13,7 +13,7 @@ use tracing::{debug, error, warn};
 
 use super::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, DEAD_SUBJECT_HEADER, NatsConsumerOptions, decode, durable};
 use crate::runner::Counters;
-use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+use crate::{HandlerError, Inbox, InboxError, Outcome, ReceivedEvent, metrics};
 
 /// Why a session ended, other than by shutdown.
 pub(super) enum Failure {
@@ -21,6 +21,8 @@ pub(super) enum Failure {
     Lost(String),
     /// What the server has contradicts what the runner needs: do not start.
     Refused(String),
+    /// The inbox cannot use its table: do not go on.
+    Inbox(InboxError),
 }
 
 impl From<String> for Failure {
@@ -122,7 +124,7 @@ where
 
     /// One message; an error ends the session, and the server redelivers
     /// what was not acknowledged.
-    async fn handle(&mut self, js: &Context, message: jetstream::Message) -> Result<(), String> {
+    async fn handle(&mut self, js: &Context, message: jetstream::Message) -> Result<(), Failure> {
         let consumer = self.inbox.consumer();
         let event = match decode(message.message.headers.as_ref(), &message.message.payload) {
             Ok(event) => event,
@@ -130,7 +132,7 @@ where
                 Counters::bump(&self.counters.malformed);
                 metrics::malformed(consumer);
                 warn!(consumer, subject = %message.message.subject, error = %e, "malformed message");
-                return self.dead_letter(js, &message, &e.to_string()).await;
+                return Ok(self.dead_letter(js, &message, &e.to_string()).await?);
             }
         };
         let handler = self.handler;
@@ -170,8 +172,11 @@ where
             }
             Ok(Outcome::Dead { reason, .. }) => {
                 Counters::bump(&self.counters.dead);
-                return self.dead_letter(js, &message, &reason).await;
+                return Ok(self.dead_letter(js, &message, &reason).await?);
             }
+            // Left unacknowledged: the server hands it out again after
+            // `ack_wait`, once the table is fixed.
+            Err(e @ InboxError::Schema(_)) => return Err(Failure::Inbox(e)),
             Err(e) => {
                 Counters::bump(&self.counters.inbox_unavailable);
                 warn!(consumer, event = %event.id, error = %e, "inbox unavailable; the message is redelivered later");

@@ -41,7 +41,7 @@ use tracing::{error, info};
 
 pub use decode::decode;
 
-use crate::runner::{Counters, Reconnect};
+use crate::runner::{Counters, Reconnect, check_inbox, stopped_by_inbox};
 use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, ReceivedEvent};
 
 /// Header of a dead-lettered message: why it was given up on.
@@ -195,6 +195,7 @@ impl RabbitMqConsumer {
         let mut shutdown = pin!(shutdown);
         let mut reconnect = Reconnect::new(self.options.reconnect_max_delay);
         let what = format!("RabbitMQ queue {}", self.options.queue);
+        check_inbox(&self.inbox, &what).await?;
         loop {
             let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
             let (started, error) = match session.run(shutdown.as_mut()).await {
@@ -204,6 +205,7 @@ impl RabbitMqConsumer {
                     error!(queue = %self.options.queue, "consumer stops: {why}");
                     return Err(ConsumerError::Config(why));
                 }
+                Ok(session::Ended::Inbox(e)) => return Err(stopped_by_inbox(&self.inbox, &what, e)),
                 Err(e) => (false, e),
             };
             if !reconnect

@@ -19,7 +19,7 @@ use tracing::{debug, error, warn};
 
 use super::{DEAD_CONSUMER_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, RabbitMqConsumerOptions, decode};
 use crate::runner::{Counters, bounded_reason};
-use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+use crate::{HandlerError, Inbox, InboxError, Outcome, ReceivedEvent, metrics};
 
 pub(super) enum Ended {
     Shutdown,
@@ -32,6 +32,9 @@ pub(super) enum Ended {
     /// declare it: going on would bring a message given up on back first on
     /// every reconnect.
     Refused(String),
+    /// The inbox cannot use its table: going on would put every message
+    /// back, counted by a quorum queue's delivery limit, until it drops it.
+    Inbox(InboxError),
 }
 
 /// Why handling a delivery ended the session.
@@ -40,6 +43,8 @@ enum Stop {
     Channel(String),
     /// The broker closed the dead-letter channel: the exchange does not exist.
     DeadLetterExchangeGone(String),
+    /// The inbox cannot use its table.
+    Inbox(InboxError),
 }
 
 impl From<String> for Stop {
@@ -172,6 +177,7 @@ where
                             missing(&self.options.dead_letter_exchange)
                         )));
                     }
+                    Err(Stop::Inbox(e)) => return Ok(Ended::Inbox(e)),
                 },
                 Some(Err(e)) => {
                     warn!(error = %e, "RabbitMQ consumer failed");
@@ -284,6 +290,8 @@ where
                 Counters::bump(&self.counters.dead);
                 return self.dead_letter(delivery, connection, dead_letters, &reason).await;
             }
+            // Left unacknowledged: closing the connection puts it back.
+            Err(e @ InboxError::Schema(_)) => return Err(Stop::Inbox(e)),
             Err(e) => {
                 Counters::bump(&self.counters.inbox_unavailable);
                 warn!(consumer, event = %event.id, error = %e, "inbox unavailable; the message goes back to the queue");

@@ -36,7 +36,7 @@ use tracing::{error, info};
 
 pub use decode::decode;
 
-use crate::runner::{Counters, Reconnect};
+use crate::runner::{Counters, Reconnect, check_inbox, stopped_by_inbox};
 use crate::{ConsumerError, ConsumerReport, HandlerError, Inbox, ReceivedEvent};
 
 /// Field of a dead-lettered entry: why it was given up on.
@@ -206,6 +206,7 @@ impl RedisConsumer {
         let mut shutdown = pin!(shutdown);
         let mut reconnect = Reconnect::new(self.options.reconnect_max_delay);
         let what = format!("Redis stream {}", self.options.stream);
+        check_inbox(&self.inbox, &what).await?;
         loop {
             let mut session = session::Session::new(&self.inbox, &self.options, &handler, &self.counters);
             let error = match session.run(shutdown.as_mut()).await {
@@ -215,6 +216,7 @@ impl RedisConsumer {
                     error!(stream = %self.options.stream, group = %self.options.group, "consumer stops: {why}");
                     return Err(ConsumerError::Config(why));
                 }
+                Err(session::Failure::Inbox(e)) => return Err(stopped_by_inbox(&self.inbox, &what, e)),
             };
             if !reconnect
                 .after_loss(session.started(), &self.counters, &what, &error, shutdown.as_mut())

@@ -16,7 +16,7 @@ use tracing::{debug, error, warn};
 use super::trim::{self, TRIMMED, TRIMMED_REASON, Unread};
 use super::{DEAD_GROUP_FIELD, DEAD_REASON_FIELD, DEAD_SOURCE_FIELD, RedisConsumerOptions, decode};
 use crate::runner::Counters;
-use crate::{HandlerError, Inbox, Outcome, ReceivedEvent, metrics};
+use crate::{HandlerError, Inbox, InboxError, Outcome, ReceivedEvent, metrics};
 
 /// Why a session ended, other than by shutdown.
 pub(super) enum Failure {
@@ -24,6 +24,8 @@ pub(super) enum Failure {
     Lost(RedisError),
     /// The dead-letter stream's key holds something else: do not go on.
     Refused(String),
+    /// The inbox cannot use its table: do not go on.
+    Inbox(InboxError),
 }
 
 impl From<RedisError> for Failure {
@@ -425,6 +427,8 @@ where
                 Counters::bump(&self.counters.dead);
                 return self.dead_letter(conn, &entry, &reason).await;
             }
+            // Left pending, for a member to claim once the table is fixed.
+            Err(e @ InboxError::Schema(_)) => return Err(Failure::Inbox(e)),
             Err(e) => {
                 Counters::bump(&self.counters.inbox_unavailable);
                 warn!(consumer, event = %event.id, error = %e, "inbox unavailable; the entry waits");

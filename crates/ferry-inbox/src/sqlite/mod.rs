@@ -37,6 +37,9 @@ const ABANDONED: &str = include_str!("sql/abandoned.sql");
 const ROLLED_BACK: &str = include_str!("sql/rolled_back.sql");
 /// This attempt's claim, by its number.
 const HELD: &str = "SELECT 1 FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2 AND state = 'done' AND claim = ?3";
+/// Every column the inbox's statements use.
+const CHECK: &str = "SELECT consumer, event_id, state, attempts, last_error, event_type, processed_at, claim, \
+                     unfinished FROM ferry_inbox LIMIT 0";
 const RECORD: &str =
     "SELECT state, attempts, last_error, processed_at FROM ferry_inbox WHERE consumer = ?1 AND event_id = ?2";
 
@@ -100,6 +103,25 @@ impl Inbox {
 
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
+    }
+
+    /// Checks that `ferry_inbox` exists in the file as this release needs
+    /// it: [`InboxError::Schema`], naming the fix, if not. Call it before
+    /// consuming: an application started before `ferry migrate` brought the
+    /// file up to date fails every delivery with an error that looks like
+    /// any other database error.
+    pub async fn check(&self) -> Result<(), InboxError> {
+        match sqlx::query(CHECK).execute(&self.pool).await {
+            Ok(_) => Ok(()),
+            // SQLITE_ERROR: for this statement, a table or column missing.
+            Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("1") => {
+                Err(InboxError::Schema(format!(
+                    "the table ferry_inbox is missing from this SQLite file, or older than this release of the \
+                     inbox needs (schema 6, which adds `unfinished`): run `ferry migrate` against the file ({e})"
+                )))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Runs `handler` for `event` unless this consumer already processed it.
