@@ -441,6 +441,42 @@ async fn status_exits_3_when_a_threshold_is_breached() {
     assert!(String::from_utf8_lossy(&text.stdout).contains("ALERT route orders has 13 dead deliveries"));
 }
 
+/// A dead reason is a broker's or endpoint's error text: the table prints
+/// it escaped, on its one line, and `--json` as it is.
+#[tokio::test]
+async fn status_prints_a_dead_reason_escaped_and_json_keeps_it_whole() {
+    let f = fixture().await;
+    let forged = "x\u{1b}[2J\nforged";
+    sqlx::query(
+        "UPDATE ferry.deliveries SET last_error = $1
+          WHERE seq = (SELECT seq FROM ferry.events WHERE id = $2)",
+    )
+    .bind(forged)
+    .bind(f.ids["d1"].0)
+    .execute(&f.pool)
+    .await
+    .unwrap();
+    let out = f.ferry(&["status"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains('\u{1b}'), "{text:?}");
+    assert!(!text.lines().any(|l| l.starts_with("forged")), "{text}");
+    let line = text
+        .lines()
+        .find(|l| l.contains("orders") && l.contains("x\\u{1b}[2J\\nforged"))
+        .unwrap_or_else(|| panic!("no escaped reason: {text}"));
+    assert!(line.trim_start().starts_with("1 "), "{line}");
+
+    let json = json_of(&f.ferry(&["status", "--json"]), 0);
+    let reasons: Vec<&str> = json["dead_reasons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["reason"].as_str().unwrap())
+        .collect();
+    assert!(reasons.contains(&forged), "{reasons:?}");
+}
+
 #[tokio::test]
 async fn tail_follows_outcomes_until_interrupted() {
     let f = fixture().await;
@@ -506,6 +542,110 @@ async fn tail_follows_outcomes_until_interrupted() {
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(0), "tail did not stop cleanly on Ctrl-C");
+}
+
+/// A relay that could not reach the database retries writing its outcomes
+/// with the time it published them: such an outcome commits stamped well
+/// before the changes `tail` has printed. It is printed late, not never.
+#[tokio::test]
+async fn tail_prints_an_outcome_that_committed_long_after_its_stamp() {
+    let f = fixture().await;
+    let mut child = Command::new(BIN)
+        .arg("--config")
+        .arg(f.config(""))
+        .args(["tail", "--json", "--since", "1h", "--interval", "50ms"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel::<Value>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let _ = tx.send(serde_json::from_str(&line).expect("a JSON line"));
+        }
+    });
+    let next_line = || rx.recv_timeout(Duration::from_secs(20)).expect("a tail line");
+    // The newest change printed: where the tail's polls start from.
+    let newest = (0..(3 + BULK))
+        .map(|_| {
+            next_line()["at"]
+                .as_str()
+                .unwrap()
+                .parse::<chrono::DateTime<Utc>>()
+                .unwrap()
+        })
+        .max()
+        .unwrap();
+
+    let claimed = f.store.claim(&f.owned, ROUTE, 100, Utc::now(), &[]).await.unwrap();
+    let p1 = claimed.iter().find(|c| c.event.id == f.ids["p1"]).unwrap();
+    let published = Recorded {
+        seq: p1.event.seq,
+        expected_attempts: 0,
+        transition: Transition::Published {
+            attempts: 1,
+            at: Utc::now(),
+        },
+    };
+    let stamped = newest - chrono::Duration::seconds(10);
+    assert_eq!(f.store.record(&f.owned, ROUTE, &[published], stamped).await.unwrap(), 1);
+    let line = next_line();
+    assert_eq!(line["event_id"], f.id("p1"));
+    assert_eq!(line["outcome"], "published");
+
+    // SAFETY: kill(2) on our own child's pid with a valid signal.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+}
+
+/// Without `--since` the tail starts now: outcomes from before it started,
+/// even ones within the look-back its polls use for late commits, are not
+/// printed.
+#[tokio::test]
+async fn tail_without_since_prints_nothing_from_before_it_started() {
+    let f = fixture().await;
+    sqlx::query("UPDATE ferry.deliveries SET updated_at = now() - interval '30 seconds'")
+        .execute(&f.pool)
+        .await
+        .unwrap();
+    let mut child = Command::new(BIN)
+        .arg("--config")
+        .arg(f.config(""))
+        .args(["tail", "--json", "--interval", "50ms"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = mpsc::channel::<Value>();
+    let stdout = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            let _ = tx.send(serde_json::from_str(&line).expect("a JSON line"));
+        }
+    });
+    // Stamped ahead, so it is after the tail's start however late that
+    // comes: the tail's first line, unless it printed the old ones.
+    let claimed = f.store.claim(&f.owned, ROUTE, 100, Utc::now(), &[]).await.unwrap();
+    let p1 = claimed.iter().find(|c| c.event.id == f.ids["p1"]).unwrap();
+    let published = Recorded {
+        seq: p1.event.seq,
+        expected_attempts: 0,
+        transition: Transition::Published {
+            attempts: 1,
+            at: Utc::now(),
+        },
+    };
+    let ahead = Utc::now() + chrono::Duration::seconds(60);
+    assert_eq!(f.store.record(&f.owned, ROUTE, &[published], ahead).await.unwrap(), 1);
+    let line = rx.recv_timeout(Duration::from_secs(20)).expect("a tail line");
+    assert_eq!(line["event_id"], f.id("p1"), "{line}");
+
+    // SAFETY: kill(2) on our own child's pid with a valid signal.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    assert_eq!(child.wait().unwrap().code(), Some(0));
 }
 
 /// `ferry tail | head -1`: once the reader is gone, the tail ends cleanly

@@ -59,8 +59,10 @@ pub trait Admin: Send + Sync {
     /// changed at `since` itself that come after that delivery are included
     /// too: a follower paging on a full page passes its last change, since
     /// many changes can share one time (a batch's outcomes do). A row's
-    /// change time is taken before its transaction commits, so followers
-    /// should look back a little and drop what they have seen.
+    /// change time is taken before its transaction commits (a relay's
+    /// clock when it published, kept while it retries the write, for as
+    /// long as its lease lasts), so followers should look back a little,
+    /// now and then as far as a lease, and drop what they have seen.
     async fn changes_since(
         &self,
         since: DateTime<Utc>,
@@ -355,7 +357,9 @@ pub enum Action {
     /// refused: they are still being worked on, possibly right now. So is
     /// one that would reach its destination after a later event of its key
     /// on its route (published since, or possibly being published now):
-    /// requeued, it would break the key's order.
+    /// requeued, it would break the key's order. A `(no route)` delivery
+    /// goes back to the router, which may give it any route: a later event
+    /// of its key on any route counts, and so does one requeued with it.
     Requeue { include_published: bool },
     /// [`Action::Requeue`], taking also the deliveries that would reach their
     /// destination after later events of their key: the operator accepts
@@ -455,6 +459,39 @@ pub(crate) const LATER_PUBLISHED: &str = "out of order: a later event of its key
 pub(crate) const LATER_IN_FLIGHT: &str = "out of order: a later event of its key may be in flight on this route \
      (nothing holds it back); requeued, this one could arrive after it. Pass --out-of-order to send it anyway";
 
+/// Why a requeue refuses a `(no route)` delivery a later event of its key
+/// was published after, on any route: back at the router it may be given
+/// the route that event went to, and reach it after that event. Which
+/// routes it is given is the relays' config, which the store does not see.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) const LATER_PUBLISHED_ANY_ROUTE: &str = "out of order: a later event of its key was published since \
+     (on some route); sent back to the router, it could reach that route after that event. Pass --out-of-order \
+     to send it anyway";
+
+/// Why a requeue refuses a delivery of a key that another requeue touched
+/// after this one read the key's later events and before it locked them:
+/// what it read may be out of date.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) const REQUEUED_MEANWHILE: &str =
+    "changed while this ran: another requeue touched its key; run the command again";
+
+/// Why a requeue refuses a `(no route)` delivery a later event of its key
+/// is requeued with: that one, dead until now, held nothing back and was
+/// not in flight, but requeued it is due on its route at once, while this
+/// one waits for the router.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) const LATER_REQUEUED_ANY_ROUTE: &str = "out of order: a later event of its key is requeued with it; \
+     sent back to the router, this one could reach that event's route after it, which goes out at once. Pass \
+     --out-of-order to send it anyway";
+
+/// Why a requeue refuses a `(no route)` delivery a later event of its key
+/// may be being published meanwhile, on any route or straight from the
+/// router.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) const LATER_IN_FLIGHT_ANY_ROUTE: &str = "out of order: a later event of its key may be in flight \
+     (pending on some route with nothing holding it back, or not routed yet); sent back to the router, this one \
+     could arrive after it. Pass --out-of-order to send it anyway";
+
 // How a requeue keeps a key's order. While a delivery `d` is dead, a later
 // delivery of its key and route is held back behind it (claim.sql): it
 // waits pending, new or retrying, and a new event of the key queues behind
@@ -467,39 +504,65 @@ pub(crate) const LATER_IN_FLIGHT: &str = "out of order: a later event of its key
 // directly: `d` would reach the destination after them. A dead later
 // delivery holds nothing back, so a dead head and a dead follower requeue
 // together (the head first: plans are in outbox order). Keyless events
-// have no order, and a `(no route)` delivery goes back to the router, not
-// to its route.
+// have no order. A `(no route)` delivery goes back to the router, which may
+// give it any route (a route added since is why it is requeued), and it
+// holds back nothing on any route while it waits: a later event of its key
+// published on any route, pending there with nothing holding it back, or
+// not routed yet, may reach a destination before it.
 
-/// Why requeueing the delivery `d` could let a later event of its key on
-/// its route arrive first, because that one may be in flight now (see
-/// above), or NULL; as SQL over the tables named with `prefix` (`ferry.`
-/// or `ferry_`), reading a key's pending deliveries `by_key` (SQLite names
-/// its index, or it read every pending delivery of the route after `d`).
-/// A dead `d` holds all of those back itself. Published later deliveries
-/// are [`LastPublished`]'s.
+/// Why requeueing the delivery `d` could let a later event of its key
+/// arrive first, because that one may be in flight now (see above), or
+/// NULL; as SQL over the tables named with `prefix` (`ferry.` or
+/// `ferry_`), reading a key's pending deliveries `by_key` (SQLite names its
+/// index, or it read every pending delivery of the route after `d`), with
+/// `later_unrouted` the condition that a later event of `d`'s key waits
+/// unrouted ([`later_unrouted_sql`], or a value worked out beforehand).
+/// A dead `d` on a route holds all of those on its route back itself.
+/// Published later deliveries are [`LastPublished`]'s.
 #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
-pub(crate) fn in_flight_after_sql(prefix: &str, by_key: &str) -> String {
-    // The unrouted events are read first, through a lookup per event: they
-    // are few, the events after `d` many. `state IN (...)` is the key's
-    // index's predicate, word for word, as SQLite needs it.
+pub(crate) fn in_flight_after_sql(prefix: &str, by_key: &str, later_unrouted: &str) -> String {
+    // `state IN (...)` is the key's index's predicate, word for word, as
+    // SQLite needs it.
+    let unheld = |l: &str| {
+        format!(
+            "NOT EXISTS (SELECT 1 FROM {prefix}deliveries b
+                          WHERE b.route = {l}.route AND b.key = {l}.key AND b.seq < {l}.seq
+                            AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0)))"
+        )
+    };
     format!(
         "CASE
-           WHEN d.key IS NULL OR d.route = '{NO_ROUTE}' OR d.state NOT IN ('cancelled', 'published') THEN NULL
+           WHEN d.key IS NULL THEN NULL
+           WHEN d.route = '{NO_ROUTE}' THEN
+             CASE WHEN EXISTS (SELECT 1 FROM {prefix}deliveries l{by_key}
+                                WHERE l.key = d.key AND l.state IN ('pending', 'dead')
+                                  AND l.state = 'pending' AND l.seq > d.seq AND {unheld_l})
+                    OR {later_unrouted}
+                  THEN '{LATER_IN_FLIGHT_ANY_ROUTE}'
+             END
+           WHEN d.state NOT IN ('cancelled', 'published') THEN NULL
            WHEN EXISTS (SELECT 1 FROM {prefix}deliveries l{by_key}
                          WHERE l.key = d.key AND l.route = d.route AND l.state IN ('pending', 'dead')
-                           AND l.state = 'pending' AND l.seq > d.seq
-                           AND NOT EXISTS (
-                               SELECT 1 FROM {prefix}deliveries b
-                                WHERE b.route = l.route AND b.key = l.key AND b.seq < l.seq
-                                  AND (b.state = 'dead' OR (b.state = 'pending' AND b.attempts > 0))))
-             OR (EXISTS (SELECT 1 FROM {prefix}unrouted u
-                          WHERE u.seq > d.seq
-                            AND (SELECT ue.key FROM {prefix}events ue WHERE ue.seq = u.seq) = d.key)
+                           AND l.state = 'pending' AND l.seq > d.seq AND {unheld_l})
+             OR ({later_unrouted}
                  AND NOT EXISTS (SELECT 1 FROM {prefix}deliveries h
                                   WHERE h.key = d.key AND h.route = d.route
                                     AND h.state IN ('pending', 'dead')))
              THEN '{LATER_IN_FLIGHT}'
-         END"
+         END",
+        unheld_l = unheld("l"),
+    )
+}
+
+/// Whether a later event of `d`'s key waits unrouted, as SQL for
+/// [`in_flight_after_sql`]. The unrouted events are read first, through a
+/// lookup per event: they are few, the events after `d` many.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) fn later_unrouted_sql(prefix: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM {prefix}unrouted u
+                  WHERE u.seq > d.seq
+                    AND (SELECT ue.key FROM {prefix}events ue WHERE ue.seq = u.seq) = d.key)"
     )
 }
 
@@ -511,38 +574,106 @@ pub(crate) fn in_flight_after_sql(prefix: &str, by_key: &str) -> String {
 /// dead heads in the middle of two million).
 #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 #[derive(Debug, Default)]
-pub(crate) struct LastPublished(std::collections::HashMap<(String, String), i64>);
+pub(crate) struct LastPublished {
+    by_route: std::collections::HashMap<(String, String), i64>,
+    /// Over every route, for `(no route)` targets.
+    by_key: std::collections::HashMap<String, i64>,
+    /// The `(no route)` targets a later target of their key is requeued
+    /// with (see [`LastPublished::with_targets`]).
+    followed: std::collections::HashSet<i64>,
+}
+
+/// What [`LastPublished`] reads: every published delivery after `after`
+/// whose (route, key) is among `routes` and `keys` (pairwise), or whose key
+/// is among `any_route`.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+#[derive(Debug)]
+pub(crate) struct Wanted<'t> {
+    pub after: i64,
+    pub routes: Vec<&'t str>,
+    pub keys: Vec<&'t str>,
+    /// The keys of `(no route)` targets: back at the router, such a target
+    /// may be given any route.
+    pub any_route: Vec<&'t str>,
+}
 
 #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 impl LastPublished {
-    /// What to read, when anything: the earliest seq, and each target's
-    /// route and key (keyless and `(no route)` targets have no order to
-    /// keep).
-    pub(crate) fn wanted<'t>(
-        targets: impl IntoIterator<Item = &'t Target>,
-    ) -> Option<(i64, Vec<&'t str>, Vec<&'t str>)> {
+    /// What to read, when anything: keyless targets have no order to keep.
+    pub(crate) fn wanted<'t>(targets: impl IntoIterator<Item = &'t Target>) -> Option<Wanted<'t>> {
         let keyed: Vec<(i64, &str, &str)> = targets
             .into_iter()
-            .filter(|t| t.route != NO_ROUTE)
             .filter_map(|t| Some((t.seq, t.route.as_str(), t.key.as_deref()?)))
             .collect();
         let after = keyed.iter().map(|k| k.0).min()?;
-        let (routes, keys) = keyed.iter().map(|k| (k.1, k.2)).unzip();
-        Some((after, routes, keys))
+        let (routed, unrouted): (Vec<&(i64, &str, &str)>, Vec<_>) = keyed.iter().partition(|k| k.1 != NO_ROUTE);
+        let (routes, keys) = routed.iter().map(|k| (k.1, k.2)).unzip();
+        Some(Wanted {
+            after,
+            routes,
+            keys,
+            any_route: unrouted.iter().map(|k| k.2).collect(),
+        })
     }
 
+    /// From (route, key, last published seq) rows.
     pub(crate) fn new(rows: impl IntoIterator<Item = (String, String, i64)>) -> Self {
-        LastPublished(rows.into_iter().map(|(route, key, seq)| ((route, key), seq)).collect())
+        let mut out = LastPublished::default();
+        for (route, key, seq) in rows {
+            out.note(route, key, seq);
+        }
+        out
     }
 
-    /// Whether a later delivery of `t`'s key on its route was published.
+    /// Notes the `(no route)` targets among `targets` that a later target
+    /// of their key is requeued with. No check of theirs sees that one: it
+    /// is dead, so neither in flight nor published, when they are checked.
+    pub(crate) fn with_targets<'t>(mut self, targets: impl IntoIterator<Item = &'t Target>) -> Self {
+        let keyed: Vec<(i64, &str, &str)> = targets
+            .into_iter()
+            .filter_map(|t| Some((t.seq, t.route.as_str(), t.key.as_deref()?)))
+            .collect();
+        let mut last: std::collections::HashMap<&str, i64> = std::collections::HashMap::new();
+        for (seq, _, key) in &keyed {
+            let l = last.entry(key).or_insert(*seq);
+            *l = (*l).max(*seq);
+        }
+        self.followed = keyed
+            .iter()
+            .filter(|(seq, route, key)| *route == NO_ROUTE && last[key] > *seq)
+            .map(|(seq, ..)| *seq)
+            .collect();
+        self
+    }
+
+    /// Whether `t` goes back to the router with a later event of its key
+    /// requeued beside it.
+    pub(crate) fn followed(&self, t: &Target) -> bool {
+        t.route == NO_ROUTE && self.followed.contains(&t.seq)
+    }
+
+    /// Adds a published delivery.
+    pub(crate) fn note(&mut self, route: String, key: String, seq: i64) {
+        let by_key = self.by_key.entry(key.clone()).or_insert(seq);
+        *by_key = (*by_key).max(seq);
+        let by_route = self.by_route.entry((route, key)).or_insert(seq);
+        *by_route = (*by_route).max(seq);
+    }
+
+    /// Whether a later delivery of `t`'s key on its route (any route, for a
+    /// `(no route)` target) was published, or for a `(no route)` target is
+    /// requeued with it.
     pub(crate) fn after(&self, t: &Target) -> bool {
         let Some(key) = &t.key else { return false };
-        t.route != NO_ROUTE
-            && self
-                .0
-                .get(&(t.route.clone(), key.clone()))
-                .is_some_and(|last| *last > t.seq)
+        if self.followed(t) {
+            return true;
+        }
+        let last = if t.route == NO_ROUTE {
+            self.by_key.get(key)
+        } else {
+            self.by_route.get(&(t.route.clone(), key.clone()))
+        };
+        last.is_some_and(|last| *last > t.seq)
     }
 }
 
@@ -551,10 +682,11 @@ impl LastPublished {
 /// [`in_flight_after_sql`]).
 #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 pub(crate) fn out_of_order(t: &Target, published: &LastPublished, in_flight: Option<String>) -> Option<String> {
-    if published.after(t) {
-        Some(LATER_PUBLISHED.to_owned())
-    } else {
-        in_flight
+    match published.after(t) {
+        true if published.followed(t) => Some(LATER_REQUEUED_ANY_ROUTE.to_owned()),
+        true if t.route == NO_ROUTE => Some(LATER_PUBLISHED_ANY_ROUTE.to_owned()),
+        true => Some(LATER_PUBLISHED.to_owned()),
+        false => in_flight,
     }
 }
 

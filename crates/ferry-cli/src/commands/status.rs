@@ -4,6 +4,7 @@ use anyhow::Context;
 use ferry_core::NO_ROUTE;
 use ferry_store::{Admin, StatusReport};
 
+use super::list::printable;
 use super::unserved;
 use crate::config::{AlertsConfig, Config};
 
@@ -287,8 +288,8 @@ pub fn render(r: &StatusReport, configured: impl Fn(&str) -> Option<bool>) -> St
     );
     for s in &r.routes {
         let route = match configured(&s.route) {
-            Some(false) => format!("{} (not configured)", s.route),
-            _ => s.route.clone(),
+            Some(false) => format!("{} (not configured)", printable(&s.route)),
+            _ => printable(&s.route).into_owned(),
         };
         let _ = writeln!(
             out,
@@ -310,9 +311,17 @@ pub fn render(r: &StatusReport, configured: impl Fn(&str) -> Option<bool>) -> St
         let _ = writeln!(out, "(no deliveries yet)");
     }
     if !r.dead_reasons.is_empty() {
+        // A reason is a broker's or endpoint's error text: escapes in it
+        // would drive the terminal, and a line break would forge rows.
         let _ = writeln!(out, "\ndead by reason:");
         for d in &r.dead_reasons {
-            let _ = writeln!(out, "  {:>6}  {:<20} {}", d.count, d.route, d.reason);
+            let _ = writeln!(
+                out,
+                "  {:>6}  {:<20} {}",
+                d.count,
+                printable(&d.route),
+                printable(&d.reason)
+            );
         }
     }
     let _ = writeln!(out, "\nrelays ({} partitions):", r.partitions);
@@ -327,7 +336,7 @@ pub fn render(r: &StatusReport, configured: impl Fn(&str) -> Option<bool>) -> St
         let _ = writeln!(
             out,
             "  {:<32} {:>3} partitions, heartbeat {} ago, oldest lease held {}, {expiry}{}",
-            l.relay,
+            printable(&l.relay),
             l.partitions,
             age(Some(l.heartbeat_age_seconds)),
             age(l.oldest_lease_seconds),
@@ -421,6 +430,32 @@ mod tests {
         assert!(text.contains("expired 30.0s ago"), "{text}");
         let text = render(&report(lease(12.0)), |_| Some(true));
         assert!(text.contains("expires in 12.0s"), "{text}");
+    }
+
+    /// A dead reason is a broker's or endpoint's error text: escapes in it
+    /// would drive the terminal, and a line break would forge rows.
+    #[test]
+    fn a_dead_reason_prints_escaped_on_one_line() {
+        let report = StatusReport {
+            unrouted: 0,
+            oldest_unrouted_seconds: None,
+            routes: Vec::new(),
+            dead_reasons: vec![ferry_store::DeadReason {
+                route: "orders".into(),
+                reason: "x\u{1b}[2J\nforged".into(),
+                count: 2,
+            }],
+            leases: Vec::new(),
+            partitions: 32,
+        };
+        let text = render(&report, |_| Some(true));
+        assert!(!text.contains('\u{1b}'), "{text:?}");
+        assert!(
+            text.lines()
+                .any(|l| l == "       2  orders               x\\u{1b}[2J\\nforged"),
+            "{text}"
+        );
+        assert!(!text.lines().any(|l| l.starts_with("forged")), "{text}");
     }
 
     #[test]

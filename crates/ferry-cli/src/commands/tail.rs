@@ -4,6 +4,12 @@
 //! It polls deliveries changed since the last poll, through a cheap index
 //! on the change time. A relay stamps a change before its transaction
 //! commits, so each poll looks back a little and skips what it printed.
+//! The stamp is the relay's clock when it published, and a relay that
+//! cannot reach the database keeps retrying that write, with that stamp,
+//! while its lease lasts: every so often a poll looks back a lease further,
+//! so such an outcome is printed late rather than never. No poll looks
+//! back past where the tail starts (now, or `--since`): what changed
+//! before is not the tail's to print.
 
 use std::collections::HashSet;
 use std::io::Write;
@@ -40,23 +46,45 @@ pub struct TailArgs {
 /// How far each poll looks back for changes that committed late.
 const LOOKBACK: chrono::Duration = chrono::Duration::seconds(2);
 const PAGE: usize = 2000;
+/// Every this many polls, one looks back as far as a relay may take to
+/// write an outcome (see [`late`]), in larger pages: it reads many changes
+/// to find the few it has not printed.
+const SWEEP_EVERY: u32 = 20;
+const SWEEP_PAGE: usize = 20_000;
+
+/// How far back from its commit an outcome's change time can be: a relay
+/// retries writing its outcomes while its lease lasts, and the sweep that
+/// finds one comes up to [`SWEEP_EVERY`] polls later.
+/// Bounded by a day, which no lease comes near.
+fn late(lease: Duration, interval: Duration) -> chrono::Duration {
+    let day = Duration::from_secs(86_400);
+    let wait = lease.saturating_add(interval.saturating_mul(SWEEP_EVERY)).min(day);
+    chrono::Duration::from_std(wait).expect("a day fits") + LOOKBACK
+}
 
 type Seen = (i64, String, DateTime<Utc>, AdminState);
 
 pub async fn run(cfg: &Config, args: TailArgs) -> anyhow::Result<ExitCode> {
     let store = super::store(cfg)?;
-    let mut cursor = args.since.unwrap_or_else(Utc::now);
+    let start = args.since.unwrap_or_else(Utc::now);
+    let mut cursor = start;
     let mut seen: HashSet<Seen> = HashSet::new();
+    let late = late(cfg.relay.lease, args.interval);
+    // From 1, so the first poll is not a sweep: it reads from `start`.
+    let mut polls = 1u32;
     // Registered before the first poll, so an early Ctrl-C or SIGTERM
     // ends the tail cleanly rather than killing it.
     let mut interrupt = signal(SignalKind::interrupt()).context("listening for Ctrl-C")?;
     let mut terminate = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
     loop {
-        let mut from = cursor - LOOKBACK;
+        let sweep = polls.is_multiple_of(SWEEP_EVERY);
+        polls = polls.wrapping_add(1);
+        let (back, page) = if sweep { (late, SWEEP_PAGE) } else { (LOOKBACK, PAGE) };
+        let mut from = (cursor - back).max(start);
         let mut after: Option<(i64, String)> = None;
         loop {
             let changes = store
-                .changes_since(from, after.as_ref().map(|(s, r)| (*s, r.as_str())), PAGE)
+                .changes_since(from, after.as_ref().map(|(s, r)| (*s, r.as_str())), page)
                 .await
                 .context("reading delivery outcomes")?;
             for c in &changes {
@@ -79,14 +107,15 @@ pub async fn run(cfg: &Config, args: TailArgs) -> anyhow::Result<ExitCode> {
             // one time, and a page that ends among them must not skip the
             // rest.
             match changes.last() {
-                Some(last) if changes.len() == PAGE => {
+                Some(last) if changes.len() == page => {
                     from = last.updated_at;
                     after = Some((last.seq, last.route.clone()));
                 }
                 _ => break,
             }
         }
-        let horizon = cursor - LOOKBACK;
+        // Nothing older is read again: what was seen of it can go.
+        let horizon = (cursor - late).max(start);
         seen.retain(|s| s.2 >= horizon);
         tokio::select! {
             _ = tokio::time::sleep(args.interval) => {}

@@ -6,11 +6,16 @@
 //! only dead, cancelled and published deliveries, which no relay holds, so
 //! it cannot reset anything under one. Cancel may touch pending ones, so it
 //! refuses any that a relay could have claimed (due, not held back by its
-//! key, in a leased partition), and it first locks the partition rows so no
-//! relay can take a lease or record an outcome there until it commits; its
-//! check then reads what was committed before the lock.
+//! key, in a leased partition). Both first lock the partition rows so no
+//! relay can take a lease or record an outcome there until they commit;
+//! their checks then read what was committed before the lock: cancel's
+//! check that a relay may hold a delivery, requeue's that a later event of
+//! its key was published. A requeue reads most of that before it takes the
+//! lock, which reading it all would hold for longer than a relay's lease
+//! may wait, and under it only what can have changed since: see
+//! `OrderFacts`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -21,7 +26,9 @@ use uuid::Uuid;
 
 use super::PgStore;
 use super::error::store_error;
-use crate::admin::{LastPublished, StoredStates, in_flight_after_sql, out_of_order};
+use crate::admin::{
+    LastPublished, REQUEUED_MEANWHILE, StoredStates, in_flight_after_sql, later_unrouted_sql, out_of_order,
+};
 use crate::{
     Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
     EventView, Filter, ListPage, Page, Plan, Refusal, StatusReport, Target,
@@ -85,6 +92,231 @@ fn cancel_refusal() -> String {
            WHEN {MAYBE_IN_FLIGHT} THEN '{IN_FLIGHT_REASON}'
          END"
     )
+}
+
+/// [`in_flight_after_sql`] for PostgreSQL.
+fn in_flight_after() -> String {
+    in_flight_after_sql("ferry.", "", &later_unrouted_sql("ferry."))
+}
+
+/// [`in_flight_after_sql`] for a requeue's write, with the targets a later
+/// event of their key waits unrouted after in `param` (seqs, from
+/// [`OrderFacts`]): reading the unrouted events in the statement would
+/// read every one after each target, under the partition locks.
+fn in_flight_after_known(param: &str) -> String {
+    in_flight_after_sql("ferry.", "", &format!("d.seq = ANY({param}::bigint[])"))
+}
+
+/// What a requeue's order checks read beyond each target's own row: the
+/// later events of the targets' keys that were published or wait unrouted.
+/// Finding them reads every delivery after the earliest target and every
+/// unrouted event after it: too long to hold the partition locks, which
+/// every relay's lease renewal of those partitions waits for (past its
+/// lease, a relay stops and its events are published twice). So they are
+/// read before the locks, in one snapshot, and under the locks only what
+/// can have changed since is read again, through primary keys and
+/// `deliveries_held`: a later event of those keys published since was
+/// pending or dead then (`watched`), or unrouted then (`unrouted`), or
+/// drew its seq after the read began (`seq_upto`: producers of a key draw
+/// its seqs under the key's advisory lock, which the read takes and lets
+/// go first, so every event of those keys committed by then is in the
+/// snapshot and every later one draws a greater seq), or was requeued by
+/// someone else meanwhile, which the admin log says (`log_upto`); such a
+/// key is refused, not guessed at. Whether a later event is pending on its
+/// route with nothing holding it back is read under the locks, through
+/// `deliveries_held`.
+struct OrderFacts {
+    published: LastPublished,
+    /// Per key of the targets, its events after its earliest target that
+    /// wait unrouted.
+    unrouted: HashMap<String, Vec<i64>>,
+    /// Deliveries of the targets' keys, after their earliest target, that
+    /// were pending or dead at the read.
+    watched: Vec<(i64, String)>,
+    seq_upto: i64,
+    log_upto: i64,
+    /// The earliest target of each key.
+    first: HashMap<String, i64>,
+    /// The targets, which are left out of what their keys published (see
+    /// [`last_published`]).
+    targets: HashSet<(i64, String)>,
+    /// Keys another requeue touched between the read and the locks.
+    touched: HashSet<String>,
+}
+
+impl OrderFacts {
+    async fn read(pool: &PgPool, action: &Action, targets: &[Target]) -> Result<Self, StoreError> {
+        let mut first: HashMap<String, i64> = HashMap::new();
+        for t in targets {
+            if let Some(key) = &t.key {
+                let seq = first.entry(key.clone()).or_insert(t.seq);
+                *seq = (*seq).min(t.seq);
+            }
+        }
+        let keys: Vec<&str> = first.keys().map(String::as_str).collect();
+        let after = first.values().min().copied().unwrap_or(i64::MAX);
+        // The keys' producers in flight commit before the seqs are read;
+        // the lock is the one `ferry.enqueue` takes, in the same order.
+        let mut tx = pool.begin().await.map_err(store_error)?;
+        sqlx::query(
+            "SELECT pg_advisory_xact_lock(1178948185, b.bucket)
+               FROM (SELECT DISTINCT 1 + (hashtext(k.key) & 1023) AS bucket
+                       FROM unnest($1::text[]) k(key)
+                      ORDER BY 1) b",
+        )
+        .persistent(false)
+        .bind(&keys)
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        let (seq_upto, log_upto): (i64, i64) = sqlx::query_as(
+            "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('ferry.events', 'seq')::regclass), 0),
+                    coalesce((SELECT max(id) FROM ferry.admin_log), 0)",
+        )
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
+        // One snapshot for the rest.
+        let mut tx = pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .await
+            .map_err(store_error)?;
+        let published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
+        let mut facts = OrderFacts {
+            published,
+            unrouted: HashMap::new(),
+            watched: Vec::new(),
+            seq_upto,
+            log_upto,
+            targets: targets.iter().map(|t| (t.seq, t.route.clone())).collect(),
+            first: HashMap::new(),
+            touched: HashSet::new(),
+        };
+        if !keys.is_empty() {
+            let unrouted: Vec<(String, i64)> = sqlx::query_as(
+                "SELECT e.key, u.seq FROM ferry.unrouted u JOIN ferry.events e ON e.seq = u.seq
+                  WHERE u.seq > $1 AND e.key = ANY($2::text[])",
+            )
+            .persistent(false)
+            .bind(after)
+            .bind(&keys)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+            let watched: Vec<(i64, String, String)> = sqlx::query_as(
+                "SELECT l.seq, l.route, l.key FROM ferry.deliveries l
+                  WHERE l.key = ANY($2::text[]) AND l.state IN ('pending', 'dead') AND l.seq > $1",
+            )
+            .persistent(false)
+            .bind(after)
+            .bind(&keys)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+            facts.first = first;
+            for (key, seq) in unrouted {
+                facts.note_unrouted(key, seq);
+            }
+            facts.watched = watched
+                .into_iter()
+                .filter(|(seq, _, key)| facts.first.get(key).is_some_and(|first| seq > first))
+                .map(|(seq, route, _)| (seq, route))
+                .collect();
+        }
+        tx.rollback().await.map_err(store_error)?;
+        Ok(facts)
+    }
+
+    /// Under the partition locks: reads again what may have changed since
+    /// [`OrderFacts::read`].
+    async fn catch_up(&mut self, tx: &mut sqlx::PgConnection) -> Result<(), StoreError> {
+        if self.first.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<String> = self.first.keys().cloned().collect();
+        self.touched = sqlx::query_scalar(
+            "SELECT DISTINCT e.key FROM ferry.admin_log a JOIN ferry.events e ON e.seq = a.seq
+              WHERE a.id > $1 AND a.action = 'requeue' AND e.key = ANY($2::text[])",
+        )
+        .persistent(false)
+        .bind(self.log_upto)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?
+        .into_iter()
+        .collect();
+        let newer: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT e.key, u.seq FROM ferry.unrouted u JOIN ferry.events e ON e.seq = u.seq
+              WHERE u.seq > $1 AND e.key = ANY($2::text[])",
+        )
+        .persistent(false)
+        .bind(self.seq_upto)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        for (key, seq) in newer {
+            self.note_unrouted(key, seq);
+        }
+        let (watched_seqs, watched_routes): (Vec<i64>, Vec<&str>) =
+            self.watched.iter().map(|(seq, route)| (*seq, route.as_str())).unzip();
+        let routed: Vec<i64> = self.unrouted.values().flatten().copied().collect();
+        let published: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT d.route, d.key, d.seq FROM ferry.deliveries d
+              WHERE d.seq > $1 AND d.state = 'published' AND d.key = ANY($2::text[])
+             UNION ALL
+             SELECT d.route, d.key, d.seq FROM ferry.deliveries d
+               JOIN unnest($3::bigint[], $4::text[]) AS w(seq, route) ON d.seq = w.seq AND d.route = w.route
+              WHERE d.state = 'published'
+             UNION ALL
+             SELECT d.route, d.key, d.seq FROM ferry.deliveries d
+              WHERE d.seq = ANY($5::bigint[]) AND d.state = 'published' AND d.key IS NOT NULL",
+        )
+        .persistent(false)
+        .bind(self.seq_upto)
+        .bind(&keys)
+        .bind(&watched_seqs)
+        .bind(&watched_routes)
+        .bind(&routed)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        for (route, key, seq) in published {
+            if !self.targets.contains(&(seq, route.clone())) {
+                self.published.note(route, key, seq);
+            }
+        }
+        Ok(())
+    }
+
+    fn note_unrouted(&mut self, key: String, seq: i64) {
+        if self.first.get(&key).is_some_and(|first| seq > *first) {
+            self.unrouted.entry(key).or_default().push(seq);
+        }
+    }
+
+    /// The targets a later event of their key waits unrouted after.
+    fn later_unrouted(&self, targets: &[&Target]) -> Vec<i64> {
+        targets
+            .iter()
+            .filter(|t| {
+                t.key.as_ref().is_some_and(|key| {
+                    self.unrouted
+                        .get(key)
+                        .is_some_and(|seqs| seqs.iter().any(|seq| *seq > t.seq))
+                })
+            })
+            .map(|t| t.seq)
+            .collect()
+    }
+
+    /// Whether another requeue touched `t`'s key since the read.
+    fn touched(&self, t: &Target) -> bool {
+        t.key.as_ref().is_some_and(|key| self.touched.contains(key))
+    }
 }
 
 /// A type glob as a regex over `'.' || type`: each segment is `\.name`,
@@ -169,9 +401,7 @@ fn list_query<'q>(sql: String, filter: &'q Filter, page: &'q Page) -> PgQuery<'q
 /// and for a requeue why it would break its key's order.
 fn plan_sql(action: &Action, selection: &Filter) -> String {
     let (refusal, in_flight, order) = match action {
-        Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => {
-            (requeue_refusal("$9"), in_flight_after_sql("ferry.", ""), "ASC")
-        }
+        Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => (requeue_refusal("$9"), in_flight_after(), "ASC"),
         // Later deliveries of a key first: while the earlier failure
         // still holds them back, no relay can be publishing them.
         Action::Cancel { .. } => (cancel_refusal(), "NULL::text".to_owned(), "DESC"),
@@ -192,8 +422,7 @@ async fn last_published<'e>(
     action: &Action,
     targets: &[&Target],
 ) -> Result<LastPublished, StoreError> {
-    let Some((after, routes, keys)) = LastPublished::wanted(targets.iter().copied()).filter(|_| action.is_requeue())
-    else {
+    let Some(wanted) = LastPublished::wanted(targets.iter().copied()).filter(|_| action.is_requeue()) else {
         return Ok(LastPublished::default());
     };
     // Unprepared: planned for this `after`, which decides between reading
@@ -204,22 +433,23 @@ async fn last_published<'e>(
     let rows: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT l.route, l.key, max(l.seq)
            FROM ferry.deliveries l
-           JOIN (SELECT DISTINCT k.route, k.key FROM unnest($1::text[], $2::text[]) AS k(route, key)) k
-             ON l.route = k.route AND l.key = k.key
           WHERE l.seq > $3 AND l.state = 'published'
+            AND ((l.route, l.key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+                 OR l.key = ANY($6::text[]))
             AND (l.seq, l.route) NOT IN (SELECT * FROM unnest($4::bigint[], $5::text[]))
           GROUP BY l.route, l.key",
     )
     .persistent(false)
-    .bind(routes)
-    .bind(keys)
-    .bind(after)
+    .bind(wanted.routes)
+    .bind(wanted.keys)
+    .bind(wanted.after)
     .bind(&seqs)
     .bind(&target_routes)
+    .bind(wanted.any_route)
     .fetch_all(executor)
     .await
     .map_err(store_error)?;
-    Ok(LastPublished::new(rows))
+    Ok(LastPublished::new(rows).with_targets(targets.iter().copied()))
 }
 
 /// [`plan_sql`] (or a statement with its parameters) with its parameters
@@ -306,11 +536,49 @@ impl Admin for PgStore {
         let seqs: Vec<i64> = targets.iter().map(|t| t.seq).collect();
         let routes: Vec<&str> = targets.iter().map(|t| t.route.as_str()).collect();
         let planned: Vec<&str> = targets.iter().map(|t| t.state.as_str()).collect();
+        // Read before the locks, so relays' lease renewals do not wait for
+        // it (see OrderFacts).
+        let mut order = if action.is_requeue() {
+            Some(OrderFacts::read(self.pool(), action, targets).await?)
+        } else {
+            None
+        };
         let mut tx = self.pool().begin().await.map_err(store_error)?;
-        let published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
+        // Relays record outcomes (and settle what they publish straight
+        // from the outbox) under a share lock on their partition rows, and
+        // all of a key's events share one partition. Taken in partition
+        // order, as relay_tick does, so two operators cannot deadlock on
+        // each other. Every statement after this one sees each outcome in
+        // these partitions committed before the lock was granted, and none
+        // after: a cancel's check and its change see one state, and so do
+        // a requeue's catching up on what its keys published and its
+        // change, which otherwise could miss a later event published
+        // between the two. Held briefly: what runs under it reads by index.
+        sqlx::query(
+            "SELECT 1 FROM ferry.partitions p
+              WHERE p.partition IN (SELECT d.partition FROM ferry.deliveries d
+                                      JOIN unnest($1::bigint[], $2::text[]) AS t(seq, route)
+                                        ON d.seq = t.seq AND d.route = t.route)
+              ORDER BY p.partition FOR NO KEY UPDATE",
+        )
+        .persistent(false)
+        .bind(&seqs)
+        .bind(&routes)
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        if let Some(order) = &mut order {
+            order.catch_up(&mut tx).await?;
+        }
+        let none = LastPublished::default();
+        let published = order.as_ref().map_or(&none, |o| &o.published);
+        let touched = |t: &Target| order.as_ref().is_some_and(|o| o.touched(t));
+        let later_unrouted = |ts: &[&Target]| order.as_ref().map_or_else(Vec::new, |o| o.later_unrouted(ts));
+        // A key another requeue touched meanwhile is left alone, as one a
+        // later event of was published after.
         let (late_seqs, late_routes): (Vec<i64>, Vec<&str>) = targets
             .iter()
-            .filter(|t| published.after(t))
+            .filter(|t| published.after(t) || touched(t))
             .map(|t| (t.seq, t.route.as_str()))
             .unzip();
         let changed: Vec<(i64, String, String, i32)> = match action {
@@ -326,28 +594,12 @@ impl Admin for PgStore {
                     .bind(action.allows_out_of_order())
                     .bind(&late_seqs)
                     .bind(&late_routes)
+                    .bind(later_unrouted(&targets.iter().collect::<Vec<_>>()))
                     .fetch_all(&mut *tx)
                     .await
                     .map_err(store_error)?
             }
             Action::Cancel { reason } => {
-                // Taken in partition order, as relay_tick does, so two
-                // cancels cannot deadlock on each other.
-                sqlx::query(
-                    "SELECT 1 FROM ferry.partitions p
-                      WHERE p.partition IN (SELECT d.partition FROM ferry.deliveries d
-                                              JOIN unnest($1::bigint[], $2::text[]) AS t(seq, route)
-                                                ON d.seq = t.seq AND d.route = t.route)
-                      ORDER BY p.partition FOR NO KEY UPDATE",
-                )
-                .persistent(false)
-                .bind(&seqs)
-                .bind(&routes)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-                // A new statement, so a new snapshot: it sees every lease
-                // and outcome committed before the lock was granted.
                 let cancelled: Vec<(i64, String, String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(cancel_sql()))
                     .persistent(false)
                     .bind(&seqs)
@@ -414,7 +666,7 @@ impl Admin for PgStore {
             // Say why, from the state as it is now, inside this transaction.
             let (refusal, in_flight) = match action {
                 Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => {
-                    (requeue_refusal("$3"), in_flight_after_sql("ferry.", ""))
+                    (requeue_refusal("$3"), in_flight_after_known("$4"))
                 }
                 Action::Cancel { .. } => (cancel_refusal(), "NULL::text".to_owned()),
             };
@@ -428,7 +680,7 @@ impl Admin for PgStore {
                 .bind(missed.iter().map(|t| t.seq).collect::<Vec<_>>())
                 .bind(missed.iter().map(|t| t.route.as_str()).collect::<Vec<_>>());
             if action.is_requeue() {
-                query = query.bind(action.includes_published());
+                query = query.bind(action.includes_published()).bind(later_unrouted(&missed));
             }
             let rows = query.fetch_all(&mut *tx).await.map_err(store_error)?;
             for t in missed {
@@ -441,8 +693,10 @@ impl Admin for PgStore {
                         let now = state(r)?;
                         let reason = if now != t.state {
                             crate::admin::changed_since(t.state, now)
+                        } else if touched(t) {
+                            REQUEUED_MEANWHILE.to_owned()
                         } else {
-                            let out_of_order = out_of_order(t, &published, r.get("in_flight"))
+                            let out_of_order = out_of_order(t, published, r.get("in_flight"))
                                 .filter(|_| !action.allows_out_of_order());
                             r.get::<Option<String>, _>("refusal")
                                 .or(out_of_order)
@@ -510,13 +764,14 @@ impl Admin for PgStore {
 /// a route added since can take them. Both are logged.
 /// A delivery changed since it was planned is left alone, and so is one
 /// that would break its key's order unless $7 allows it: one a later event
-/// of its key may be in flight after, judged by the state before the
-/// statement (a dead head requeued with the dead deliveries of its key
-/// after it still held them back then), or one in $8 and $9, after which a
-/// later event of its key was published.
+/// of its key may be in flight after (on any route, for `(no route)`),
+/// judged by the state before the statement (a dead head requeued with the
+/// dead deliveries of its key after it still held them back then), or one
+/// in $8 and $9, after which a later event of its key was published.
 /// $1 seqs, $2 routes, $3 include published, $4 actor, $5 the no-route name,
 /// $6 the states when planned, $7 out of order allowed, $8 and $9 the seqs
-/// and routes of those a later event of their key was published after.
+/// and routes of those a later event of their key was published after,
+/// $10 the seqs of those a later event of their key waits unrouted after.
 fn requeue_sql() -> String {
     format!(
         "
@@ -542,6 +797,9 @@ WITH t AS (
      USING t
      WHERE d.seq = t.seq AND d.route = t.route AND d.route = $5 AND d.state IN ('dead', 'cancelled')
        AND d.state = t.planned
+       AND ($7::bool OR (t.in_flight IS NULL
+                         AND NOT EXISTS (SELECT 1 FROM unnest($8::bigint[], $9::text[]) AS p(seq, route)
+                                          WHERE p.seq = t.seq AND p.route = t.route)))
     RETURNING d.seq, d.route, d.partition, d.state, d.attempts
 ), unrouted AS (
     INSERT INTO ferry.unrouted (seq, partition)
@@ -555,7 +813,7 @@ WITH t AS (
 )
 SELECT seq, route, state, attempts FROM again
 UNION ALL SELECT seq, route, state, attempts FROM rerouted",
-        in_flight_after_sql("ferry.", "")
+        in_flight_after_known("$10")
     )
 }
 

@@ -3,12 +3,15 @@
 //! How requeue and cancel stay safe beside a running relay: they run in a
 //! `BEGIN IMMEDIATE` transaction, which holds SQLite's one write lock, so no
 //! relay can take a lease or record an outcome until it commits, and every
-//! check reads what was committed before. As with PostgreSQL, requeue
-//! touches only dead, cancelled and published deliveries, which no relay
-//! holds; cancel refuses a pending delivery a relay could have claimed (due,
-//! not held back by its key, in a leased partition).
+//! check reads what was committed before. (A requeue reads the later events
+//! of its targets' keys before it takes the lock, which reading them would
+//! hold too long, and under it only what changed since: see `OrderFacts`.)
+//! As with PostgreSQL, requeue touches only dead, cancelled and published
+//! deliveries, which no relay holds; cancel refuses a pending delivery a
+//! relay could have claimed (due, not held back by its key, in a leased
+//! partition).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::str::FromStr;
 
 use async_trait::async_trait;
@@ -16,12 +19,14 @@ use chrono::{DateTime, Utc};
 use ferry_core::{EventId, NO_ROUTE, StoreError};
 use sqlx::pool::PoolConnection;
 use sqlx::sqlite::{SqliteArguments, SqliteRow};
-use sqlx::{AssertSqlSafe, Row, Sqlite, SqlitePool};
+use sqlx::{AssertSqlSafe, Row, Sqlite, SqliteConnection, SqlitePool};
 
 use super::SqliteStore;
 use super::error::store_error;
 use super::store::{from_micros, micros};
-use crate::admin::{LastPublished, StoredStates, in_flight_after_sql, out_of_order};
+use crate::admin::{
+    LastPublished, REQUEUED_MEANWHILE, StoredStates, in_flight_after_sql, later_unrouted_sql, out_of_order,
+};
 use crate::{
     Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
     EventView, Filter, ListPage, Page, Plan, Refusal, StatusReport, Target,
@@ -89,10 +94,11 @@ fn refusal(action: &Action) -> String {
 }
 
 /// Why requeueing `d` could let a later event of its key arrive first,
-/// one that may be in flight now, or NULL; for a requeue.
-fn in_flight_after(action: &Action) -> String {
+/// one that may be in flight now, or NULL; for a requeue. `later_unrouted`
+/// as [`in_flight_after_sql`] takes it.
+fn in_flight_after(action: &Action, later_unrouted: &str) -> String {
     if action.is_requeue() {
-        in_flight_after_sql("ferry_", " INDEXED BY ferry_deliveries_held")
+        in_flight_after_sql("ferry_", " INDEXED BY ferry_deliveries_held", later_unrouted)
     } else {
         "NULL".to_owned()
     }
@@ -104,11 +110,15 @@ async fn last_published<'e>(
     action: &Action,
     targets: &[&Target],
 ) -> Result<LastPublished, StoreError> {
-    let Some((after, routes, keys)) = LastPublished::wanted(targets.iter().copied()).filter(|_| action.is_requeue())
-    else {
+    let Some(wanted) = LastPublished::wanted(targets.iter().copied()).filter(|_| action.is_requeue()) else {
         return Ok(LastPublished::default());
     };
-    let pairs: Vec<[&str; 2]> = routes.into_iter().zip(keys).map(|(r, k)| [r, k]).collect();
+    let pairs: Vec<[&str; 2]> = wanted
+        .routes
+        .into_iter()
+        .zip(wanted.keys)
+        .map(|(r, k)| [r, k])
+        .collect();
     // The targets themselves are left out: requeued together, in outbox
     // order, a key's published deliveries are replayed in that order.
     let itself: Vec<(i64, &str)> = targets.iter().map(|t| (t.seq, t.route.as_str())).collect();
@@ -116,19 +126,219 @@ async fn last_published<'e>(
         "SELECT l.route, l.key, max(l.seq)
            FROM ferry_deliveries l
           WHERE l.seq > ?1 AND l.state = 'published'
-            AND (l.route, l.key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
-                                       FROM json_each(?2))
+            AND ((l.route, l.key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
+                                        FROM json_each(?2))
+                 OR l.key IN (SELECT value FROM json_each(?4)))
             AND (l.seq, l.route) NOT IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
                                            FROM json_each(?3))
           GROUP BY l.route, l.key",
     )
-    .bind(after)
+    .bind(wanted.after)
     .bind(serde_json::to_string(&pairs).expect("strings serialise"))
     .bind(serde_json::to_string(&itself).expect("numbers and strings serialise"))
+    .bind(serde_json::to_string(&wanted.any_route).expect("strings serialise"))
     .fetch_all(executor)
     .await
     .map_err(store_error)?;
-    Ok(LastPublished::new(rows))
+    Ok(LastPublished::new(rows).with_targets(targets.iter().copied()))
+}
+
+/// What a requeue's order checks read beyond each target's own row: the
+/// later events of the targets' keys that were published or wait unrouted.
+/// Finding them reads every delivery after the earliest target and every
+/// unrouted event after it (9 s for 100 targets behind 200,000 unrouted
+/// events, when read per target), too long to hold SQLite's one write lock:
+/// producers would fail on their busy timeout and the relay's lease would
+/// lapse. So they are read before the lock is taken, in one read
+/// transaction (which takes no lock), and under the lock only what can
+/// have changed since is read again, through primary keys and the keys'
+/// index: an event of those keys published since was pending or dead then
+/// (`watched`), or unrouted then (`unrouted`), or is newer than the read
+/// (`events_upto`), or was requeued by someone else meanwhile, which the
+/// admin log says (`log_upto`); such a key is refused, not guessed at.
+struct OrderFacts {
+    published: LastPublished,
+    /// Per key of the targets, its events after its earliest target that
+    /// wait unrouted.
+    unrouted: HashMap<String, Vec<i64>>,
+    /// Deliveries of the targets' keys, after their earliest target, that
+    /// were pending or dead at the read: a relay may publish them before
+    /// the lock.
+    watched: Vec<(i64, String)>,
+    /// The newest event and admin log entry at the read.
+    events_upto: i64,
+    log_upto: i64,
+    /// The earliest target of each key.
+    first: HashMap<String, i64>,
+    /// The targets, which are left out of what their keys published (see
+    /// [`last_published`]).
+    targets: HashSet<(i64, String)>,
+    /// Keys another requeue touched between the read and the lock.
+    touched: HashSet<String>,
+}
+
+impl OrderFacts {
+    async fn read(pool: &SqlitePool, action: &Action, targets: &[Target]) -> Result<Self, StoreError> {
+        let mut first: HashMap<String, i64> = HashMap::new();
+        for t in targets {
+            if let Some(key) = &t.key {
+                let seq = first.entry(key.clone()).or_insert(t.seq);
+                *seq = (*seq).min(t.seq);
+            }
+        }
+        let keys = json_strings(&first.keys().collect::<Vec<_>>());
+        let after = first.values().min().copied().unwrap_or(i64::MAX);
+        // One snapshot for all of it.
+        let mut tx = pool.begin().await.map_err(store_error)?;
+        let (events_upto, log_upto): (i64, i64) = sqlx::query_as(
+            "SELECT coalesce((SELECT max(seq) FROM ferry_events), 0),
+                    coalesce((SELECT max(id) FROM ferry_admin_log), 0)",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        let published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
+        let mut facts = OrderFacts {
+            published,
+            unrouted: HashMap::new(),
+            watched: Vec::new(),
+            events_upto,
+            log_upto,
+            first,
+            targets: targets.iter().map(|t| (t.seq, t.route.clone())).collect(),
+            touched: HashSet::new(),
+        };
+        if keys.is_some() {
+            // CROSS JOIN keeps SQLite reading the unrouted events and
+            // looking each up, not every event after the earliest target.
+            let unrouted: Vec<(String, i64)> = sqlx::query_as(
+                "SELECT e.key, u.seq FROM ferry_unrouted u CROSS JOIN ferry_events e ON e.seq = u.seq
+                  WHERE u.seq > ?1 AND e.key IN (SELECT value FROM json_each(?2))",
+            )
+            .bind(after)
+            .bind(&keys)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+            for (key, seq) in unrouted {
+                facts.note_unrouted(key, seq);
+            }
+            let watched: Vec<(i64, String, String)> = sqlx::query_as(
+                "SELECT l.seq, l.route, l.key FROM ferry_deliveries l INDEXED BY ferry_deliveries_held
+                  WHERE l.key IN (SELECT value FROM json_each(?2)) AND l.state IN ('pending', 'dead')
+                    AND l.seq > ?1",
+            )
+            .bind(after)
+            .bind(&keys)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+            facts.watched = watched
+                .into_iter()
+                .filter(|(seq, _, key)| facts.first.get(key).is_some_and(|first| seq > first))
+                .map(|(seq, route, _)| (seq, route))
+                .collect();
+        }
+        tx.rollback().await.map_err(store_error)?;
+        Ok(facts)
+    }
+
+    /// Under the write lock: reads again what may have changed since
+    /// [`OrderFacts::read`].
+    async fn catch_up(&mut self, tx: &mut SqliteConnection) -> Result<(), StoreError> {
+        let Some(keys) = json_strings(&self.first.keys().collect::<Vec<_>>()) else {
+            return Ok(());
+        };
+        self.touched = sqlx::query_scalar(
+            "SELECT DISTINCT e.key FROM ferry_admin_log a JOIN ferry_events e ON e.seq = a.seq
+              WHERE a.id > ?1 AND a.action = 'requeue' AND e.key IN (SELECT value FROM json_each(?2))",
+        )
+        .bind(self.log_upto)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?
+        .into_iter()
+        .collect();
+        let newer: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT e.key, u.seq FROM ferry_unrouted u JOIN ferry_events e ON e.seq = u.seq
+              WHERE u.seq > ?1 AND e.key IN (SELECT value FROM json_each(?2))",
+        )
+        .bind(self.events_upto)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        for (key, seq) in newer {
+            self.note_unrouted(key, seq);
+        }
+        let mut published: Vec<(String, String, i64)> = sqlx::query_as(
+            "SELECT d.route, d.key, d.seq FROM ferry_deliveries d
+              WHERE d.seq > ?1 AND d.state = 'published' AND d.key IN (SELECT value FROM json_each(?2))",
+        )
+        .bind(self.events_upto)
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        let watched: Vec<(i64, &str)> = self.watched.iter().map(|(seq, route)| (*seq, route.as_str())).collect();
+        published.extend(
+            sqlx::query_as::<_, (String, String, i64)>(
+                "SELECT d.route, d.key, d.seq
+                   FROM json_each(?1) w
+                   JOIN ferry_deliveries d
+                     ON d.seq = json_extract(w.value, '$[0]') AND d.route = json_extract(w.value, '$[1]')
+                  WHERE d.state = 'published'",
+            )
+            .bind(serde_json::to_string(&watched).expect("numbers and strings serialise"))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?,
+        );
+        let routed: Vec<i64> = self.unrouted.values().flatten().copied().collect();
+        published.extend(
+            sqlx::query_as::<_, (String, String, i64)>(
+                "SELECT d.route, d.key, d.seq FROM ferry_deliveries d
+                  WHERE d.seq IN (SELECT value FROM json_each(?1)) AND d.state = 'published'",
+            )
+            .bind(serde_json::to_string(&routed).expect("numbers serialise"))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?,
+        );
+        for (route, key, seq) in published {
+            if !self.targets.contains(&(seq, route.clone())) {
+                self.published.note(route, key, seq);
+            }
+        }
+        Ok(())
+    }
+
+    fn note_unrouted(&mut self, key: String, seq: i64) {
+        if self.first.get(&key).is_some_and(|first| seq > *first) {
+            self.unrouted.entry(key).or_default().push(seq);
+        }
+    }
+
+    /// `t`, a `(no route)` delivery, went back to the router.
+    fn unrouted_again(&mut self, t: &Target) {
+        if let Some(key) = &t.key {
+            self.note_unrouted(key.clone(), t.seq);
+        }
+    }
+
+    /// Whether a later event of `t`'s key waits unrouted.
+    fn later_unrouted(&self, t: &Target) -> bool {
+        let Some(key) = &t.key else { return false };
+        self.unrouted
+            .get(key)
+            .is_some_and(|seqs| seqs.iter().any(|seq| *seq > t.seq))
+    }
+
+    /// Whether another requeue touched `t`'s key since the read.
+    fn touched(&self, t: &Target) -> bool {
+        t.key.as_ref().is_some_and(|key| self.touched.contains(key))
+    }
 }
 
 /// `text` lowercased as `ferry_lower` does it in SQL: each character by
@@ -358,7 +568,7 @@ fn plan_sql(action: &Action, selection: &Filter) -> String {
           WHERE {FILTER}{stored}
           ORDER BY d.seq {order}, d.route",
         refusal(action),
-        in_flight_after(action)
+        in_flight_after(action, &later_unrouted_sql("ferry_"))
     )
 }
 
@@ -455,17 +665,25 @@ impl Admin for SqliteStore {
             "SELECT d.state, d.attempts, d.partition, {} AS refusal, {} AS in_flight
                FROM ferry_deliveries d WHERE d.seq = ?1 AND d.route = ?2",
             refusal(action).replace("?9", "?3"),
-            in_flight_after(action)
+            in_flight_after(action, "?4")
         );
+        // What reads beyond the targets' own rows is read before the write
+        // lock is taken, and only what may have changed since is read under
+        // it (see OrderFacts).
+        let mut order = if action.is_requeue() {
+            Some(OrderFacts::read(self.pool(), action, targets).await?)
+        } else {
+            None
+        };
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-        // Read before any change: requeueing a published delivery here does
-        // not make one before it any less late.
-        let published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
+        if let Some(order) = &mut order {
+            order.catch_up(&mut tx).await?;
+        }
         let mut applied = Applied::default();
         for t in targets {
             let mut query = sqlx::query(AssertSqlSafe(check.as_str())).bind(t.seq).bind(&t.route);
-            if action.is_requeue() {
-                query = query.bind(action.includes_published());
+            if let Some(order) = &order {
+                query = query.bind(action.includes_published()).bind(order.later_unrouted(t));
             }
             let row = query.fetch_optional(&mut *tx).await.map_err(store_error)?;
             let Some(row) = row else {
@@ -478,12 +696,16 @@ impl Admin for SqliteStore {
             let from = state(&row)?;
             // Moved on since the plan (by a relay or another operator):
             // acting now would overwrite that.
-            let refusal = if from != t.state {
-                Some(crate::admin::changed_since(t.state, from))
-            } else {
-                let out_of_order =
-                    out_of_order(t, &published, row.get("in_flight")).filter(|_| !action.allows_out_of_order());
-                row.get::<Option<String>, _>("refusal").or(out_of_order)
+            let refusal = match &order {
+                _ if from != t.state => Some(crate::admin::changed_since(t.state, from)),
+                Some(order) if order.touched(t) => Some(REQUEUED_MEANWHILE.to_owned()),
+                _ => {
+                    let out_of_order = order
+                        .as_ref()
+                        .and_then(|o| out_of_order(t, &o.published, row.get("in_flight")))
+                        .filter(|_| !action.allows_out_of_order());
+                    row.get::<Option<String>, _>("refusal").or(out_of_order)
+                }
             };
             if let Some(reason) = refusal {
                 applied.refused.push(Refusal {
@@ -513,6 +735,9 @@ impl Admin for SqliteStore {
                     .execute(&mut *tx)
                     .await
                     .map_err(store_error)?;
+                    if let Some(order) = &mut order {
+                        order.unrouted_again(t);
+                    }
                 }
                 Action::Requeue { .. } | Action::RequeueOutOfOrder { .. } => {
                     sqlx::query(concat!(
