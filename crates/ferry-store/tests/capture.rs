@@ -1751,30 +1751,16 @@ async fn the_upgrade_mends_existing_warn_mode_triggers() {
     add(&pool, CaptureSpec::new("orders", "shop.order", "id"))
         .await
         .unwrap();
-    let source = |table: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, String>(
-                "SELECT p.prosrc FROM ferry.captures k
-                   JOIN pg_proc p ON p.pronamespace = 'ferry'::regnamespace AND p.proname = 'capture_' || k.id
-                  WHERE k.table_name = $1",
-            )
-            .bind(table)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
-    let orders_before = source("orders").await;
-    assert!(!source("accounts").await.contains("transaction_rollback"));
+    let orders_before = trigger_source(&pool, "orders").await;
+    assert!(!trigger_source(&pool, "accounts").await.contains("transaction_rollback"));
 
     let mut conn = pool.acquire().await.unwrap();
     assert!(migrate(&mut conn).await.unwrap().contains(&27));
     drop(conn);
-    let mended = source("accounts").await;
+    let mended = trigger_source(&pool, "accounts").await;
     assert!(mended.contains("transaction_rollback"), "{mended}");
     assert_eq!(
-        source("orders").await,
+        trigger_source(&pool, "orders").await,
         orders_before,
         "a fail-mode trigger is left as it was"
     );
@@ -1788,7 +1774,7 @@ async fn the_upgrade_mends_existing_warn_mode_triggers() {
         "SELECT ferry.capture_install_rows(id) FROM ferry.captures WHERE table_name = 'accounts'",
     )
     .await;
-    assert_eq!(source("accounts").await, mended);
+    assert_eq!(trigger_source(&pool, "accounts").await, mended);
 }
 
 /// Whether a trigger named `ferry_capture` is on `table`.
@@ -2171,6 +2157,19 @@ async fn a_payload_is_the_same_bytes_whatever_the_writers_session_settings() {
     assert!(texts[0].contains("0.30000000000000004"), "{}", texts[0]);
 }
 
+/// The source text of a table's capture trigger function.
+async fn trigger_source(pool: &PgPool, table: &str) -> String {
+    sqlx::query_scalar(
+        "SELECT p.prosrc FROM ferry.captures k
+           JOIN pg_proc p ON p.pronamespace = 'ferry'::regnamespace AND p.proname = 'capture_' || k.id
+          WHERE k.table_name = $1",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
 /// The settings of a trigger function: what `ALTER FUNCTION ... SET` gave it.
 async fn trigger_settings(pool: &PgPool, table: &str) -> Option<Vec<String>> {
     sqlx::query_scalar(
@@ -2221,21 +2220,7 @@ async fn the_upgrade_renders_existing_triggers_under_the_fixed_settings() {
     )
     .await
     .unwrap();
-    let source = |table: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, String>(
-                "SELECT p.prosrc FROM ferry.captures k
-                   JOIN pg_proc p ON p.pronamespace = 'ferry'::regnamespace AND p.proname = 'capture_' || k.id
-                  WHERE k.table_name = $1",
-            )
-            .bind(table)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
-    let measures_before = source("measures").await;
+    let measures_before = trigger_source(&pool, "measures").await;
     assert_eq!(trigger_settings(&pool, "measures").await, None);
     exec(&pool, "INSERT INTO measures VALUES (1, 0.1)").await;
 
@@ -2250,7 +2235,11 @@ async fn the_upgrade_renders_existing_triggers_under_the_fixed_settings() {
     for table in ["measures", "accounts"] {
         assert_eq!(trigger_settings(&pool, table).await.as_ref(), Some(&fixed), "{table}");
     }
-    assert_eq!(source("measures").await, measures_before, "the text is left as it was");
+    assert_eq!(
+        trigger_source(&pool, "measures").await,
+        measures_before,
+        "the text is left as it was"
+    );
     assert_eq!(
         trigger_settings(&pool, "visits").await,
         None,
