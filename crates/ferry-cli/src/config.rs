@@ -1040,7 +1040,8 @@ fn routes(check: &mut Checker, raw: Vec<RawRoute>, sinks: &BTreeSet<String>) -> 
                 field("name"),
                 format!(
                     "missing; the default name <sink>:<destination> would carry the destination's \
-                     credentials or query ({}) into metrics, logs and the database: set name = \"...\" \
+                     credentials, query or a token in its path ({}) into metrics, logs and the \
+                     database: set name = \"...\" \
                      (a route that already has deliveries under its default name keeps them only \
                      under that name: write it out as the name, or cancel them after renaming)",
                     redact::url(&destination)

@@ -52,11 +52,53 @@ const USER_NAME_SCHEMES: &[&str] = &[
     "sqlite",
 ];
 
+/// Schemes whose path names a database, a virtual host or a file, never a
+/// secret: their path is shown whole. Elsewhere a webhook's path often
+/// holds its token (Slack's `/services/T…/B…/TOKEN`, Discord's
+/// `/api/webhooks/ID/TOKEN`), so a segment that looks like one is hidden.
+const PLAIN_PATH_SCHEMES: &[&str] = &[
+    "amqp",
+    "amqps",
+    "mysql",
+    "postgres",
+    "postgresql",
+    "redis",
+    "rediss",
+    "sqlite",
+];
+
+/// The shortest piece of a path segment taken for a token (see [`url`]).
+const TOKEN_SEGMENT_LEN: usize = 16;
+
 /// `url` with every credential it may carry replaced by `***`: the
 /// password of its user info, a user part that may be a credential (all of
-/// an HTTP URL's; elsewhere see [`USER_NAME_SCHEMES`]), the value of every
-/// query parameter not known to be plain, and a fragment. Text without
-/// `://` is returned as it is.
+/// an HTTP URL's; elsewhere see [`USER_NAME_SCHEMES`]), every path segment
+/// that looks like a token (outside [`PLAIN_PATH_SCHEMES`]), the value of
+/// every query parameter not known to be plain, and a fragment. Text
+/// without `://` is returned as it is.
+///
+/// A path segment looks like a token when it is a UUID, or when a piece of
+/// it between separators (`-`, `_`, `.`, `~`) is at least 16 characters
+/// long and holds digits and letters (a Slack, Discord or Teams token, a
+/// long hex or base64 string), or mixes cases in no word's way (four
+/// changes from lower to upper case or more), or is at least 20 long with
+/// no lower-case letter (Slack's documented example is all capitals). A
+/// word like `notifications-webhook-receiver`, `ProcessOrderEvents` or
+/// `orders-events-2024`, a long number (an id, not a key) and a short
+/// segment (`T00000000`, `v2`, `%2f`, `0`) are shown, and so is the path's
+/// shape: such a path names a route by default without being refused.
+/// The segment is judged percent-decoded (`%2F` is one character,
+/// a `/`, and `%41` is an `A`), so an escaped name is not hidden for its
+/// escapes' hex digits, and an escaped token is hidden all the same. A
+/// template placeholder (`{type}`, `{tenant}`: lower-case letters and `_`
+/// in braces) counts for nothing, so a segment of placeholders is shown.
+///
+/// The user info ends at the last `@`, wherever it is: a password may hold
+/// `/`, `?`, `#` or `@` unescaped. When that `@` was in fact in the query
+/// (`?reply_to=ops@example.com&sig=…`), what follows it is no host: the
+/// host is shown only when every character of it may be in one (letters,
+/// digits, `.`, `-`, `_`, `:`, `[`, `]`, `%`, and placeholders), and
+/// otherwise all that follows the `@` is `***`.
 ///
 /// ```
 /// use ferry_core::redact;
@@ -64,11 +106,17 @@ const USER_NAME_SCHEMES: &[&str] = &[
 /// assert_eq!(redact::url("https://hooks.example/in?token=s3cret"), "https://hooks.example/in?token=***");
 /// assert_eq!(redact::url("nats://s3cret@nats:4222"), "nats://***@nats:4222");
 /// assert_eq!(redact::url("https://user:pw@hooks.example/in"), "https://***@hooks.example/in");
+/// assert_eq!(
+///     redact::url("https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX"),
+///     "https://hooks.slack.com/services/T00000000/B00000000/***"
+/// );
+/// assert_eq!(redact::url("https://h.example/in?to=ops@example.com&sig=s3cret"), "https://***@***");
 /// ```
 pub fn url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
+    let lower_scheme = scheme.to_ascii_lowercase();
     let mut out = String::with_capacity(url.len());
     out.push_str(scheme);
     out.push_str("://");
@@ -77,19 +125,27 @@ pub fn url(url: &str) -> String {
     let rest = match rest.rfind('@') {
         Some(at) => {
             let userinfo = &rest[..at];
-            let scheme = scheme.to_ascii_lowercase();
             match userinfo.split_once(':') {
                 // An HTTP user part is as likely an API key as a name.
-                _ if HTTP_SCHEMES.contains(&scheme.as_str()) => out.push_str("***"),
+                _ if HTTP_SCHEMES.contains(&lower_scheme.as_str()) => out.push_str("***"),
                 Some((user, _password)) => {
                     out.push_str(user);
                     out.push_str(":***");
                 }
-                None if USER_NAME_SCHEMES.contains(&scheme.as_str()) => out.push_str(userinfo),
+                None if USER_NAME_SCHEMES.contains(&lower_scheme.as_str()) => out.push_str(userinfo),
                 None => out.push_str("***"),
             }
             out.push('@');
-            &rest[at + 1..]
+            let rest = &rest[at + 1..];
+            let host = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+            // The `@` may have been in the path, the query or the fragment,
+            // and what follows it a query value, whether or not it could be
+            // a host.
+            if !userinfo_before_host(userinfo) || !could_be_host(host) {
+                out.push_str("***");
+                return out;
+            }
+            rest
         }
         None => rest,
     };
@@ -100,26 +156,36 @@ pub fn url(url: &str) -> String {
         Some((before, _)) => (before, true),
         None => (rest, false),
     };
-    match before_fragment.split_once('?') {
-        Some((path, query)) => {
-            out.push_str(path);
-            out.push('?');
-            for (i, pair) in query.split('&').enumerate() {
-                if i > 0 {
-                    out.push('&');
+    let (path, query) = match before_fragment.split_once('?') {
+        Some((path, query)) => (path, Some(query)),
+        None => (before_fragment, None),
+    };
+    if PLAIN_PATH_SCHEMES.contains(&lower_scheme.as_str()) {
+        out.push_str(path);
+    } else {
+        for (i, segment) in path.split('/').enumerate() {
+            if i > 0 {
+                out.push('/');
+            }
+            out.push_str(if looks_like_token(segment) { "***" } else { segment });
+        }
+    }
+    if let Some(query) = query {
+        out.push('?');
+        for (i, pair) in query.split('&').enumerate() {
+            if i > 0 {
+                out.push('&');
+            }
+            match pair.split_once('=') {
+                Some((name, value)) if !value.is_empty() && !PLAIN_PARAMETERS.contains(&name) => {
+                    out.push_str(name);
+                    out.push_str("=***");
                 }
-                match pair.split_once('=') {
-                    Some((name, value)) if !value.is_empty() && !PLAIN_PARAMETERS.contains(&name) => {
-                        out.push_str(name);
-                        out.push_str("=***");
-                    }
-                    // A bare `?TOKEN`.
-                    None if !pair.is_empty() => out.push_str("***"),
-                    _ => out.push_str(pair),
-                }
+                // A bare `?TOKEN`.
+                None if !pair.is_empty() => out.push_str("***"),
+                _ => out.push_str(pair),
             }
         }
-        None => out.push_str(before_fragment),
     }
     if fragment {
         out.push_str("#***");
@@ -127,8 +193,112 @@ pub fn url(url: &str) -> String {
     out
 }
 
-/// Whether [`url`] hides anything of `text`: it carries credentials or a
-/// query value that may be one.
+/// `text` with its template placeholders (`{type}`, `{tenant}`: lower-case
+/// letters and `_` in braces) taken out. What they hold could never make a
+/// segment look like a token, and could not be a host's secret.
+fn without_placeholders(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.contains('{') {
+        return text.into();
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        match after.find('}') {
+            Some(close) if close > 0 && after[..close].bytes().all(|b| b.is_ascii_lowercase() || b == b'_') => {
+                rest = &after[close + 1..];
+            }
+            _ => {
+                out.push('{');
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out.into()
+}
+
+/// Whether the text before a URL's last `@` can be user info: either no
+/// `/`, `?` or `#` in it, or a password holding them (after a `:` that
+/// does not start a port). Otherwise that `@` was in the path, the query or
+/// the fragment (`h/in?to=ops`, `h:8080/in?to=ops`).
+fn userinfo_before_host(userinfo: &str) -> bool {
+    let Some(syntax) = userinfo.find(['/', '?', '#']) else {
+        return true;
+    };
+    match userinfo[..syntax].split_once(':') {
+        Some((_, port)) => !port.bytes().all(|b| b.is_ascii_digit()),
+        None => false,
+    }
+}
+
+/// Whether every character of `host` may be in a host (a name, an IPv4 or
+/// a bracketed IPv6 address, a port, a percent escape), placeholders aside.
+fn could_be_host(host: &str) -> bool {
+    without_placeholders(host)
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b".-_:[]%".contains(&b))
+}
+
+/// Whether a path segment looks like a token: see [`url`].
+fn looks_like_token(segment: &str) -> bool {
+    let segment = without_placeholders(segment);
+    let bytes = segment.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(high), Some(low)) => {
+                decoded.push((high * 16 + low) as u8);
+                i += 3;
+            }
+            (b, ..) => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    is_uuid(&decoded) || decoded.split(|b| b"-_.~".contains(b)).any(token_piece)
+}
+
+/// A piece of a path segment between separators, percent-decoded, that
+/// looks like a secret: 16 characters or more holding digits and letters
+/// (hex, base64, a random key), or mixed case in no word's way (four
+/// changes from lower to upper case or more, which `ProcessOrderEvents`
+/// has not), or 20 or more with no lower-case letter.
+fn token_piece(piece: &[u8]) -> bool {
+    // A character is counted once, at its first byte.
+    let len = piece.iter().filter(|&&b| b & 0xC0 != 0x80).count();
+    if len < TOKEN_SEGMENT_LEN {
+        return false;
+    }
+    let digit = piece.iter().any(u8::is_ascii_digit);
+    let letter = piece.iter().any(u8::is_ascii_alphabetic);
+    let lower = piece.iter().any(u8::is_ascii_lowercase);
+    let humps = piece
+        .windows(2)
+        .filter(|w| w[0].is_ascii_lowercase() && w[1].is_ascii_uppercase())
+        .count();
+    (digit && letter) || humps >= 4 || (len >= 20 && letter && !lower)
+}
+
+/// Whether `segment` is a UUID (8-4-4-4-12 hex digits).
+fn is_uuid(segment: &[u8]) -> bool {
+    segment.len() == 36
+        && segment.iter().enumerate().all(|(i, b)| match i {
+            8 | 13 | 18 | 23 => *b == b'-',
+            _ => b.is_ascii_hexdigit(),
+        })
+}
+
+/// Whether [`url`] hides anything of `text`: it carries credentials, a
+/// query value or a path segment that may be one.
 pub fn carries_secrets(text: &str) -> bool {
     url(text) != text
 }
@@ -235,10 +405,107 @@ mod tests {
             url("https://ferry:s3cret@hooks.example:99999/in"),
             "https://***@hooks.example:99999/in"
         );
+        // A space is in no host: all that follows the user info is hidden.
+        assert_eq!(url("nats://u:p@{key}.nats example/in?t=1"), "nats://u:***@***");
+        assert_eq!(url("nats://u:p@{key}.nats/in?t=1"), "nats://u:***@{key}.nats/in?t=***");
+    }
+
+    const SLACK: &str = "https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX";
+    const DISCORD: &str = "https://discord.com/api/webhooks/123456789012345678/\
+                           aBcDeFgHiJkLmNoPqRsTuVwXyZ0123456789-_aBcDeFgHiJkLmNoPqRsTuVwXyZ012345";
+
+    #[test]
+    fn a_token_in_the_path_is_hidden_and_the_paths_shape_kept() {
+        assert_eq!(url(SLACK), "https://hooks.slack.com/services/T00000000/B00000000/***");
+        assert!(carries_secrets(SLACK));
+        assert_eq!(url(DISCORD), "https://discord.com/api/webhooks/123456789012345678/***");
         assert_eq!(
-            url("nats://u:p@{key}.nats example/in?t=1"),
-            "nats://u:***@{key}.nats example/in?t=***"
+            url("https://h.example/hooks/0123456789abcdef0123456789abcdef/in"),
+            "https://h.example/hooks/***/in"
         );
+        assert_eq!(
+            url("https://h.example/hooks/9f1c2a3b-4d5e-4f60-8a7b-1c2d3e4f5a6b?x=1"),
+            "https://h.example/hooks/***?x=***"
+        );
+        // Base64, escaped or not: decoded, it holds both cases.
+        assert_eq!(
+            url("https://h.example/k/dGhpc2lzYXNlY3JldHRva2Vu%3D"),
+            "https://h.example/k/***"
+        );
+        assert_eq!(
+            url("https://h.example/k/%41b%43d%45f%47h%49jKlMnOpQ"),
+            "https://h.example/k/***"
+        );
+        assert_eq!(
+            url("http://u:p@h.example/in/aBcDeFgHiJkLmNoP"),
+            "http://***@h.example/in/***"
+        );
+        assert_eq!(url("nats://h:4222/k3yABCDEFGHijklm"), "nats://h:4222/***");
+        // A token whose base64 holds a separator is still a token.
+        assert_eq!(
+            url("https://h.example/k/ab-0123456789abcdefXY"),
+            "https://h.example/k/***"
+        );
+    }
+
+    #[test]
+    fn a_path_that_holds_no_token_is_shown() {
+        for plain in [
+            "https://h.example/notifications-webhook-receiver",
+            "https://h.example/api/ProcessOrderEvents",
+            "https://h.example/hooks/orders-events-2024",
+            "https://h.example/webhooks/OrderCreatedHandler",
+            "https://discord.com/api/webhooks/123456789012345678",
+            "https://h.example/api/v2/in/",
+            "https://h.example/T00000000/B00000000/0123456789abcde",
+            "https://h.example/caf%C3%A9-orders-receiver",
+            "https://h.example/in/{tenant}/{type}-{domain}-events/{key}{id}",
+            "https://{domain}.h.example/{type}",
+            "amqp://guest@127.0.0.1:5672/%2f",
+            "redis://127.0.0.1:6379/0",
+            "postgres://ferry@db/ferry_production_2024",
+            "sqlite:///var/lib/ferry/Outbox-2024-01-01.db",
+            "https://h.example",
+            "https://h.example/",
+        ] {
+            assert_eq!(url(plain), plain);
+        }
+        // A placeholder counts for nothing, the rest of its segment does.
+        assert_eq!(
+            url("https://h.example/{type}/ABCDEFGHijklmnop0{key}"),
+            "https://h.example/{type}/***"
+        );
+    }
+
+    #[test]
+    fn an_at_in_the_query_shows_no_query_value_as_a_host() {
+        assert_eq!(
+            url("https://h/in?reply_to=ops@example.com&sig=SECRET"),
+            "https://***@***"
+        );
+        assert_eq!(
+            url("https://h/in?sig=SECRET&reply_to=ops@example.com"),
+            "https://***@***"
+        );
+        assert_eq!(
+            url("https://h/in?reply_to=ops@example.com/x?sig=SECRET"),
+            "https://***@***"
+        );
+        assert_eq!(url("https://h/in#to=ops@example.com&SECRET"), "https://***@***");
+        assert_eq!(url("postgres://u:p@[::1]:5432/db"), "postgres://u:***@[::1]:5432/db");
+        assert_eq!(
+            url("postgres://u:p@h%2Dx_y.example:5432/db"),
+            "postgres://u:***@h%2Dx_y.example:5432/db"
+        );
+        assert!(!url("https://h/in?reply_to=ops@example.com&sig=SECRET").contains("SECRET"));
+        // What follows an `@` in the query is never shown, host-like or not.
+        for leaky in [
+            "https://h/hooks?api_key=abc@SECRETVALUE123",
+            "https://h/hooks?to=ops@example.com:SECRETVALUE123",
+            "https://h:8080/hooks?to=ops@SECRETVALUE123",
+        ] {
+            assert!(!url(leaky).contains("SECRETVALUE123"), "{leaky}: {}", url(leaky));
+        }
     }
 
     #[test]

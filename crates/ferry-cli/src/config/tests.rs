@@ -437,6 +437,40 @@ fn a_destination_with_credentials_needs_a_name_of_its_own() {
     assert_eq!(c.routes[0].name, "hooks:https://hooks.example/in?tenant={key}");
 }
 
+/// A Slack-style webhook carries its token in the path: the default name
+/// would carry it wherever the name goes, so the route needs a name, and
+/// the message shows the path's shape but not the token.
+#[test]
+fn a_destination_with_a_token_in_its_path_needs_a_name_of_its_own() {
+    let destination = "https://hooks.slack.com/services/T00000000/B00000000/XXXXXXXXXXXXXXXXXXXXXXXX";
+    let route = format!(
+        "[sinks.hooks]\nkind = \"webhook\"\n[[routes]]\nmatch = \"a.*\"\nsink = \"hooks\"\n\
+         destination = \"{destination}\"\n"
+    );
+    let e = errors_with(&route);
+    assert!(
+        e.starts_with(
+            "routes[0].name: missing; the default name <sink>:<destination> would carry the \
+             destination's credentials, query or a token in its path \
+             (https://hooks.slack.com/services/T00000000/B00000000/***) into metrics"
+        ),
+        "{e}"
+    );
+    assert!(e.contains("set name = \"...\""), "{e}");
+    assert!(!e.contains("XXXXXXXXXXXXXXXX"), "{e}");
+    // Named after the old default name, it keeps its deliveries.
+    let old_name = format!("hooks:{destination}");
+    let named = format!(
+        "{MINIMAL}{}",
+        route.replace("[[routes]]\n", &format!("[[routes]]\nname = \"{old_name}\"\n"))
+    );
+    assert_eq!(from_toml_str(&named).unwrap().routes[0].name, old_name);
+    // A path of words and placeholders is no token.
+    let plain = "https://hooks.example/notifications-webhook-receiver/{domain}/{type}-{key}-events";
+    let c = from_toml_str(&format!("{MINIMAL}{}", route.replace(destination, plain))).unwrap();
+    assert_eq!(c.routes[0].name, format!("hooks:{plain}"));
+}
+
 /// A routing key on a route to a sink that has none would be read by
 /// nothing: refused, naming the route and the sink's kind.
 #[test]
