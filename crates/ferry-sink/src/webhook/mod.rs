@@ -85,7 +85,7 @@ pub struct WebhookOptions {
     /// Headers sent with every request, e.g. `Authorization`; they win over
     /// an event's header of the same name. Default none.
     pub headers: BTreeMap<String, String>,
-    /// The longest an endpoint's `Retry-After` (on a 408, 425, 429 or 5xx)
+    /// The longest an endpoint's `Retry-After` (on a 408, 409, 425, 429 or 5xx)
     /// pauses every request to that URL, not only the refused one's. Keep
     /// it at most the relay's longest retry delay (`relay.backoff_max`,
     /// which `ferry run` passes): a retry scheduled inside the pause would
@@ -161,13 +161,54 @@ pub struct WebhookSink {
 /// asked for.
 struct Endpoint {
     slots: Semaphore,
-    backoff: Mutex<Backoff>,
+    backoff: Mutex<Outages>,
     /// Until when the endpoint asked to be left alone, and its answer then.
     /// A 2xx to a request already in flight does not end it.
     quiet: Mutex<Option<(Instant, String)>>,
 }
 
+/// An endpoint's backoff, escalated once per outage rather than once per
+/// failed request: the requests in flight when a receiver stalls all time
+/// out together, and counting each would jump the pause to its cap at once
+/// (`concurrency` 8: 200 ms to 10 s), refusing every request meanwhile.
+struct Outages {
+    backoff: Backoff,
+    /// Bumped at each escalation. A request takes it when it is sent; its
+    /// failure escalates only if no failure did since it was sent, so the
+    /// requests of one wave that fail together count as one outage.
+    generation: u64,
+}
+
 impl Endpoint {
+    /// The generation a request sent now carries, or how long the endpoint
+    /// is left alone and the failure that started the pause.
+    fn may_send(&self, now: Instant) -> Result<u64, (Duration, String)> {
+        let outages = lock(&self.backoff);
+        match outages.backoff.ready(now) {
+            Ok(()) => Ok(outages.generation),
+            Err(wait) => Err((wait, outages.backoff.last_error().unwrap_or("unreachable").to_owned())),
+        }
+    }
+
+    /// A request sent at `generation` failed to connect or to be answered
+    /// in time: the pause grows unless an outage was already counted since
+    /// it was sent.
+    fn failed(&self, generation: u64, now: Instant, error: &str) {
+        let mut outages = lock(&self.backoff);
+        if outages.generation == generation {
+            outages.backoff.failed(now, error);
+            outages.generation = outages.generation.wrapping_add(1);
+        }
+    }
+
+    fn succeeded(&self) {
+        lock(&self.backoff).backoff.succeeded();
+    }
+
+    fn backing_off(&self, now: Instant) -> bool {
+        lock(&self.backoff).backoff.ready(now).is_err()
+    }
+
     /// How much of its pause is left, and why, if any.
     fn quiet_left(&self, now: Instant) -> Option<(Duration, String)> {
         let quiet = lock(&self.quiet);
@@ -229,13 +270,20 @@ impl WebhookSink {
     fn prepare(&self, destination: &Destination<'_>, event: &StoredEvent) -> Result<Request, SinkError> {
         let opts = &self.options;
         let request = Request::prepare(destination, event, &opts.source, &self.headers, opts.max_body_bytes)?;
-        if request.url.scheme() == "https" && self.roots == 0 {
+        self.require_roots(destination.route(), request.url.scheme())?;
+        Ok(request)
+    }
+
+    /// An https destination needs CA certificates to verify its receiver;
+    /// without any, every delivery would fail (dead at its first attempt).
+    fn require_roots(&self, route: &Route, scheme: &str) -> Result<(), SinkError> {
+        if scheme == "https" && self.roots == 0 {
             return Err(SinkError::config(format!(
                 "route {:?}: no CA certificates were found for https; set SSL_CERT_FILE to a PEM bundle",
-                destination.route().name
+                route.name
             )));
         }
-        Ok(request)
+        Ok(())
     }
 
     /// The limiter shared by every request to `url`.
@@ -248,13 +296,14 @@ impl WebhookSink {
         // but not the pause or the backoff of one that asked for it.
         if limiters.len() >= MAX_IDLE_LIMITERS {
             let now = Instant::now();
-            limiters.retain(|_, l| {
-                Arc::strong_count(l) > 1 || l.quiet_left(now).is_some() || lock(&l.backoff).ready(now).is_err()
-            });
+            limiters.retain(|_, l| Arc::strong_count(l) > 1 || l.quiet_left(now).is_some() || l.backing_off(now));
         }
         let limiter = Arc::new(Endpoint {
             slots: Semaphore::new(self.options.concurrency),
-            backoff: Mutex::new(Backoff::new(MAX_BACKOFF)),
+            backoff: Mutex::new(Outages {
+                backoff: Backoff::new(MAX_BACKOFF),
+                generation: 0,
+            }),
             quiet: Mutex::new(None),
         });
         limiters.insert(url.to_owned(), Arc::clone(&limiter));
@@ -285,22 +334,18 @@ impl WebhookSink {
                 )));
             }
         };
-        let backing_off = {
-            let backoff = lock(&endpoint.backoff);
-            backoff
-                .ready(Instant::now())
-                .err()
-                .map(|wait| (wait, backoff.last_error().unwrap_or("unreachable").to_owned()))
+        let generation = match endpoint.may_send(Instant::now()) {
+            Ok(generation) => generation,
+            Err((wait, last)) => {
+                return Err(SinkError::transient(format!(
+                    "not sent, next attempt in {} ms; the last one failed: {last}",
+                    wait.as_millis()
+                ))
+                // The relay's next attempt waits as long: one made sooner would
+                // be refused here again and spend an attempt unsent.
+                .with_retry_after(wait));
+            }
         };
-        if let Some((wait, last)) = backing_off {
-            return Err(SinkError::transient(format!(
-                "not sent, next attempt in {} ms; the last one failed: {last}",
-                wait.as_millis()
-            ))
-            // The relay's next attempt waits as long: one made sooner would
-            // be refused here again and spend an attempt unsent.
-            .with_retry_after(wait));
-        }
         // A 429 or 503 with Retry-After speaks for the endpoint, not for one
         // event: the requests after it wait too, rather than each earning
         // its own refusal from a receiver that is shedding load.
@@ -328,9 +373,13 @@ impl WebhookSink {
             .await;
         match sent {
             Ok(response) => {
-                lock(&endpoint.backoff).succeeded();
+                endpoint.succeeded();
+                // A 409 is about this event (its id is being handled), not
+                // the endpoint: its Retry-After delays this event alone.
+                let one_event = response.status() == reqwest::StatusCode::CONFLICT;
                 let outcome = client::outcome("POST", &request.url, response, self.options.error_response_bytes).await;
                 if let Err(e) = &outcome
+                    && !one_event
                     && let Some(delay) = e.retry_after.map(|d| d.min(self.options.max_pause))
                     && !delay.is_zero()
                 {
@@ -344,7 +393,7 @@ impl WebhookSink {
                 let endpoint_down = e.is_connect() || e.is_timeout();
                 let err = client::transport_error("POST", &request.url, e, &route.sink);
                 if endpoint_down {
-                    lock(&endpoint.backoff).failed(Instant::now(), err.message.clone());
+                    endpoint.failed(generation, Instant::now(), &err.message);
                 }
                 Err(err)
             }
@@ -477,8 +526,9 @@ impl Sink for WebhookSink {
 
     /// A fixed URL is checked with a `HEAD` request: any HTTP answer, even
     /// 404 or 405, shows the receiver is reachable; only a transport failure
-    /// (refused, timed out, TLS) fails the check. A template is only checked
-    /// for being an http(s) URL, since its host may depend on the event.
+    /// (refused, timed out, TLS) fails the check. A template whose host
+    /// depends on the event is only checked for being an http(s) URL, and
+    /// an https one for having CA certificates to verify it with.
     async fn check(&self, route: &Route) -> Result<(), SinkError> {
         for caveat in self.check_with_caveats(route).await? {
             tracing::warn!(route = %route.name, "{caveat}");
@@ -508,6 +558,9 @@ impl Sink for WebhookSink {
                     redact::url(&destination)
                 )));
             }
+            // Checked before anything is skipped: a templated host is not
+            // probed, but no https delivery could be made without roots.
+            self.require_roots(route, &scheme)?;
             let authority = destination[scheme.len() + 3..]
                 .split(['/', '?', '#'])
                 .next()
@@ -531,11 +584,7 @@ impl Sink for WebhookSink {
                 redact::url(destination)
             ))
         })?;
-        if url.scheme() == "https" && self.roots == 0 {
-            return Err(SinkError::config(
-                "no CA certificates were found for https; set SSL_CERT_FILE to a PEM bundle",
-            ));
-        }
+        self.require_roots(route, url.scheme())?;
         match self.client.head(url.clone()).headers(self.headers.clone()).send().await {
             Ok(response) => {
                 let status = response.status();
@@ -677,6 +726,84 @@ mod tests {
         assert!(shown.contains("[1 hidden]"), "{shown}");
         assert!(shown.contains("Authorization"), "{shown}");
         assert!(shown.contains("7s"), "{shown}");
+    }
+
+    fn route(destination: &str) -> Route {
+        Route {
+            name: "hooks".into(),
+            matcher: ferry_core::Glob::new("**").unwrap(),
+            sink: "web".into(),
+            destination: destination.into(),
+            routing_key: None,
+        }
+    }
+
+    /// Without CA certificates (a distroless image, no `SSL_CERT_FILE`),
+    /// every https delivery is a config error, dead at its first attempt: the
+    /// check must fail for a templated host too, not only warn that it was
+    /// not contacted.
+    #[tokio::test]
+    async fn an_https_destination_without_ca_certificates_fails_the_check_templated_or_not() {
+        let mut sink = WebhookSink::new(WebhookOptions::default()).unwrap();
+        sink.roots = 0;
+        for destination in [
+            "https://{tenant}.hooks.example/in",
+            "https://hooks.example/in/{domain}",
+            "https://hooks.example/in",
+        ] {
+            let err = sink
+                .check_with_caveats(&route(destination))
+                .await
+                .expect_err(destination);
+            assert_eq!(err.kind, ErrorKind::Config, "{destination}: {err}");
+            assert!(
+                err.message.contains("no CA certificates") && err.message.contains("SSL_CERT_FILE"),
+                "{destination}: {err}"
+            );
+            assert!(sink.check(&route(destination)).await.is_err(), "{destination}");
+        }
+        // http needs no roots; its templated host is still not contacted.
+        let caveats = sink
+            .check_with_caveats(&route("http://{tenant}.hooks.example/in"))
+            .await
+            .expect("http needs no CA certificates");
+        assert!(
+            caveats.len() == 1 && caveats[0].contains("not contacted"),
+            "{caveats:?}"
+        );
+    }
+
+    /// A stall past `timeout` with `concurrency` requests in flight fails
+    /// them all at once: one outage, one step of the backoff, not eight
+    /// (which jumped the pause from 200 ms to its 10 s cap).
+    #[test]
+    fn the_backoff_escalates_once_per_outage_not_once_per_failed_request() {
+        let sink = WebhookSink::new(WebhookOptions::default()).unwrap();
+        let endpoint = sink.limiter("http://h/hook");
+        let now = Instant::now();
+        let wave: Vec<u64> = (0..8).map(|_| endpoint.may_send(now).unwrap()).collect();
+        for &generation in &wave {
+            endpoint.failed(generation, now, "timed out");
+        }
+        let pause = |at| endpoint.may_send(at).expect_err("backing off").0;
+        assert_eq!(pause(now), crate::backoff::BASE_DELAY, "one step for the whole wave");
+
+        // The next wave, sent once the pause is over, fails too: one more step.
+        let later = now + crate::backoff::BASE_DELAY;
+        let next: Vec<u64> = (0..3).map(|_| endpoint.may_send(later).unwrap()).collect();
+        for &generation in &next {
+            endpoint.failed(generation, later, "timed out");
+        }
+        assert_eq!(pause(later), 2 * crate::backoff::BASE_DELAY);
+        // A straggler of the first wave failing now adds nothing.
+        endpoint.failed(wave[0], later, "timed out");
+        assert_eq!(pause(later), 2 * crate::backoff::BASE_DELAY);
+
+        // An answer ends the outage; the next failure starts from the base.
+        endpoint.succeeded();
+        let again = endpoint.may_send(later).expect("an answer ends the pause");
+        endpoint.failed(again, later, "could not connect");
+        assert_eq!(pause(later), crate::backoff::BASE_DELAY);
     }
 
     #[test]

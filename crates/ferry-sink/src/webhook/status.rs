@@ -11,7 +11,7 @@ use ferry_core::ErrorKind;
 /// | status | outcome |
 /// | --- | --- |
 /// | 2xx | published |
-/// | 408 Request Timeout, 425 Too Early, 429 Too Many Requests, 5xx | transient: retried |
+/// | 408 Request Timeout, 409 Conflict, 425 Too Early, 429 Too Many Requests, 5xx | transient: retried |
 /// | 3xx | permanent: redirects are not followed, a moved endpoint needs a new route |
 /// | any other 4xx | permanent: the receiver refused this event for good |
 /// | 1xx and codes outside 100..=599 | transient: a confused receiver or proxy |
@@ -22,14 +22,18 @@ use ferry_core::ErrorKind;
 /// assert_eq!(status_kind(204), None);
 /// assert_eq!(status_kind(429), Some(ErrorKind::Transient));
 /// assert_eq!(status_kind(425), Some(ErrorKind::Transient));
+/// assert_eq!(status_kind(409), Some(ErrorKind::Transient));
 /// assert_eq!(status_kind(410), Some(ErrorKind::Permanent));
 /// ```
 pub fn status_kind(status: u16) -> Option<ErrorKind> {
     match status {
         200..=299 => None,
         // 425: the receiver will not risk a replay now; RFC 8470 (5.2)
-        // says to retry.
-        408 | 425 | 429 => Some(ErrorKind::Transient),
+        // says to retry. 409: a receiver that deduplicates on `webhook-id`
+        // answers it to a resend (after our timeout) of an event it is
+        // still processing; refusing it for good would kill a delivery
+        // that is about to succeed, and block its key.
+        408 | 409 | 425 | 429 => Some(ErrorKind::Transient),
         300..=499 => Some(ErrorKind::Permanent),
         _ => Some(ErrorKind::Transient),
     }
@@ -68,11 +72,11 @@ mod tests {
         for ok in [200, 201, 202, 204, 299] {
             assert_eq!(status_kind(ok), None, "{ok}");
         }
-        for transient in [408, 425, 429, 500, 502, 503, 504, 599, 100, 600, 0] {
+        for transient in [408, 409, 425, 429, 500, 502, 503, 504, 599, 100, 600, 0] {
             assert_eq!(status_kind(transient), Some(ErrorKind::Transient), "{transient}");
         }
         for permanent in [
-            300, 301, 302, 303, 307, 308, 400, 401, 403, 404, 405, 409, 410, 413, 422, 499,
+            300, 301, 302, 303, 307, 308, 400, 401, 403, 404, 405, 410, 413, 422, 499,
         ] {
             assert_eq!(status_kind(permanent), Some(ErrorKind::Permanent), "{permanent}");
         }

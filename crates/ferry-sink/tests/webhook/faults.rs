@@ -118,6 +118,38 @@ async fn a_receiver_that_never_answers_times_out_transiently() {
     }
 }
 
+/// `concurrency` requests timing out together are one outage: the endpoint
+/// is left alone for the first step of its backoff, not for its cap, so the
+/// events right after are answered "not sent" for at most 200 ms (each such
+/// answer spends an attempt).
+#[tokio::test]
+async fn requests_timing_out_together_escalate_the_backoff_once() {
+    let receiver = Receiver::start(&[SECRET]).await;
+    let sink = sink(WebhookOptions {
+        timeout: Duration::from_millis(300),
+        concurrency: 8,
+        ..WebhookOptions::default()
+    });
+    let to = route(&receiver.url("/hook"));
+    receiver.set_gate(false);
+    let stalled = sink.publish(&to, &keyed(8, |seq| format!("s{seq}"))).await;
+    for outcome in &stalled {
+        expect_err(outcome, ErrorKind::Transient, "timed out (sinks.web.timeout)");
+    }
+    let outcomes = sink.publish(&to, &keyed(8, |seq| format!("n{seq}"))).await;
+    receiver.set_gate(true);
+    for outcome in &outcomes {
+        let err = outcome.as_ref().expect_err("the receiver is stalled");
+        if err.message.starts_with("not sent") {
+            let wait = err.retry_after.expect("a refusal says how long to wait");
+            assert!(
+                wait <= Duration::from_millis(200),
+                "eight timeouts of one stall escalated the backoff past its first step: {err}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_closed_port_fails_every_event_transiently_and_fast() {
     let sink = sink(WebhookOptions::default());

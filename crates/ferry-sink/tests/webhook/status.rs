@@ -72,6 +72,14 @@ async fn status_408_is_transient() {
     expect_err(&answer(408).await.0, ErrorKind::Transient, "HTTP 408 Request Timeout");
 }
 
+/// A receiver that deduplicates on `webhook-id` answers 409 to a resend
+/// of an event it is still processing (the first request outlived
+/// `timeout`): retried, not dead, or the key stays blocked.
+#[tokio::test]
+async fn status_409_is_transient() {
+    expect_err(&answer(409).await.0, ErrorKind::Transient, "HTTP 409 Conflict");
+}
+
 #[tokio::test]
 async fn status_410_is_permanent() {
     expect_err(&answer(410).await.0, ErrorKind::Permanent, "HTTP 410 Gone");
