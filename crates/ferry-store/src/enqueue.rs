@@ -31,6 +31,10 @@ pub enum EnqueueError {
          nothing was written: roll back and run the whole transaction again"
     )]
     TransactionEnded,
+    /// The ferry tables or functions are missing: `ferry migrate` has not
+    /// run on this database.
+    #[error("{0}: the ferry schema is missing or out of date; run `ferry migrate` on this database")]
+    NotMigrated(#[source] sqlx::Error),
     #[error("the database refused the event: {0}")]
     Database(#[from] sqlx::Error),
 }

@@ -833,3 +833,149 @@ async fn a_cancel_that_waited_for_its_locks_judges_what_is_in_flight_once_it_has
     assert!(applied.changed.is_empty(), "cancelled though due: {applied:?}");
     assert!(applied.refused[0].reason.contains("in flight"), "{applied:?}");
 }
+
+/// Waits until backend `pid` waits for a lock.
+async fn until_it_waits(pool: &sqlx::PgPool, pid: i32) {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let waiting: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $1 AND NOT granted)")
+            .bind(pid)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        if waiting {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the retry never waited");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// A retried `Event` whose first attempt commits while the retry runs (the
+/// retry's insert waits for it, then writes nothing) is a repeat: its id is
+/// its own and no snapshot of the retry's statement shows the first one.
+/// It was reported as written, and a caller skipping its business write
+/// for repeats applied it twice.
+#[tokio::test]
+async fn a_retry_that_waited_for_its_first_attempt_is_a_repeat() {
+    let h = harness().await;
+    let event = Event::new("order.paid", json!({"n": 1})).dispatch_key("pay-1");
+    let mut first = h.pool.begin().await.unwrap();
+    let sent = enqueue(&mut first, event.clone()).await.unwrap();
+    assert!(!sent.duplicate);
+    let (pid_tx, pid_rx) = tokio::sync::oneshot::channel();
+    let retry = tokio::spawn({
+        let pool = h.pool.clone();
+        let event = event.clone();
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
+            pid_tx.send(pid).unwrap();
+            let out = enqueue(&mut tx, event).await.unwrap();
+            tx.commit().await.unwrap();
+            out
+        }
+    });
+    until_it_waits(&h.pool, pid_rx.await.unwrap()).await;
+    first.commit().await.unwrap();
+    let again = retry.await.unwrap();
+    assert_eq!(again.id, event.id());
+    assert!(again.duplicate, "a retry that wrote nothing was reported as written");
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+/// A repeat marked inside a savepoint that is rolled back leaves no mark:
+/// the event written again after it is reported as written.
+#[tokio::test]
+async fn a_repeat_rolled_back_with_its_savepoint_leaves_no_mark() {
+    let h = harness().await;
+    let event = Event::new("order.paid", json!({"n": 1})).dispatch_key("pay-1");
+    let mut tx = h.pool.begin().await.unwrap();
+    let mut inner = tx.begin().await.unwrap();
+    assert!(!enqueue(&mut inner, event.clone()).await.unwrap().duplicate);
+    assert!(enqueue(&mut inner, event.clone()).await.unwrap().duplicate);
+    inner.rollback().await.unwrap();
+    let written = enqueue(&mut tx, event.clone()).await.unwrap();
+    assert_eq!((written.id, written.duplicate), (event.id(), false));
+    let other = Event::new("order.paid", json!({"n": 2})).dispatch_key("pay-2");
+    let written = enqueue_batch(&mut tx, vec![other.clone(), event.clone()])
+        .await
+        .unwrap();
+    assert_eq!(
+        written.iter().map(|e| (e.id, e.duplicate)).collect::<Vec<_>>(),
+        [(other.id(), false), (event.id(), true)]
+    );
+    tx.commit().await.unwrap();
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&h.pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 2);
+}
+
+/// A producer upgraded before `ferry migrate` runs: on schema 28, without
+/// the repeats' marks, a plain repeat (same event, in a later transaction or
+/// the same one) is still reported.
+#[tokio::test]
+async fn a_producer_ahead_of_schema_29_still_reports_a_repeat() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    sqlx::raw_sql(
+        "CREATE SCHEMA ferry;
+         CREATE TABLE ferry.schema_migrations (version int PRIMARY KEY, name text NOT NULL,
+                                               applied_at timestamptz NOT NULL DEFAULT now());",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for &(version, name, sql) in ferry_store::postgres::MIGRATIONS.iter().filter(|m| m.0 <= 28) {
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::raw_sql(sql).execute(&mut *tx).await.unwrap();
+        sqlx::query("INSERT INTO ferry.schema_migrations (version, name) VALUES ($1, $2)")
+            .bind(version)
+            .bind(name)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let event = Event::new("order.paid", json!({"n": 1})).dispatch_key("pay-1");
+    let mut tx = pool.begin().await.unwrap();
+    assert!(!enqueue(&mut tx, event.clone()).await.unwrap().duplicate);
+    assert!(enqueue(&mut tx, event.clone()).await.unwrap().duplicate);
+    tx.commit().await.unwrap();
+    let other = Event::new("order.paid", json!({"n": 2})).dispatch_key("pay-2");
+    let mut tx = pool.begin().await.unwrap();
+    let out = enqueue_batch(&mut tx, vec![event.clone(), other.clone()])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        out.iter().map(|e| (e.id, e.duplicate)).collect::<Vec<_>>(),
+        [(event.id(), true), (other.id(), false)]
+    );
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 2);
+}
+
+/// Before `ferry migrate` has run, the producer says to run it rather than
+/// that the database refused the event.
+#[tokio::test]
+async fn a_producer_before_migrate_says_to_run_it() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    let mut tx = pool.begin().await.unwrap();
+    let err = enqueue(&mut tx, Event::new("order.paid", json!({}))).await.unwrap_err();
+    assert!(matches!(err, EnqueueError::NotMigrated(_)), "{err}");
+    assert!(err.to_string().contains("run `ferry migrate`"), "{err}");
+}

@@ -1,3 +1,5 @@
+use std::collections::HashSet;
+
 use ferry_core::{Event, EventId};
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
@@ -59,19 +61,26 @@ pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<Event>) -> Resul
     }
     // An event with a dispatch key may come back with its own id and still
     // be a repeat: the same `Event` retried after a commit whose outcome
-    // the caller did not learn. So for those ids, read which were stored
-    // before the call: the scalar subquery sees the statement's snapshot,
-    // which does not include what `_enqueue_batch` writes.
+    // the caller did not learn. From schema 29 on, `_enqueue_batch` names
+    // the events it wrote nothing for (their positions, from 1) in
+    // `ferry.enqueue_repeats`, read after it (the fenced subquery runs
+    // first). That includes a first attempt that committed while the call
+    // ran (its insert waited for it, or it committed after the statement
+    // began), which no snapshot of the statement shows. On an older schema
+    // the setting is NULL and only the ids stored before the call count:
+    // the scalar subquery sees the statement's snapshot, which does not
+    // include what `_enqueue_batch` writes.
     let keyed: Vec<Uuid> = events
         .iter()
         .filter(|e| e.get_dispatch_key().is_some())
         .map(|e| e.id().0)
         .collect();
     let query = if keyed.is_empty() {
-        "SELECT ferry._enqueue_batch($1, $2, $3, $4, $5, $6, $7), '{}'::uuid[]"
+        "SELECT ferry._enqueue_batch($1, $2, $3, $4, $5, $6, $7), NULL::text, '{}'::uuid[]"
     } else {
-        "SELECT ferry._enqueue_batch($1, $2, $3, $4, $5, $6, $7), \
-                ARRAY(SELECT e.id FROM ferry.events e WHERE e.id = ANY($8))"
+        "SELECT b.ids, current_setting('ferry.enqueue_repeats', true), \
+                ARRAY(SELECT e.id FROM ferry.events e WHERE e.id = ANY($8)) \
+           FROM (SELECT ferry._enqueue_batch($1, $2, $3, $4, $5, $6, $7) AS ids OFFSET 0) b"
     };
     let mut query = sqlx::query_as(query)
         .bind(&ids)
@@ -84,8 +93,30 @@ pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<Event>) -> Resul
     if !keyed.is_empty() {
         query = query.bind(&keyed);
     }
-    let (stored, before): (Vec<Uuid>, Vec<Uuid>) = query.fetch_one(&mut *conn).await.map_err(id_taken)?;
-    Ok(flag_repeats(&ids, &stored, &before))
+    let (stored, repeats, before): (Vec<Uuid>, Option<String>, Vec<Uuid>) =
+        query.fetch_one(&mut *conn).await.map_err(refused)?;
+    let before: HashSet<Uuid> = before.into_iter().collect();
+    let repeats: HashSet<usize> = repeats
+        .iter()
+        .flat_map(|r| r.split(','))
+        .filter_map(|i| i.parse().ok())
+        .collect();
+    Ok(flag_repeats(&ids, &stored, &before, &repeats))
+}
+
+/// What the database refused, said in the caller's terms: the ferry schema
+/// missing (undefined schema, table, function, column: the SQLSTATEs the
+/// relay's `store_error` reads the same way), or an event without a
+/// dispatch key enqueued again.
+fn refused(e: sqlx::Error) -> EnqueueError {
+    let missing = e
+        .as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| matches!(code.as_ref(), "3F000" | "42P01" | "42883" | "42703"));
+    if missing {
+        return EnqueueError::NotMigrated(e);
+    }
+    id_taken(e)
 }
 
 /// A unique violation of the events' id: an event without a dispatch key
@@ -108,17 +139,19 @@ fn id_taken(e: sqlx::Error) -> EnqueueError {
     crate::enqueue::stored_already(id)
 }
 
-/// Each event's outcome: a repeat when the stored event is another one,
-/// was there `before` the call, or an earlier event of the batch wrote it.
-fn flag_repeats(mine: &[Uuid], stored: &[Uuid], before: &[Uuid]) -> Vec<Enqueued> {
-    let mut written = std::collections::HashSet::new();
+/// Each event's outcome: a repeat when `_enqueue_batch` says so (its
+/// position, from 1, is in `repeats`), the stored event is another one, was
+/// there `before` the call, or an earlier event of the batch wrote it.
+fn flag_repeats(mine: &[Uuid], stored: &[Uuid], before: &HashSet<Uuid>, repeats: &HashSet<usize>) -> Vec<Enqueued> {
+    let mut written = HashSet::new();
     mine.iter()
         .zip(stored)
-        .map(|(mine, got)| {
+        .enumerate()
+        .map(|(i, (mine, got))| {
             let first_in_batch = written.insert(*got);
             Enqueued {
                 id: EventId(*got),
-                duplicate: mine != got || before.contains(got) || !first_in_batch,
+                duplicate: repeats.contains(&(i + 1)) || mine != got || before.contains(got) || !first_in_batch,
             }
         })
         .collect()

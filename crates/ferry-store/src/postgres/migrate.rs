@@ -70,6 +70,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("migrations/0027_capture_warn_retryable.sql"),
     ),
     (28, "capture_rename", include_str!("migrations/0028_capture_rename.sql")),
+    (
+        29,
+        "enqueue_repeats",
+        include_str!("migrations/0029_enqueue_repeats.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

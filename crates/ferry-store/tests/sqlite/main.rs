@@ -167,6 +167,22 @@ async fn a_store_without_tables_says_to_migrate() {
     assert!(err.message.contains("ferry migrate"), "{err}");
 }
 
+/// Before `ferry migrate` has run, the producer says to run it rather than
+/// that the database refused the event.
+#[tokio::test]
+async fn a_producer_before_migrate_says_to_run_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("empty.db").to_str().unwrap())
+        .await
+        .unwrap();
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let err = enqueue(&mut tx, Event::new("order.created", json!({})))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EnqueueError::NotMigrated(_)), "{err}");
+    assert!(err.to_string().contains("run `ferry migrate`"), "{err}");
+}
+
 /// The readiness probe's ping is a round trip, not the gauges' reads,
 /// which grow with the backlog (and here cannot run at all).
 #[tokio::test]
