@@ -130,6 +130,29 @@ async fn check_tells_a_schema_it_may_not_read_from_a_missing_one() {
         .unwrap();
 }
 
+/// `check` reads the database's clock and compares it with this host's:
+/// the local server shares this host's clock, so the line passes.
+#[tokio::test]
+async fn check_compares_the_database_clock_with_this_host() {
+    let db = TestDb::create().await;
+    let out = ferry_env(
+        &[("FERRY_DATABASE__URL", db.url())],
+        &["check"],
+        Duration::from_secs(60),
+    );
+    let stdout = text(&out.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("clocks (this host, database)"))
+        .unwrap_or_else(|| panic!("no line for the clocks: {stdout}{}", text(&out.stderr)));
+    assert!(line.starts_with("ok "), "{line}");
+    assert!(
+        line.contains("the database's clock is ") && line.contains("half the round trip"),
+        "{line}"
+    );
+    db.drop_db().await;
+}
+
 /// A database address that takes the connection and never answers (a
 /// host dropping packets after the handshake, a proxy with nothing behind
 /// it): `check` says so and ends, rather than wait until the OS gives up.

@@ -1768,5 +1768,7 @@ async fn router_fails_at(which: &'static str) {
 mod counting;
 #[path = "engine/lease.rs"]
 mod lease;
+#[path = "engine/lock_wait.rs"]
+mod lock_wait;
 #[path = "engine/partial.rs"]
 mod partial;

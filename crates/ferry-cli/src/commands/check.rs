@@ -1,5 +1,9 @@
 use std::process::ExitCode;
+#[cfg(feature = "postgres")]
+use std::time::Duration;
 
+#[cfg(feature = "postgres")]
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::config::Config;
@@ -24,6 +28,8 @@ pub async fn run(cfg: &Config, json: bool) -> anyhow::Result<ExitCode> {
     // Table capture exists on PostgreSQL only.
     if !crate::store::is_sqlite(&cfg.database.url) {
         findings.extend(check_captures(cfg).await);
+        #[cfg(feature = "postgres")]
+        findings.extend(check_clock(cfg).await);
         #[cfg(feature = "postgres")]
         if cfg.relay.mode == crate::config::RelayMode::Wal {
             findings.extend(check_wal(cfg).await);
@@ -218,6 +224,149 @@ async fn check_no_slot_unread(cfg: &Config) -> Vec<Finding> {
     }
 }
 
+/// A skew between this host's clock and the database's that `check`
+/// reports as a caveat, and one it reports as a problem.
+#[cfg(feature = "postgres")]
+const CLOCK_CAVEAT: Duration = Duration::from_secs(1);
+#[cfg(feature = "postgres")]
+const CLOCK_PROBLEM: Duration = Duration::from_secs(5);
+/// How long reading the database's clock may take: a database that does
+/// not answer is a finding of its own already.
+#[cfg(feature = "postgres")]
+const CLOCK_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The database's clock against this host's, from one reading taken at an
+/// unknown moment between a query's sending and its answer: assumed half
+/// way, so off by at most half the round trip.
+#[cfg(feature = "postgres")]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct ClockSkew {
+    /// The database's clock minus this host's; negative when it is behind.
+    pub ahead: chrono::TimeDelta,
+    /// Half the round trip: how far off `ahead` may be.
+    pub within: Duration,
+}
+
+#[cfg(feature = "postgres")]
+impl ClockSkew {
+    /// `database` read by a query sent at `sent` (this host's clock) and
+    /// answered `rtt` later.
+    pub(crate) fn measure(sent: DateTime<Utc>, rtt: Duration, database: DateTime<Utc>) -> Self {
+        let within = rtt / 2;
+        let midpoint = sent + chrono::TimeDelta::from_std(within).unwrap_or(chrono::TimeDelta::MAX);
+        ClockSkew {
+            ahead: database - midpoint,
+            within,
+        }
+    }
+
+    fn size(&self) -> Duration {
+        self.ahead.abs().to_std().unwrap_or(Duration::MAX)
+    }
+
+    fn describe(&self) -> String {
+        let secs = |d: Duration| format!("{:.3}s", d.as_secs_f64());
+        let way = if self.ahead < chrono::TimeDelta::zero() {
+            "behind"
+        } else {
+            "ahead of"
+        };
+        format!(
+            "the database's clock is {} {way} this host's (± {}, half the round trip)",
+            secs(self.size()),
+            secs(self.within)
+        )
+    }
+
+    /// What `ferry run` logs at start: `None` within [`CLOCK_CAVEAT`].
+    pub(crate) fn warning(&self) -> Option<String> {
+        (self.size() > CLOCK_CAVEAT).then(|| format!("{}; {CLOCK_FIX}", self.describe()))
+    }
+
+    /// `ferry check`'s finding: a caveat above [`CLOCK_CAVEAT`], a problem
+    /// above [`CLOCK_PROBLEM`].
+    fn finding(&self) -> Finding {
+        let what = "clocks (this host, database)".to_owned();
+        let size = self.size();
+        if size > CLOCK_PROBLEM {
+            return Finding {
+                what,
+                ok: false,
+                detail: format!("{}; {CLOCK_FIX}", self.describe()),
+                ..Finding::default()
+            };
+        }
+        if size > CLOCK_CAVEAT {
+            let caveat = format!("{}; {CLOCK_FIX}", self.describe());
+            return Finding {
+                what,
+                ok: true,
+                detail: caveat.clone(),
+                caveats: vec![caveat],
+            };
+        }
+        Finding {
+            what,
+            ok: true,
+            detail: self.describe(),
+            ..Finding::default()
+        }
+    }
+}
+
+/// Why a skew matters and how to end it.
+#[cfg(feature = "postgres")]
+const CLOCK_FIX: &str = "the relay times retries and claims by its host's clock, while leases and `ferry cancel`'s \
+                         \"due or in flight\" test go by the database's, so `ferry cancel` can cancel a delivery \
+                         being published and a key can be held back after a takeover; run NTP (chrony or \
+                         systemd-timesyncd) on the relay host and the database host (OPERATIONS.md, \"Clocks\")";
+
+/// Reads the database's clock a few times on one connection and keeps the
+/// reading with the shortest round trip: the first includes preparing the
+/// statement. `None` when the database cannot be read in time.
+#[cfg(feature = "postgres")]
+async fn read_clock_skew(pool: &sqlx::PgPool) -> Option<ClockSkew> {
+    let read = async {
+        let mut conn = pool.acquire().await.ok()?;
+        let mut best: Option<ClockSkew> = None;
+        for _ in 0..3 {
+            let sent = Utc::now();
+            let started = std::time::Instant::now();
+            let database = ferry_store::postgres::database_clock(&mut *conn).await.ok()?;
+            let skew = ClockSkew::measure(sent, started.elapsed(), database);
+            if best.is_none_or(|b| skew.within < b.within) {
+                best = Some(skew);
+            }
+        }
+        best
+    };
+    tokio::time::timeout(CLOCK_READ_TIMEOUT, read).await.ok().flatten()
+}
+
+/// At `ferry run` start: warns when this host's clock and the database's
+/// differ by over a second. Silent on SQLite (one host, one clock) and
+/// when the database cannot be read (the relay reports that itself).
+#[cfg(feature = "postgres")]
+pub(crate) async fn warn_on_clock_skew(store: &crate::store::AnyStore) {
+    #[cfg_attr(not(feature = "sqlite"), allow(irrefutable_let_patterns))]
+    let crate::store::AnyStore::Postgres(pg) = store else {
+        return;
+    };
+    if let Some(warning) = read_clock_skew(pg.pool()).await.and_then(|s| s.warning()) {
+        tracing::warn!("{warning}");
+    }
+}
+
+/// PostgreSQL only: SQLite's clock is this host's. Nothing when the
+/// database cannot be read, which is a finding of its own.
+#[cfg(feature = "postgres")]
+async fn check_clock(cfg: &Config) -> Option<Finding> {
+    let Ok(crate::store::AnyStore::Postgres(pg)) = super::store(cfg) else {
+        return None;
+    };
+    Some(read_clock_skew(pg.pool()).await?.finding())
+}
+
 /// A finding per captured table: its trigger matches the table, or is out
 /// of date with the fix. A database that cannot be reached is already a
 /// finding of its own.
@@ -262,6 +411,78 @@ mod tests {
             archive_dir.display()
         ))
         .unwrap()
+    }
+
+    #[cfg(feature = "postgres")]
+    fn at(s: &str) -> DateTime<Utc> {
+        s.parse().unwrap()
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn a_clock_reading_is_taken_half_way_through_the_round_trip() {
+        // Sent at :00.000, answered 200 ms later, the database read :00.100:
+        // the same clock.
+        let sent = at("2025-01-01T00:00:00Z");
+        let same = ClockSkew::measure(sent, Duration::from_millis(200), at("2025-01-01T00:00:00.100Z"));
+        assert_eq!(same.ahead, chrono::TimeDelta::zero());
+        assert_eq!(same.within, Duration::from_millis(100));
+        assert_eq!(same.warning(), None);
+        let f = same.finding();
+        assert!(f.ok && f.caveats.is_empty(), "{f:?}");
+
+        // The relay host 60 s fast: the database reads a minute earlier.
+        let fast = ClockSkew::measure(sent, Duration::from_millis(20), at("2024-12-31T23:59:00.010Z"));
+        assert_eq!(fast.ahead, chrono::TimeDelta::seconds(-60));
+        let warning = fast.warning().unwrap();
+        assert!(
+            warning.starts_with("the database's clock is 60.000s behind this host's"),
+            "{warning}"
+        );
+        assert!(
+            warning.contains("run NTP") && warning.contains("the database host"),
+            "{warning}"
+        );
+        let f = fast.finding();
+        assert!(!f.ok, "{f:?}");
+        assert!(f.detail.contains("60.000s behind"), "{f:?}");
+    }
+
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn check_reports_a_skew_over_a_second_as_a_caveat_and_over_five_as_a_problem() {
+        let sent = at("2025-01-01T00:00:00Z");
+        let rtt = Duration::from_millis(4);
+        let read = |database: &str| ClockSkew::measure(sent, rtt, at(database));
+        // Half the round trip (2 ms) corrected: exactly 1 s is no caveat.
+        let one = read("2025-01-01T00:00:01.002Z");
+        assert_eq!(one.ahead, chrono::TimeDelta::seconds(1));
+        assert!(one.warning().is_none());
+        assert!(one.finding().ok && one.finding().caveats.is_empty());
+
+        let two = read("2025-01-01T00:00:02.002Z").finding();
+        assert!(two.ok && two.caveats.len() == 1, "{two:?}");
+        assert!(two.detail.contains("2.000s ahead of this host's"), "{two:?}");
+        // Behind counts as ahead does.
+        let behind = read("2024-12-31T23:59:57.002Z").finding();
+        assert!(behind.ok && behind.caveats.len() == 1, "{behind:?}");
+
+        assert!(read("2025-01-01T00:00:05.002Z").finding().ok, "5 s is the edge");
+        let six = read("2025-01-01T00:00:06.002Z").finding();
+        assert!(!six.ok && six.detail.contains("6.000s ahead"), "{six:?}");
+    }
+
+    /// Against the local server, whose clock is this host's.
+    #[cfg(feature = "postgres")]
+    #[tokio::test]
+    async fn the_local_database_clock_agrees_with_this_host() {
+        let db = ferry_testkit::pg::TestDb::create().await;
+        let pool = db.pool().await;
+        let skew = read_clock_skew(&pool).await.expect("the clock was read");
+        let f = skew.finding();
+        assert!(f.ok && f.caveats.is_empty(), "{f:?}");
+        pool.close().await;
+        db.drop_db().await;
     }
 
     /// `ferry run` refuses these before it connects anywhere; `check`

@@ -110,6 +110,13 @@ async fn start(cfg: Config) -> anyhow::Result<Started> {
     // Beside the start, not before it: a database that is down would hold
     // the relay up, and the relay itself retries.
     tokio::spawn(report_unserved(store.clone(), cfg.clone()));
+    // Leases and retry times are the relay's clock; `ferry cancel` judges
+    // them by the database's.
+    #[cfg(feature = "postgres")]
+    tokio::spawn({
+        let store = store.clone();
+        async move { super::check::warn_on_clock_skew(&store).await }
+    });
     let relay = Relay::new(
         store.clone(),
         SystemClock,

@@ -24,3 +24,17 @@ pub use store::PgStore;
 
 /// Partitions in the outbox; fixed by the first migration.
 pub const PARTITIONS: u32 = 32;
+
+/// The database server's clock: `clock_timestamp()`, the moment the
+/// statement runs (`now()` is its transaction's start). Lease expiry and
+/// `ferry cancel`'s "due or in flight" test run on this clock, the relay's
+/// retry times and claim cutoffs on its host's: compare the two, allowing
+/// for the round trip, to see a skew between them.
+pub async fn database_clock(
+    conn: impl sqlx::PgExecutor<'_>,
+) -> Result<chrono::DateTime<chrono::Utc>, ferry_core::StoreError> {
+    sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(conn)
+        .await
+        .map_err(store_error)
+}
