@@ -167,11 +167,16 @@ macro_rules! each {
 
 #[async_trait]
 impl Store for AnyStore {
-    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
+    async fn tick(
+        &self,
+        relay: &RelayId,
+        lease: Duration,
+        release: &[(Partition, i64)],
+    ) -> Result<Ownership, StoreError> {
         each!(self, s => s.tick(relay, lease, release).await)
     }
-    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
-        each!(self, s => s.leave(relay).await)
+    async fn leave(&self, relay: &RelayId, held: &[(Partition, i64)]) -> Result<(), StoreError> {
+        each!(self, s => s.leave(relay, held).await)
     }
     async fn fetch_unrouted(&self, owned: &Ownership, limit: usize) -> Result<Vec<UnroutedEvent>, StoreError> {
         each!(self, s => s.fetch_unrouted(owned, limit).await)

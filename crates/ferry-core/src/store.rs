@@ -252,10 +252,29 @@ pub trait WakeSource: Send {
 pub trait Store: Send + Sync + 'static {
     /// Heartbeat; renew this relay's leases; release `release`; take free or
     /// expired partitions up to the fair share. Returns the leases now held.
-    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError>;
+    ///
+    /// `release` pairs each partition with the fencing token it was held
+    /// under (as in [`Ownership::leases`]). A partition is released only if
+    /// this relay still holds it under that token: one taken again since,
+    /// by this relay or another, under a new token is left as it is. So a
+    /// release that reaches the database late (a tick the caller gave up
+    /// on, delivered when a silent connection recovers) cannot free a lease
+    /// granted after it.
+    async fn tick(
+        &self,
+        relay: &RelayId,
+        lease: Duration,
+        release: &[(Partition, i64)],
+    ) -> Result<Ownership, StoreError>;
 
-    /// Gives up every lease and the heartbeat (clean shutdown).
-    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError>;
+    /// Gives up the heartbeat and the leases of `held` (clean shutdown):
+    /// each partition with the token it was held under, released, as in
+    /// [`tick`](Store::tick), only if this relay still holds it under that
+    /// token. A leave that reaches the database late (given up on at
+    /// shutdown, delivered when a silent connection recovers) cannot free a
+    /// lease a later run under the same relay id was granted since. A lease
+    /// not named stays held until it expires.
+    async fn leave(&self, relay: &RelayId, held: &[(Partition, i64)]) -> Result<(), StoreError>;
 
     /// Up to `limit` unrouted events of the owned partitions, in seq order.
     async fn fetch_unrouted(&self, owned: &Ownership, limit: usize) -> Result<Vec<UnroutedEvent>, StoreError>;

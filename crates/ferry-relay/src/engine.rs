@@ -463,10 +463,14 @@ impl<S: Store, C: Clock> Relay<S, C> {
                     ))))
                 }
                 _ = &mut shutdown => {
-                    // The tick given up on may still have run on the server
-                    // and taken partitions: hand back whatever it took.
-                    if !matches!(tokio::time::timeout(farewell(&settings), store.leave(&settings.id)).await, Ok(Ok(()))) {
-                        warn!("could not hand back what the first lease request may have taken; it expires on its own");
+                    // The tick given up on may still run on the server and
+                    // take partitions, under tokens never seen: those
+                    // expire on their own. A leave frees only leases named
+                    // with their tokens, so that one reaching the server
+                    // late cannot free what a later run under this id holds.
+                    let leave = store.leave(&settings.id, &[]);
+                    if !matches!(tokio::time::timeout(farewell(&settings), leave).await, Ok(Ok(()))) {
+                        warn!("could not withdraw this relay's heartbeat; it lapses on its own");
                     }
                     return Ok(RunReport::default());
                 }
@@ -591,7 +595,13 @@ impl<S: Store, C: Clock> Relay<S, C> {
             let _ = (&mut keeper.0).await;
         }
         if closed {
-            match tokio::time::timeout(farewell, shared.store.leave(&shared.settings.id)).await {
+            // The leases of the last answered renewal, under their tokens: a
+            // hand-back given up on below may still run on the server once
+            // a later run under this relay id holds them again, under new
+            // tokens, and then frees nothing. A lease not in the view (a
+            // renewal given up on that took it) expires on its own.
+            let held = shared.lease.borrow().owned.leases.clone();
+            match tokio::time::timeout(farewell, shared.store.leave(&shared.settings.id, &held)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => warn!(error = %e, "could not hand leases back; they expire on their own"),
                 Err(_) => warn!(?farewell, "handing leases back took too long; they expire on their own"),

@@ -15,24 +15,33 @@ use crate::metrics;
 /// waits for the publishes in flight, and its leases must outlast them, or
 /// another relay takes the partitions and publishes the same events beside
 /// it.
+///
+/// Every partition is handed back with the token it was held under, and
+/// the store frees it only while that token still holds. A tick is given
+/// up on after [`tick_timeout`](crate::RelaySettings::tick_timeout)
+/// whether or not it hands partitions back: one that runs on the server
+/// later can free only leases this relay has not been granted again since,
+/// which it stopped working when the tick failed.
 pub(crate) async fn keep<S: Store, C: Clock>(
     shared: Arc<Shared<S, C>>,
     tx: watch::Sender<LeaseView>,
     stop: CancellationToken,
 ) {
     let settings = &shared.settings;
-    let mut release: Vec<Partition> = Vec::new();
-    // Handed back by a tick that failed, and sent again with every tick
-    // until one answers. A tick that returned an error has run its course:
-    // refused or rolled back, committed with its answer lost, or never
-    // delivered (a broken connection surfaces long after a statement that
-    // did arrive finished its short lock waits). The next answer is the
-    // truth either way; sending the hand-back again only carries out what
-    // the failed one meant, on partitions no work has touched since (the
-    // view dropped them). A tick handing partitions back is never given up
-    // on (see `tick`): one that could still run later would free
-    // partitions this relay may have taken again since.
-    let mut unanswered: Vec<Partition> = Vec::new();
+    // (partition, the token it is held under) to hand back.
+    let mut release: Vec<(Partition, i64)> = Vec::new();
+    // Handed back by a tick that failed (an error, or no answer within the
+    // bound), and sent again, each with the token it was held under, with
+    // every tick until one answers. A failed tick may have run its course
+    // (refused or rolled back, committed with its answer lost) or may still
+    // run on the server later (a connection gone silent delivers it when it
+    // recovers). The next answer is the truth either way; sending the
+    // hand-back again only carries out what the failed one meant, on
+    // partitions no work has touched since (the view dropped them). The
+    // failed tick running late frees nothing that answer granted: a
+    // partition this relay took again since has a new token, which the
+    // release does not match.
+    let mut unanswered: Vec<(Partition, i64)> = Vec::new();
     // Renewals are timed from the start of the one before, not from its
     // answer: the view a renewal grants runs from when it was sent, so
     // waiting a whole interval after a slow answer let the view lapse every
@@ -102,7 +111,7 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                 // be flushing those partitions' messages; every lease goes
                 // back at once after they closed.
                 release = if owned.leases.len() > fair && !shared.cancel.is_cancelled() {
-                    owned.partitions()[fair..].to_vec()
+                    owned.leases[fair..].to_vec()
                 } else {
                     Vec::new()
                 };
@@ -112,17 +121,18 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                     shared.wake_all();
                 }
                 if !release.is_empty() {
-                    debug!(?release, "above fair share; handing partitions back");
+                    debug!(?release, "above fair share; handing partitions (and their tokens) back");
                     continue;
                 }
             }
             Err(e) => {
                 if !sending.is_empty() {
                     // The hand-back may have committed though its answer
-                    // was lost: another relay can take those partitions
-                    // now. Work on them stops here, and they are handed
-                    // back again until a tick answers.
-                    tx.send_modify(|view| view.owned.leases.retain(|(p, _)| !sending.contains(p)));
+                    // was lost, or may still commit later: another relay
+                    // can take those partitions. Work on them stops here,
+                    // and they are handed back again, under the same
+                    // tokens, until a tick answers.
+                    tx.send_modify(|view| view.owned.leases.retain(|(p, _)| !sending.iter().any(|(q, _)| q == p)));
                 }
                 drop(gate);
                 release.clear();
@@ -135,8 +145,8 @@ pub(crate) async fn keep<S: Store, C: Clock>(
                 }
             }
         }
-        // A renewal given up on (or a slow hand-back) is followed at once:
-        // it took longer than the interval.
+        // A tick given up on (or a slow one) is followed at once: it took
+        // longer than the interval.
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
             _ = stop.cancelled() => return,
@@ -144,32 +154,38 @@ pub(crate) async fn keep<S: Store, C: Clock>(
     }
 }
 
-/// One renewal, handing `release` back. With nothing to hand back it is
-/// bounded by the settings' [`tick_timeout`](crate::RelaySettings::tick_timeout)
-/// and, given up on, counts as failed: its statement may still run on the
-/// server, which only extends the leases or takes free partitions that the
-/// next answer reports; the view it would have granted is never claimed.
+/// One renewal, handing `release` (partitions with the tokens they are
+/// held under) back. It is bounded by the settings'
+/// [`tick_timeout`](crate::RelaySettings::tick_timeout) and, given up on,
+/// counts as failed: its statement may still run on the server, which
+/// only extends the leases or takes free partitions that the next answer
+/// reports; the view it would have granted is never claimed.
 ///
-/// A hand-back is awaited however long it takes. Given up on, it could
-/// still run on the server much later (a connection gone silent delivers
-/// it when it recovers), after a later tick answered and this relay took
-/// some of those partitions again under a new token: the release does not
-/// check the token, so it would free them in the database while this relay
-/// still works them, and another relay would take them and publish the
-/// same keys beside it. Waiting only pauses the work once the view lapses,
-/// as an unanswered renewal does.
-async fn tick<S: Store, C: Clock>(shared: &Shared<S, C>, release: &[Partition]) -> Result<Ownership, StoreError> {
+/// A hand-back is bounded too. Given up on, it may still run on the server
+/// much later (a connection gone silent delivers it when it recovers),
+/// after a later tick answered and this relay took some of those
+/// partitions again. Each was taken again under a new token, and the
+/// store frees a partition only under the token it was handed back with,
+/// so the late release leaves them held. Waiting for it instead held the
+/// keeper for as long as the connection stayed silent: no renewal, no
+/// work, until the relay was restarted.
+async fn tick<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    release: &[(Partition, i64)],
+) -> Result<Ownership, StoreError> {
     let settings = &shared.settings;
     let call = shared.store.tick(&settings.id, settings.lease, release);
-    if !release.is_empty() {
-        return call.await;
-    }
     let limit = settings.tick_timeout();
     match tokio::time::timeout(limit, call).await {
         Ok(answer) => answer,
-        Err(_) => Err(StoreError::transient(format!(
+        Err(_) if release.is_empty() => Err(StoreError::transient(format!(
             "the database did not answer a lease renewal within {limit:?} (7/15 of relay.lease); sending it \
              again. If renewals are often this slow, raise relay.lease"
+        ))),
+        Err(_) => Err(StoreError::transient(format!(
+            "the database did not answer a lease renewal handing {} partitions back within {limit:?} (7/15 of \
+             relay.lease); work on them stops and they are handed back again with the next renewal",
+            release.len()
         ))),
     }
 }

@@ -56,8 +56,9 @@ impl RelaySettings {
     /// answer finds the work paused already). Without a bound, a connection
     /// gone silent held the keeper until the kernel dropped the socket, and
     /// every worker and the router stopped with it. A tick handing
-    /// partitions back is not bounded: given up on, it could free them
-    /// later, after this relay took them again.
+    /// partitions back is bounded alike: its release names the token each
+    /// partition was held under, so run late it frees none this relay took
+    /// again since.
     pub(crate) fn tick_timeout(&self) -> Duration {
         self.lease
             .saturating_sub(self.lease_margin())

@@ -20,15 +20,16 @@ use futures::future::BoxFuture;
 pub type Hook = Arc<dyn Fn(&'static str) -> BoxFuture<'static, Result<(), StoreError>> + Send + Sync>;
 
 /// Runs after a `tick` the store answered, given the partitions it handed
-/// back; an error returned replaces the answer, as when the connection
-/// drops after the commit.
-pub type AfterTick = Arc<dyn Fn(&[Partition]) -> Option<StoreError> + Send + Sync>;
+/// back with their tokens; an error returned replaces the answer, as when
+/// the connection drops after the commit.
+pub type AfterTick = Arc<dyn Fn(&[(Partition, i64)]) -> Option<StoreError> + Send + Sync>;
 
 /// Runs before a `tick` reaches the store (after the hook), given the
-/// partitions it hands back: it can hold the tick up, as a slow database
-/// would, and see whether the caller waited for it (a future dropped half
-/// way was given up on).
-pub type BeforeTick = Arc<dyn Fn(&[Partition]) -> BoxFuture<'static, ()> + Send + Sync>;
+/// partitions it hands back with their tokens: it can hold the tick up, as
+/// a slow database would, or for ever, as a connection gone silent would,
+/// and see whether the caller waited for it (a future dropped half way was
+/// given up on).
+pub type BeforeTick = Arc<dyn Fn(&[(Partition, i64)]) -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// Runs before a fenced write (`settle` or `record`, by name) reaches the
 /// store; an answer returned is given in its place and the store is not
@@ -123,7 +124,12 @@ impl<S> Hooked<S> {
 
 #[async_trait]
 impl<S: Store> Store for Hooked<S> {
-    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
+    async fn tick(
+        &self,
+        relay: &RelayId,
+        lease: Duration,
+        release: &[(Partition, i64)],
+    ) -> Result<Ownership, StoreError> {
         (self.hook)("tick").await?;
         if let Some(before) = &self.before_tick {
             before(release).await;
@@ -134,9 +140,9 @@ impl<S: Store> Store for Hooked<S> {
             None => answer,
         }
     }
-    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
+    async fn leave(&self, relay: &RelayId, held: &[(Partition, i64)]) -> Result<(), StoreError> {
         (self.hook)("leave").await?;
-        self.inner.leave(relay).await
+        self.inner.leave(relay, held).await
     }
     async fn fetch_unrouted(&self, owned: &Ownership, limit: usize) -> Result<Vec<UnroutedEvent>, StoreError> {
         (self.hook)("fetch_unrouted").await?;

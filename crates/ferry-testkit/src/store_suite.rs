@@ -96,7 +96,7 @@ pub async fn leases_are_shared_and_fenced<H: StoreHarness>(h: &H) {
     assert!(b.leases.is_empty(), "nothing is free yet");
     assert_eq!(b.live_relays, 2);
     let fair = b.fair_share();
-    let release: Vec<i32> = a.partitions()[fair..].to_vec();
+    let release = a.leases[fair..].to_vec();
     let a2 = h.store().tick(&relay("a"), LEASE, &release).await.unwrap();
     assert_eq!(a2.leases.len(), fair);
     let b2 = own(h, "b").await;
@@ -116,9 +116,100 @@ pub async fn leases_are_shared_and_fenced<H: StoreHarness>(h: &H) {
         let now = a3.leases.iter().find(|(q, _)| q == p).unwrap().1;
         assert!(now > *token, "takeover of {p} must bump the token");
     }
-    h.store().leave(&relay("a")).await.unwrap();
+    h.store().leave(&relay("a"), &a3.leases).await.unwrap();
     let c = own(h, "c").await;
     assert_eq!(c.leases.len() as u32, a.total_partitions, "leave hands everything back");
+}
+
+/// A hand-back names the token each partition was held under, and frees a
+/// partition only while that token holds: one taken again since, under a
+/// new token, stays held. The release checked the owner alone, so a
+/// hand-back that reached the database late (one the relay gave up on,
+/// delivered when a silent connection recovered) freed a partition the
+/// relay had taken again and was working, for another relay to take.
+pub async fn a_release_under_an_old_lease_token_leaves_the_partition_held<H: StoreHarness>(h: &H) {
+    let a = own(h, "a").await;
+    assert!(a.leases.len() >= 2);
+    let (p, t1) = a.leases[0];
+    // a hands p back and, alone and below its fair share, takes it again
+    // in the same tick: under a new token.
+    let a2 = h.store().tick(&relay("a"), LEASE, &[(p, t1)]).await.unwrap();
+    let t2 = a2.leases.iter().find(|(q, _)| *q == p).expect("p taken again").1;
+    assert!(t2 > t1, "p was not released under its token ({t1}): still {t2}");
+    let q = a2.leases[1];
+    // b joins: a is above its fair share now, and takes back nothing it
+    // frees.
+    assert!(own(h, "b").await.leases.is_empty(), "nothing is free yet");
+    // The first hand-back again, arriving late, with one made now.
+    let a3 = h.store().tick(&relay("a"), LEASE, &[(p, t1), q]).await.unwrap();
+    assert!(
+        a3.leases.contains(&(p, t2)),
+        "a release under the old token {t1} freed partition {p}, held under {t2}: {:?}",
+        a3.leases
+    );
+    assert!(!a3.owns(q.0), "a release under the current token was not applied");
+    let b = own(h, "b").await;
+    assert_eq!(b.partitions(), vec![q.0], "b takes what a freed, and only that");
+}
+
+/// A relay's own lease that had expired is renewed under a new token. A
+/// relay keeping its `relay.id` across a restart waits its old leases out,
+/// then renews them: under the old token, a hand-back the earlier run gave
+/// up on, reaching the database late, freed a partition the new run was
+/// working, for another relay to take and publish beside it.
+pub async fn a_renewed_expired_lease_is_fenced_against_an_old_release<H: StoreHarness>(h: &H) {
+    let a = own(h, "a").await;
+    assert!(a.leases.len() >= 2);
+    let (p, t1) = a.leases[0];
+    // The first run's leases lapse; the next run, under the same id, ticks
+    // handing nothing back and renews them.
+    h.expire_leases(&relay("a")).await;
+    let a2 = h.store().tick(&relay("a"), LEASE, &[]).await.unwrap();
+    assert_eq!(a2.partitions(), a.partitions(), "a renews its own leases");
+    let t2 = a2.leases.iter().find(|(q, _)| *q == p).expect("p renewed").1;
+    assert!(t2 > t1, "an expired lease of {p} was renewed under its old token {t1}");
+    // b joins: a is above its fair share now, and takes back nothing it
+    // frees.
+    assert!(own(h, "b").await.leases.is_empty(), "nothing is free yet");
+    // The first run's hand-back, arriving late.
+    let a3 = h.store().tick(&relay("a"), LEASE, &[(p, t1)]).await.unwrap();
+    assert!(
+        a3.leases.contains(&(p, t2)),
+        "a release under the token {t1} of a lapsed lease freed partition {p}, renewed under {t2}: {:?}",
+        a3.leases
+    );
+    assert_eq!(a3.leases, a2.leases, "a renewal of live leases keeps their tokens");
+    assert!(!own(h, "b").await.owns(p), "b took a partition a still holds");
+}
+
+/// A leave frees a lease only under the token it names. A relay's
+/// hand-back at shutdown that reached the database late (given up on, its
+/// relay.id restarted, the lease renewed under a new token since) freed
+/// every lease of that id, for another relay to take while the new run
+/// still worked them.
+pub async fn a_late_leave_frees_no_lease_renewed_since<H: StoreHarness>(h: &H) {
+    let a = own(h, "a").await;
+    // The first run's leases lapse; the next run renews them.
+    h.expire_leases(&relay("a")).await;
+    let a2 = h.store().tick(&relay("a"), LEASE, &[]).await.unwrap();
+    assert_eq!(a2.partitions(), a.partitions());
+    // The first run's leave, arriving late.
+    h.store().leave(&relay("a"), &a.leases).await.unwrap();
+    assert!(
+        own(h, "b").await.leases.is_empty(),
+        "a late leave under the lapsed tokens {:?} freed leases renewed under {:?}",
+        a.leases,
+        a2.leases
+    );
+    let a3 = h.store().tick(&relay("a"), LEASE, &[]).await.unwrap();
+    assert_eq!(a3.leases, a2.leases, "the renewed leases are still a's");
+    // The next run's own leave hands them back.
+    h.store().leave(&relay("a"), &a3.leases).await.unwrap();
+    assert_eq!(
+        own(h, "b").await.partitions(),
+        a.partitions(),
+        "leave hands back what it names"
+    );
 }
 
 /// Events route once, in outbox order; unmatched events are dead `no route`;
@@ -538,6 +629,9 @@ macro_rules! store_conformance {
     ($make:expr) => {
         $crate::store_conformance!(@tests $make;
             leases_are_shared_and_fenced,
+            a_release_under_an_old_lease_token_leaves_the_partition_held,
+            a_renewed_expired_lease_is_fenced_against_an_old_release,
+            a_late_leave_frees_no_lease_renewed_since,
             routing_and_claiming_in_order,
             a_failure_blocks_only_its_key_and_route,
             dead_blocks_its_key,

@@ -75,6 +75,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "enqueue_repeats",
         include_str!("migrations/0029_enqueue_repeats.sql"),
     ),
+    (
+        30,
+        "tick_release_tokens",
+        include_str!("migrations/0030_tick_release_tokens.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -95,8 +95,11 @@ impl PgStore {
     }
 }
 
-/// The heartbeat: renews this relay's leases and reports the others.
-const TICK: &str = "SELECT partition, token, live_relays, total_partitions FROM ferry.relay_tick($1, $2, $3)";
+/// The heartbeat: renews this relay's leases and reports the others. The
+/// four-argument `ferry.relay_tick` (schema 30) releases a partition only
+/// under the token it was held by; the relay needs schema 30, and on an
+/// older one stops at start (an undefined function: run `ferry migrate`).
+const TICK: &str = "SELECT partition, token, live_relays, total_partitions FROM ferry.relay_tick($1, $2, $3, $4)";
 /// The router's fetch of new events, also its fallback poll.
 const FETCH_DIRECT: &str = include_str!("sql/fetch_direct.sql");
 
@@ -110,11 +113,18 @@ fn interval(d: Duration) -> sqlx::postgres::types::PgInterval {
 
 #[async_trait]
 impl Store for PgStore {
-    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
+    async fn tick(
+        &self,
+        relay: &RelayId,
+        lease: Duration,
+        release: &[(Partition, i64)],
+    ) -> Result<Ownership, StoreError> {
+        let (partitions, tokens): (Vec<Partition>, Vec<i64>) = release.iter().copied().unzip();
         let rows = sqlx::query(TICK)
             .bind(&relay.0)
             .bind(interval(lease))
-            .bind(release)
+            .bind(partitions)
+            .bind(tokens)
             .fetch_all(&self.pool)
             .await
             .map_err(store_error)?;
@@ -139,7 +149,7 @@ impl Store for PgStore {
         Ok(own)
     }
 
-    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
+    async fn leave(&self, relay: &RelayId, held: &[(Partition, i64)]) -> Result<(), StoreError> {
         // The relay's row first, then its partitions: the order
         // `ferry.relay_tick` locks them in. The other order deadlocks with a
         // renewal still running, and PostgreSQL may cancel the hand-back.
@@ -149,11 +159,20 @@ impl Store for PgStore {
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;
-        sqlx::query("UPDATE ferry.partitions SET owner = NULL, expires_at = NULL WHERE owner = $1")
-            .bind(&relay.0)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
+        // Released only under the token it was held by, as in a tick.
+        let (partitions, tokens): (Vec<Partition>, Vec<i64>) = held.iter().copied().unzip();
+        sqlx::query(
+            "UPDATE ferry.partitions p SET owner = NULL, expires_at = NULL
+              WHERE p.owner = $1
+                AND (p.partition, p.token) IN (SELECT b.partition, b.token
+                                                 FROM unnest($2::int[], $3::bigint[]) AS b(partition, token))",
+        )
+        .bind(&relay.0)
+        .bind(partitions)
+        .bind(tokens)
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
         tx.commit().await.map_err(store_error)
     }
 

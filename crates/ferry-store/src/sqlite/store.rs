@@ -173,7 +173,12 @@ fn json_strings(text: &str) -> Result<Vec<String>, StoreError> {
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn tick(&self, relay: &RelayId, lease: Duration, release: &[Partition]) -> Result<Ownership, StoreError> {
+    async fn tick(
+        &self,
+        relay: &RelayId,
+        lease: Duration,
+        release: &[(Partition, i64)],
+    ) -> Result<Ownership, StoreError> {
         self.lock.acquire(&self.pool).await?;
         let lease = lease_micros(lease);
         // IMMEDIATE: take the write lock first, so the reads below cannot go
@@ -197,21 +202,34 @@ impl Store for SqliteStore {
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;
+        // Released only under the token it was held by: a partition taken
+        // again since (a new token) stays held.
         sqlx::query(
             "UPDATE ferry_partitions SET owner = NULL, expires_at = NULL
-              WHERE owner = ?1 AND partition IN (SELECT value FROM json_each(?2))",
+              WHERE owner = ?1
+                AND EXISTS (SELECT 1 FROM json_each(?2) r
+                             WHERE json_extract(r.value, '$[0]') = ferry_partitions.partition
+                               AND json_extract(r.value, '$[1]') = ferry_partitions.token)",
         )
         .bind(&relay.0)
-        .bind(json_list(release))
+        .bind(json_list(release.iter().map(|(p, t)| format!("[{p},{t}]"))))
         .execute(&mut *tx)
         .await
         .map_err(store_error)?;
-        sqlx::query("UPDATE ferry_partitions SET expires_at = ?2 WHERE owner = ?1")
-            .bind(&relay.0)
-            .bind(now + lease)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
+        // A lease that had expired is renewed under a new token, as if taken
+        // again: a hand-back sent under the old one (by an earlier run of
+        // this relay id, given up on) must not free it when it arrives.
+        sqlx::query(
+            "UPDATE ferry_partitions
+                SET expires_at = ?2, token = token + CASE WHEN expires_at < ?3 THEN 1 ELSE 0 END
+              WHERE owner = ?1",
+        )
+        .bind(&relay.0)
+        .bind(now + lease)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
         let (live, total, owned): (i64, i64, i64) = sqlx::query_as(
             "SELECT (SELECT count(*) FROM ferry_relays WHERE heartbeat_at > ?1),
                     (SELECT count(*) FROM ferry_partitions),
@@ -248,13 +266,21 @@ impl Store for SqliteStore {
         })
     }
 
-    async fn leave(&self, relay: &RelayId) -> Result<(), StoreError> {
+    async fn leave(&self, relay: &RelayId, held: &[(Partition, i64)]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-        sqlx::query("UPDATE ferry_partitions SET owner = NULL, expires_at = NULL WHERE owner = ?1")
-            .bind(&relay.0)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
+        // Released only under the token it was held by, as in a tick.
+        sqlx::query(
+            "UPDATE ferry_partitions SET owner = NULL, expires_at = NULL
+              WHERE owner = ?1
+                AND EXISTS (SELECT 1 FROM json_each(?2) r
+                             WHERE json_extract(r.value, '$[0]') = ferry_partitions.partition
+                               AND json_extract(r.value, '$[1]') = ferry_partitions.token)",
+        )
+        .bind(&relay.0)
+        .bind(json_list(held.iter().map(|(p, t)| format!("[{p},{t}]"))))
+        .execute(&mut *tx)
+        .await
+        .map_err(store_error)?;
         sqlx::query("DELETE FROM ferry_relays WHERE id = ?1")
             .bind(&relay.0)
             .execute(&mut *tx)
