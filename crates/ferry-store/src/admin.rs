@@ -7,6 +7,7 @@
 //! changes a batch of planned targets, re-checking each one at write time,
 //! so a delivery that moved on since the plan is refused, never overwritten.
 
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
 
@@ -572,6 +573,12 @@ pub(crate) fn later_unrouted_sql(prefix: &str) -> String {
 /// through every delivery after the earliest target (200 ms for a million),
 /// where a read per target went through them all for each (21 s for 100
 /// dead heads in the middle of two million).
+///
+/// Retention deletes published events but keeps dead and cancelled ones, so
+/// the later event a kept delivery would arrive after may be gone: the
+/// order marks retention leaves in its place (`purged_order`, per key and
+/// route, see `retention_kept.sql`) are read with the published deliveries,
+/// as published deliveries, here and in each store's `catch_up`.
 #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 #[derive(Debug, Default)]
 pub(crate) struct LastPublished {
@@ -674,6 +681,155 @@ impl LastPublished {
             self.by_route.get(&(t.route.clone(), key.clone()))
         };
         last.is_some_and(|last| *last > t.seq)
+    }
+}
+
+/// What a requeue's order checks read beyond each target's own row: the
+/// later events of the targets' keys that were published or wait unrouted.
+/// Finding them reads every delivery after the earliest target and every
+/// unrouted event after it (in SQLite, 9 s for 100 targets behind 200,000
+/// unrouted events, when read per target): too long to hold the lock that
+/// keeps relays from recording outcomes while the requeue checks and
+/// writes. So they are read before the lock, in one snapshot, and under
+/// the lock only what can have changed since is read again, through
+/// primary keys and the keys' index (`deliveries_held`): an event of those
+/// keys published since was pending or dead then (`watched`), or unrouted
+/// then (`unrouted`), or is newer than the read (`events_upto`), or was
+/// requeued by someone else meanwhile, which the admin log says
+/// (`log_upto`); such a key is refused, not guessed at. Whether a later
+/// event is pending on its route with nothing holding it back is read
+/// under the lock, through `deliveries_held`.
+///
+/// In PostgreSQL the lock is the targets' partition rows, which every
+/// relay's lease renewal of those partitions waits for (past its lease, a
+/// relay stops and its events are published twice), and `events_upto` is
+/// the events' sequence's last value, read under the keys' advisory locks
+/// that their producers draw seqs under, so every event of those keys
+/// committed by then is in the snapshot and every later one draws a
+/// greater seq. In SQLite the lock is its one write lock, which producers
+/// would fail on their busy timeout waiting for and behind which the
+/// relay's lease would lapse, the snapshot is a read transaction (which
+/// takes no lock), and `events_upto` is `max(seq)` in it.
+///
+/// Each store reads the facts with its own SQL; what they mean is worked
+/// out here, once.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+#[derive(Debug, Default)]
+pub(crate) struct OrderFacts {
+    /// What the targets' keys published after them, the targets themselves
+    /// left out (see each store's `last_published`).
+    pub published: LastPublished,
+    /// The newest event's seq at the read.
+    pub events_upto: i64,
+    /// The newest admin log entry at the read.
+    pub log_upto: i64,
+    /// Per key of the targets, its events after its earliest target that
+    /// wait unrouted.
+    unrouted: HashMap<String, Vec<i64>>,
+    /// Deliveries of the targets' keys, after their earliest target, that
+    /// were pending or dead at the read: a relay may publish them before
+    /// the lock.
+    watched: Vec<(i64, String)>,
+    /// The earliest target of each key.
+    first: HashMap<String, i64>,
+    /// The targets, which are left out of what their keys published.
+    targets: HashSet<(i64, String)>,
+    /// Keys another requeue touched between the read and the lock.
+    touched: HashSet<String>,
+}
+
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+impl OrderFacts {
+    /// Nothing read yet about `targets`.
+    pub(crate) fn new(targets: &[Target]) -> Self {
+        let mut first: HashMap<String, i64> = HashMap::new();
+        for t in targets {
+            if let Some(key) = &t.key {
+                let seq = first.entry(key.clone()).or_insert(t.seq);
+                *seq = (*seq).min(t.seq);
+            }
+        }
+        OrderFacts {
+            first,
+            targets: targets.iter().map(|t| (t.seq, t.route.clone())).collect(),
+            ..OrderFacts::default()
+        }
+    }
+
+    /// The targets' keys; empty when no target has one, and there is
+    /// nothing to read.
+    pub(crate) fn keys(&self) -> Vec<String> {
+        self.first.keys().cloned().collect()
+    }
+
+    /// The earliest target with a key (`i64::MAX` when none has one): what
+    /// the read looks after.
+    pub(crate) fn after(&self) -> i64 {
+        self.first.values().min().copied().unwrap_or(i64::MAX)
+    }
+
+    /// Notes an event of `key` that waits unrouted, when it is after the
+    /// key's earliest target.
+    pub(crate) fn note_unrouted(&mut self, key: String, seq: i64) {
+        if self.first.get(&key).is_some_and(|first| seq > *first) {
+            self.unrouted.entry(key).or_default().push(seq);
+        }
+    }
+
+    /// `t`, a `(no route)` delivery, went back to the router.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn unrouted_again(&mut self, t: &Target) {
+        if let Some(key) = &t.key {
+            self.note_unrouted(key.clone(), t.seq);
+        }
+    }
+
+    /// Every event noted waiting unrouted: any may have been routed and
+    /// published since.
+    pub(crate) fn unrouted_seqs(&self) -> Vec<i64> {
+        self.unrouted.values().flatten().copied().collect()
+    }
+
+    /// Takes the pending or dead deliveries read, as (seq, route, key),
+    /// keeping those after their key's earliest target.
+    pub(crate) fn watch(&mut self, rows: impl IntoIterator<Item = (i64, String, String)>) {
+        self.watched = rows
+            .into_iter()
+            .filter(|(seq, _, key)| self.first.get(key).is_some_and(|first| seq > first))
+            .map(|(seq, route, _)| (seq, route))
+            .collect();
+    }
+
+    /// The watched deliveries, as (seq, route).
+    pub(crate) fn watched(&self) -> &[(i64, String)] {
+        &self.watched
+    }
+
+    /// Notes published deliveries, as (route, key, seq), but the targets.
+    pub(crate) fn note_published(&mut self, rows: impl IntoIterator<Item = (String, String, i64)>) {
+        for (route, key, seq) in rows {
+            if !self.targets.contains(&(seq, route.clone())) {
+                self.published.note(route, key, seq);
+            }
+        }
+    }
+
+    /// The keys another requeue touched since the read.
+    pub(crate) fn set_touched(&mut self, keys: impl IntoIterator<Item = String>) {
+        self.touched = keys.into_iter().collect();
+    }
+
+    /// Whether a later event of `t`'s key waits unrouted.
+    pub(crate) fn later_unrouted(&self, t: &Target) -> bool {
+        let Some(key) = &t.key else { return false };
+        self.unrouted
+            .get(key)
+            .is_some_and(|seqs| seqs.iter().any(|seq| *seq > t.seq))
+    }
+
+    /// Whether another requeue touched `t`'s key since the read.
+    pub(crate) fn touched(&self, t: &Target) -> bool {
+        t.key.as_ref().is_some_and(|key| self.touched.contains(key))
     }
 }
 

@@ -2,16 +2,21 @@
 //! batches, optionally archiving each batch first.
 //!
 //! A store implements [`Retention`]: it finds expired events in outbox order
-//! and hands them over as an [`ExpiredBatch`] whose rows stay locked until the
-//! batch is deleted or dropped. [`purge`] drives any such store the same way:
-//! take a batch, archive it and make the archive durable, then delete, then
-//! pause so the relay always gets the database back quickly.
+//! and hands them over as an [`ExpiredBatch`], read without holding a lock.
+//! [`purge`] drives any such store the same way: take a batch, read it whole
+//! and archive it and make the archive durable (when archiving), then delete
+//! what of it is still due and unchanged, then pause so the relay always gets
+//! the database back quickly. No lock is held while the archive is written,
+//! so a slow archive disk never keeps an operator's command or another run
+//! waiting.
 //!
 //! An event goes only when every one of its deliveries is settled: published
 //! before the published window, or dead or cancelled before the (longer)
 //! settled window. Its deliveries, failure history and the operators'
 //! requeues and cancellations of it go with it (into the archive, when
-//! there is one).
+//! there is one). A published delivery deleted while an older delivery of its
+//! key is kept leaves an order mark (`purged_order`), so that requeueing
+//! that older one is still refused as out of order.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -34,7 +39,8 @@ pub struct RetentionRules {
     /// An event with a dead or cancelled delivery goes this long after that
     /// delivery settled; `None` keeps it until an operator acts.
     pub settled: Option<Duration>,
-    /// Events per batch: one short transaction each.
+    /// Events per batch: one short transaction each. A batch being archived
+    /// also stops at [`ARCHIVE_BATCH_BYTES`] of payload.
     pub batch_size: usize,
     /// Rest between batches, so the relay's own statements never queue
     /// behind a long run of deletes.
@@ -53,6 +59,11 @@ impl RetentionRules {
             .map(|d| now - chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX))
     }
 }
+
+/// A batch being archived reads its events' payloads into memory: it stops
+/// once they add up to this many bytes (64 MiB), whatever the batch size,
+/// though it always takes at least one event.
+pub const ARCHIVE_BATCH_BYTES: u64 = 64 * 1024 * 1024;
 
 /// An event as it is archived: everything needed to inspect or replay it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -160,9 +171,11 @@ pub trait Retention: Send + Sync {
     async fn retention_range(&self) -> Result<Option<(i64, i64)>, StoreError>;
 
     /// Up to `rules.batch_size` expired events after position `after` and
-    /// not past `upto`, in outbox order, read and locked in a transaction
-    /// the batch holds. Scans a bounded stretch, so a batch may be empty
-    /// before the range is done: continue from [`ExpiredBatch::scanned_to`].
+    /// not past `upto`, in outbox order, read without their payloads and
+    /// deliveries and without taking a lock. Scans a bounded stretch from
+    /// the first stored event after `after` (seqs may leave wide gaps), so
+    /// a batch may be empty before the range is done: continue from
+    /// [`ExpiredBatch::scanned_to`].
     async fn take_expired(
         &self,
         rules: &RetentionRules,
@@ -172,20 +185,29 @@ pub trait Retention: Send + Sync {
     ) -> Result<Box<dyn ExpiredBatch>, StoreError>;
 }
 
-/// Expired events, locked until [`delete`](ExpiredBatch::delete) commits or
-/// the batch is dropped (which deletes nothing).
+/// Expired events, read without a lock; dropping the batch deletes nothing.
 #[async_trait]
 pub trait ExpiredBatch: Send {
+    /// The events, without payloads or deliveries until
+    /// [`read_whole`](ExpiredBatch::read_whole).
     fn events(&self) -> &[ArchivedEvent];
     /// Where the next batch starts; at or past `upto` the run is done.
     fn scanned_to(&self) -> i64;
+    /// Reads the events whole, as the archive keeps them (payloads, and
+    /// deliveries with their failures and operators' actions), only the
+    /// longest run of them whose payloads add up to at most
+    /// `max_payload_bytes` (always at least one): the rest is left for the
+    /// next batch, and [`scanned_to`](ExpiredBatch::scanned_to) moves back
+    /// to the last event kept. Events no longer due leave the batch.
+    async fn read_whole(&mut self, max_payload_bytes: u64) -> Result<(), StoreError>;
     /// Deletes [`events`](ExpiredBatch::events) that are still due, with
-    /// their deliveries, failures and operators' actions, and commits. An
-    /// event requeued or retried since it was read stays: a store that
-    /// cannot rule that out by locking before the read deletes nothing of
-    /// such a batch and says so ([`Deleted::changed`]), so that the
-    /// archive, written before the delete, can be cut back to what was
-    /// deleted. Returns what was deleted.
+    /// their deliveries, failures and operators' actions, and commits. The
+    /// batch was read without a lock: if any of its events was requeued,
+    /// retried, or deleted by another run since it was read (or its rows
+    /// stay locked by someone else), nothing of the batch is deleted and
+    /// the delete says so ([`Deleted::changed`]), so that the archive,
+    /// written before the delete, can be cut back to what was deleted.
+    /// Returns what was deleted.
     async fn delete(self: Box<Self>) -> Result<Deleted, DeleteFailed>;
 }
 
@@ -195,8 +217,8 @@ pub struct Deleted {
     pub events: u64,
     pub deliveries: u64,
     /// The batch changed since it was read (an event requeued, a delivery
-    /// retried): nothing was deleted, and a later run takes what is still
-    /// due.
+    /// retried, deleted by another run) or its rows were locked: nothing was
+    /// deleted, and a later run takes what is still due.
     pub changed: bool,
 }
 
@@ -304,10 +326,18 @@ pub async fn purge<R: Retention + ?Sized>(
         if options.stop.as_ref().is_some_and(|s| *s.borrow()) {
             break;
         }
-        let batch = match store.take_expired(rules, after, last, now).await {
+        let mut batch = match store.take_expired(rules, after, last, now).await {
             Ok(b) => b,
             Err(source) => return Err(PurgeError::Store { source, done: report }),
         };
+        // Payloads are read only to be archived, and then only so many.
+        let archiving = options.archive_dir.is_some() && !options.dry_run;
+        if archiving
+            && !batch.events().is_empty()
+            && let Err(source) = batch.read_whole(ARCHIVE_BATCH_BYTES).await
+        {
+            return Err(PurgeError::Store { source, done: report });
+        }
         after = batch.scanned_to().max(after + 1);
         let events = batch.events().len() as u64;
         if events == 0 {
@@ -321,11 +351,13 @@ pub async fn purge<R: Retention + ?Sized>(
         }
         let mut undo = None;
         if let Some(dir) = &options.archive_dir {
-            let written = append_archive(&mut archive, dir, batch.events(), now).await;
-            match written {
-                Ok(previous_len) => undo = Some(previous_len),
+            // A failed write drops the batch: nothing of it is deleted.
+            match append_archive(&mut archive, dir, batch, now).await {
+                Ok((b, previous_len)) => {
+                    batch = b;
+                    undo = Some(previous_len);
+                }
                 Err((path, source)) => {
-                    drop(batch);
                     return Err(PurgeError::Archive {
                         path,
                         source,
@@ -409,35 +441,37 @@ async fn pause(d: Duration, stop: Option<watch::Receiver<bool>>) {
     }
 }
 
-/// Appends `events` to this run's archive file (created on first use) and
-/// makes them durable. Returns the file's length before, to undo with.
+/// Appends the batch's events to this run's archive file (created on first
+/// use) and makes them durable, compressing and writing on a blocking
+/// thread, never on the runtime's. Returns the batch and the file's length
+/// before, to undo with.
 async fn append_archive(
     archive: &mut Option<ArchiveFile>,
     dir: &Path,
-    events: &[ArchivedEvent],
+    batch: Box<dyn ExpiredBatch>,
     now: DateTime<Utc>,
-) -> Result<u64, (PathBuf, std::io::Error)> {
+) -> Result<(Box<dyn ExpiredBatch>, u64), (PathBuf, std::io::Error)> {
     let path = match archive {
         Some(a) => a.path.clone(),
         None => dir.join(format!("ferry-{}.jsonl.gz", now.format("%Y%m%dT%H%M%S%.9fZ"))),
     };
-    let member = gzip_lines(events).map_err(|e| (path.clone(), e))?;
     let file = archive.take();
     let dir = dir.to_owned();
     let task_path = path.clone();
     let joined = tokio::task::spawn_blocking(move || {
+        let member = gzip_lines(batch.events())?;
         let mut file = match file {
             Some(f) => f,
             None => ArchiveFile::create(&dir, task_path)?,
         };
         let before = file.append(&member)?;
-        Ok::<_, std::io::Error>((file, before))
+        Ok::<_, std::io::Error>((file, batch, before))
     })
     .await
     .map_err(|e| (path.clone(), std::io::Error::other(e)))?;
-    let (file, before) = joined.map_err(|e| (path, e))?;
+    let (file, batch, before) = joined.map_err(|e| (path, e))?;
     *archive = Some(file);
-    Ok(before)
+    Ok((batch, before))
 }
 
 /// One gzip member of JSON lines. Members concatenate into a valid gzip
@@ -494,11 +528,141 @@ impl ArchiveFile {
 }
 
 /// Reads an archive file back: every event in it, in order.
+///
+/// A process that died while appending a batch leaves that batch cut short
+/// at the end of the file. Its events were not deleted (a batch is deleted
+/// only once its archive is durable), so the next run archives them again,
+/// in a new file: every complete batch before the torn one is returned, and
+/// the torn tail is logged as a warning. The same event can appear in two
+/// archives (a batch archived, then not deleted): keep the last copy of
+/// each `id`.
 pub fn read_archive(path: &Path) -> std::io::Result<Vec<ArchivedEvent>> {
-    use std::io::BufRead;
-    let reader = std::io::BufReader::new(flate2::read::MultiGzDecoder::new(std::fs::File::open(path)?));
-    reader
-        .lines()
-        .map(|line| serde_json::from_str(&line?).map_err(std::io::Error::other))
-        .collect()
+    let (events, torn_at) = read_batches(path)?;
+    if let Some(at) = torn_at {
+        tracing::warn!(
+            file = %path.display(),
+            offset = at,
+            events = events.len(),
+            "retention archive ends in a batch cut short (a crash while it was written); \
+             its events were not deleted, and are archived again by a later run"
+        );
+    }
+    Ok(events)
+}
+
+/// The events of every complete batch (gzip member) of an archive file,
+/// and the offset of a torn batch at its end, if any.
+fn read_batches(path: &Path) -> std::io::Result<(Vec<ArchivedEvent>, Option<u64>)> {
+    use std::io::{BufRead, Read, Seek};
+    let mut reader = std::io::BufReader::new(std::fs::File::open(path)?);
+    let mut events = Vec::new();
+    loop {
+        let start = reader.stream_position()?;
+        if reader.fill_buf()?.is_empty() {
+            return Ok((events, None));
+        }
+        let mut lines = Vec::new();
+        // The bufread decoder stops at the end of its member, leaving the
+        // reader at the next one.
+        if flate2::bufread::GzDecoder::new(&mut reader)
+            .read_to_end(&mut lines)
+            .is_err()
+        {
+            // A torn batch is the last thing in its file: a whole batch
+            // after a bad one means damage, and what follows it must not be
+            // dropped unread.
+            reader.seek(std::io::SeekFrom::Start(start))?;
+            let mut rest = Vec::new();
+            reader.read_to_end(&mut rest)?;
+            if whole_member_after(&rest) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "{}: the batch at byte {start} is damaged and whole batches follow it;                          `zcat` reads the batches before it",
+                        path.display()
+                    ),
+                ));
+            }
+            return Ok((events, Some(start)));
+        }
+        for line in lines.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+            events.push(serde_json::from_slice(line).map_err(std::io::Error::other)?);
+        }
+    }
+}
+
+/// Whether a whole gzip member starts anywhere in `bytes` after its first.
+fn whole_member_after(bytes: &[u8]) -> bool {
+    use std::io::Read;
+    (1..bytes.len().saturating_sub(2))
+        .filter(|&at| bytes[at..].starts_with(&[0x1f, 0x8b, 0x08]))
+        .any(|at| {
+            flate2::bufread::GzDecoder::new(&bytes[at..])
+                .read_to_end(&mut Vec::new())
+                .is_ok()
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(seq: i64) -> ArchivedEvent {
+        ArchivedEvent {
+            seq,
+            id: Uuid::from_u128(seq as u128),
+            event_type: "order.created".into(),
+            key: Some("k".into()),
+            content_type: "application/json".into(),
+            headers: serde_json::json!({}),
+            payload: Some(serde_json::json!({ "n": seq })),
+            payload_base64: None,
+            dispatch_key: None,
+            created_at: Utc::now(),
+            deliveries: Vec::new(),
+        }
+    }
+
+    /// A crash while the second batch was appended cuts the file inside
+    /// it: the first batch, already deleted from the table, still reads
+    /// back, and the torn tail is reported.
+    #[test]
+    fn a_torn_archive_tail_still_reads_back_the_batches_before_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let first: Vec<ArchivedEvent> = (1..=3).map(event).collect();
+        let second: Vec<ArchivedEvent> = (4..=6).map(event).collect();
+        let mut file = ArchiveFile::create(dir.path(), dir.path().join("a.jsonl.gz")).unwrap();
+        file.append(&gzip_lines(&first).unwrap()).unwrap();
+        let cut = file.append(&gzip_lines(&second).unwrap()).unwrap();
+        assert_eq!(read_archive(&file.path).unwrap().len(), 6);
+        for len in [file.len - 1, (cut + file.len) / 2, cut + 12, cut + 1] {
+            file.cut_back(len).unwrap();
+            assert_eq!(read_archive(&file.path).unwrap(), first, "cut at {len}");
+            assert_eq!(read_batches(&file.path).unwrap().1, Some(cut), "cut at {len}");
+        }
+        file.cut_back(cut).unwrap();
+        assert_eq!(read_batches(&file.path).unwrap(), (first, None));
+    }
+
+    #[test]
+    fn damage_before_a_whole_batch_is_an_error_not_a_torn_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let batches: Vec<Vec<ArchivedEvent>> = [1..=3, 4..=6, 7..=9]
+            .into_iter()
+            .map(|r| r.map(event).collect())
+            .collect();
+        let mut file = ArchiveFile::create(dir.path(), dir.path().join("a.jsonl.gz")).unwrap();
+        let mut starts = Vec::new();
+        for batch in &batches {
+            starts.push(file.len);
+            file.append(&gzip_lines(batch).unwrap()).unwrap();
+        }
+        let mut bytes = std::fs::read(&file.path).unwrap();
+        // A byte of the second batch's compressed data, past its header.
+        bytes[starts[1] as usize + 15] ^= 0xff;
+        std::fs::write(&file.path, &bytes).unwrap();
+        let err = read_archive(&file.path).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
+        assert!(err.to_string().contains(&format!("byte {}", starts[1])), "{err}");
+    }
 }

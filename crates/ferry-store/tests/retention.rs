@@ -392,6 +392,10 @@ impl ExpiredBatch for StoppingBatch {
         self.inner.scanned_to()
     }
 
+    async fn read_whole(&mut self, max_payload_bytes: u64) -> Result<(), ferry_core::StoreError> {
+        self.inner.read_whole(max_payload_bytes).await
+    }
+
     async fn delete(self: Box<Self>) -> Result<ferry_store::Deleted, DeleteFailed> {
         self.stop.send_replace(true);
         self.inner.delete().await
@@ -447,6 +451,10 @@ impl ExpiredBatch for FailingBatch {
 
     fn scanned_to(&self) -> i64 {
         self.inner.scanned_to()
+    }
+
+    async fn read_whole(&mut self, max_payload_bytes: u64) -> Result<(), ferry_core::StoreError> {
+        self.inner.read_whole(max_payload_bytes).await
     }
 
     async fn delete(self: Box<Self>) -> Result<ferry_store::Deleted, DeleteFailed> {
@@ -569,4 +577,226 @@ async fn a_long_run_of_kept_events_does_not_stop_the_walk() {
         .unwrap();
     assert_eq!(report.events, 10);
     assert_eq!(o.seqs().await, stuck.into_iter().collect());
+}
+
+/// Counts the store's calls of a run and fails one that walks on and on
+/// (one call per empty stretch of seqs), rather than letting it run for
+/// hours.
+struct CountingCalls {
+    store: PgStore,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl Retention for CountingCalls {
+    async fn retention_range(&self) -> Result<Option<(i64, i64)>, ferry_core::StoreError> {
+        self.store.retention_range().await
+    }
+
+    async fn take_expired(
+        &self,
+        rules: &RetentionRules,
+        after: i64,
+        upto: i64,
+        now: chrono::DateTime<Utc>,
+    ) -> Result<Box<dyn ExpiredBatch>, ferry_core::StoreError> {
+        let calls = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        assert!(calls <= 20, "a run over two events took {calls} batches, after {after}");
+        self.store.take_expired(rules, after, upto, now).await
+    }
+}
+
+/// In WAL mode only failed tableless events get rows, so seqs leave wide
+/// gaps: a run jumps to the next stored event instead of stepping through
+/// the empty stretches between.
+#[tokio::test]
+async fn a_run_jumps_over_gaps_in_the_seqs() {
+    let o = outbox().await;
+    let first = o.produce(1, "a").await;
+    sqlx::query("SELECT setval(pg_get_serial_sequence('ferry.events', 'seq'), 500000000)")
+        .execute(&o.pool)
+        .await
+        .unwrap();
+    let second = o.produce(1, "b").await;
+    assert!(second[0] > 500_000_000, "{second:?}");
+    o.settle(&[first[0], second[0]], "orders", "published", 8, 0).await;
+    let counting = CountingCalls {
+        store: o.store.clone(),
+        calls: Default::default(),
+    };
+    let report = purge(&counting, &rules(3), &PurgeOptions::default(), Utc::now())
+        .await
+        .unwrap();
+    assert_eq!(report.events, 2);
+    assert!(o.seqs().await.is_empty());
+    let calls = counting.calls.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(calls <= 4, "{calls} store calls for two events");
+}
+
+/// Delegates to the PostgreSQL store; its first batch with events waits
+/// before its delete (a slow archive disk, say) until told to go on.
+struct SlowArchive {
+    store: PgStore,
+    paused: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    go: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+}
+
+struct SlowBatch {
+    inner: Box<dyn ExpiredBatch>,
+    paused: Option<tokio::sync::oneshot::Sender<()>>,
+    go: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+#[async_trait::async_trait]
+impl Retention for SlowArchive {
+    async fn retention_range(&self) -> Result<Option<(i64, i64)>, ferry_core::StoreError> {
+        self.store.retention_range().await
+    }
+
+    async fn take_expired(
+        &self,
+        rules: &RetentionRules,
+        after: i64,
+        upto: i64,
+        now: chrono::DateTime<Utc>,
+    ) -> Result<Box<dyn ExpiredBatch>, ferry_core::StoreError> {
+        let inner = self.store.take_expired(rules, after, upto, now).await?;
+        let (paused, go) = if inner.events().is_empty() {
+            (None, None)
+        } else {
+            (self.paused.lock().unwrap().take(), self.go.lock().unwrap().take())
+        };
+        Ok(Box::new(SlowBatch { inner, paused, go }))
+    }
+}
+
+#[async_trait::async_trait]
+impl ExpiredBatch for SlowBatch {
+    fn events(&self) -> &[ferry_store::ArchivedEvent] {
+        self.inner.events()
+    }
+
+    fn scanned_to(&self) -> i64 {
+        self.inner.scanned_to()
+    }
+
+    async fn read_whole(&mut self, max_payload_bytes: u64) -> Result<(), ferry_core::StoreError> {
+        self.inner.read_whole(max_payload_bytes).await
+    }
+
+    async fn delete(mut self: Box<Self>) -> Result<ferry_store::Deleted, DeleteFailed> {
+        if let (Some(paused), Some(go)) = (self.paused.take(), self.go.take()) {
+            paused.send(()).unwrap();
+            go.await.unwrap();
+        }
+        self.inner.delete().await
+    }
+}
+
+/// Two relays run retention at once, and one's batch takes long to archive:
+/// the other neither waits on it nor fails, every event goes, and the
+/// archives hold each event exactly once between them.
+#[tokio::test]
+async fn concurrent_runs_do_not_fail_on_each_others_batches() {
+    let o = outbox().await;
+    let seqs = o.produce(12, "x").await;
+    o.settle(&seqs, "orders", "published", 8, 0).await;
+    let (paused_tx, paused_rx) = tokio::sync::oneshot::channel();
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel();
+    let slow = SlowArchive {
+        store: o.store.clone(),
+        paused: std::sync::Mutex::new(Some(paused_tx)),
+        go: std::sync::Mutex::new(Some(go_rx)),
+    };
+    let slow_dir = tempfile::tempdir().unwrap();
+    let slow_options = PurgeOptions {
+        archive_dir: Some(slow_dir.path().to_owned()),
+        ..PurgeOptions::default()
+    };
+    let slow_run = tokio::spawn(async move { purge(&slow, &rules(5), &slow_options, Utc::now()).await });
+    paused_rx.await.unwrap();
+
+    let dir = tempfile::tempdir().unwrap();
+    let options = PurgeOptions {
+        archive_dir: Some(dir.path().to_owned()),
+        ..PurgeOptions::default()
+    };
+    let report = purge(&o.store, &rules(5), &options, Utc::now())
+        .await
+        .expect("a run beside another one's slow batch");
+    go_tx.send(()).unwrap();
+    let slow_report = slow_run.await.unwrap().expect("the slow run");
+    assert_eq!(report.events + slow_report.events, 12, "{report:?} {slow_report:?}");
+    assert!(o.seqs().await.is_empty());
+    let mut all = BTreeSet::new();
+    for d in [dir.path(), slow_dir.path()] {
+        for f in std::fs::read_dir(d).unwrap() {
+            for e in read_archive(&f.unwrap().path()).unwrap() {
+                assert!(all.insert(e.seq), "seq {} archived twice", e.seq);
+            }
+        }
+    }
+    assert_eq!(all, seqs.into_iter().collect());
+}
+
+/// A batch is read without payloads unless it is archived, and then only
+/// so many bytes of them; it holds no lock while archived, and an event
+/// requeued meanwhile keeps its whole batch in the table.
+#[tokio::test]
+async fn a_batch_reads_payloads_only_to_archive_them_and_holds_no_lock_meanwhile() {
+    let o = outbox().await;
+    let seqs = o.produce(5, "p").await;
+    o.settle(&seqs, "orders", "published", 8, 0).await;
+    let size: i32 = sqlx::query_scalar("SELECT octet_length(payload) FROM ferry.events WHERE seq = $1")
+        .bind(seqs[0])
+        .fetch_one(&o.pool)
+        .await
+        .unwrap();
+    let mut batch = o.store.take_expired(&rules(10), 0, i64::MAX, Utc::now()).await.unwrap();
+    assert_eq!(batch.events().len(), 5);
+    assert!(
+        batch
+            .events()
+            .iter()
+            .all(|e| e.payload.is_none() && e.payload_base64.is_none() && e.deliveries.is_empty()),
+        "payloads read though nothing is archived"
+    );
+    // Two and a half payloads' worth: two events, the rest for the next batch.
+    batch.read_whole(size as u64 * 5 / 2).await.unwrap();
+    let read: Vec<i64> = batch.events().iter().map(|e| e.seq).collect();
+    assert_eq!(read, seqs[..2]);
+    assert_eq!(batch.scanned_to(), seqs[1]);
+    assert!(
+        batch
+            .events()
+            .iter()
+            .all(|e| e.payload.is_some() && e.deliveries.len() == 1)
+    );
+
+    // While it is archived, an operator requeues one of its events, and
+    // does not wait for retention.
+    let mut tx = o.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '200ms'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE ferry.deliveries SET state = 'pending', attempts = 0, updated_at = now() WHERE seq = $1")
+        .bind(seqs[1])
+        .execute(&mut *tx)
+        .await
+        .expect("the batch holds no lock");
+    tx.commit().await.unwrap();
+    let deleted = batch.delete().await.unwrap();
+    assert!(deleted.changed && deleted.events == 0, "{deleted:?}");
+    assert_eq!(o.seqs().await.len(), 5, "a changed batch stays whole");
+
+    // A run archives what is still due, in batches within the byte budget.
+    let dir = tempfile::tempdir().unwrap();
+    let options = PurgeOptions {
+        archive_dir: Some(dir.path().to_owned()),
+        ..PurgeOptions::default()
+    };
+    let report = purge(&o.store, &rules(10), &options, Utc::now()).await.unwrap();
+    assert_eq!((report.events, report.archived), (4, 4));
+    assert_eq!(o.seqs().await, BTreeSet::from([seqs[1]]));
 }

@@ -310,6 +310,100 @@ pub async fn dead_events_stay_without_a_settled_window<H: RetentionHarness>(h: &
     assert_eq!(actions, [("cancel", "dead", Some("obsolete"))]);
 }
 
+/// A dead head cancelled to unblock its key, whose later event was then
+/// published and, a week on, deleted by retention: requeued, the head would
+/// reach the destination after that event, so the requeue is refused as if
+/// the event were still there, and `--out-of-order` still sends it. Alike
+/// for a `(no route)` head, whose key's later event went to any route.
+pub async fn a_requeue_after_a_purge_keeps_its_keys_order<H: RetentionHarness>(h: &H) {
+    let ids = h
+        .enqueue(vec![
+            Event::new("order.created", json!({})).key("k"),
+            Event::new("order.paid", json!({})).key("k"),
+            Event::new("user.account.created", json!({})).key("n"),
+            Event::new("order.created", json!({})).key("n"),
+            Event::new("order.created", json!({})).key("solo"),
+        ])
+        .await;
+    let [head, later_one, unrouted_head, later_elsewhere, solo] = ids[..] else {
+        unreachable!()
+    };
+    let o = own(h).await;
+    route_all(h, &o).await;
+    settle(h, &o, "orders", head, dead("rejected")).await;
+    let cancel = Action::Cancel {
+        reason: "unblock".into(),
+    };
+    let plan = h.store().plan(&cancel, &only(&[head])).await.unwrap();
+    assert_eq!(
+        h.store()
+            .apply(&cancel, "ops", &plan.changes)
+            .await
+            .unwrap()
+            .changed
+            .len(),
+        1
+    );
+    for id in [later_one, later_elsewhere, solo] {
+        settle(h, &o, "orders", id, published()).await;
+    }
+    let keep_dead = RetentionRules {
+        settled: None,
+        ..rules(10)
+    };
+    let report = purge(h.store(), &keep_dead, &PurgeOptions::default(), later(8))
+        .await
+        .unwrap();
+    assert_eq!(report.events, 3, "{report:?}");
+    assert_eq!(h.event_ids().await, set(&[head, unrouted_head]));
+
+    let requeue = Action::Requeue {
+        include_published: false,
+    };
+    let targets = only(&[head, unrouted_head]);
+    let plan = h.store().plan(&requeue, &targets).await.unwrap();
+    assert!(plan.changes.is_empty(), "{plan:?}");
+    let reasons: Vec<(EventId, &str)> = plan
+        .refused
+        .iter()
+        .map(|r| (r.target.event_id, r.reason.as_str()))
+        .collect();
+    assert_eq!(reasons.len(), 2, "{plan:?}");
+    assert_eq!(reasons[0].0, head);
+    assert!(
+        reasons[0]
+            .1
+            .contains("later event of its key was published on this route"),
+        "{plan:?}"
+    );
+    assert_eq!(reasons[1].0, unrouted_head);
+    assert!(reasons[1].1.contains("published since (on some route)"), "{plan:?}");
+    // Slipped into the targets anyway, they are refused at write time.
+    let refused: Vec<_> = plan.refused.iter().map(|r| r.target.clone()).collect();
+    let applied = h.store().apply(&requeue, "ops", &refused).await.unwrap();
+    assert!(applied.changed.is_empty(), "{applied:?}");
+    assert!(
+        applied.refused.iter().all(|r| r.reason.contains("out of order")),
+        "{applied:?}"
+    );
+
+    let anyway = Action::RequeueOutOfOrder {
+        include_published: false,
+    };
+    let plan = h.store().plan(&anyway, &targets).await.unwrap();
+    assert_eq!(plan.changes.len(), 2, "{plan:?}");
+    assert_eq!(plan.out_of_order.len(), 2, "{plan:?}");
+    let applied = h.store().apply(&anyway, "ops", &plan.changes).await.unwrap();
+    assert_eq!(applied.changed.len(), 2, "{applied:?}");
+}
+
+fn only(ids: &[EventId]) -> Filter {
+    Filter {
+        ids: ids.to_vec(),
+        ..Filter::default()
+    }
+}
+
 /// The gauges count unrouted events, each state per route, blocked keys and
 /// expired leases, with the age of the oldest waiting work.
 pub async fn gauges_count_the_work_left<H: RetentionHarness>(h: &H) {
@@ -396,6 +490,7 @@ macro_rules! retention_conformance {
         $crate::retention_conformance!(@tests $make;
             settled_events_go_after_their_window_archived_first,
             dead_events_stay_without_a_settled_window,
+            a_requeue_after_a_purge_keeps_its_keys_order,
             gauges_count_the_work_left
         );
     };

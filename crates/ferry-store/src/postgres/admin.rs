@@ -15,7 +15,7 @@
 //! may wait, and under it only what can have changed since: see
 //! `OrderFacts`.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -27,7 +27,7 @@ use uuid::Uuid;
 use super::PgStore;
 use super::error::store_error;
 use crate::admin::{
-    LastPublished, REQUEUED_MEANWHILE, StoredStates, in_flight_after_sql, later_unrouted_sql, out_of_order,
+    LastPublished, OrderFacts, REQUEUED_MEANWHILE, StoredStates, in_flight_after_sql, later_unrouted_sql, out_of_order,
 };
 use crate::{
     Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
@@ -107,216 +107,136 @@ fn in_flight_after_known(param: &str) -> String {
     in_flight_after_sql("ferry.", "", &format!("d.seq = ANY({param}::bigint[])"))
 }
 
-/// What a requeue's order checks read beyond each target's own row: the
-/// later events of the targets' keys that were published or wait unrouted.
-/// Finding them reads every delivery after the earliest target and every
-/// unrouted event after it: too long to hold the partition locks, which
-/// every relay's lease renewal of those partitions waits for (past its
-/// lease, a relay stops and its events are published twice). So they are
-/// read before the locks, in one snapshot, and under the locks only what
-/// can have changed since is read again, through primary keys and
-/// `deliveries_held`: a later event of those keys published since was
-/// pending or dead then (`watched`), or unrouted then (`unrouted`), or
-/// drew its seq after the read began (`seq_upto`: producers of a key draw
-/// its seqs under the key's advisory lock, which the read takes and lets
-/// go first, so every event of those keys committed by then is in the
-/// snapshot and every later one draws a greater seq), or was requeued by
-/// someone else meanwhile, which the admin log says (`log_upto`); such a
-/// key is refused, not guessed at. Whether a later event is pending on its
-/// route with nothing holding it back is read under the locks, through
-/// `deliveries_held`.
-struct OrderFacts {
-    published: LastPublished,
-    /// Per key of the targets, its events after its earliest target that
-    /// wait unrouted.
-    unrouted: HashMap<String, Vec<i64>>,
-    /// Deliveries of the targets' keys, after their earliest target, that
-    /// were pending or dead at the read.
-    watched: Vec<(i64, String)>,
-    seq_upto: i64,
-    log_upto: i64,
-    /// The earliest target of each key.
-    first: HashMap<String, i64>,
-    /// The targets, which are left out of what their keys published (see
-    /// [`last_published`]).
-    targets: HashSet<(i64, String)>,
-    /// Keys another requeue touched between the read and the locks.
-    touched: HashSet<String>,
-}
-
-impl OrderFacts {
-    async fn read(pool: &PgPool, action: &Action, targets: &[Target]) -> Result<Self, StoreError> {
-        let mut first: HashMap<String, i64> = HashMap::new();
-        for t in targets {
-            if let Some(key) = &t.key {
-                let seq = first.entry(key.clone()).or_insert(t.seq);
-                *seq = (*seq).min(t.seq);
-            }
-        }
-        let keys: Vec<&str> = first.keys().map(String::as_str).collect();
-        let after = first.values().min().copied().unwrap_or(i64::MAX);
-        // The keys' producers in flight commit before the seqs are read;
-        // the lock is the one `ferry.enqueue` takes, in the same order.
-        let mut tx = pool.begin().await.map_err(store_error)?;
-        sqlx::query(
-            "SELECT pg_advisory_xact_lock(1178948185, b.bucket)
-               FROM (SELECT DISTINCT 1 + (hashtext(k.key) & 1023) AS bucket
-                       FROM unnest($1::text[]) k(key)
-                      ORDER BY 1) b",
-        )
-        .persistent(false)
-        .bind(&keys)
-        .execute(&mut *tx)
+/// [`OrderFacts`] for a requeue of `targets`, read before the partition
+/// locks.
+async fn read_order_facts(pool: &PgPool, action: &Action, targets: &[Target]) -> Result<OrderFacts, StoreError> {
+    let mut facts = OrderFacts::new(targets);
+    let keys = facts.keys();
+    let after = facts.after();
+    // The keys' producers in flight commit before the seqs are read;
+    // the lock is the one `ferry.enqueue` takes, in the same order.
+    let mut tx = pool.begin().await.map_err(store_error)?;
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(1178948185, b.bucket)
+           FROM (SELECT DISTINCT 1 + (hashtext(k.key) & 1023) AS bucket
+                   FROM unnest($1::text[]) k(key)
+                  ORDER BY 1) b",
+    )
+    .persistent(false)
+    .bind(&keys)
+    .execute(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    (facts.events_upto, facts.log_upto) = sqlx::query_as(
+        "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('ferry.events', 'seq')::regclass), 0),
+                coalesce((SELECT max(id) FROM ferry.admin_log), 0)",
+    )
+    .persistent(false)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    tx.commit().await.map_err(store_error)?;
+    // One snapshot for the rest.
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .await
         .map_err(store_error)?;
-        let (seq_upto, log_upto): (i64, i64) = sqlx::query_as(
-            "SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('ferry.events', 'seq')::regclass), 0),
-                    coalesce((SELECT max(id) FROM ferry.admin_log), 0)",
-        )
-        .persistent(false)
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(store_error)?;
-        tx.commit().await.map_err(store_error)?;
-        // One snapshot for the rest.
-        let mut tx = pool
-            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
-            .await
-            .map_err(store_error)?;
-        let published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
-        let mut facts = OrderFacts {
-            published,
-            unrouted: HashMap::new(),
-            watched: Vec::new(),
-            seq_upto,
-            log_upto,
-            targets: targets.iter().map(|t| (t.seq, t.route.clone())).collect(),
-            first: HashMap::new(),
-            touched: HashSet::new(),
-        };
-        if !keys.is_empty() {
-            let unrouted: Vec<(String, i64)> = sqlx::query_as(
-                "SELECT e.key, u.seq FROM ferry.unrouted u JOIN ferry.events e ON e.seq = u.seq
-                  WHERE u.seq > $1 AND e.key = ANY($2::text[])",
-            )
-            .persistent(false)
-            .bind(after)
-            .bind(&keys)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?;
-            let watched: Vec<(i64, String, String)> = sqlx::query_as(
-                "SELECT l.seq, l.route, l.key FROM ferry.deliveries l
-                  WHERE l.key = ANY($2::text[]) AND l.state IN ('pending', 'dead') AND l.seq > $1",
-            )
-            .persistent(false)
-            .bind(after)
-            .bind(&keys)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?;
-            facts.first = first;
-            for (key, seq) in unrouted {
-                facts.note_unrouted(key, seq);
-            }
-            facts.watched = watched
-                .into_iter()
-                .filter(|(seq, _, key)| facts.first.get(key).is_some_and(|first| seq > first))
-                .map(|(seq, route, _)| (seq, route))
-                .collect();
-        }
-        tx.rollback().await.map_err(store_error)?;
-        Ok(facts)
-    }
-
-    /// Under the partition locks: reads again what may have changed since
-    /// [`OrderFacts::read`].
-    async fn catch_up(&mut self, tx: &mut sqlx::PgConnection) -> Result<(), StoreError> {
-        if self.first.is_empty() {
-            return Ok(());
-        }
-        let keys: Vec<String> = self.first.keys().cloned().collect();
-        self.touched = sqlx::query_scalar(
-            "SELECT DISTINCT e.key FROM ferry.admin_log a JOIN ferry.events e ON e.seq = a.seq
-              WHERE a.id > $1 AND a.action = 'requeue' AND e.key = ANY($2::text[])",
-        )
-        .persistent(false)
-        .bind(self.log_upto)
-        .bind(&keys)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(store_error)?
-        .into_iter()
-        .collect();
-        let newer: Vec<(String, i64)> = sqlx::query_as(
+    facts.published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
+    if !keys.is_empty() {
+        let unrouted: Vec<(String, i64)> = sqlx::query_as(
             "SELECT e.key, u.seq FROM ferry.unrouted u JOIN ferry.events e ON e.seq = u.seq
               WHERE u.seq > $1 AND e.key = ANY($2::text[])",
         )
         .persistent(false)
-        .bind(self.seq_upto)
+        .bind(after)
         .bind(&keys)
         .fetch_all(&mut *tx)
         .await
         .map_err(store_error)?;
-        for (key, seq) in newer {
-            self.note_unrouted(key, seq);
-        }
-        let (watched_seqs, watched_routes): (Vec<i64>, Vec<&str>) =
-            self.watched.iter().map(|(seq, route)| (*seq, route.as_str())).unzip();
-        let routed: Vec<i64> = self.unrouted.values().flatten().copied().collect();
-        let published: Vec<(String, String, i64)> = sqlx::query_as(
-            "SELECT d.route, d.key, d.seq FROM ferry.deliveries d
-              WHERE d.seq > $1 AND d.state = 'published' AND d.key = ANY($2::text[])
-             UNION ALL
-             SELECT d.route, d.key, d.seq FROM ferry.deliveries d
-               JOIN unnest($3::bigint[], $4::text[]) AS w(seq, route) ON d.seq = w.seq AND d.route = w.route
-              WHERE d.state = 'published'
-             UNION ALL
-             SELECT d.route, d.key, d.seq FROM ferry.deliveries d
-              WHERE d.seq = ANY($5::bigint[]) AND d.state = 'published' AND d.key IS NOT NULL",
+        let watched: Vec<(i64, String, String)> = sqlx::query_as(
+            "SELECT l.seq, l.route, l.key FROM ferry.deliveries l
+              WHERE l.key = ANY($2::text[]) AND l.state IN ('pending', 'dead') AND l.seq > $1",
         )
         .persistent(false)
-        .bind(self.seq_upto)
+        .bind(after)
         .bind(&keys)
-        .bind(&watched_seqs)
-        .bind(&watched_routes)
-        .bind(&routed)
         .fetch_all(&mut *tx)
         .await
         .map_err(store_error)?;
-        for (route, key, seq) in published {
-            if !self.targets.contains(&(seq, route.clone())) {
-                self.published.note(route, key, seq);
-            }
+        for (key, seq) in unrouted {
+            facts.note_unrouted(key, seq);
         }
-        Ok(())
+        facts.watch(watched);
     }
+    tx.rollback().await.map_err(store_error)?;
+    Ok(facts)
+}
 
-    fn note_unrouted(&mut self, key: String, seq: i64) {
-        if self.first.get(&key).is_some_and(|first| seq > *first) {
-            self.unrouted.entry(key).or_default().push(seq);
-        }
+/// Under the partition locks: reads again what may have changed since
+/// [`read_order_facts`].
+async fn catch_up(facts: &mut OrderFacts, tx: &mut sqlx::PgConnection) -> Result<(), StoreError> {
+    let keys = facts.keys();
+    if keys.is_empty() {
+        return Ok(());
     }
-
-    /// The targets a later event of their key waits unrouted after.
-    fn later_unrouted(&self, targets: &[&Target]) -> Vec<i64> {
-        targets
-            .iter()
-            .filter(|t| {
-                t.key.as_ref().is_some_and(|key| {
-                    self.unrouted
-                        .get(key)
-                        .is_some_and(|seqs| seqs.iter().any(|seq| *seq > t.seq))
-                })
-            })
-            .map(|t| t.seq)
-            .collect()
+    let touched: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT e.key FROM ferry.admin_log a JOIN ferry.events e ON e.seq = a.seq
+          WHERE a.id > $1 AND a.action = 'requeue' AND e.key = ANY($2::text[])",
+    )
+    .persistent(false)
+    .bind(facts.log_upto)
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    facts.set_touched(touched);
+    let newer: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT e.key, u.seq FROM ferry.unrouted u JOIN ferry.events e ON e.seq = u.seq
+          WHERE u.seq > $1 AND e.key = ANY($2::text[])",
+    )
+    .persistent(false)
+    .bind(facts.events_upto)
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    for (key, seq) in newer {
+        facts.note_unrouted(key, seq);
     }
-
-    /// Whether another requeue touched `t`'s key since the read.
-    fn touched(&self, t: &Target) -> bool {
-        t.key.as_ref().is_some_and(|key| self.touched.contains(key))
-    }
+    let (watched_seqs, watched_routes): (Vec<i64>, Vec<&str>) = facts
+        .watched()
+        .iter()
+        .map(|(seq, route)| (*seq, route.as_str()))
+        .unzip();
+    let routed = facts.unrouted_seqs();
+    // With the order marks of the keys, in one statement: retention deletes
+    // a published delivery and writes its mark in one transaction, and no
+    // lock here keeps it from committing meanwhile (it locks the deleted
+    // rows, this the targets' partitions), so one snapshot sees either.
+    let published: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT d.route, d.key, d.seq FROM ferry.deliveries d
+          WHERE d.seq > $1 AND d.state = 'published' AND d.key = ANY($2::text[])
+         UNION ALL
+         SELECT d.route, d.key, d.seq FROM ferry.deliveries d
+           JOIN unnest($3::bigint[], $4::text[]) AS w(seq, route) ON d.seq = w.seq AND d.route = w.route
+          WHERE d.state = 'published'
+         UNION ALL
+         SELECT d.route, d.key, d.seq FROM ferry.deliveries d
+          WHERE d.seq = ANY($5::bigint[]) AND d.state = 'published' AND d.key IS NOT NULL
+         UNION ALL
+         SELECT m.route, m.key, m.seq FROM ferry.purged_order m WHERE m.key = ANY($2::text[])",
+    )
+    .persistent(false)
+    .bind(facts.events_upto)
+    .bind(&keys)
+    .bind(&watched_seqs)
+    .bind(&watched_routes)
+    .bind(&routed)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    facts.note_published(published);
+    Ok(())
 }
 
 /// A type glob as a regex over `'.' || type`: each segment is `\.name`,
@@ -429,6 +349,8 @@ async fn last_published<'e>(
     // the deliveries after it by their seq and reading them all.
     // The targets themselves are left out: requeued together, in outbox
     // order, a key's published deliveries are replayed in that order.
+    // Retention's order marks count as published deliveries: each stands
+    // for later ones of its key that were published and then deleted.
     let (seqs, target_routes): (Vec<i64>, Vec<&str>) = targets.iter().map(|t| (t.seq, t.route.as_str())).unzip();
     let rows: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT l.route, l.key, max(l.seq)
@@ -437,7 +359,13 @@ async fn last_published<'e>(
             AND ((l.route, l.key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
                  OR l.key = ANY($6::text[]))
             AND (l.seq, l.route) NOT IN (SELECT * FROM unnest($4::bigint[], $5::text[]))
-          GROUP BY l.route, l.key",
+          GROUP BY l.route, l.key
+         UNION ALL
+         SELECT m.route, m.key, m.seq
+           FROM ferry.purged_order m
+          WHERE m.seq > $3
+            AND ((m.route, m.key) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+                 OR m.key = ANY($6::text[]))",
     )
     .persistent(false)
     .bind(wanted.routes)
@@ -539,7 +467,7 @@ impl Admin for PgStore {
         // Read before the locks, so relays' lease renewals do not wait for
         // it (see OrderFacts).
         let mut order = if action.is_requeue() {
-            Some(OrderFacts::read(self.pool(), action, targets).await?)
+            Some(read_order_facts(self.pool(), action, targets).await?)
         } else {
             None
         };
@@ -568,12 +496,18 @@ impl Admin for PgStore {
         .await
         .map_err(store_error)?;
         if let Some(order) = &mut order {
-            order.catch_up(&mut tx).await?;
+            catch_up(order, &mut tx).await?;
         }
         let none = LastPublished::default();
         let published = order.as_ref().map_or(&none, |o| &o.published);
         let touched = |t: &Target| order.as_ref().is_some_and(|o| o.touched(t));
-        let later_unrouted = |ts: &[&Target]| order.as_ref().map_or_else(Vec::new, |o| o.later_unrouted(ts));
+        // The targets a later event of their key waits unrouted after.
+        let later_unrouted = |ts: &[&Target]| -> Vec<i64> {
+            ts.iter()
+                .filter(|t| order.as_ref().is_some_and(|o| o.later_unrouted(t)))
+                .map(|t| t.seq)
+                .collect()
+        };
         // A key another requeue touched meanwhile is left alone, as one a
         // later event of was published after.
         let (late_seqs, late_routes): (Vec<i64>, Vec<&str>) = targets

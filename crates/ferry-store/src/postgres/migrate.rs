@@ -80,6 +80,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "tick_release_tokens",
         include_str!("migrations/0030_tick_release_tokens.sql"),
     ),
+    (31, "purged_order", include_str!("migrations/0031_purged_order.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -11,7 +11,7 @@
 //! relay could have claimed (due, not held back by its key, in a leased
 //! partition).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::str::FromStr;
 
 use async_trait::async_trait;
@@ -25,7 +25,7 @@ use super::SqliteStore;
 use super::error::store_error;
 use super::store::{from_micros, micros};
 use crate::admin::{
-    LastPublished, REQUEUED_MEANWHILE, StoredStates, in_flight_after_sql, later_unrouted_sql, out_of_order,
+    LastPublished, OrderFacts, REQUEUED_MEANWHILE, StoredStates, in_flight_after_sql, later_unrouted_sql, out_of_order,
 };
 use crate::{
     Action, ActionRecord, Admin, AdminState, Applied, Attempt, Change, Cursor, DeliverySummary, DeliveryView,
@@ -121,6 +121,8 @@ async fn last_published<'e>(
         .collect();
     // The targets themselves are left out: requeued together, in outbox
     // order, a key's published deliveries are replayed in that order.
+    // Retention's order marks count as published deliveries: each stands
+    // for later ones of its key that were published and then deleted.
     let itself: Vec<(i64, &str)> = targets.iter().map(|t| (t.seq, t.route.as_str())).collect();
     let rows: Vec<(String, String, i64)> = sqlx::query_as(
         "SELECT l.route, l.key, max(l.seq)
@@ -131,7 +133,14 @@ async fn last_published<'e>(
                  OR l.key IN (SELECT value FROM json_each(?4)))
             AND (l.seq, l.route) NOT IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
                                            FROM json_each(?3))
-          GROUP BY l.route, l.key",
+          GROUP BY l.route, l.key
+         UNION ALL
+         SELECT m.route, m.key, m.seq
+           FROM ferry_purged_order m
+          WHERE m.seq > ?1
+            AND ((m.route, m.key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]')
+                                        FROM json_each(?2))
+                 OR m.key IN (SELECT value FROM json_each(?4)))",
     )
     .bind(wanted.after)
     .bind(serde_json::to_string(&pairs).expect("strings serialise"))
@@ -143,202 +152,132 @@ async fn last_published<'e>(
     Ok(LastPublished::new(rows).with_targets(targets.iter().copied()))
 }
 
-/// What a requeue's order checks read beyond each target's own row: the
-/// later events of the targets' keys that were published or wait unrouted.
-/// Finding them reads every delivery after the earliest target and every
-/// unrouted event after it (9 s for 100 targets behind 200,000 unrouted
-/// events, when read per target), too long to hold SQLite's one write lock:
-/// producers would fail on their busy timeout and the relay's lease would
-/// lapse. So they are read before the lock is taken, in one read
-/// transaction (which takes no lock), and under the lock only what can
-/// have changed since is read again, through primary keys and the keys'
-/// index: an event of those keys published since was pending or dead then
-/// (`watched`), or unrouted then (`unrouted`), or is newer than the read
-/// (`events_upto`), or was requeued by someone else meanwhile, which the
-/// admin log says (`log_upto`); such a key is refused, not guessed at.
-struct OrderFacts {
-    published: LastPublished,
-    /// Per key of the targets, its events after its earliest target that
-    /// wait unrouted.
-    unrouted: HashMap<String, Vec<i64>>,
-    /// Deliveries of the targets' keys, after their earliest target, that
-    /// were pending or dead at the read: a relay may publish them before
-    /// the lock.
-    watched: Vec<(i64, String)>,
-    /// The newest event and admin log entry at the read.
-    events_upto: i64,
-    log_upto: i64,
-    /// The earliest target of each key.
-    first: HashMap<String, i64>,
-    /// The targets, which are left out of what their keys published (see
-    /// [`last_published`]).
-    targets: HashSet<(i64, String)>,
-    /// Keys another requeue touched between the read and the lock.
-    touched: HashSet<String>,
-}
-
-impl OrderFacts {
-    async fn read(pool: &SqlitePool, action: &Action, targets: &[Target]) -> Result<Self, StoreError> {
-        let mut first: HashMap<String, i64> = HashMap::new();
-        for t in targets {
-            if let Some(key) = &t.key {
-                let seq = first.entry(key.clone()).or_insert(t.seq);
-                *seq = (*seq).min(t.seq);
-            }
-        }
-        let keys = json_strings(&first.keys().collect::<Vec<_>>());
-        let after = first.values().min().copied().unwrap_or(i64::MAX);
-        // One snapshot for all of it.
-        let mut tx = pool.begin().await.map_err(store_error)?;
-        let (events_upto, log_upto): (i64, i64) = sqlx::query_as(
-            "SELECT coalesce((SELECT max(seq) FROM ferry_events), 0),
-                    coalesce((SELECT max(id) FROM ferry_admin_log), 0)",
-        )
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(store_error)?;
-        let published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
-        let mut facts = OrderFacts {
-            published,
-            unrouted: HashMap::new(),
-            watched: Vec::new(),
-            events_upto,
-            log_upto,
-            first,
-            targets: targets.iter().map(|t| (t.seq, t.route.clone())).collect(),
-            touched: HashSet::new(),
-        };
-        if keys.is_some() {
-            // CROSS JOIN keeps SQLite reading the unrouted events and
-            // looking each up, not every event after the earliest target.
-            let unrouted: Vec<(String, i64)> = sqlx::query_as(
-                "SELECT e.key, u.seq FROM ferry_unrouted u CROSS JOIN ferry_events e ON e.seq = u.seq
-                  WHERE u.seq > ?1 AND e.key IN (SELECT value FROM json_each(?2))",
-            )
-            .bind(after)
-            .bind(&keys)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?;
-            for (key, seq) in unrouted {
-                facts.note_unrouted(key, seq);
-            }
-            let watched: Vec<(i64, String, String)> = sqlx::query_as(
-                "SELECT l.seq, l.route, l.key FROM ferry_deliveries l INDEXED BY ferry_deliveries_held
-                  WHERE l.key IN (SELECT value FROM json_each(?2)) AND l.state IN ('pending', 'dead')
-                    AND l.seq > ?1",
-            )
-            .bind(after)
-            .bind(&keys)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?;
-            facts.watched = watched
-                .into_iter()
-                .filter(|(seq, _, key)| facts.first.get(key).is_some_and(|first| seq > first))
-                .map(|(seq, route, _)| (seq, route))
-                .collect();
-        }
-        tx.rollback().await.map_err(store_error)?;
-        Ok(facts)
-    }
-
-    /// Under the write lock: reads again what may have changed since
-    /// [`OrderFacts::read`].
-    async fn catch_up(&mut self, tx: &mut SqliteConnection) -> Result<(), StoreError> {
-        let Some(keys) = json_strings(&self.first.keys().collect::<Vec<_>>()) else {
-            return Ok(());
-        };
-        self.touched = sqlx::query_scalar(
-            "SELECT DISTINCT e.key FROM ferry_admin_log a JOIN ferry_events e ON e.seq = a.seq
-              WHERE a.id > ?1 AND a.action = 'requeue' AND e.key IN (SELECT value FROM json_each(?2))",
-        )
-        .bind(self.log_upto)
-        .bind(&keys)
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(store_error)?
-        .into_iter()
-        .collect();
-        let newer: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT e.key, u.seq FROM ferry_unrouted u JOIN ferry_events e ON e.seq = u.seq
+/// [`OrderFacts`] for a requeue of `targets`, read before the write lock.
+async fn read_order_facts(pool: &SqlitePool, action: &Action, targets: &[Target]) -> Result<OrderFacts, StoreError> {
+    let mut facts = OrderFacts::new(targets);
+    let keys = json_strings(&facts.keys());
+    let after = facts.after();
+    // One snapshot for all of it.
+    let mut tx = pool.begin().await.map_err(store_error)?;
+    (facts.events_upto, facts.log_upto) = sqlx::query_as(
+        "SELECT coalesce((SELECT max(seq) FROM ferry_events), 0),
+                coalesce((SELECT max(id) FROM ferry_admin_log), 0)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    facts.published = last_published(&mut *tx, action, &targets.iter().collect::<Vec<_>>()).await?;
+    if keys.is_some() {
+        // CROSS JOIN keeps SQLite reading the unrouted events and
+        // looking each up, not every event after the earliest target.
+        let unrouted: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT e.key, u.seq FROM ferry_unrouted u CROSS JOIN ferry_events e ON e.seq = u.seq
               WHERE u.seq > ?1 AND e.key IN (SELECT value FROM json_each(?2))",
         )
-        .bind(self.events_upto)
+        .bind(after)
         .bind(&keys)
         .fetch_all(&mut *tx)
         .await
         .map_err(store_error)?;
-        for (key, seq) in newer {
-            self.note_unrouted(key, seq);
+        for (key, seq) in unrouted {
+            facts.note_unrouted(key, seq);
         }
-        let mut published: Vec<(String, String, i64)> = sqlx::query_as(
-            "SELECT d.route, d.key, d.seq FROM ferry_deliveries d
-              WHERE d.seq > ?1 AND d.state = 'published' AND d.key IN (SELECT value FROM json_each(?2))",
+        let watched: Vec<(i64, String, String)> = sqlx::query_as(
+            "SELECT l.seq, l.route, l.key FROM ferry_deliveries l INDEXED BY ferry_deliveries_held
+              WHERE l.key IN (SELECT value FROM json_each(?2)) AND l.state IN ('pending', 'dead')
+                AND l.seq > ?1",
         )
-        .bind(self.events_upto)
+        .bind(after)
         .bind(&keys)
         .fetch_all(&mut *tx)
         .await
         .map_err(store_error)?;
-        let watched: Vec<(i64, &str)> = self.watched.iter().map(|(seq, route)| (*seq, route.as_str())).collect();
-        published.extend(
-            sqlx::query_as::<_, (String, String, i64)>(
-                "SELECT d.route, d.key, d.seq
-                   FROM json_each(?1) w
-                   JOIN ferry_deliveries d
-                     ON d.seq = json_extract(w.value, '$[0]') AND d.route = json_extract(w.value, '$[1]')
-                  WHERE d.state = 'published'",
-            )
-            .bind(serde_json::to_string(&watched).expect("numbers and strings serialise"))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?,
-        );
-        let routed: Vec<i64> = self.unrouted.values().flatten().copied().collect();
-        published.extend(
-            sqlx::query_as::<_, (String, String, i64)>(
-                "SELECT d.route, d.key, d.seq FROM ferry_deliveries d
-                  WHERE d.seq IN (SELECT value FROM json_each(?1)) AND d.state = 'published'",
-            )
-            .bind(serde_json::to_string(&routed).expect("numbers serialise"))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?,
-        );
-        for (route, key, seq) in published {
-            if !self.targets.contains(&(seq, route.clone())) {
-                self.published.note(route, key, seq);
-            }
-        }
-        Ok(())
+        facts.watch(watched);
     }
+    tx.rollback().await.map_err(store_error)?;
+    Ok(facts)
+}
 
-    fn note_unrouted(&mut self, key: String, seq: i64) {
-        if self.first.get(&key).is_some_and(|first| seq > *first) {
-            self.unrouted.entry(key).or_default().push(seq);
-        }
+/// Under the write lock: reads again what may have changed since
+/// [`read_order_facts`].
+async fn catch_up(facts: &mut OrderFacts, tx: &mut SqliteConnection) -> Result<(), StoreError> {
+    let Some(keys) = json_strings(&facts.keys()) else {
+        return Ok(());
+    };
+    let touched: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT e.key FROM ferry_admin_log a JOIN ferry_events e ON e.seq = a.seq
+          WHERE a.id > ?1 AND a.action = 'requeue' AND e.key IN (SELECT value FROM json_each(?2))",
+    )
+    .bind(facts.log_upto)
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    facts.set_touched(touched);
+    let newer: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT e.key, u.seq FROM ferry_unrouted u JOIN ferry_events e ON e.seq = u.seq
+          WHERE u.seq > ?1 AND e.key IN (SELECT value FROM json_each(?2))",
+    )
+    .bind(facts.events_upto)
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    for (key, seq) in newer {
+        facts.note_unrouted(key, seq);
     }
-
-    /// `t`, a `(no route)` delivery, went back to the router.
-    fn unrouted_again(&mut self, t: &Target) {
-        if let Some(key) = &t.key {
-            self.note_unrouted(key.clone(), t.seq);
-        }
-    }
-
-    /// Whether a later event of `t`'s key waits unrouted.
-    fn later_unrouted(&self, t: &Target) -> bool {
-        let Some(key) = &t.key else { return false };
-        self.unrouted
-            .get(key)
-            .is_some_and(|seqs| seqs.iter().any(|seq| *seq > t.seq))
-    }
-
-    /// Whether another requeue touched `t`'s key since the read.
-    fn touched(&self, t: &Target) -> bool {
-        t.key.as_ref().is_some_and(|key| self.touched.contains(key))
-    }
+    let mut published: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT d.route, d.key, d.seq FROM ferry_deliveries d
+          WHERE d.seq > ?1 AND d.state = 'published' AND d.key IN (SELECT value FROM json_each(?2))",
+    )
+    .bind(facts.events_upto)
+    .bind(&keys)
+    .fetch_all(&mut *tx)
+    .await
+    .map_err(store_error)?;
+    let watched: Vec<(i64, &str)> = facts
+        .watched()
+        .iter()
+        .map(|(seq, route)| (*seq, route.as_str()))
+        .collect();
+    published.extend(
+        sqlx::query_as::<_, (String, String, i64)>(
+            "SELECT d.route, d.key, d.seq
+               FROM json_each(?1) w
+               JOIN ferry_deliveries d
+                 ON d.seq = json_extract(w.value, '$[0]') AND d.route = json_extract(w.value, '$[1]')
+              WHERE d.state = 'published'",
+        )
+        .bind(serde_json::to_string(&watched).expect("numbers and strings serialise"))
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?,
+    );
+    published.extend(
+        sqlx::query_as::<_, (String, String, i64)>(
+            "SELECT d.route, d.key, d.seq FROM ferry_deliveries d
+              WHERE d.seq IN (SELECT value FROM json_each(?1)) AND d.state = 'published'",
+        )
+        .bind(serde_json::to_string(&facts.unrouted_seqs()).expect("numbers serialise"))
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?,
+    );
+    // Retention's order marks of the keys: one written since the read
+    // stands for a later event published and deleted meanwhile. Retention
+    // writes its marks under the write lock this holds.
+    published.extend(
+        sqlx::query_as::<_, (String, String, i64)>(
+            "SELECT m.route, m.key, m.seq FROM ferry_purged_order m
+              WHERE m.key IN (SELECT value FROM json_each(?1))",
+        )
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?,
+    );
+    facts.note_published(published);
+    Ok(())
 }
 
 /// `text` lowercased as `ferry_lower` does it in SQL: each character by
@@ -671,13 +610,13 @@ impl Admin for SqliteStore {
         // lock is taken, and only what may have changed since is read under
         // it (see OrderFacts).
         let mut order = if action.is_requeue() {
-            Some(OrderFacts::read(self.pool(), action, targets).await?)
+            Some(read_order_facts(self.pool(), action, targets).await?)
         } else {
             None
         };
         let mut tx = self.pool().begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
         if let Some(order) = &mut order {
-            order.catch_up(&mut tx).await?;
+            catch_up(order, &mut tx).await?;
         }
         let mut applied = Applied::default();
         for t in targets {

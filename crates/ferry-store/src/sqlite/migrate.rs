@@ -17,6 +17,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "inbox_unfinished",
         include_str!("migrations/0006_inbox_unfinished.sql"),
     ),
+    (7, "purged_order", include_str!("migrations/0007_purged_order.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]

@@ -1,8 +1,9 @@
 //! Retention for SQLite.
 //!
 //! Candidates are found by walking the `ferry_events` primary key over a
-//! bounded stretch and read whole in one read transaction, which takes no
-//! lock: producers and the relay write on while the batch is archived (a
+//! bounded stretch, from the first stored event after the last batch, and
+//! read (whole only when archived, payloads within a byte budget) in one
+//! read transaction, which takes no lock: producers and the relay write on while the batch is archived (a
 //! slow or hung archive disk must not hold SQLite's one write lock, or every
 //! producer's transaction would fail on its busy timeout). The delete then
 //! takes the write lock briefly and asks again which of the batch's events
@@ -50,22 +51,24 @@ impl Retention for SqliteStore {
         let published = micros(rules.published_cutoff(now));
         let settled = rules.settled_cutoff(now).map(micros);
         let newest_cutoff = settled.map_or(published, |s| s.max(published));
-        // Events are stored in creation order: once the next one is younger
+        // The next stored event: the stretch starts there, over any gap in
+        // the seqs. Events are stored in creation order: once it is younger
         // than every window, nothing after it can be due yet.
-        let next: Option<i64> =
-            sqlx::query_scalar("SELECT created_at FROM ferry_events WHERE seq > ?1 ORDER BY seq LIMIT 1")
+        let next: Option<(i64, i64)> =
+            sqlx::query_as("SELECT seq, created_at FROM ferry_events WHERE seq > ?1 ORDER BY seq LIMIT 1")
                 .bind(after)
                 .fetch_optional(self.pool())
                 .await
                 .map_err(store_error)?;
-        if next.is_none_or(|created| created >= newest_cutoff) {
-            return Ok(Box::new(SqliteExpired::empty(upto)));
-        }
+        let from = match next {
+            Some((seq, created)) if seq <= upto && created < newest_cutoff => seq - 1,
+            _ => return Ok(Box::new(SqliteExpired::empty(upto))),
+        };
         let limit = rules.batch_size.max(1) as i64;
-        let stretch_end = after.saturating_add(limit.saturating_mul(STRETCH)).min(upto);
+        let stretch_end = from.saturating_add(limit.saturating_mul(STRETCH)).min(upto);
         let sql = include_str!("sql/retention_expired.sql");
         let candidates: Vec<i64> = sqlx::query_scalar(sql)
-            .bind(after)
+            .bind(from)
             .bind(stretch_end)
             .bind(published)
             .bind(settled)
@@ -83,7 +86,7 @@ impl Retention for SqliteStore {
         // A read transaction: one snapshot for the events and their
         // deliveries, and no write lock.
         let mut tx = self.pool().begin().await.map_err(store_error)?;
-        let events = read_events(&mut tx, &candidates).await?;
+        let events = read_events(&mut tx, &candidates, false).await?;
         tx.rollback().await.map_err(store_error)?;
         Ok(Box::new(SqliteExpired {
             store: Some(self.clone()),
@@ -94,10 +97,13 @@ impl Retention for SqliteStore {
     }
 }
 
-/// The events whole, with their deliveries, failures and operators'
-/// actions, as the archive keeps them.
-async fn read_events(conn: &mut SqliteConnection, seqs: &[i64]) -> Result<Vec<ArchivedEvent>, StoreError> {
+/// The events, `whole` with their payloads, deliveries, failures and
+/// operators' actions, as the archive keeps them.
+async fn read_events(conn: &mut SqliteConnection, seqs: &[i64], whole: bool) -> Result<Vec<ArchivedEvent>, StoreError> {
     let list = serde_json::to_string(seqs).expect("integers serialise");
+    if !whole {
+        return read_event_rows(conn, &list, false, HashMap::new()).await;
+    }
     let mut actions: HashMap<(i64, String), Vec<ArchivedAction>> = HashMap::new();
     let rows = sqlx::query(
         "SELECT seq, route, at, actor, action, from_state, attempts, reason FROM ferry_admin_log
@@ -157,11 +163,22 @@ async fn read_events(conn: &mut SqliteConnection, seqs: &[i64]) -> Result<Vec<Ar
             updated_at: from_micros(r.get(6)),
         });
     }
+    read_event_rows(conn, &list, true, deliveries).await
+}
+
+/// The events' rows, with their payloads when `whole`.
+async fn read_event_rows(
+    conn: &mut SqliteConnection,
+    list: &str,
+    whole: bool,
+    mut deliveries: HashMap<i64, Vec<ArchivedDelivery>>,
+) -> Result<Vec<ArchivedEvent>, StoreError> {
     let rows = sqlx::query(
-        "SELECT seq, id, type, key, payload, content_type, headers, dispatch_key, created_at FROM ferry_events
-          WHERE seq IN (SELECT value FROM json_each(?1)) ORDER BY seq",
+        "SELECT seq, id, type, key, CASE WHEN ?2 THEN payload END, content_type, headers, dispatch_key, created_at
+           FROM ferry_events WHERE seq IN (SELECT value FROM json_each(?1)) ORDER BY seq",
     )
-    .bind(&list)
+    .bind(list)
+    .bind(whole)
     .fetch_all(&mut *conn)
     .await
     .map_err(store_error)?;
@@ -186,7 +203,9 @@ async fn read_events(conn: &mut SqliteConnection, seqs: &[i64]) -> Result<Vec<Ar
             created_at: from_micros(r.get(8)),
             deliveries: deliveries.remove(&seq).unwrap_or_default(),
         };
-        event.set_payload(r.get::<&[u8], _>(4));
+        if whole {
+            event.set_payload(r.get::<Option<&[u8]>, _>(4).unwrap_or_default());
+        }
         events.push(event);
     }
     Ok(events)
@@ -230,17 +249,61 @@ impl ExpiredBatch for SqliteExpired {
         self.scanned_to
     }
 
+    async fn read_whole(&mut self, max_payload_bytes: u64) -> Result<(), StoreError> {
+        let Some(store) = &self.store else {
+            return Ok(());
+        };
+        let list =
+            serde_json::to_string(&self.events.iter().map(|e| e.seq).collect::<Vec<_>>()).expect("integers serialise");
+        let mut tx = store.pool().begin().await.map_err(store_error)?;
+        // Payload sizes without reading the payloads.
+        let sizes: Vec<(i64, Option<i64>)> = sqlx::query_as(
+            "SELECT seq, length(payload) FROM ferry_events WHERE seq IN (SELECT value FROM json_each(?1)) ORDER BY seq",
+        )
+        .bind(&list)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?;
+        let mut total = 0u64;
+        let mut kept = Vec::with_capacity(sizes.len());
+        for (seq, size) in sizes {
+            total = total.saturating_add(size.unwrap_or(0).max(0) as u64);
+            if total > max_payload_bytes && !kept.is_empty() {
+                // The rest waits for the next batch.
+                self.scanned_to = *kept.last().expect("not empty");
+                break;
+            }
+            kept.push(seq);
+        }
+        self.events = read_events(&mut tx, &kept, true).await?;
+        tx.rollback().await.map_err(store_error)?;
+        Ok(())
+    }
+
     async fn delete(self: Box<Self>) -> Result<Deleted, DeleteFailed> {
         let first = self.events.iter().map(|e| e.seq).min();
         let last = self.events.iter().map(|e| e.seq).max();
         let (Some(store), Some(first), Some(last)) = (&self.store, first, last) else {
             return Ok(Deleted::default());
         };
-        let mut tx = store
-            .pool()
-            .begin_with("BEGIN IMMEDIATE")
-            .await
-            .map_err(|e| DeleteFailed::before_commit(store_error(e)))?;
+        let mut tx = match store.pool().begin_with("BEGIN IMMEDIATE").await {
+            Ok(tx) => tx,
+            // The write lock stayed taken past the busy timeout (a long
+            // transaction of a producer or of another process): like rows
+            // locked in PostgreSQL, the batch stays for a later run rather
+            // than failing the run.
+            Err(e) if is_busy(&e) => {
+                tracing::info!(
+                    events = self.events.len(),
+                    "retention: the database stayed locked; the batch stays, for a later run"
+                );
+                return Ok(Deleted {
+                    changed: true,
+                    ..Deleted::default()
+                });
+            }
+            Err(e) => return Err(DeleteFailed::before_commit(store_error(e))),
+        };
         // Under the write lock: which are still due. An event requeued, or a
         // delivery retried, since the read stays in the table.
         let due: Vec<i64> = sqlx::query_scalar(include_str!("sql/retention_expired.sql"))
@@ -267,6 +330,9 @@ impl ExpiredBatch for SqliteExpired {
                 ..Deleted::default()
             });
         }
+        mark_order(&mut tx, &self.events)
+            .await
+            .map_err(|e| DeleteFailed::before_commit(store_error(e)))?;
         let list = serde_json::to_string(&seqs).expect("integers serialise");
         let mut deleted = [0u64; 4];
         for (i, sql) in [
@@ -301,6 +367,83 @@ impl ExpiredBatch for SqliteExpired {
             changed: false,
         })
     }
+}
+
+/// Under the write lock, before the batch goes: keeps in
+/// `ferry_purged_order` what a requeue's order check needs of its published
+/// deliveries, and drops the marks of its keys that no kept delivery sits
+/// before any more. As in PostgreSQL (`retention_kept.sql`, migration 31),
+/// read through indexes: pending and dead deliveries by key, dead and
+/// cancelled ones through their partial index, unrouted events before the
+/// batch's end (or its keys' latest mark).
+async fn mark_order(conn: &mut SqliteConnection, events: &[ArchivedEvent]) -> Result<(), sqlx::Error> {
+    let mut keys: Vec<&str> = events.iter().filter_map(|e| e.key.as_deref()).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let Some(last) = events.iter().map(|e| e.seq).max().filter(|_| !keys.is_empty()) else {
+        return Ok(());
+    };
+    let seqs = serde_json::to_string(&events.iter().map(|e| e.seq).collect::<Vec<_>>()).expect("integers serialise");
+    let keys = serde_json::to_string(&keys).expect("strings serialise");
+    let marked: Option<i64> =
+        sqlx::query_scalar("SELECT max(seq) FROM ferry_purged_order WHERE key IN (SELECT value FROM json_each(?1))")
+            .bind(&keys)
+            .fetch_one(&mut *conn)
+            .await?;
+    let kept: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT k.key, min(k.seq)
+           FROM (SELECT r.key, r.seq FROM ferry_deliveries r INDEXED BY ferry_deliveries_held
+                  WHERE r.key IN (SELECT value FROM json_each(?2)) AND r.key IS NOT NULL
+                    AND r.state IN ('pending', 'dead') AND r.seq < ?3
+                 UNION ALL
+                 SELECT r.key, r.seq FROM ferry_deliveries r INDEXED BY ferry_deliveries_dead
+                  WHERE r.state IN ('dead', 'cancelled') AND r.seq < ?3
+                    AND r.key IN (SELECT value FROM json_each(?2))
+                 UNION ALL
+                 SELECT e.key, e.seq FROM ferry_unrouted u CROSS JOIN ferry_events e ON e.seq = u.seq
+                  WHERE u.seq < ?3 AND e.key IN (SELECT value FROM json_each(?2))) k
+          WHERE k.seq NOT IN (SELECT value FROM json_each(?1))
+          GROUP BY k.key",
+    )
+    .bind(&seqs)
+    .bind(&keys)
+    .bind(marked.map_or(last, |m| m.max(last)))
+    .fetch_all(&mut *conn)
+    .await?;
+    let kept = serde_json::to_string(&kept).expect("strings and integers serialise");
+    sqlx::query(
+        "DELETE FROM ferry_purged_order
+          WHERE key IN (SELECT value FROM json_each(?1))
+            AND NOT EXISTS (SELECT 1 FROM json_each(?2) k
+                             WHERE json_extract(k.value, '$[0]') = ferry_purged_order.key
+                               AND json_extract(k.value, '$[1]') < ferry_purged_order.seq)",
+    )
+    .bind(&keys)
+    .bind(&kept)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "INSERT INTO ferry_purged_order (key, route, seq)
+         SELECT d.key, d.route, max(d.seq)
+           FROM json_each(?2) k CROSS JOIN ferry_deliveries d
+          WHERE d.seq IN (SELECT value FROM json_each(?1)) AND d.key = json_extract(k.value, '$[0]')
+            AND d.state = 'published' AND d.seq > json_extract(k.value, '$[1]')
+          GROUP BY d.key, d.route
+         ON CONFLICT (key, route) DO UPDATE SET seq = max(seq, excluded.seq)",
+    )
+    .bind(&seqs)
+    .bind(&kept)
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// SQLITE_BUSY (5) or SQLITE_LOCKED (6), with their extended codes.
+fn is_busy(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .and_then(|c| c.parse::<i64>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
 }
 
 /// A failed COMMIT of a retention delete. SQLite answering with an I/O

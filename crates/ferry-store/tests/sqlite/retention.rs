@@ -215,6 +215,10 @@ impl ferry_store::ExpiredBatch for RequeuedBatch {
         self.inner.scanned_to()
     }
 
+    async fn read_whole(&mut self, max_payload_bytes: u64) -> Result<(), ferry_core::StoreError> {
+        self.inner.read_whole(max_payload_bytes).await
+    }
+
     async fn delete(self: Box<Self>) -> Result<ferry_store::Deleted, ferry_store::DeleteFailed> {
         if let Some(e) = self.inner.events().get(1) {
             sqlx::query("UPDATE ferry_deliveries SET state = 'pending', attempts = 0 WHERE seq = ?1")
