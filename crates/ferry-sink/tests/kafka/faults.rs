@@ -47,9 +47,20 @@ async fn internal_retries_of_failed_produce_requests_keep_every_key_in_order() {
     let bootstrap = cluster.bootstrap_servers();
     let reader = TopicReader::new(&bootstrap, &topic).await;
     let mut opts = options(&bootstrap);
-    // Small message sets, so each partition has several produce requests in
-    // flight at once and a failed one has followers that were already sent.
-    opts.extra.insert("batch.num.messages".into(), "5".into());
+    // One produce request per partition per batch: nothing leaves the
+    // producer until 200 ms after the first record, far longer than
+    // enqueueing a batch takes, so a failed request never has a follower of
+    // its partition in flight. The mock cannot play that case: it checks
+    // idempotent sequence numbers only for transactional producers, so it
+    // appends a follower a broker would refuse (OUT_OF_ORDER_SEQUENCE_NUMBER),
+    // and librdkafka, reading the follower's success as proof that the failed
+    // request was stored, acks the failed request's records without their
+    // ever being written ("IMPLICITACK ... implicitly acked by subsequent
+    // batch success", rd_kafka_dr_implicit_ack). That is right against a
+    // broker and loses records against the mock. The requests of the other
+    // partitions led by the same broker are still in flight when __TRANSPORT
+    // drops the connection.
+    opts.extra.insert("linger.ms".into(), "200".into());
     // Retries through six injected errors take seconds on a loaded 2-core
     // host; the test is about their order, not their speed.
     opts.publish_timeout = Duration::from_secs(30);
@@ -59,9 +70,8 @@ async fn internal_retries_of_failed_produce_requests_keep_every_key_in_order() {
 
     // Each error fails the next Produce request; __TRANSPORT makes the broker
     // drop the connection, failing every request in flight on it. The drain
-    // makes far more Produce requests than there are errors, so all of them
-    // are used up. Without idempotence, a retried request would land behind
-    // the ones that followed it.
+    // makes more Produce requests than there are errors (one a partition per
+    // batch, and the retries), so all of them are used up. Every event must arrive once, in its key's order.
     use RDKafkaRespErr::*;
     let errors = [
         RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
