@@ -121,6 +121,29 @@ fn json_list<T: ToString>(items: impl IntoIterator<Item = T>) -> String {
     format!("[{}]", body.join(","))
 }
 
+/// Frees the partitions of `leases` that `relay` still holds under the
+/// token named with each: one taken again since (a new token) stays held,
+/// so a hand-back or a leave arriving late frees nothing it should not.
+async fn release_held(
+    tx: &mut SqliteConnection,
+    relay: &RelayId,
+    leases: &[(Partition, i64)],
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "UPDATE ferry_partitions SET owner = NULL, expires_at = NULL
+          WHERE owner = ?1
+            AND EXISTS (SELECT 1 FROM json_each(?2) r
+                         WHERE json_extract(r.value, '$[0]') = ferry_partitions.partition
+                           AND json_extract(r.value, '$[1]') = ferry_partitions.token)",
+    )
+    .bind(&relay.0)
+    .bind(json_list(leases.iter().map(|(p, t)| format!("[{p},{t}]"))))
+    .execute(tx)
+    .await
+    .map_err(store_error)?;
+    Ok(())
+}
+
 fn lease_micros(d: Duration) -> i64 {
     d.as_micros().min(i64::MAX as u128) as i64
 }
@@ -202,20 +225,7 @@ impl Store for SqliteStore {
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;
-        // Released only under the token it was held by: a partition taken
-        // again since (a new token) stays held.
-        sqlx::query(
-            "UPDATE ferry_partitions SET owner = NULL, expires_at = NULL
-              WHERE owner = ?1
-                AND EXISTS (SELECT 1 FROM json_each(?2) r
-                             WHERE json_extract(r.value, '$[0]') = ferry_partitions.partition
-                               AND json_extract(r.value, '$[1]') = ferry_partitions.token)",
-        )
-        .bind(&relay.0)
-        .bind(json_list(release.iter().map(|(p, t)| format!("[{p},{t}]"))))
-        .execute(&mut *tx)
-        .await
-        .map_err(store_error)?;
+        release_held(&mut tx, relay, release).await?;
         // A lease that had expired is renewed under a new token, as if taken
         // again: a hand-back sent under the old one (by an earlier run of
         // this relay id, given up on) must not free it when it arrives.
@@ -268,19 +278,7 @@ impl Store for SqliteStore {
 
     async fn leave(&self, relay: &RelayId, held: &[(Partition, i64)]) -> Result<(), StoreError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(store_error)?;
-        // Released only under the token it was held by, as in a tick.
-        sqlx::query(
-            "UPDATE ferry_partitions SET owner = NULL, expires_at = NULL
-              WHERE owner = ?1
-                AND EXISTS (SELECT 1 FROM json_each(?2) r
-                             WHERE json_extract(r.value, '$[0]') = ferry_partitions.partition
-                               AND json_extract(r.value, '$[1]') = ferry_partitions.token)",
-        )
-        .bind(&relay.0)
-        .bind(json_list(held.iter().map(|(p, t)| format!("[{p},{t}]"))))
-        .execute(&mut *tx)
-        .await
-        .map_err(store_error)?;
+        release_held(&mut tx, relay, held).await?;
         sqlx::query("DELETE FROM ferry_relays WHERE id = ?1")
             .bind(&relay.0)
             .execute(&mut *tx)
