@@ -85,8 +85,9 @@ pub struct WebhookOptions {
     /// Headers sent with every request, e.g. `Authorization`; they win over
     /// an event's header of the same name. Default none.
     pub headers: BTreeMap<String, String>,
-    /// The longest an endpoint's `Retry-After` (on a 408, 409, 425, 429 or 5xx)
-    /// pauses every request to that URL, not only the refused one's. Keep
+    /// The longest an endpoint's `Retry-After` (on a 408, 425, 429 or 5xx)
+    /// pauses every request to that URL, not only the refused one's (a
+    /// 409's delays only its own event). Keep
     /// it at most the relay's longest retry delay (`relay.backoff_max`,
     /// which `ferry run` passes): a retry scheduled inside the pause would
     /// spend an attempt without being sent. Zero turns the pause off.
