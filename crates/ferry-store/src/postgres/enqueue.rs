@@ -105,15 +105,10 @@ pub async fn enqueue_batch(conn: &mut PgConnection, events: Vec<Event>) -> Resul
 }
 
 /// What the database refused, said in the caller's terms: the ferry schema
-/// missing (undefined schema, table, function, column: the SQLSTATEs the
-/// relay's `store_error` reads the same way), or an event without a
+/// missing (as the relay's `store_error` reads it), or an event without a
 /// dispatch key enqueued again.
 fn refused(e: sqlx::Error) -> EnqueueError {
-    let missing = e
-        .as_database_error()
-        .and_then(|db| db.code())
-        .is_some_and(|code| matches!(code.as_ref(), "3F000" | "42P01" | "42883" | "42703"));
-    if missing {
+    if super::error::missing_schema(&e) {
         return EnqueueError::NotMigrated(e);
     }
     id_taken(e)

@@ -9,13 +9,12 @@ pub fn store_error(err: sqlx::Error) -> StoreError {
         E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed | E::Protocol(_) => {
             StoreError::transient(format!("database unreachable: {err}"))
         }
+        E::Database(_) if missing_schema(&err) => StoreError::config(format!(
+            "{err}: the ferry schema is missing or out of date; run `ferry migrate`"
+        )),
         E::Database(db) => {
             let code = db.code().unwrap_or_default();
             match code.as_ref() {
-                // undefined schema, table, function, column
-                "3F000" | "42P01" | "42883" | "42703" => StoreError::config(format!(
-                    "{err}: the ferry schema is missing or out of date; run `ferry migrate`"
-                )),
                 // serialization failure, deadlock, too many connections, shutting down
                 "40001" | "40P01" | "53300" | "57P01" | "57P02" | "57P03" => StoreError::transient(err.to_string()),
                 // A wait cut short: a relay's tick behind an operator's
@@ -36,6 +35,14 @@ pub fn store_error(err: sqlx::Error) -> StoreError {
         }
         _ => StoreError::permanent(err.to_string()),
     }
+}
+
+/// Whether `err` says the ferry schema is missing or out of date: an
+/// undefined schema, table, function or column.
+pub(crate) fn missing_schema(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .and_then(|db| db.code())
+        .is_some_and(|code| matches!(code.as_ref(), "3F000" | "42P01" | "42883" | "42703"))
 }
 
 #[cfg(test)]

@@ -127,11 +127,8 @@ async fn write_one(conn: &mut SqliteConnection, event: &Event) -> Result<Enqueue
         Some(db) if db.is_unique_violation() && db.message().contains("ferry_events.id") => {
             crate::enqueue::stored_already(&id.to_string())
         }
-        // No ferry tables yet (the relay's `store_error` reads it the same
-        // way).
-        Some(db) if db.message().contains("no such table") || db.message().contains("no such column") => {
-            EnqueueError::NotMigrated(e)
-        }
+        // No ferry tables yet (as the relay's `store_error` reads it).
+        Some(_) if super::error::missing_schema(&e) => EnqueueError::NotMigrated(e),
         _ => e.into(),
     })?;
     if let Some(seq) = stored {

@@ -15,12 +15,9 @@ pub fn store_error(err: sqlx::Error) -> StoreError {
             // its low byte.
             let code: i64 = db.code().and_then(|c| c.parse().ok()).unwrap_or(1);
             match code & 0xff {
-                // SQLITE_ERROR: a missing table or column means an old schema.
-                1 if db.message().contains("no such table") || db.message().contains("no such column") => {
-                    StoreError::config(format!(
-                        "{err}: the ferry tables are missing or out of date; run `ferry migrate`"
-                    ))
-                }
+                1 if missing_schema(&err) => StoreError::config(format!(
+                    "{err}: the ferry tables are missing or out of date; run `ferry migrate`"
+                )),
                 // BUSY, LOCKED, IOERR, FULL, PROTOCOL
                 5 | 6 | 10 | 13 | 15 => StoreError::transient(err.to_string()),
                 // CANTOPEN: the file's directory is missing or not
@@ -38,4 +35,13 @@ pub fn store_error(err: sqlx::Error) -> StoreError {
         }
         _ => StoreError::permanent(err.to_string()),
     }
+}
+
+/// Whether `err` says the ferry tables are missing or out of date
+/// (SQLITE_ERROR: no such table or column).
+pub(crate) fn missing_schema(err: &sqlx::Error) -> bool {
+    err.as_database_error().is_some_and(|db| {
+        let code: i64 = db.code().and_then(|c| c.parse().ok()).unwrap_or(1);
+        code & 0xff == 1 && (db.message().contains("no such table") || db.message().contains("no such column"))
+    })
 }
