@@ -591,6 +591,28 @@ fn read_batches(path: &Path) -> std::io::Result<(Vec<ArchivedEvent>, Option<u64>
     }
 }
 
+/// The seqs of a batch, in order, whose payloads fit `max_bytes` together
+/// (always the first, however big), from `(seq, payload bytes)` in seq
+/// order; and, when some were left for the next batch, the last seq kept,
+/// which the batch's scan then ends at.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
+pub(crate) fn within_budget<N: Into<i64>>(
+    sizes: impl IntoIterator<Item = (i64, Option<N>)>,
+    max_bytes: u64,
+) -> (Vec<i64>, Option<i64>) {
+    let mut total = 0u64;
+    let mut kept = Vec::new();
+    for (seq, size) in sizes {
+        total = total.saturating_add(size.map_or(0, Into::into).max(0) as u64);
+        if total > max_bytes && !kept.is_empty() {
+            let last = kept.last().copied();
+            return (kept, last);
+        }
+        kept.push(seq);
+    }
+    (kept, None)
+}
+
 /// Whether a whole gzip member starts anywhere in `bytes` after its first.
 fn whole_member_after(bytes: &[u8]) -> bool {
     use std::io::Read;
@@ -642,6 +664,23 @@ mod tests {
         }
         file.cut_back(cut).unwrap();
         assert_eq!(read_batches(&file.path).unwrap(), (first, None));
+    }
+
+    #[test]
+    fn a_batch_keeps_the_payloads_within_its_budget_and_always_its_first() {
+        let sizes = |s: &[(i64, Option<i64>)]| s.to_vec();
+        assert_eq!(
+            within_budget(sizes(&[(1, Some(40)), (2, None), (3, Some(60)), (4, Some(1))]), 100),
+            (vec![1, 2, 3], Some(3))
+        );
+        assert_eq!(
+            within_budget(sizes(&[(7, Some(500)), (8, Some(1))]), 100),
+            (vec![7], Some(7))
+        );
+        assert_eq!(
+            within_budget(sizes(&[(1, Some(50)), (2, Some(50))]), 100),
+            (vec![1, 2], None)
+        );
     }
 
     #[test]

@@ -303,16 +303,9 @@ impl ExpiredBatch for PgExpired {
                 .fetch_all(self.store.pool())
                 .await
                 .map_err(store_error)?;
-        let mut total = 0u64;
-        let mut kept = Vec::with_capacity(seqs.len());
-        for (seq, size) in sizes {
-            total = total.saturating_add(size.unwrap_or(0).max(0) as u64);
-            if total > max_payload_bytes && !kept.is_empty() {
-                // The rest waits for the next batch.
-                self.scanned_to = *kept.last().expect("not empty");
-                break;
-            }
-            kept.push(seq);
+        let (kept, cut) = crate::retention::within_budget(sizes, max_payload_bytes);
+        if let Some(cut) = cut {
+            self.scanned_to = cut;
         }
         let rows = sqlx::query(READ_WHOLE)
             .bind(&kept)
