@@ -742,6 +742,71 @@ async fn the_relays_reads_probe_each_event_and_sort_nothing() {
     }
 }
 
+/// Retention's order-mark read (`retention_kept.sql`) looks up the kept
+/// dead and cancelled deliveries of each key of the batch by that key,
+/// under both the custom and the generic plan. Through the index by route
+/// and seq it read every dead delivery kept before the batch and compared
+/// each with every key of the batch: with `dead_window = "never"`, the
+/// default, a read that grew with the outbox's history, under retention's
+/// lock.
+#[tokio::test]
+async fn retentions_order_marks_read_kept_failures_by_key() {
+    let h = harness().await;
+    sqlx::raw_sql(
+        "INSERT INTO ferry.deliveries (seq, route, partition, key, state)
+         SELECT i, 'orders', 0, 'k-' || (i % 2000), CASE WHEN i % 2 = 0 THEN 'dead' ELSE 'cancelled' END
+           FROM generate_series(1, 40000) i;
+         INSERT INTO ferry.deliveries (seq, route, partition, key, state)
+         SELECT i, 'orders', 0, 'k-' || (i % 2000), 'published'
+           FROM generate_series(40001, 60000) i;
+         ANALYZE ferry.deliveries, ferry.unrouted, ferry.events",
+    )
+    .execute(&h.pool)
+    .await
+    .unwrap();
+    let mut conn = h.pool.acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "PREPARE retention_kept(bigint[], text[], bigint) AS {}",
+        include_str!("../src/postgres/sql/retention_kept.sql")
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    // The batch: the first 500 published events, each of a key with kept
+    // failures before it.
+    let seqs: Vec<String> = (40_001..=40_500).map(|i: i64| i.to_string()).collect();
+    let keys: Vec<String> = (40_001..=40_500).map(|i: i64| format!("k-{}", i % 2000)).collect();
+    let execute = format!(
+        "EXECUTE retention_kept('{{{}}}', '{{{}}}', 40500)",
+        seqs.join(","),
+        keys.join(",")
+    );
+    for mode in ["force_custom_plan", "force_generic_plan"] {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let plan: serde_json::Value =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (FORMAT JSON) {execute}")))
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+        let nodes = plan_nodes(&plan);
+        let wrong: Vec<_> = nodes
+            .iter()
+            .filter(|(n, _)| {
+                n["Index Name"] == "deliveries_dead"
+                    || (n["Relation Name"] == "deliveries" && n["Node Type"] == "Seq Scan")
+            })
+            .collect();
+        assert!(wrong.is_empty(), "{mode}: {wrong:#?} in {plan:#}");
+        assert!(
+            nodes.iter().any(|(n, _)| n["Index Name"] == "deliveries_failed_key"),
+            "{mode}: {plan:#}"
+        );
+    }
+}
+
 /// Every node of an `EXPLAIN (FORMAT JSON)` result, with whether it runs
 /// inside a subplan.
 fn plan_nodes(plan: &serde_json::Value) -> Vec<(&serde_json::Value, bool)> {

@@ -81,6 +81,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("migrations/0030_tick_release_tokens.sql"),
     ),
     (31, "purged_order", include_str!("migrations/0031_purged_order.sql")),
+    (
+        32,
+        "failed_key_index",
+        include_str!("migrations/0032_failed_key_index.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

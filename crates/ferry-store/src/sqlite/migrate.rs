@@ -18,6 +18,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("migrations/0006_inbox_unfinished.sql"),
     ),
     (7, "purged_order", include_str!("migrations/0007_purged_order.sql")),
+    (
+        8,
+        "failed_key_index",
+        include_str!("migrations/0008_failed_key_index.sql"),
+    ),
 ];
 
 #[derive(Debug, thiserror::Error)]

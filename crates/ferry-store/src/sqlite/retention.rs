@@ -366,9 +366,9 @@ impl ExpiredBatch for SqliteExpired {
 /// `ferry_purged_order` what a requeue's order check needs of its published
 /// deliveries, and drops the marks of its keys that no kept delivery sits
 /// before any more. As in PostgreSQL (`retention_kept.sql`, migration 31),
-/// read through indexes: pending and dead deliveries by key, dead and
-/// cancelled ones through their partial index, unrouted events before the
-/// batch's end (or its keys' latest mark).
+/// read through indexes by the batch's keys: pending and dead deliveries,
+/// dead and cancelled ones (`ferry_deliveries_failed_key`, schema 8),
+/// unrouted events before the batch's end (or its keys' latest mark).
 async fn mark_order(conn: &mut SqliteConnection, events: &[ArchivedEvent]) -> Result<(), sqlx::Error> {
     let mut keys: Vec<&str> = events.iter().filter_map(|e| e.key.as_deref()).collect();
     keys.sort_unstable();
@@ -389,9 +389,9 @@ async fn mark_order(conn: &mut SqliteConnection, events: &[ArchivedEvent]) -> Re
                   WHERE r.key IN (SELECT value FROM json_each(?2)) AND r.key IS NOT NULL
                     AND r.state IN ('pending', 'dead') AND r.seq < ?3
                  UNION ALL
-                 SELECT r.key, r.seq FROM ferry_deliveries r INDEXED BY ferry_deliveries_dead
-                  WHERE r.state IN ('dead', 'cancelled') AND r.seq < ?3
-                    AND r.key IN (SELECT value FROM json_each(?2))
+                 SELECT r.key, r.seq FROM ferry_deliveries r INDEXED BY ferry_deliveries_failed_key
+                  WHERE r.key IN (SELECT value FROM json_each(?2)) AND r.key IS NOT NULL
+                    AND r.state IN ('dead', 'cancelled') AND r.seq < ?3
                  UNION ALL
                  SELECT e.key, e.seq FROM ferry_unrouted u CROSS JOIN ferry_events e ON e.seq = u.seq
                   WHERE u.seq < ?3 AND e.key IN (SELECT value FROM json_each(?2))) k

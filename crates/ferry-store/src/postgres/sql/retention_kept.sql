@@ -2,10 +2,10 @@
 -- unrouted event the delete leaves before the batch's last event: what a
 -- requeue could still send after the batch's published deliveries of that
 -- key, which the order marks (ferry.purged_order) are kept for. Read through
--- indexes, never the whole outbox: pending and dead deliveries by their key
--- (deliveries_held), dead and cancelled ones before the batch's end
--- (deliveries_dead: every delivery failed and kept), and the unrouted events
--- before it. A published delivery kept because its event has a dead,
+-- indexes by the batch's keys, never the whole outbox nor every delivery
+-- failed and kept: pending and dead deliveries (deliveries_held), dead and
+-- cancelled ones before the batch's end (deliveries_failed_key, migration
+-- 32), and the unrouted events before it. A published delivery kept because its event has a dead,
 -- cancelled or pending one is found through that one (same seq and key).
 -- $1 the batch's seqs, $2 its keys, $3 its last seq
 SELECT k.key, min(k.seq)
