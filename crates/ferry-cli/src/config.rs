@@ -572,6 +572,7 @@ fn validate(raw: RawConfig, from_file: bool) -> Result<Config, ConfigError> {
     }
     let routes = routes(&mut check, raw.routes, &declared);
     maxlen_routes(&mut check, &sinks, &routes);
+    shared_streams(&mut check, &sinks, &routes);
     routing_keys(&mut check, &sinks, &routes);
     check.finish(Config {
         database,
@@ -1124,6 +1125,50 @@ fn maxlen_routes(check: &mut Checker, sinks: &BTreeMap<String, SinkSpec>, routes
                 Some(_) => continue,
             };
             check.problem(format!("sinks.{name}.maxlen_per_route.{route}"), message);
+        }
+    }
+}
+
+/// `MAXLEN ~ n` trims the whole stream, whichever route's XADD carries it:
+/// two routes of one Redis sink that write the same stream with different
+/// trimming would trim each other's entries, so the one promised less
+/// trimming (or none) would not get it. Templates are not compared: which
+/// keys they render to is known only per event (the README says to keep
+/// such routes on streams apart).
+fn shared_streams(check: &mut Checker, sinks: &BTreeMap<String, SinkSpec>, routes: &[Route]) {
+    let shown = |maxlen: Option<u64>| maxlen.map_or("none (no trimming)".to_owned(), |n| n.to_string());
+    for (name, sink) in sinks {
+        let SinkSpec::Redis(redis) = sink else { continue };
+        // The route's trimming, and the field that sets it.
+        let maxlen = |route: &str| match redis.maxlen_per_route.get(route) {
+            Some(&n) => ((n > 0).then_some(n), format!("sinks.{name}.maxlen_per_route.{route}")),
+            None => (redis.maxlen_default, format!("sinks.{name}.maxlen")),
+        };
+        let literal: Vec<&Route> = routes
+            .iter()
+            .filter(|r| r.sink == *name && !r.destination.contains('{'))
+            .collect();
+        for (i, later) in literal.iter().enumerate() {
+            let (later_n, field) = maxlen(&later.name);
+            let Some(earlier) = literal[..i]
+                .iter()
+                .find(|r| r.destination == later.destination && maxlen(&r.name).0 != later_n)
+            else {
+                continue;
+            };
+            check.problem(
+                field,
+                format!(
+                    "routes {:?} (maxlen {}) and {:?} (maxlen {}) both write stream {:?}, and XADD MAXLEN trims \
+                     the whole stream, so one route's trimming removes the other's entries too; give them the \
+                     same maxlen, or separate streams",
+                    earlier.name,
+                    shown(maxlen(&earlier.name).0),
+                    later.name,
+                    shown(later_n),
+                    later.destination
+                ),
+            );
         }
     }
 }

@@ -1145,3 +1145,45 @@ fn wal_mode_is_checked_against_the_database_and_names() {
         "{err}"
     );
 }
+
+#[test]
+fn redis_routes_writing_one_stream_must_trim_it_alike() {
+    let routes = "[[routes]]\nname = \"audit\"\nmatch = \"**\"\nsink = \"r\"\ndestination = \"events\"\n\
+                  [[routes]]\nname = \"metrics\"\nmatch = \"metric.*\"\nsink = \"r\"\ndestination = \"events\"\n";
+    let e = errors_with(&format!(
+        "[sinks.r]\nkind = \"redis\"\n[sinks.r.maxlen_per_route]\naudit = 0\nmetrics = 100\n{routes}"
+    ));
+    assert_eq!(
+        e,
+        "sinks.r.maxlen_per_route.metrics: routes \"audit\" (maxlen none (no trimming)) and \"metrics\" \
+         (maxlen 100) both write stream \"events\", and XADD MAXLEN trims the whole stream, so one route's \
+         trimming removes the other's entries too; give them the same maxlen, or separate streams"
+    );
+    // A route on the sink's default counts with it; the field named is the
+    // one that sets the later route's trimming.
+    let e = errors_with(&format!(
+        "[sinks.r]\nkind = \"redis\"\nmaxlen = 100\n[sinks.r.maxlen_per_route]\naudit = 0\n{routes}"
+    ));
+    assert!(e.starts_with("sinks.r.maxlen: routes \"audit\""), "{e}");
+    // The same trimming, separate streams, templates (known only per event)
+    // and other sinks' streams of the same name are all accepted.
+    for ok in [
+        format!("[sinks.r]\nkind = \"redis\"\nmaxlen = 100\n{routes}"),
+        format!("[sinks.r]\nkind = \"redis\"\n[sinks.r.maxlen_per_route]\naudit = 0\nmetrics = 0\n{routes}"),
+        format!(
+            "[sinks.r]\nkind = \"redis\"\n[sinks.r.maxlen_per_route]\nmetrics = 100\n{}",
+            routes.replacen("destination = \"events\"", "destination = \"audit\"", 1)
+        ),
+        format!(
+            "[sinks.r]\nkind = \"redis\"\n[sinks.r.maxlen_per_route]\nmetrics = 100\n{}",
+            routes.replacen("destination = \"events\"", "destination = \"events{domain}\"", 1)
+        ),
+        format!(
+            "[sinks.r]\nkind = \"redis\"\n[sinks.s]\nkind = \"redis\"\n[sinks.r.maxlen_per_route]\nmetrics = 100\n{}",
+            routes.replacen("sink = \"r\"", "sink = \"s\"", 1)
+        ),
+    ] {
+        let toml = format!("{MINIMAL}{ok}");
+        assert!(from_toml_str(&toml).is_ok(), "{toml}");
+    }
+}

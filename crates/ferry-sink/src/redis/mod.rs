@@ -164,6 +164,10 @@ struct Link {
     /// Whether the last request got through: the first failure after that
     /// is a loss, retried at once; only repeated failures back off.
     up: bool,
+    /// Whether Redis answered a request on `connection` yet. The connection
+    /// manager connects on first use, so only an answer shows it opened;
+    /// `ferry_sink_connections_total` counts it then.
+    opened: bool,
 }
 
 impl Link {
@@ -180,6 +184,14 @@ impl Link {
     fn succeeded(&mut self) {
         self.up = true;
         self.backoff.succeeded();
+        self.answered();
+    }
+
+    /// Redis answered on the connection: counted the first time.
+    fn answered(&mut self) {
+        if !std::mem::replace(&mut self.opened, true) {
+            crate::connected("redis");
+        }
     }
 }
 
@@ -213,6 +225,7 @@ impl RedisSink {
                 connection: None,
                 backoff: Backoff::new(options.reconnect_max_delay),
                 up: false,
+                opened: false,
             }),
             options,
         }
@@ -255,7 +268,7 @@ impl RedisSink {
         let connection = ConnectionManager::new_lazy_with_config(client, config)
             .map_err(|e| SinkError::config(format!("setting up the Redis connection: {e}")))?;
         link.connection = Some(connection.clone());
-        crate::connected("redis");
+        link.opened = false;
         Ok(connection)
     }
 }
@@ -307,8 +320,16 @@ impl Sink for RedisSink {
         )
         .await;
         abandoned.finished();
+        // A batch none of which was sent made no request: it tells nothing
+        // about the connection.
         match &published.connection_in_doubt {
-            Some(error) => link.failed(error),
+            _ if !published.sent => {}
+            Some(error) => {
+                if published.answered {
+                    link.answered();
+                }
+                link.failed(error);
+            }
             None => link.succeeded(),
         }
         log_published("Redis", route, events, &published.outcomes);

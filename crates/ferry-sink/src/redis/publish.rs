@@ -54,6 +54,12 @@ pub(super) struct Published {
     /// Set when the request itself failed, which puts the connection in
     /// doubt; the caller then replaces it.
     pub(super) connection_in_doubt: Option<SinkError>,
+    /// Whether any of the batch was sent (some events may have been
+    /// refused before sending).
+    pub(super) sent: bool,
+    /// Whether Redis answered the pipeline, even if the answers put the
+    /// connection in doubt (`READONLY`).
+    pub(super) answered: bool,
 }
 
 /// `sink` is the sink's name in the config, for the fixes errors name.
@@ -141,6 +147,8 @@ pub(super) async fn publish_batch(
             _ => None,
         }),
     };
+    let sent = !keys.is_empty();
+    let answered = sent && replies.is_ok();
     let mut replies = replies.map(|r| r.into_iter().zip(keys));
     let outcomes: Vec<PublishOutcome> = prepared
         .into_iter()
@@ -161,5 +169,7 @@ pub(super) async fn publish_batch(
     Published {
         outcomes,
         connection_in_doubt,
+        sent,
+        answered,
     }
 }

@@ -63,6 +63,38 @@ async fn an_unreachable_server_fails_fast_and_transiently() {
 }
 
 #[tokio::test]
+async fn only_a_connection_redis_answered_on_counts_as_opened() {
+    // The test's runtime has one thread, so a thread-local recorder sees all.
+    let counts = ferry_testkit::metrics::Counts::by_label("kind");
+    let _recorder = metrics::set_default_local_recorder(&counts);
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let down = sink_through(closed, Duration::from_secs(2));
+    let events = keyed(2, |seq| format!("k{seq}"));
+    // Attempts at once, then after the first (200 ms) and second (400 ms)
+    // backoff periods: each makes a connection that never opens.
+    for pause in [0, 250, 450] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let outcomes = down.publish(&route("test", "anything"), &events).await;
+        expect_err(&outcomes[0], ErrorKind::Transient, "");
+    }
+    down.close().await;
+    assert_eq!(counts.get(ferry_sink::CONNECTIONS_METRIC, "redis"), 0);
+
+    let stream = TestStream::new("counted").await;
+    let up = sink_through(upstream(), Duration::from_secs(2));
+    for _ in 0..2 {
+        let outcomes = up.publish(&route("test", &stream.key), &events).await;
+        assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+    }
+    up.close().await;
+    assert_eq!(counts.get(ferry_sink::CONNECTIONS_METRIC, "redis"), 1);
+    stream.delete().await;
+}
+
+#[tokio::test]
 async fn a_publish_during_an_outage_fails_transiently_and_the_sink_recovers() {
     let stream = TestStream::new("outage").await;
     let proxy = Proxy::start(upstream()).unwrap();
