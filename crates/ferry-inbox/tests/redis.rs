@@ -719,6 +719,77 @@ async fn entries_trimmed_before_the_group_read_them_are_reported() {
     env.cleanup().await;
 }
 
+/// A group that has read past a gap and still trails the stream by far more
+/// than a batch (270 entries after its last-delivered id, 10 up to it) is
+/// told of the loss at once, not only once it has caught up: the consumer
+/// reports it before it handles anything.
+#[tokio::test]
+async fn a_gap_the_group_read_past_is_reported_while_the_group_trails_the_stream() {
+    let env = Env::new("inbox-redis-trim-trailing").await;
+    let name = unique_name("billing");
+    let inbox = Inbox::new(env.db.pool.clone(), name.as_str()).unwrap();
+    let consumer = RedisConsumer::new(inbox, env.options(redis_url(), "only")).unwrap();
+    let lost = || counts().get(ferry_inbox::metrics::LOST, &name);
+    env.create_group().await;
+    let mut add = redis::pipe();
+    for _ in 0..300 {
+        let mut cmd = redis::cmd("XADD");
+        ferry_entry(cmd.arg(&env.stream).arg("*"));
+        add.add_command(cmd).ignore();
+    }
+    let () = add.query_async(&mut env.redis.clone()).await.unwrap();
+    let ack = async |ids: Vec<String>| {
+        let _: i64 = redis::cmd("XACK")
+            .arg(&env.stream)
+            .arg("billing")
+            .arg(&ids)
+            .query_async(&mut env.redis.clone())
+            .await
+            .unwrap();
+    };
+    ack(env.read_as("earlier").await).await;
+    // The 10 entries after those read are trimmed; the group reads past them.
+    let kept: Vec<(String, HashMap<String, String>)> = redis::cmd("XRANGE")
+        .arg(&env.stream)
+        .arg("-")
+        .arg("+")
+        .arg("COUNT")
+        .arg(21)
+        .query_async(&mut env.redis.clone())
+        .await
+        .unwrap();
+    let _: i64 = redis::cmd("XTRIM")
+        .arg(&env.stream)
+        .arg("MINID")
+        .arg(&kept[20].0)
+        .query_async(&mut env.redis.clone())
+        .await
+        .unwrap();
+    ack(env.read_as("earlier").await).await;
+    let (open, gate) = tokio::sync::watch::channel(false);
+    let (stop, stopped) = oneshot::channel::<()>();
+    let scenario = async {
+        wait("the gap reported, nothing handled yet", || async { lost() == 10 }).await;
+        assert_eq!(consumer.report().processed, 0);
+        open.send(true).unwrap();
+        wait("the rest handled", || async { consumer.report().processed == 270 }).await;
+        let _ = stop.send(());
+    };
+    let handler = async |_: &mut PgConnection, _: &ReceivedEvent| {
+        let _ = gate.clone().wait_for(|open| *open).await;
+        Ok(())
+    };
+    let (report, ()) = tokio::join!(
+        consumer.run(handler, async {
+            let _ = stopped.await;
+        }),
+        scenario
+    );
+    assert_eq!(report.unwrap().processed, 270);
+    assert_eq!(lost(), 10, "reported once");
+    env.cleanup().await;
+}
+
 /// Entries read but not yet acknowledged can be trimmed too: this member's
 /// own (read before a restart) come back from the pending list without
 /// fields, another member's are named as deleted by XAUTOCLAIM. Each is

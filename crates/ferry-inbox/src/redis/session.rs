@@ -53,6 +53,8 @@ pub(super) struct Session<'a, H> {
     started: bool,
     /// The server refused the renewal of waiting entries ([`Self::keep_waiting`]).
     renew_refused: bool,
+    /// The trim check could not count, and said so ([`Self::report_trimmed`]).
+    untold_said: bool,
 }
 
 impl<'a, H> Session<'a, H>
@@ -73,6 +75,7 @@ where
             later: Vec::new(),
             renew_refused: false,
             started: false,
+            untold_said: false,
         }
     }
 
@@ -328,8 +331,9 @@ where
 
     /// Reports entries trimmed from the stream before the group read them:
     /// an error and [`metrics::LOST`], once per loss (the check records it in
-    /// the group); at start, also when this Redis cannot tell.
-    async fn report_trimmed(&self, conn: &mut MultiplexedConnection, at_start: bool) -> Result<(), RedisError> {
+    /// the group); at start, also when this Redis cannot tell; the first time
+    /// the check cannot count, why.
+    async fn report_trimmed(&mut self, conn: &mut MultiplexedConnection, at_start: bool) -> Result<(), RedisError> {
         let o = self.options;
         let consumer = self.inbox.consumer();
         match trim::unread_lost(conn, &o.stream, &o.group).await? {
@@ -351,6 +355,11 @@ where
             Unread::Unsupported(why) => {
                 if at_start {
                     warn!(stream = %o.stream, group = %o.group, "entries trimmed before the group reads them cannot be detected: {why}");
+                }
+            }
+            Unread::Untold(why) => {
+                if !std::mem::replace(&mut self.untold_said, true) {
+                    warn!(stream = %o.stream, group = %o.group, "entries trimmed before the group read them cannot be counted now (said once per connection): {why}");
                 }
             }
         }

@@ -6,12 +6,19 @@
 -- group's last-delivered id leaves the loss. The group's counter is then set
 -- to the truth, in this same script, so that each loss is reported once.
 --
+-- Redis cannot count a range of a stream without returning its entries, so
+-- the script counts the smaller side of the last-delivered id, at most
+-- ARGV[2] entries each: the entries after it (few when the group keeps up),
+-- else those from the stream's first entry up to it (few when the group
+-- trails a trimmed stream), the entries after it being the length less
+-- those.
+--
 -- Returns {lost, last-delivered id, first entry id or ''} when entries were
 -- lost; otherwise {0, '', ''}, or {-1, '', ''} when this Redis keeps no
--- counters (before 7.0), or {-2, '', ''} when it cannot tell now: the
--- counters are unknown, or more than ARGV[2] entries follow the
--- last-delivered id and a gap may be among them (told once the group has
--- caught up).
+-- counters (before 7.0), or {-2, '', ''} when Redis does not know the
+-- group's counters now (entries deleted with XDEL after the last-delivered
+-- id, or a group set to an id without ENTRIESREAD), or {-3, last-delivered
+-- id, ''} when more than ARGV[2] entries lie on each side of it.
 local function field(reply, name)
   for i = 1, #reply, 2 do
     if reply[i] == name then return reply[i + 1] end
@@ -27,6 +34,7 @@ if not group then return {0, '', ''} end
 local lag, read = field(group, 'lag'), field(group, 'entries-read')
 if lag == nil then return {-1, '', ''} end
 if not lag or not read then return {-2, '', ''} end
+if lag == 0 then return {0, '', ''} end
 local stream = redis.call('XINFO', 'STREAM', KEYS[1])
 local length, added = field(stream, 'length'), field(stream, 'entries-added')
 local last = field(group, 'last-delivered-id')
@@ -36,8 +44,13 @@ if length > 0 and #redis.call('XRANGE', KEYS[1], '-', last, 'COUNT', 1) == 0 the
   first = field(stream, 'first-entry')[1]
 elseif length > 0 then
   local limit = tonumber(ARGV[2])
-  after = #redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', limit + 1)
-  if after > limit then return {-2, '', ''} end
+  -- No more than `lag` entries follow the last-delivered id.
+  after = #redis.call('XRANGE', KEYS[1], '(' .. last, '+', 'COUNT', math.min(limit, lag) + 1)
+  if after > limit then
+    local upto = #redis.call('XRANGE', KEYS[1], '-', last, 'COUNT', limit + 1)
+    if upto > limit then return {-3, last, ''} end
+    after = length - upto
+  end
 end
 local lost = lag - after
 if lost <= 0 then return {0, '', ''} end
