@@ -24,6 +24,11 @@ struct Unrecorded {
     failed_keys: HashSet<String>,
 }
 
+/// The pause before a batch the sink held back whole is published again,
+/// doubled while the sink keeps holding back, up to the longest.
+const HELD_BACK_PAUSE_MIN: Duration = Duration::from_millis(50);
+const HELD_BACK_PAUSE_MAX: Duration = Duration::from_secs(1);
+
 /// One route's worker: claim due deliveries in outbox order, publish them as
 /// one pipelined batch, record every outcome.
 ///
@@ -47,6 +52,8 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
     // Set while the destination fails every publish transiently; the first
     // confirm after that counts as getting it back.
     let mut destination_down = false;
+    // Before publishing again what the sink held back whole.
+    let mut held_back_pause = HELD_BACK_PAUSE_MIN;
     shared.progress.worker_started();
     loop {
         if shared.cancel.is_cancelled() {
@@ -118,6 +125,7 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
         shared.progress.advanced();
         // Left out, they stay pending and are claimed again once the failure
         // before them is recorded (and then held back by the store).
+        let due = claimed.len();
         let claimed: Vec<Claimed> = if failed_keys.is_empty() {
             claimed
         } else {
@@ -131,6 +139,22 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 // The previous batch was just recorded; what it held back
                 // may be due now.
                 drop(gate);
+                continue;
+            }
+            if due > 0 {
+                // All left out, and nothing of the previous batch to record:
+                // the sink held every event of it back (no request slot
+                // freed in time, say). They are pending and due, but
+                // `next_due` sees only retries, so the slow poll would
+                // leave them for minutes. Publish them again after a short
+                // pause, longer while the sink keeps holding back.
+                drop(gate);
+                tokio::select! {
+                    _ = wake.notified() => {}
+                    _ = tokio::time::sleep(held_back_pause.min(shared.settings.poll_interval * 4)) => {}
+                    _ = shared.cancel.cancelled() => return,
+                }
+                held_back_pause = (held_back_pause * 2).min(HELD_BACK_PAUSE_MAX);
                 continue;
             }
             let next = shared.store.next_due(&owned, &route.name, now).await;
@@ -240,6 +264,9 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, route: Ro
                 })
                 .unzip()
         };
+        if !recorded.is_empty() {
+            held_back_pause = HELD_BACK_PAUSE_MIN;
+        }
         debug!(route = %route.name, events = claimed.len(), ?claim_took, ?record_took, ?publish_took, "batch published");
         let batch = Unrecorded {
             owned,
@@ -281,12 +308,24 @@ async fn record<S: Store, C: Clock>(shared: &Shared<S, C>, route: &Route, batch:
         match shared.store.record(owned, &route.name, recorded, now).await {
             Ok(applied) => {
                 // Counted once written: what was not is published again by
-                // whoever claims it next, and counted then.
+                // whoever claims it next, and counted then. After a failed
+                // attempt, outcomes the fence finds stale were written by it
+                // (it committed, its answer was lost) as long as their
+                // partitions are still held under the same tokens: those
+                // are no refusal.
                 let partitions: Vec<_> = claimed.iter().map(|c| c.partition).collect();
                 let written = shared.written(owned, &partitions, applied, failures > 0);
                 let outcomes = claimed.iter().zip(recorded).zip(&written);
                 account(shared, &route.name, outcomes.filter(|(_, w)| **w).map(|(o, _)| o), now);
-                let refused = recorded.len() as u64 - applied.min(recorded.len() as u64);
+                let n = recorded.len() as u64;
+                let refused = if failures > 0 {
+                    written.iter().filter(|w| !**w).count() as u64
+                } else {
+                    n - applied.min(n)
+                };
+                if failures > 0 && applied < n && refused == 0 {
+                    debug!(route = %route.name, events = n, applied, "a record whose answer was lost had written the outcomes");
+                }
                 if refused > 0 {
                     warn!(route = %route.name, refused, "outcomes refused: lease lost or delivery moved on");
                     shared.counters.refused.fetch_add(refused, Ordering::Relaxed);
