@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ferry_core::{Event, EventId, Sink};
-use ferry_inbox::rabbitmq::{DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, RabbitMqConsumer, RabbitMqConsumerOptions};
+use ferry_inbox::rabbitmq::{
+    DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, DEAD_USER_ID_HEADER, RabbitMqConsumer, RabbitMqConsumerOptions,
+};
 use ferry_inbox::{HandlerError, Inbox, ReceivedEvent};
 use ferry_sink::rabbitmq::{RabbitMqOptions, RabbitMqSink};
 use ferry_testkit::pg::TestDb;
@@ -914,5 +916,133 @@ async fn an_inbox_table_before_schema_25_stops_the_consumer_saying_to_migrate() 
     let report = consumer.report();
     assert_eq!((report.processed, report.inbox_unavailable), (1, 0), "{report:?}");
     wait("the message back in the queue", || async { env.ready().await == 1 }).await;
+    env.cleanup().await;
+}
+
+/// A RabbitMQ user of the test's own, for a producer other than the
+/// consumer; deleted on drop.
+struct BrokerUser {
+    name: String,
+    password: String,
+}
+
+impl BrokerUser {
+    fn create(prefix: &str) -> BrokerUser {
+        let user = BrokerUser {
+            name: unique_name(prefix),
+            password: unique_name("password"),
+        };
+        rabbitmqctl(&["add_user", &user.name, &user.password]);
+        rabbitmqctl(&["set_permissions", "-p", "/", &user.name, ".*", ".*", ".*"]);
+        user
+    }
+
+    /// A connection to the broker as this user.
+    async fn connect(&self) -> Connection {
+        let mut uri: lapin::uri::AMQPUri = amqp_url().parse().unwrap();
+        uri.authority.userinfo.username = self.name.clone();
+        uri.authority.userinfo.password = self.password.clone();
+        Connection::connect_uri(uri, ConnectionProperties::default())
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for BrokerUser {
+    /// Without asserting: a panic here, while a failed test unwinds, would
+    /// abort the test binary.
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["delete_user", &self.name])
+            .stdout(std::process::Stdio::null())
+            .status();
+    }
+}
+
+fn rabbitmqctl(args: &[&str]) {
+    let status = std::process::Command::new("rabbitmqctl")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("rabbitmqctl runs");
+    assert!(status.success(), "rabbitmqctl {args:?}: {status}");
+}
+
+/// A message published by another producer with `user_id` set (RabbitMQ
+/// checks it against the publishing connection's user; Spring AMQP can set
+/// it) kept its `user_id` in the dead copy the consumer published as its
+/// own user: the broker closed the channel (406 PRECONDITION_FAILED), the
+/// session ended, and the message came back first after every reconnect,
+/// nothing behind it handled. The dead copy now leaves `user_id` out and
+/// carries it in `ferry-dead-user-id`.
+#[tokio::test]
+async fn a_message_with_another_users_user_id_is_dead_lettered_and_the_rest_flow() {
+    let env = Env::new("inbox-user-id").await;
+    let consumer = RabbitMqConsumer::new(
+        Inbox::new(env.db.pool.clone(), "billing").unwrap(),
+        env.options(amqp_url()),
+    )
+    .unwrap();
+    env.declare(&consumer).await;
+    let producer = BrokerUser::create("inbox-producer");
+    let amqp = producer.connect().await;
+    let channel = amqp.create_channel().await.unwrap();
+    let long = |s: &str| AMQPValue::LongString(s.as_bytes().into());
+    let mut event = FieldTable::default();
+    event.insert("cloudEvents:id".into(), long(&EventId::new().to_string()));
+    event.insert("cloudEvents:type".into(), long("order.item.created"));
+    // No event id first, then an event.
+    for (body, headers) in [(&b"not an event"[..], FieldTable::default()), (b"{\"n\": 1}", event)] {
+        let properties = BasicProperties::default()
+            .with_headers(headers)
+            .with_user_id(producer.name.as_str().into());
+        channel
+            .basic_publish(
+                "".into(),
+                env.queue.as_str().into(),
+                BasicPublishOptions::default(),
+                body,
+                properties,
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let _ = amqp.close(200, "OK".into()).await;
+
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(effect, async {
+        let _ = stopped.await;
+    });
+    let scenario = async {
+        wait("the message dead-lettered, the event processed", || async {
+            let r = consumer.report();
+            r.malformed >= 1 && r.processed == 1
+        })
+        .await;
+        let dead = env.dead_letters(1).await;
+        let _ = stop.send(());
+        dead
+    };
+    let (report, dead) = tokio::join!(run, scenario);
+    let report = report.unwrap();
+    assert_eq!(
+        (report.malformed, report.processed, report.reconnects),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    env.db.assert_effects_once(1).await;
+    let p = &dead[0].properties;
+    assert_eq!(p.user_id(), &None);
+    let headers = p.headers().as_ref().unwrap().inner();
+    match headers.get(DEAD_USER_ID_HEADER) {
+        Some(AMQPValue::LongString(s)) => assert_eq!(s.to_string(), producer.name),
+        other => panic!("{other:?}"),
+    }
+    match headers.get(DEAD_REASON_HEADER) {
+        Some(AMQPValue::LongString(s)) => assert!(s.to_string().starts_with("malformed message"), "{s}"),
+        other => panic!("{other:?}"),
+    }
     env.cleanup().await;
 }

@@ -50,6 +50,10 @@ pub const DEAD_REASON_HEADER: &str = "ferry-dead-reason";
 pub const DEAD_CONSUMER_HEADER: &str = "ferry-dead-consumer";
 /// Header of a dead-lettered message: the queue it was consumed from.
 pub const DEAD_QUEUE_HEADER: &str = "ferry-dead-queue";
+/// Header of a dead-lettered message: the original's `user_id`, left out of
+/// the dead copy since RabbitMQ refuses a publish whose `user_id` is not the
+/// publishing connection's user.
+pub const DEAD_USER_ID_HEADER: &str = "ferry-dead-user-id";
 
 /// How a [`RabbitMqConsumer`] connects, what it consumes, and where dead
 /// messages go.

@@ -17,7 +17,9 @@ use tokio::task::JoinSet;
 use tokio::time::timeout;
 use tracing::{debug, error, warn};
 
-use super::{DEAD_CONSUMER_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, RabbitMqConsumerOptions, decode};
+use super::{
+    DEAD_CONSUMER_HEADER, DEAD_QUEUE_HEADER, DEAD_REASON_HEADER, DEAD_USER_ID_HEADER, RabbitMqConsumerOptions, decode,
+};
 use crate::runner::{Counters, bounded_reason};
 use crate::{HandlerError, Inbox, InboxError, Outcome, ReceivedEvent, metrics};
 
@@ -349,6 +351,9 @@ where
         headers.insert(DEAD_REASON_HEADER.into(), long(bounded_reason(reason)));
         headers.insert(DEAD_CONSUMER_HEADER.into(), long(self.inbox.consumer()));
         headers.insert(DEAD_QUEUE_HEADER.into(), long(&self.options.queue));
+        if let Some(user) = delivery.properties.user_id() {
+            headers.insert(DEAD_USER_ID_HEADER.into(), long(user.as_str()));
+        }
         let properties = dead_letter_properties(&delivery.properties, headers);
         let options = BasicPublishOptions {
             mandatory: true,
@@ -465,6 +470,10 @@ fn reply_code(error: &lapin::Error) -> Option<u16> {
 /// as RabbitMQ's own dead-lettering does: a message that had a TTL or was
 /// sent transient would otherwise vanish from the dead-letter queue when
 /// the TTL ran out or the broker restarted, after the original was acked.
+/// Without its `user_id` too (the caller puts it in
+/// [`DEAD_USER_ID_HEADER`]): RabbitMQ refuses a publish whose `user_id` is
+/// not the connection's user, closing the channel, and the message, back
+/// first in the queue, would be refused again for ever.
 fn dead_letter_properties(original: &BasicProperties, headers: FieldTable) -> BasicProperties {
     let o = original;
     let mut p = BasicProperties::default().with_headers(headers).with_delivery_mode(2);
@@ -491,9 +500,6 @@ fn dead_letter_properties(original: &BasicProperties, headers: FieldTable) -> Ba
     }
     if let Some(v) = o.kind() {
         p = p.with_type(v.clone());
-    }
-    if let Some(v) = o.user_id() {
-        p = p.with_user_id(v.clone());
     }
     if let Some(v) = o.app_id() {
         p = p.with_app_id(v.clone());
