@@ -10,6 +10,7 @@ use tokio::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use crate::bounded::Bounded;
 use crate::{RelaySettings, lease, router, worker};
 
 /// The longest the relay waits, after its workers stopped, to hand its leases
@@ -446,6 +447,11 @@ impl<S: Store, C: Clock> Relay<S, C> {
             #[cfg(feature = "wal")]
             wal,
         } = self;
+        // Every call the relay's tasks make goes through this bound: a
+        // connection gone silent fails the call instead of holding the
+        // router or a worker on it while the lease keeper, on connections
+        // of its own, goes on renewing the leases.
+        let store = Bounded::new(store, settings.store_timeout());
         let mut shutdown = std::pin::pin!(shutdown);
         // Fail fast on a missing schema, before any task starts.
         let (first, sent) = loop {

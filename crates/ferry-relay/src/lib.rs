@@ -25,10 +25,15 @@
 //! Each batch is published inside a `ferry.publish` span (route, count);
 //! with the `otel` feature the span links to every event's `traceparent`.
 //!
+//! Every store call is bounded in time (one `relay.lease`, the lease
+//! keeper's renewals more tightly): a connection gone silent fails the call,
+//! which is retried, instead of holding a task on it.
+//!
 //! Deciding is split from doing: routing is [`plan_routes`], outcomes are
 //! [`ferry_core::decide`]; the tasks only move data between store and sinks.
 
 mod batch;
+mod bounded;
 mod direct;
 mod engine;
 mod lease;

@@ -64,4 +64,19 @@ impl RelaySettings {
             .saturating_sub(self.lease_margin())
             .saturating_sub(self.renew_every())
     }
+
+    /// How long any other store call (a fetch, a claim, a write) may go
+    /// unanswered before it is given up on as failed, and retried: one
+    /// lease. Without a bound, a connection gone silent (a failover, a
+    /// network drop) held the router or a route worker until the kernel
+    /// dropped the socket, about 15 minutes, while the lease keeper, on
+    /// connections of its own, went on renewing: no other relay took the
+    /// partitions over, nothing was delivered, and no step failed to say
+    /// so. A lease is what the relay's other timings are counted in, and
+    /// ample for an honest statement (a fetch or a settle of a full batch
+    /// on a large backlog takes a fraction of a second); after it, the
+    /// relay works again, or reports the failure, within another lease.
+    pub(crate) fn store_timeout(&self) -> Duration {
+        self.lease
+    }
 }

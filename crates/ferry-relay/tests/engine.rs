@@ -1772,3 +1772,5 @@ mod lease;
 mod lock_wait;
 #[path = "engine/partial.rs"]
 mod partial;
+#[path = "engine/silent.rs"]
+mod silent;
