@@ -235,6 +235,41 @@ async fn check_refuses_an_interest_stream_that_no_consumer_wants() {
     sink.close().await;
 }
 
+/// An interest stream keeps a message only for the consumers whose filter
+/// matches its subject. With consumers on other subjects alone, a publish
+/// to the route's subject gets its PubAck and is deleted at once: the
+/// event would count as published and reach nobody.
+#[tokio::test]
+async fn check_refuses_an_interest_stream_whose_consumers_filter_other_subjects() {
+    let sink = sink_at(nats_url());
+    let stream = TestStream::create_with("interestfilter", json!({ "retention": "interest" })).await;
+    let base = stream.subject.clone();
+    let payments = format!("{base}.payment.>");
+    stream
+        .add_consumer_with("payments", json!({ "filter_subject": payments }))
+        .await;
+    let orders = route(&format!("{base}.order"));
+    // What check is there to prevent: acknowledged, and gone.
+    assert_eq!(sink.publish(&orders, &keyed(1, |_| "o".into())).await, vec![Ok(())]);
+    assert_eq!(stream.count().await, 0, "the server kept an event nobody wants");
+
+    let err = sink.check(&orders).await.expect_err("no consumer wants the subject");
+    assert_eq!(err.kind, ErrorKind::Config, "{err}");
+    assert!(err.message.contains("interest"), "{err}");
+    assert!(err.message.contains(&format!("{payments:?}")), "{err}");
+    assert!(err.message.contains(&format!("{:?}", orders.destination)), "{err}");
+    let card = route(&format!("{base}.payment.card"));
+    let caveats = sink.check_with_caveats(&card).await.expect("the consumer wants it");
+    assert!(caveats.is_empty(), "{caveats:?}");
+    // A second consumer, on the orders, makes the route usable.
+    stream
+        .add_consumer_with("orders", json!({ "filter_subject": orders.destination }))
+        .await;
+    sink.check(&orders).await.expect("a consumer wants it");
+    stream.delete().await;
+    sink.close().await;
+}
+
 #[tokio::test]
 async fn a_message_over_the_streams_max_msg_size_is_permanent_and_holds_nothing_else() {
     let stream = TestStream::create_with("small", json!({ "max_msg_size": 1024 })).await;

@@ -76,6 +76,9 @@ impl Message {
                 SinkError::permanent(format!("subject {subject:?} {why}; {fix}"))
             });
         }
+        if let Some(refusal) = reserved_by_the_event(&route.destination, &subject) {
+            return Err(refusal);
+        }
 
         let mut headers = HeaderMap::new();
         for (name, value) in &event.headers {
@@ -180,6 +183,71 @@ pub(crate) fn validate_subject(subject: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// Whether NATS keeps subjects starting with `token` for itself: `$JS`
+/// (the JetStream API), `$SYS`, `$KV`, `$O` and every other `$` prefix,
+/// `_INBOX` (the replies to requests, PubAcks included) and `_R_` (the
+/// replies to requests across a service import).
+pub(crate) fn is_reserved(token: &str) -> bool {
+    token.starts_with('$') || RESERVED_TOKENS.contains(&token)
+}
+
+/// The first tokens NATS keeps for replies.
+const RESERVED_TOKENS: [&str; 2] = ["_INBOX", "_R_"];
+
+/// Whether the event's key may make the first token of `template` one
+/// NATS reserves: the key is the producer's to choose, any text with dots
+/// in it, so `{key}.x` may render `$JS.API.…` or `_INBOX.…` (and
+/// `_{key}`, `_R_.…`). The other placeholders cannot: an event type (so
+/// its `{domain}`) starts with a lowercase letter or a digit and `{id}` is
+/// a UUID, so `{domain}.{key}` is safe, as is `v{key}`; and a first token
+/// the route's own text starts with `$` is the user's choice.
+pub(crate) fn key_makes_first_token(template: &str) -> bool {
+    let first = template.split('.').next().unwrap_or_default();
+    let Some(at) = first.find("{key}") else {
+        return false;
+    };
+    let before = &first[..at];
+    placeholders_in(before).is_empty()
+        && (before.is_empty()
+            || RESERVED_TOKENS
+                .iter()
+                .any(|token| token.len() > before.len() && token.starts_with(before)))
+}
+
+/// Refuses (permanently) a `subject` whose first token NATS reserves when
+/// the event's key put it there: a key `$JS.API.STREAM.PURGE.EVENTS` under
+/// a `{key}` template would be a JetStream API request, sent again on every
+/// attempt, and one `_INBOX.…` or `_R_.…` a reply to another client's
+/// request. A route whose own text starts so (`$KV.orders.{key}`) is the
+/// user's choice and is published as written.
+fn reserved_by_the_event(template: &str, subject: &str) -> Option<SinkError> {
+    let first = subject.split('.').next().unwrap_or_default();
+    (is_reserved(first) && key_makes_first_token(template)).then(|| {
+        SinkError::permanent(format!(
+            "subject {subject:?} starts with {first:?}, which NATS reserves for its API, system and \
+             reply subjects, and the event's key ({{key}}) put it there (template {template:?}): not \
+             sent, as it could act on the server or answer another client's request; keep such keys \
+             out of the route's events, or start routes[].destination with a fixed token"
+        ))
+    })
+}
+
+/// The placeholders `token` holds, of those the event fills in.
+pub(crate) fn placeholders_in(token: &str) -> Vec<&'static str> {
+    if !holds_placeholder(token) {
+        return Vec::new();
+    }
+    ["{key}", "{type}", "{domain}", "{id}"]
+        .into_iter()
+        .filter(|name| token.contains(name))
+        .collect()
+}
+
+/// Whether `token` holds a placeholder the event fills in.
+fn holds_placeholder(token: &str) -> bool {
+    render_template_with(token, &any_event(), |_| "\0".to_owned()).contains('\0')
+}
+
 /// `Err(why)` unless a subject template's own text is valid: with each
 /// placeholder standing for a valid token, what is left to fail is the
 /// template itself (a wildcard, an empty token, whitespace), which no
@@ -195,8 +263,6 @@ pub(crate) fn validate_template(template: &str) -> Result<(), &'static str> {
 /// with `>`. A stream whose subjects overlap no part of it captures none
 /// of the template's subjects.
 pub(crate) fn template_filter(template: &str) -> String {
-    let event = any_event();
-    let holds_placeholder = |token: &str| render_template_with(token, &event, |_| "\0".to_owned()).contains('\0');
     let mut filter = Vec::new();
     for token in template.split('.') {
         if !holds_placeholder(token) {
@@ -393,6 +459,58 @@ mod tests {
             assert_eq!(err.kind, ErrorKind::Config, "{bad:?}: {err}");
             assert!(err.message.contains("routes[].destination"), "{err}");
         }
+    }
+
+    /// An event's key cannot make a subject NATS keeps for itself; a
+    /// route that names one on purpose keeps it.
+    #[test]
+    fn an_event_cannot_make_a_reserved_subject() {
+        for (template, key) in [
+            ("{key}", "$JS.API.STREAM.PURGE.EVENTS"),
+            ("{key}", "$SYS.REQ.SERVER.PING"),
+            ("{key}.x", "$KV"),
+            ("{key}", "_INBOX.abc.1"),
+            ("{key}", "_R_.abc.1"),
+            ("_{key}", "R_.abc"),
+            ("_IN{key}", "BOX.abc"),
+            ("{key}", "$"),
+            ("{key}{domain}", "$x"),
+            ("{key}{id}", "_INBOX.x"),
+        ] {
+            let err = Message::prepare(&route(template), &event(Some(key)), "ferry", 100, 0).unwrap_err();
+            assert_eq!(err.kind, ErrorKind::Permanent, "{template:?} {key:?}: {err}");
+            assert!(err.message.contains("{key}"), "{err}");
+            assert!(err.message.contains("reserves"), "{err}");
+        }
+        for (template, key) in [
+            ("events.{key}", "$JS.API.STREAM.PURGE.EVENTS"),
+            ("$KV.orders.{key}", "o-1"),
+            ("_INBOX.{key}", "o-1"),
+            ("_R_.{key}", "o-1"),
+            ("$JS.API.STREAM.INFO.EVENTS", "o-1"),
+            ("{key}", "x$JS.API"),
+            ("{key}", "_INBOXES.a"),
+            ("{key}", "_R_x.a"),
+            ("x{key}", "$JS.API"),
+            ("{domain}{key}", "$JS.API"),
+            ("${key}.x", "KV"),
+        ] {
+            let prepared = Message::prepare(&route(template), &event(Some(key)), "ferry", 100, 0);
+            assert!(prepared.is_ok(), "{template:?} {key:?}: {prepared:?}");
+        }
+        assert!(key_makes_first_token("{key}"));
+        assert!(key_makes_first_token("{key}{id}.x"));
+        assert!(key_makes_first_token("_{key}.x"));
+        assert!(!key_makes_first_token("v{key}.x"));
+        assert!(!key_makes_first_token("{domain}.{key}"));
+        assert!(!key_makes_first_token("{domain}{key}"));
+        assert!(!key_makes_first_token("{type}"));
+        assert!(!key_makes_first_token("{id}.x"));
+        assert!(!key_makes_first_token("events.{key}"));
+        assert!(!key_makes_first_token("_INBOX{key}"));
+        assert!(!key_makes_first_token("{nope}.x"));
+        assert_eq!(placeholders_in("v{key}{id}"), ["{key}", "{id}"]);
+        assert!(placeholders_in("{nope}").is_empty());
     }
 
     #[test]

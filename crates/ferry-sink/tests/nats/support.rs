@@ -121,7 +121,17 @@ impl TestStream {
 
     /// Adds a durable pull consumer named `name`.
     pub async fn add_consumer(&self, name: &str) {
-        let config = json!({ "stream_name": self.name, "config": { "durable_name": name, "ack_policy": "explicit" } });
+        self.add_consumer_with(name, json!({})).await;
+    }
+
+    /// Adds a durable pull consumer named `name`, with `extra` (a
+    /// `filter_subject`, say) merged into its config.
+    pub async fn add_consumer_with(&self, name: &str, extra: Value) {
+        let mut consumer = json!({ "durable_name": name, "ack_policy": "explicit" });
+        for (k, v) in extra.as_object().unwrap() {
+            consumer[k] = v.clone();
+        }
+        let config = json!({ "stream_name": self.name, "config": consumer });
         let answer = api(
             &self.client,
             &format!("$JS.API.CONSUMER.CREATE.{}.{name}", self.name),
