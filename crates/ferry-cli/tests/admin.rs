@@ -305,6 +305,68 @@ async fn requeue_refuses_pending_and_confirms_large_sets() {
     assert_eq!(shown["deliveries"][0]["attempts"], 0);
 }
 
+/// A key's published deliveries replayed together, more of them than a
+/// batch holds: applied in batches of 500 cut across the key, the first
+/// batch was refused for the later ones published after it (and the
+/// consumer got the tail again but never the head), while the dry run said
+/// nothing would be refused. All go, in one transaction, as the dry run says.
+#[tokio::test]
+async fn replaying_more_published_deliveries_of_a_key_than_a_batch_requeues_them_all() {
+    const MANY: usize = 600;
+    let f = fixture().await;
+    let events = (0..MANY).map(|i| Event::new("order.updated", json!({ "i": i })).key("kbig"));
+    let mut tx = f.pool.begin().await.unwrap();
+    enqueue_batch(&mut tx, events.collect()).await.unwrap();
+    tx.commit().await.unwrap();
+    let now = Utc::now();
+    let route = Route {
+        name: ROUTE.into(),
+        matcher: Glob::new("order.**").unwrap(),
+        sink: "out".into(),
+        destination: "-".into(),
+        routing_key: None,
+    };
+    let unrouted = f.store.fetch_unrouted(&f.owned, 2 * MANY).await.unwrap();
+    f.store
+        .route(&f.owned, &plan_routes(&[route], unrouted), now)
+        .await
+        .unwrap();
+    let claimed = f.store.claim(&f.owned, ROUTE, 2 * MANY, now, &[]).await.unwrap();
+    let published: Vec<Recorded> = claimed
+        .iter()
+        .filter(|c| c.event.key.as_deref() == Some("kbig"))
+        .map(|c| Recorded {
+            seq: c.event.seq,
+            expected_attempts: 0,
+            transition: Transition::Published { attempts: 1, at: now },
+        })
+        .collect();
+    assert_eq!(published.len(), MANY);
+    assert_eq!(
+        f.store.record(&f.owned, ROUTE, &published, now).await.unwrap(),
+        MANY as u64
+    );
+
+    let replay = ["requeue", "--include-published", "--key", "kbig", "--json"];
+    let dry = json_of(&f.ferry(&[&replay[..], &["--dry-run"]].concat()), 0);
+    assert_eq!(
+        dry["would_change"].as_array().unwrap().len(),
+        MANY,
+        "{}",
+        dry["refused"]
+    );
+    let done = json_of(&f.ferry(&[&replay[..], &["--yes"]].concat()), 0);
+    assert!(done["refused"].as_array().unwrap().is_empty(), "{}", done["refused"]);
+    assert_eq!(done["changed"].as_array().unwrap().len(), MANY);
+    let again: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM ferry.deliveries WHERE key = 'kbig' AND state = 'pending' AND attempts = 0",
+    )
+    .fetch_one(&f.pool)
+    .await
+    .unwrap();
+    assert_eq!(again, MANY as i64);
+}
+
 /// A dead head cancelled to unblock its key, whose key then went on
 /// without it: requeued, it would reach the consumer after the later
 /// event. `requeue` refuses it, saying why and how to send it anyway;

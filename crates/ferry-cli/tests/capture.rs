@@ -181,6 +181,53 @@ async fn add_list_check_refresh_and_remove() {
     db.drop_db().await;
 }
 
+/// A refresh of every table that passes over one it cannot refresh (here
+/// dropped since it was captured) exits 1, so a deploy's `ferry migrate &&
+/// ferry capture refresh` stops on it; the tables it did refresh stay
+/// refreshed.
+#[tokio::test]
+async fn refreshing_all_with_a_table_passed_over_exits_1() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    let cli = Cli::new(&db);
+    cli.expect(0, &["migrate"]);
+    sqlx::raw_sql(
+        "CREATE TABLE orders (id bigint PRIMARY KEY, status text);
+         CREATE TABLE invoices (id bigint PRIMARY KEY, total numeric)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for (table, prefix) in [("orders", "app.order"), ("invoices", "app.invoice")] {
+        cli.expect(0, &["capture", "add", table, "--type-prefix", prefix, "--key", "id"]);
+    }
+    sqlx::raw_sql("ALTER TABLE orders ADD COLUMN region text; DROP TABLE invoices")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let out = cli.run(&["capture", "refresh"]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(stdout.contains("refreshed public.orders"), "{stdout}");
+    assert!(stdout.contains("not refreshed public.invoices"), "{stdout}");
+    assert!(stderr.contains("1 captured table(s) not refreshed"), "{stderr}");
+    let listed: Value = serde_json::from_str(&cli.expect(0, &["capture", "list", "--json"])).unwrap();
+    let orders = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["table"] == json!("public.orders"))
+        .unwrap();
+    assert_eq!(orders["columns"], json!(["id", "status", "region"]), "committed");
+
+    cli.expect(0, &["capture", "remove", "public.invoices"]);
+    let out = cli.expect(0, &["capture", "refresh"]);
+    assert!(out.contains("refreshed public.orders"), "{out}");
+    pool.close().await;
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn bad_input_is_refused_with_the_flag_to_fix() {
     let db = TestDb::create().await;

@@ -26,8 +26,8 @@ use crate::StatusReport;
 /// let dead = Filter { states: vec![AdminState::Dead], ..Filter::default() };
 /// let action = Action::Requeue { include_published: false };
 /// let plan = store.plan(&action, &dead).await?;
-/// for batch in plan.changes.chunks(500) {
-///     store.apply(&action, "alice", batch).await?;
+/// for batch in plan.batches(500) {
+///     store.apply(&action, "alice", &batch).await?;
 /// }
 /// # Ok(()) }
 /// ```
@@ -51,7 +51,11 @@ pub trait Admin: Send + Sync {
     /// Applies `action` to `targets` (from [`plan`](Self::plan)) in one
     /// transaction, recording `actor`. Each target is checked again at write
     /// time: one that is no longer eligible (a relay moved it on, or it may
-    /// be in flight) is refused, not changed.
+    /// be in flight) is refused, not changed. The order checks leave out
+    /// only `targets` themselves: a key's changes planned together are
+    /// applied together ([`Plan::batches`]), or a key's published
+    /// deliveries replayed in two calls refuse the first call's for the
+    /// second's.
     async fn apply(&self, action: &Action, actor: &str, targets: &[Target]) -> Result<Applied, StoreError>;
 
     /// Delivery outcomes (published, failed attempts, dead, cancelled) whose
@@ -894,6 +898,55 @@ pub struct Plan {
     pub out_of_order: Vec<Refusal>,
 }
 
+impl Plan {
+    /// [`Plan::changes`] cut into batches for [`Admin::apply`], each its
+    /// own transaction, of at most `size` changes but for one key's:
+    /// every change of a key goes in one batch, however many there are.
+    /// A batch's order checks leave out its own targets only, so a key
+    /// split in two would have its earlier changes refused for its later
+    /// ones, published and replayed with them, and a `(no route)` change
+    /// would miss the later one requeued with it. Changes without a key
+    /// keep no order and fill batches up. Each batch keeps the plan's
+    /// order.
+    pub fn batches(&self, size: usize) -> Vec<Vec<Target>> {
+        let size = size.max(1);
+        // The plan's indexes of each key's changes, or of one keyless
+        // change, in order of first appearance.
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        let mut of_key: HashMap<&str, usize> = HashMap::new();
+        for (i, t) in self.changes.iter().enumerate() {
+            match t.key.as_deref() {
+                Some(key) => {
+                    let group = *of_key.entry(key).or_insert_with(|| {
+                        groups.push(Vec::new());
+                        groups.len() - 1
+                    });
+                    groups[group].push(i);
+                }
+                None => groups.push(vec![i]),
+            }
+        }
+        let mut batches: Vec<Vec<usize>> = Vec::new();
+        let mut current: Vec<usize> = Vec::new();
+        for group in groups {
+            if !current.is_empty() && current.len() + group.len() > size {
+                batches.push(std::mem::take(&mut current));
+            }
+            current.extend(group);
+        }
+        if !current.is_empty() {
+            batches.push(current);
+        }
+        batches
+            .into_iter()
+            .map(|mut batch| {
+                batch.sort_unstable();
+                batch.into_iter().map(|i| self.changes[i].clone()).collect()
+            })
+            .collect()
+    }
+}
+
 /// What an [`Admin::apply`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct Applied {
@@ -965,6 +1018,43 @@ pub(crate) fn partial_index_cases(route: &str) -> (Vec<(Filter, &'static str)>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn target(seq: i64, key: Option<&str>) -> Target {
+        Target {
+            event_id: EventId::new(),
+            seq,
+            route: "orders".into(),
+            event_type: "order.updated".into(),
+            key: key.map(str::to_owned),
+            state: AdminState::Published,
+        }
+    }
+
+    /// A key's changes never straddle two batches (whose order checks
+    /// would refuse the first's for the second's), even past the size;
+    /// other keys and keyless changes are packed around it, in plan order.
+    #[test]
+    fn batches_keep_each_keys_changes_together() {
+        let mut changes: Vec<Target> = (1..=7).map(|seq| target(seq, Some("a"))).collect();
+        changes.insert(2, target(100, Some("b")));
+        changes.push(target(200, None));
+        changes.push(target(201, Some("b")));
+        changes.push(target(202, Some("c")));
+        let plan = Plan {
+            changes,
+            ..Plan::default()
+        };
+        let seqs = |size| -> Vec<Vec<i64>> {
+            plan.batches(size)
+                .iter()
+                .map(|b| b.iter().map(|t| t.seq).collect())
+                .collect()
+        };
+        assert_eq!(seqs(3), [vec![1, 2, 3, 4, 5, 6, 7], vec![100, 200, 201], vec![202]]);
+        assert_eq!(seqs(9), [vec![1, 2, 100, 3, 4, 5, 6, 7, 201], vec![200, 202]]);
+        assert_eq!(seqs(100).concat().len(), plan.changes.len());
+        assert!(Plan::default().batches(500).is_empty());
+    }
 
     #[test]
     fn cursors_round_trip_and_name_the_fix() {

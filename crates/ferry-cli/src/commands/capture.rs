@@ -10,6 +10,10 @@ use ferry_store::postgres::capture::{self, CaptureError, CaptureSpec, OnError, O
 use super::UsageError;
 use crate::config::Config;
 
+/// `ferry capture refresh`'s exit code when it passed over a captured
+/// table it could not refresh: its trigger is still out of date.
+pub const NOT_REFRESHED: u8 = 1;
+
 #[derive(Debug, clap::Args)]
 pub struct CaptureArgs {
     #[command(subcommand)]
@@ -26,7 +30,9 @@ pub enum CaptureCommand {
     /// from the table's columns now; run it after a schema change. A table
     /// renamed since it was captured is followed, and captured by its new
     /// name; one whose refresh would break another table's trigger is
-    /// refused, with what to run first.
+    /// refused, with what to run first. Refreshing all passes over a table
+    /// it cannot refresh, says why, and exits 1 (the others stay
+    /// refreshed).
     Refresh {
         /// A captured table, as `ferry capture list` names it.
         table: Option<String>,
@@ -171,6 +177,15 @@ pub async fn run(cfg: &Config, args: CaptureArgs) -> anyhow::Result<ExitCode> {
             }
             if done.is_empty() && skipped.is_empty() {
                 println!("no captured tables");
+            }
+            // A deploy's `ferry migrate && ferry capture refresh` stops on
+            // a trigger left out of date; the others stay refreshed.
+            if !skipped.is_empty() {
+                eprintln!(
+                    "{} captured table(s) not refreshed (fixes above); the others were",
+                    skipped.len()
+                );
+                return Ok(ExitCode::from(NOT_REFRESHED));
             }
         }
         CaptureCommand::List { json } => {
