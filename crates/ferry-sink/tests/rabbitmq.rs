@@ -2,6 +2,8 @@
 //! the local one). Every test declares its own uniquely named topology.
 #![cfg(feature = "rabbitmq")]
 
+#[path = "rabbitmq/alternate.rs"]
+mod alternate;
 #[path = "rabbitmq/channel_limit.rs"]
 mod channel_limit;
 #[path = "rabbitmq/deadline.rs"]

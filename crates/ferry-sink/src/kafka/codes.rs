@@ -26,6 +26,12 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 /// topic that is really gone still ends dead after `max_attempts`, with
 /// the fix in its reason.
 ///
+/// librdkafka's local `BadMessage` (-199, "Bad message format") is
+/// transient too: a producer meets it when it cannot parse the broker's
+/// answer to a produce request, and marks the records it sent possibly
+/// persisted. The events are not at fault; retried, a fault that persists
+/// still ends dead after `max_attempts`.
+///
 /// ```
 /// use ferry_core::ErrorKind;
 /// use ferry_sink::kafka::error_code_kind;
@@ -43,8 +49,7 @@ pub fn error_code_kind(code: RDKafkaErrorCode) -> ErrorKind {
         | C::InvalidTimestamp
         | C::InvalidTopic
         | C::PolicyViolation
-        | C::UnsupportedForMessageFormat
-        | C::BadMessage => ErrorKind::Permanent,
+        | C::UnsupportedForMessageFormat => ErrorKind::Permanent,
         // The route, the credentials or the cluster do not fit the sink.
         C::TopicAuthorizationFailed
         | C::ClusterAuthorizationFailed
@@ -57,7 +62,7 @@ pub fn error_code_kind(code: RDKafkaErrorCode) -> ErrorKind {
         | C::InvalidRequiredAcks
         | C::UnsupportedFeature => ErrorKind::Config,
         // MessageTimedOut, BrokerTransportFailure, AllBrokersDown,
-        // NotEnoughReplicas(AfterAppend), LeaderNotAvailable,
+        // NotEnoughReplicas(AfterAppend), LeaderNotAvailable, BadMessage,
         // NotLeaderForPartition, RequestTimedOut, BrokerNotAvailable,
         // NetworkException, KafkaStorageError, UnknownPartition, QueueFull,
         // Purge* and Fatal (an event failed by the producer's fatal error
@@ -198,10 +203,19 @@ mod tests {
             C::InvalidTopic,
             C::PolicyViolation,
             C::UnsupportedForMessageFormat,
-            C::BadMessage,
         ] {
             assert_eq!(error_code_kind(code), ErrorKind::Permanent, "{code:?}");
         }
+    }
+
+    /// librdkafka gives `BadMessage` to records whose produce response it
+    /// could not parse, marking them possibly persisted: the answer is at
+    /// fault, not the events.
+    #[test]
+    fn an_unparsable_produce_response_is_transient() {
+        assert_eq!(error_code_kind(C::BadMessage), ErrorKind::Transient);
+        let err = delivery_error("orders", &KafkaError::MessageProduction(C::BadMessage));
+        assert_eq!(err.kind, ErrorKind::Transient, "{err}");
     }
 
     #[test]

@@ -2,16 +2,30 @@
 //! management API: AMQP itself cannot list bindings. At run time the same
 //! question is answered per message by `mandatory` returns; this answers it
 //! before the first event, so `ferry check` can say "nobody home".
+//!
+//! A message no binding takes goes on to the exchange's alternate exchange
+//! (its `alternate-exchange` argument, or else a policy's), and from there
+//! to that one's, with the same routing key; RabbitMQ confirms it and
+//! returns nothing if a queue there takes it. The check follows that chain.
 
 use std::time::Duration;
 
 use ferry_core::SinkError;
 use reqwest::Url;
 use serde::Deserialize;
+use serde_json::Value;
 
 /// The management API's default port beside AMQP's (TLS beside AMQPS).
 const HTTP_PORT: u16 = 15672;
 const HTTPS_PORT: u16 = 15671;
+
+/// How many alternate exchanges in a row the check follows. RabbitMQ sets
+/// no limit (it stops at a loop); a longer chain is taken as reaching a
+/// queue, with a caveat.
+const MAX_ALTERNATES: usize = 8;
+
+/// The argument, and the policy key, naming an alternate exchange.
+const ALTERNATE_EXCHANGE: &str = "alternate-exchange";
 
 /// Where the management API is and how to log in.
 #[derive(Clone)]
@@ -36,12 +50,55 @@ pub(crate) enum Reach {
     Nobody(String),
     /// The API could not be asked; why, with the fix, for the operator.
     Unknown(String),
+    /// No binding takes the messages, but an alternate exchange may: why it
+    /// could not be followed, for the operator. Taken as reaching a queue.
+    Uncertain(String),
 }
 
 #[derive(Deserialize)]
 struct Exchange {
     #[serde(rename = "type")]
     kind: String,
+    #[serde(default)]
+    arguments: Value,
+    /// The name of the policy applying to the exchange, if one does.
+    #[serde(default)]
+    policy: Option<Value>,
+    /// What the policies applying to it define, where the API tells (it
+    /// does for queues; some versions may for exchanges).
+    #[serde(default)]
+    effective_policy_definition: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct Policy {
+    #[serde(default)]
+    definition: Value,
+}
+
+/// The exchange's alternate exchange, as far as its own answer tells.
+enum Alternate {
+    None,
+    Named(String),
+    /// Set, if at all, by this policy, whose definition must be asked for.
+    InPolicy(String),
+}
+
+impl Exchange {
+    /// The exchange's argument wins over a policy, as in RabbitMQ.
+    fn alternate(&self) -> Alternate {
+        let named = |v: &Value| v.get(ALTERNATE_EXCHANGE).and_then(Value::as_str).map(str::to_owned);
+        if let Some(name) = named(&self.arguments) {
+            return Alternate::Named(name);
+        }
+        if let Some(definition) = &self.effective_policy_definition {
+            return named(definition).map_or(Alternate::None, Alternate::Named);
+        }
+        match self.policy.as_ref().and_then(Value::as_str) {
+            Some(policy) if !policy.is_empty() => Alternate::InPolicy(policy.to_owned()),
+            _ => Alternate::None,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -109,20 +166,99 @@ impl Management {
 
     /// Whether `exchange` has a binding that takes messages published with
     /// `routing_key` (`None`: the key varies per event, so any binding
-    /// counts).
+    /// counts), or, failing that, its alternate exchange, and so on.
     pub(crate) async fn reach(&self, exchange: &str, routing_key: Option<&str>) -> Result<Reach, SinkError> {
+        let (info, taking) = match self.takers(exchange, routing_key).await {
+            Ok(Some(found)) => found,
+            Ok(None) => return self.unknown("HTTP 404 Not Found".to_owned()),
+            Err(problem) => return self.unknown(problem),
+        };
+        let mut what = match routing_key {
+            Some(key) => format!(
+                "no queue is bound to {} exchange {exchange:?} for routing key {key:?}",
+                info.kind
+            ),
+            None => format!("no queue is bound to {} exchange {exchange:?}", info.kind),
+        };
+        if taking > 0 {
+            return Ok(Reach::Bound(taking));
+        }
+        let mut visited = vec![exchange.to_owned()];
+        let mut info = info;
+        loop {
+            let current = visited.last().expect("starts with one").clone();
+            let alternate = match info.alternate() {
+                Alternate::None => return Ok(Reach::Nobody(what)),
+                Alternate::Named(name) => name,
+                Alternate::InPolicy(policy) => match self.policy_alternate(&policy).await {
+                    Ok(None) => return Ok(Reach::Nobody(what)),
+                    Ok(Some(name)) => name,
+                    Err(problem) => {
+                        return Ok(Reach::Uncertain(format!(
+                            "{what}, but policy {policy:?} applies to exchange {current:?} and may give \
+                             it an alternate exchange, which could not be read ({problem}); give the \
+                             management user the policymaker tag to have it checked. An unroutable \
+                             event still comes back at publish time"
+                        )));
+                    }
+                },
+            };
+            if visited.contains(&alternate) {
+                return Ok(Reach::Nobody(format!(
+                    "{what}, and the alternate exchanges loop back to {alternate:?}"
+                )));
+            }
+            if visited.len() > MAX_ALTERNATES {
+                return Ok(Reach::Uncertain(format!(
+                    "{what}; the chain of alternate exchanges goes on to {alternate:?}, past the \
+                     {MAX_ALTERNATES} this check follows. An unroutable event still comes back at \
+                     publish time"
+                )));
+            }
+            let (next, taking) = match self.takers(&alternate, routing_key).await {
+                Ok(Some(found)) => found,
+                Ok(None) => {
+                    return Ok(Reach::Nobody(format!(
+                        "{what}, and its alternate exchange {alternate:?} does not exist"
+                    )));
+                }
+                Err(problem) => {
+                    return Ok(Reach::Uncertain(format!(
+                        "{what}, and its alternate exchange {alternate:?} could not be looked at \
+                         ({problem}). An unroutable event still comes back at publish time"
+                    )));
+                }
+            };
+            if taking > 0 {
+                tracing::debug!(
+                    exchange,
+                    alternate,
+                    "exchange reaches queues through its alternate exchange"
+                );
+                return Ok(Reach::Bound(taking));
+            }
+            what = format!(
+                "{what}, nor to its alternate exchange, {} exchange {alternate:?}",
+                next.kind
+            );
+            visited.push(alternate);
+            info = next;
+        }
+    }
+
+    /// The exchange, and how many of its bindings take messages published
+    /// with `routing_key`; `None` when it does not exist.
+    async fn takers(&self, exchange: &str, routing_key: Option<&str>) -> Result<Option<(Exchange, usize)>, String> {
         let name = encode_segment(exchange);
-        let info: Exchange = match self.get(&format!("api/exchanges/{}/{name}", self.vhost)).await {
-            Ok(v) => v,
-            Err(problem) => return self.unknown(problem),
+        let Some(info) = self
+            .get_optional::<Exchange>(&format!("api/exchanges/{}/{name}", self.vhost))
+            .await?
+        else {
+            return Ok(None);
         };
-        let bindings: Vec<Binding> = match self
+        let bindings: Vec<Binding> = self
             .get(&format!("api/exchanges/{}/{name}/bindings/source", self.vhost))
-            .await
-        {
-            Ok(v) => v,
-            Err(problem) => return self.unknown(problem),
-        };
+            .await?;
         let taking: Vec<&Binding> = bindings
             .iter()
             .filter(|b| match (info.kind.as_str(), routing_key) {
@@ -140,16 +276,20 @@ impl Management {
                 bindings = ?taking.iter().map(|b| format!("{} {}", b.destination_type, b.destination)).collect::<Vec<_>>(),
                 "exchange reaches queues"
             );
-            return Ok(Reach::Bound(taking.len()));
         }
-        let what = match routing_key {
-            Some(key) => format!(
-                "no queue is bound to {} exchange {exchange:?} for routing key {key:?}",
-                info.kind
-            ),
-            None => format!("no queue is bound to {} exchange {exchange:?}", info.kind),
-        };
-        Ok(Reach::Nobody(what))
+        let taking = taking.len();
+        Ok(Some((info, taking)))
+    }
+
+    /// The alternate exchange that policy `policy` sets, if any.
+    async fn policy_alternate(&self, policy: &str) -> Result<Option<String>, String> {
+        let path = format!("api/policies/{}/{}", self.vhost, encode_segment(policy));
+        let policy: Policy = self.get(&path).await?;
+        Ok(policy
+            .definition
+            .get(ALTERNATE_EXCHANGE)
+            .and_then(Value::as_str)
+            .map(str::to_owned))
     }
 
     fn unknown(&self, problem: String) -> Result<Reach, SinkError> {
@@ -169,6 +309,13 @@ impl Management {
     }
 
     async fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, String> {
+        self.get_optional(path)
+            .await?
+            .ok_or_else(|| "HTTP 404 Not Found".to_owned())
+    }
+
+    /// As [`Self::get`], with `None` for a 404.
+    async fn get_optional<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<Option<T>, String> {
         let url = self.base.join(path).map_err(|e| e.to_string())?;
         let response = self
             .client
@@ -178,10 +325,13 @@ impl Management {
             .await
             .map_err(|e| crate::http::chain(&e.without_url()))?;
         let status = response.status();
+        if status == reqwest::StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
         if !status.is_success() {
             return Err(format!("HTTP {status}"));
         }
-        response.json().await.map_err(|e| crate::http::chain(&e))
+        response.json().await.map(Some).map_err(|e| crate::http::chain(&e))
     }
 }
 

@@ -378,6 +378,12 @@ impl Connector {
     /// Waits for the confirms a batch left owed while the connection was
     /// blocked (its returns are drained with them), or gives the connection
     /// up if they do not come.
+    ///
+    /// Whatever fails here is an earlier batch's, met before this one sent
+    /// anything: the broker closing a channel over one of its messages (404
+    /// for an exchange gone meanwhile, 403 for a permission) says nothing
+    /// of the events now waiting, so they fail transiently, never with
+    /// that message's permanent or configuration error.
     async fn settle_owed(&mut self) -> Result<(), SinkError> {
         if !self.link.as_ref().is_some_and(|link| link.owed) {
             return Ok(());
@@ -397,7 +403,11 @@ impl Connector {
                 link.owed = false;
                 Ok(())
             }
-            Ok(Err(e)) => Err(self.lost(reply::from_lapin("settling confirms owed since the alarm", &e))),
+            Ok(Err(e)) => Err(self.lost(SinkError::transient(format!(
+                "not sent: settling the publisher confirms an earlier batch left owed (sent while RabbitMQ \
+                 blocked the connection) failed, over a message of that batch, not of this one ({e}); \
+                 reconnecting, and this batch is retried"
+            )))),
             Err(_) => Err(self.lost(self.timed_out("settling confirms owed since the alarm", bound))),
         }
     }
@@ -532,5 +542,61 @@ impl Connector {
         let delay = self.backoff.failed(Instant::now(), error.clone());
         warn!(%error, retry_in = ?delay, "RabbitMQ connection failed");
         Err(SinkError::transient(error))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::BasicProperties;
+    use lapin::options::BasicPublishOptions;
+
+    use super::*;
+
+    /// A batch sent while the broker blocked the connection leaves confirms
+    /// owed; once the alarm clears the broker closes a channel over one of
+    /// its messages, to an exchange gone meanwhile (404). The next batch,
+    /// which sent nothing yet, meets that close while settling: it is
+    /// retried, not dead over another message's reply. The alarm itself is
+    /// not raised (it would block every client of the broker): the owed
+    /// state it leaves is set as `publish_batch` sets it.
+    #[tokio::test]
+    async fn an_earlier_batchs_channel_close_met_while_settling_is_transient_for_the_next() {
+        let mut connector = Connector::new(
+            ferry_testkit::rabbit::amqp_url(),
+            Duration::from_secs(5),
+            Duration::from_secs(1),
+            1,
+            Arc::new(AtomicUsize::new(0)),
+        );
+        let channels = connector.confirm_channels("rabbit").await.expect("connected");
+        let gone = ferry_testkit::rabbit::unique_name("gone");
+        let options = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        let _unconfirmed = channels[0]
+            .basic_publish(
+                gone.as_str().into(),
+                "k".into(),
+                options,
+                b"{}",
+                BasicProperties::default(),
+            )
+            .await
+            .expect("written");
+        connector.keep_blocked();
+        let err = connector
+            .settle_owed()
+            .await
+            .expect_err("the channel was closed over that message");
+        assert_eq!(err.kind, ErrorKind::Transient, "{err}");
+        assert!(err.message.contains("an earlier batch left owed"), "{err}");
+        assert!(err.message.contains("not of this one"), "{err}");
+        assert!(err.message.contains("NOT_FOUND"), "{err}");
+        assert!(connector.link.is_none(), "the connection in doubt is dropped");
+        // The next call starts over on a fresh connection, owing nothing.
+        let channels = connector.confirm_channels("rabbit").await.expect("reconnected");
+        assert!(channels.iter().all(|c| c.status().connected()));
+        connector.close().await;
     }
 }

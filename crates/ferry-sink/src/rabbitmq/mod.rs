@@ -324,6 +324,11 @@ impl Sink for RabbitMqSink {
                 caveats.push(format!("exchange exists; bindings not checked: {why}"));
                 Ok(caveats)
             }
+            // An alternate exchange not followed to its end may take them.
+            Reach::Uncertain(why) => {
+                caveats.push(format!("route {:?}: {why}", route.name));
+                Ok(caveats)
+            }
         }
     }
 
