@@ -2,8 +2,10 @@
 //!
 //! Put a [`Proxy`] between the code under test and PostgreSQL or RabbitMQ and
 //! the test can take the network away at a moment of its choosing:
-//! [`Proxy::cut`] drops every live connection, [`Proxy::set_refuse`] makes new
-//! connections fail, and [`Proxy::set_delay`] adds latency. The service itself
+//! [`Proxy::cut`] drops every live connection, [`Proxy::silence`] keeps them
+//! open but forwards nothing more (a network dropping packets, a failover
+//! nobody told the client of), [`Proxy::set_refuse`] makes new connections
+//! fail, and [`Proxy::set_delay`] adds latency. The service itself
 //! stays up, so the test observes exactly what a client sees during a network
 //! fault, and recovery once the fault is lifted.
 //!
@@ -56,6 +58,8 @@ struct Shared {
     /// Bumped by every cut; each connection watches it from the moment it is
     /// accepted, so a cut reaches exactly the connections live at that time.
     cuts: watch::Sender<u64>,
+    /// Bumped by every silence, watched the same way.
+    silences: watch::Sender<u64>,
 }
 
 impl Proxy {
@@ -79,6 +83,7 @@ impl Proxy {
             delay_nanos: AtomicU64::new(0),
             live: AtomicUsize::new(0),
             cuts: watch::Sender::new(0),
+            silences: watch::Sender::new(0),
         });
         let accept_task = runtime.spawn(accept_loop(listener, Arc::clone(&shared)));
         Ok(Proxy {
@@ -102,6 +107,14 @@ impl Proxy {
     /// are still accepted and forwarded.
     pub fn cut(&self) {
         self.shared.cuts.send_modify(|generation| *generation += 1);
+    }
+
+    /// Silences every live connection: it stays open, and nothing more
+    /// passes either way, with no error to either side, until a
+    /// [`cut`](Self::cut) resets it. New connections are still accepted and
+    /// forwarded.
+    pub fn silence(&self) {
+        self.shared.silences.send_modify(|generation| *generation += 1);
     }
 
     /// While `true`, new connections are reset as soon as they are accepted,
@@ -145,7 +158,8 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     }
                     let live = LiveGuard::new(&shared);
                     let cut = shared.cuts.subscribe();
-                    connections.spawn(serve(client, Arc::clone(&shared), cut, live));
+                    let silence = shared.silences.subscribe();
+                    connections.spawn(serve(client, Arc::clone(&shared), cut, silence, live));
                 }
                 Err(e) => {
                     // Typically EMFILE; back off instead of spinning, the
@@ -183,7 +197,21 @@ fn reset(stream: &TcpStream) {
     let _ = stream.set_zero_linger();
 }
 
-async fn serve(client: TcpStream, shared: Arc<Shared>, mut cut: watch::Receiver<u64>, _live: LiveGuard) {
+/// How a proxied connection's forwarding ended.
+enum End {
+    /// Both sides closed, or one failed.
+    Closed,
+    Cut,
+    Silenced,
+}
+
+async fn serve(
+    client: TcpStream,
+    shared: Arc<Shared>,
+    mut cut: watch::Receiver<u64>,
+    mut silence: watch::Receiver<u64>,
+    _live: LiveGuard,
+) {
     let server = tokio::select! {
         connected = TcpStream::connect(shared.upstream) => connected,
         _ = cut.changed() => {
@@ -208,7 +236,7 @@ async fn serve(client: TcpStream, shared: Arc<Shared>, mut cut: watch::Receiver<
 
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
-    let was_cut = {
+    let end = {
         let mut up = pin!(pipe(&mut client_read, &mut server_write, &shared));
         let mut down = pin!(pipe(&mut server_read, &mut client_write, &shared));
         let (mut up_done, mut down_done) = (false, false);
@@ -216,24 +244,32 @@ async fn serve(client: TcpStream, shared: Arc<Shared>, mut cut: watch::Receiver<
             tokio::select! {
                 result = &mut up, if !up_done => {
                     if result.is_err() {
-                        break false;
+                        break End::Closed;
                     }
                     up_done = true;
                 }
                 result = &mut down, if !down_done => {
                     if result.is_err() {
-                        break false;
+                        break End::Closed;
                     }
                     down_done = true;
                 }
-                _ = cut.changed() => break true,
+                _ = cut.changed() => break End::Cut,
+                _ = silence.changed() => break End::Silenced,
             }
             // Each side closing its write half is a normal half-close; the
             // connection is over once both directions have ended.
             if up_done && down_done {
-                break false;
+                break End::Closed;
             }
         }
+    };
+    let was_cut = match end {
+        End::Closed => false,
+        End::Cut => true,
+        // Forwarding has stopped, the sockets stay open: until a cut (or
+        // the proxy's end, which aborts this task).
+        End::Silenced => cut.changed().await.is_ok(),
     };
     if was_cut {
         reset(client_read.as_ref());
@@ -358,6 +394,25 @@ mod tests {
         let mut after = TcpStream::connect(proxy.addr()).await.unwrap();
         assert_eq!(round_trip(&mut after, b"again").await.unwrap(), b"again");
         assert_eq!(proxy.live_connections(), 1);
+    }
+
+    #[tokio::test]
+    async fn silence_keeps_live_connections_open_and_passes_nothing() {
+        let proxy = Proxy::start(echo_server().await).unwrap();
+        let mut silenced = TcpStream::connect(proxy.addr()).await.unwrap();
+        round_trip(&mut silenced, b"a").await.unwrap();
+
+        proxy.silence();
+        // Give the connection's task the silence before writing.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let answer = tokio::time::timeout(Duration::from_millis(300), round_trip(&mut silenced, b"b")).await;
+        assert!(answer.is_err(), "nothing passes, and no error: {answer:?}");
+        assert_eq!(proxy.live_connections(), 1, "the silenced connection stays open");
+        let mut after = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(round_trip(&mut after, b"c").await.unwrap(), b"c");
+
+        proxy.cut();
+        assert_closed(&mut silenced).await;
     }
 
     #[tokio::test]
