@@ -212,53 +212,6 @@ async fn store_calls_that_never_answer_are_given_up_on_and_every_event_is_delive
     assert_eq!(report.published, ids.len() as u64, "{report:?}");
 }
 
-/// A TCP proxy to PostgreSQL that can silence every connection open so
-/// far: it keeps them open and forwards nothing more either way, as a
-/// network that drops packets does. Connections opened later pass.
-struct Proxy {
-    port: u16,
-    silence: tokio::sync::watch::Sender<u64>,
-}
-
-impl Proxy {
-    async fn start(upstream: std::net::SocketAddr) -> Proxy {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let (silence, rx) = tokio::sync::watch::channel(0u64);
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else {
-                    continue;
-                };
-                let mut rx = rx.clone();
-                rx.borrow_and_update();
-                tokio::spawn(async move {
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    let forward = async {
-                        tokio::select! {
-                            _ = tokio::io::copy(&mut cr, &mut sw) => {}
-                            _ = tokio::io::copy(&mut sr, &mut cw) => {}
-                        }
-                    };
-                    tokio::select! {
-                        () = forward => {}
-                        _ = rx.changed() => {
-                            // Silent: the sockets stay open, nothing passes.
-                            std::future::pending::<()>().await;
-                        }
-                    }
-                });
-            }
-        });
-        Proxy { port, silence }
-    }
-
-    fn silence(&self) {
-        self.silence.send_modify(|n| *n += 1);
-    }
-}
-
 /// Through a network that goes silent (every open connection to the
 /// database stops answering, new ones pass), the relay delivers what is
 /// committed afterwards within a few leases. The calls in flight are given
@@ -275,15 +228,16 @@ async fn a_network_gone_silent_holds_no_later_call_up() {
         .unwrap()
         .next()
         .unwrap();
-    let proxy = Proxy::start(upstream).await;
+    let proxy = ferry_testkit::proxy::Proxy::start(upstream).unwrap();
     let pool = PgPoolOptions::new()
         .max_connections(10)
         .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with(direct.host("127.0.0.1").port(proxy.port));
+        .connect_lazy_with(direct.host("127.0.0.1").port(proxy.addr().port()));
     let settings = RelaySettings {
         lease: Duration::from_secs(2),
-        // The commit listener's own connection goes silent too, and its
-        // stream is not bounded: the router finds what it misses by polling.
+        // The commit listener's own connection goes silent too, and is
+        // found so only after a minute without a notification: till then the
+        // router finds what it misses by polling.
         poll_interval: Duration::from_millis(500),
         ..settings("silent-network", 4)
     };
