@@ -60,6 +60,9 @@ pub const WAL_PARKED: &str = "ferry_wal_parked_total";
 /// Slots that had streamed and were found lost or gone, and replaced:
 /// tableless events they had not handed over are lost.
 pub const WAL_SLOT_REPLACED: &str = "ferry_wal_slot_replaced_total";
+/// Outbox rows the stream went past without handing them over, swept into
+/// the table path.
+pub const WAL_UNSTREAMED: &str = "ferry_wal_unstreamed_total";
 
 // Health, as `/readyz` sees it.
 pub const READY: &str = "ferry_ready";
@@ -105,6 +108,11 @@ pub fn describe() {
         WAL_SLOT_REPLACED,
         "Replication slots that had streamed, found invalidated (reason=lost) or gone (reason=vanished) \
          and made anew; tableless events they had not handed over are lost."
+    );
+    describe_counter!(
+        WAL_UNSTREAMED,
+        "Outbox rows the WAL stream went past without handing them over (a publication without ferry.events \
+         for a while), swept into the table path; they may arrive after later events of their keys."
     );
     describe_counter!(
         WAL_PARKED,

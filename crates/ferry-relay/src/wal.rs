@@ -16,7 +16,7 @@ use std::sync::Arc;
 use chrono::Utc;
 use ferry_core::{Claimed, Clock, ErrorKind, NO_ROUTE, Route, Store, StoreError};
 use ferry_store::postgres::wal::{
-    Outcome, Prepared, Settlement, SlotStatus, WalEvent, WalItem, WalSource, WalStream, WalTxn,
+    Mark, Outcome, Prepared, Settlement, SlotStatus, WalEvent, WalItem, WalSource, WalStream, WalTxn, unreachable,
 };
 use tokio::time::{Duration, Instant};
 use tracing::{debug, error, info, warn};
@@ -203,6 +203,10 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     let mut lag_at = Instant::now();
     read_lag(source, &wal.options).await;
     sweep_requeued(shared, source).await;
+    // Rows committed before now that the stream passes without handing
+    // them over are looked for once it is past this point.
+    let mut net = Net::default();
+    sweep_missed(shared, source, &stream, &mut net).await;
     // Batch n is settled while batch n + 1 is published, so the database
     // write is off the publish path; positions are confirmed in order, each
     // after its own batch is settled.
@@ -210,7 +214,7 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
     loop {
         if shared.cancel.is_cancelled() {
             if let Some(p) = unsettled.take() {
-                settle_and_confirm(shared, wal, &stream, p).await;
+                let _ = settle_and_confirm(shared, wal, Some(&stream), p, Persist::Bounded).await;
             }
             stream.close().await;
             return Ok(());
@@ -218,25 +222,24 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
         // Busy, the stream never waits on the timer below: read the lag here.
         if lag_at.elapsed() >= wal.options.lag_every {
             lag_at = Instant::now();
-            if let Err(e) = now_and_then(shared, wal).await {
-                return Err(settle_then_fail(shared, wal, &stream, unsettled.take(), e).await);
+            if let Err(e) = now_and_then(shared, wal, &stream, &mut net).await {
+                return Err(settle_then_fail(shared, wal, stream, unsettled.take(), e).await);
             }
         }
         let first = if unsettled.is_some() {
             let next = match stream.try_next() {
                 Ok(next) => next,
-                Err(e) => return Err(settle_then_fail(shared, wal, &stream, unsettled.take(), e).await),
+                Err(e) => return Err(settle_then_fail(shared, wal, stream, unsettled.take(), e).await),
             };
             match next {
                 Some(item) => item,
                 None => {
                     // Nothing more has arrived: settle what is published.
                     let p = unsettled.take().expect("checked");
-                    if !settle_and_confirm(shared, wal, &stream, p).await {
-                        stream.close().await;
-                        return Ok(());
+                    match settle_and_confirm(shared, wal, Some(&stream), p, Persist::Bounded).await {
+                        Ok(()) => continue,
+                        Err(halt) => return halt.end(stream).await,
                     }
-                    continue;
                 }
             }
         } else {
@@ -244,7 +247,9 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
                 item = stream.next() => item?,
                 _ = tokio::time::sleep_until(lag_at + wal.options.lag_every) => {
                     lag_at = Instant::now();
-                    now_and_then(shared, wal).await?;
+                    if let Err(e) = now_and_then(shared, wal, &stream, &mut net).await {
+                        return Err(settle_then_fail(shared, wal, stream, None, e).await);
+                    }
                     continue;
                 }
                 _ = shared.cancel.cancelled() => continue,
@@ -273,24 +278,22 @@ async fn session<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result
         let (settled, published) = tokio::join!(
             async {
                 match previous {
-                    Some(p) => settle_and_confirm(shared, wal, &stream, p).await,
-                    None => true,
+                    Some(p) => settle_and_confirm(shared, wal, Some(&stream), p, Persist::Bounded).await,
+                    None => Ok(()),
                 }
             },
-            publish_batch(shared, wal, batch, &carry),
+            publish_batch(shared, wal, batch, &carry, stream.generation()),
         );
+        // Stopped mid-batch: nothing after the last settled batch is
+        // confirmed; the next session (or relay) replays it.
         match (settled, published) {
-            (true, Some(p)) => unsettled = Some(p),
-            // Shutting down mid-batch: nothing after the last settled batch
-            // is confirmed; the next relay replays it.
-            _ => {
-                stream.close().await;
-                return Ok(());
-            }
+            (Ok(()), Ok(p)) => unsettled = Some(p),
+            (Err(Halt::Failed(e)), _) | (_, Err(Halt::Failed(e))) => return Halt::Failed(e).end(stream).await,
+            _ => return Halt::Shutdown.end(stream).await,
         }
         shared.progress.advanced();
         if let Some(e) = failed {
-            return Err(settle_then_fail(shared, wal, &stream, unsettled.take(), e).await);
+            return Err(settle_then_fail(shared, wal, stream, unsettled.take(), e).await);
         }
     }
 }
@@ -303,6 +306,8 @@ struct Published {
     confirm: u64,
     part: Option<(u64, u64)>,
     last_commit: Option<chrono::DateTime<Utc>>,
+    /// The slot generation of the session that streamed it.
+    generation: i64,
 }
 
 /// What an unsettled batch means for the next one, before the table shows
@@ -335,31 +340,37 @@ impl Carry {
     }
 }
 
-/// The stream failed with a batch published but not yet settled: settle it
-/// first (the write goes through the pool, not the stream), so that the next
-/// session skips its events rather than publish them all again, then pass
-/// the failure on.
+/// The stream failed (or is to stop) with a batch published but not yet
+/// settled: end the stream, then settle the batch (the write goes through
+/// the pool, not the stream), so that the next session skips its events
+/// rather than publish them all again, then pass the failure on. The settle
+/// is retried until it succeeds or the relay shuts down: the next session
+/// may be on a new slot, which would not replay the batch's tableless
+/// events, and with the stream ended no walsender waits on it.
 async fn settle_then_fail<S: Store, C: Clock>(
     shared: &Shared<S, C>,
     wal: &Wal,
-    stream: &WalStream,
+    stream: WalStream,
     unsettled: Option<Published>,
     failure: StoreError,
 ) -> StoreError {
+    stream.close().await;
     if let Some(p) = unsettled {
-        settle_and_confirm(shared, wal, stream, p).await;
+        let _ = settle_and_confirm(shared, wal, None, p, Persist::Always).await;
     }
     failure
 }
 
-/// Writes a published batch's outcomes, then confirms its position. `false`
-/// when the relay shut down before the write succeeded.
+/// Writes a published batch's outcomes, then confirms its position to the
+/// stream, if it is still open. An error when the relay shut down before
+/// the write succeeded, or the database could not be reached ([`persist`]).
 async fn settle_and_confirm<S: Store, C: Clock>(
     shared: &Shared<S, C>,
     wal: &Wal,
-    stream: &WalStream,
+    stream: Option<&WalStream>,
     p: Published,
-) -> bool {
+    how: Persist,
+) -> Result<(), Halt> {
     if !p.outcomes.is_empty() {
         let settlement = Settlement {
             outcomes: p
@@ -368,13 +379,11 @@ async fn settle_and_confirm<S: Store, C: Clock>(
                 .map(|(i, route, outcome)| (&p.events[*i], route.clone(), outcome.clone()))
                 .collect(),
             through: p.confirm,
-            generation: stream.generation(),
+            generation: p.generation,
             part: p.part,
         };
         let now = shared.clock.now();
-        let Some(settled) = persist(shared, "settle", || wal.source.settle(&settlement, now)).await else {
-            return false;
-        };
+        let settled = persist(shared, "settle", how, || wal.source.settle(&settlement, now)).await?;
         ::metrics::counter!(metrics::ROUTED).increment(settled.routed + settled.written);
         let mut parked_routes = HashSet::new();
         for (_, route, outcome) in &p.outcomes {
@@ -386,7 +395,7 @@ async fn settle_and_confirm<S: Store, C: Clock>(
             shared.wake_route(name);
         }
     }
-    if p.confirm > 0 {
+    if let Some(stream) = stream.filter(|_| p.confirm > 0) {
         stream.confirm(p.confirm);
     }
     let behind = p
@@ -394,7 +403,7 @@ async fn settle_and_confirm<S: Store, C: Clock>(
         .map(|t| (Utc::now() - t).to_std().unwrap_or_default())
         .unwrap_or_default();
     ::metrics::gauge!(metrics::WAL_LAG_SECONDS).set(behind.as_secs_f64());
-    true
+    Ok(())
 }
 
 async fn read_lag(source: &WalSource, options: &WalOptions) {
@@ -433,16 +442,20 @@ enum Sweep {
     /// Events an operator requeued after they were dead with no route,
     /// which the stream never brings again.
     Requeued,
+    /// Outbox rows committed before the mark that the stream went past
+    /// without handing them over ([`WalSource::missed`]).
+    Missed(Mark),
 }
 
-/// Routes outbox rows into the table path.
-async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource, what: Sweep) -> Result<(), StoreError> {
+/// Routes outbox rows into the table path; says how many.
+async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource, what: Sweep) -> Result<u64, StoreError> {
     let mut swept = 0u64;
     loop {
         let limit = shared.settings.batch_size as i64;
         let batch = match what {
             Sweep::Unrouted => source.unrouted(limit).await?,
             Sweep::Requeued => source.requeued(limit).await?,
+            Sweep::Missed(mark) => source.missed(&mark, limit).await?,
         };
         if batch.is_empty() {
             break;
@@ -473,19 +486,28 @@ async fn sweep<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalSource, wh
                 "events committed before streaming began go through the table path"
             ),
             Sweep::Requeued => info!(events = swept, "requeued events go through the table path"),
+            // Said by the caller.
+            Sweep::Missed(_) => {}
         }
     }
-    Ok(())
+    Ok(swept)
 }
 
 /// What the streaming relay does every `lag_every`: reads the slot's lag,
-/// takes requeued events into the table path (a failure waits for the next
-/// time, the stream goes on), and checks the publication. An error only
-/// when the publication is gone or no longer carries every insert into the
-/// outbox ([`WalSource::check_publication`]): the stream stops.
-async fn now_and_then<S: Store, C: Clock>(shared: &Shared<S, C>, wal: &Wal) -> Result<(), StoreError> {
+/// takes requeued events and rows the stream passed by into the table path
+/// (a failure waits for the next time, the stream goes on), and checks the
+/// publication. An error only when the publication is gone or no longer
+/// carries every insert into the outbox
+/// ([`WalSource::check_publication`]): the stream stops.
+async fn now_and_then<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    wal: &Wal,
+    stream: &WalStream,
+    net: &mut Net,
+) -> Result<(), StoreError> {
     read_lag(&wal.source, &wal.options).await;
     sweep_requeued(shared, &wal.source).await;
+    sweep_missed(shared, &wal.source, stream, net).await;
     match wal.source.check_publication().await {
         Err(e) if e.kind == ErrorKind::Config => {
             error!(error = %e, "the publication does not carry the outbox's events; the WAL stream stops");
@@ -505,6 +527,80 @@ async fn sweep_requeued<S: Store, C: Clock>(shared: &Shared<S, C>, source: &WalS
     }
 }
 
+/// The safety net under the stream. Once the relay has settled the stream
+/// past `mark`, every outbox row committed before the mark that the stream
+/// carries is routed: one still unrouted was never streamed, and would
+/// wait in `ferry.unrouted` for ever. It is taken into the table path, and
+/// said loudly, since it may reach its destinations after later events of
+/// its key. Then a new mark is taken. PostgreSQL streams an insert only if
+/// the publication carried the table when it was committed: a publication
+/// altered without `ferry.events` and mended while no relay was checking
+/// it (stopped for a deploy, say) is the likely cause. Failures wait for
+/// the next time; the stream goes on.
+async fn sweep_missed<S: Store, C: Clock>(
+    shared: &Shared<S, C>,
+    source: &WalSource,
+    stream: &WalStream,
+    net: &mut Net,
+) {
+    if let Some(m) = net.mark {
+        if stream.settled() < m.lsn() {
+            return;
+        }
+        match sweep(shared, source, Sweep::Missed(m)).await {
+            Ok(0) => {}
+            Ok(n) => {
+                let config = source.config();
+                warn!(
+                    events = n,
+                    slot = %config.slot,
+                    publication = %config.publication,
+                    "{n} outbox rows were committed before a position the WAL stream has passed, and never \
+                     streamed: most likely publication {} did not carry ferry.events for a while (altered by \
+                     hand and mended while no relay was checking it). They go through the table path now and \
+                     may reach their destinations after later events of their keys",
+                    config.publication
+                );
+                ::metrics::counter!(metrics::WAL_UNSTREAMED).increment(n);
+            }
+            Err(e) => {
+                warn!(error = %e, "could not look for outbox rows the WAL stream passed by; trying again shortly");
+                return;
+            }
+        }
+    }
+    net.mark = match source.mark().await {
+        Ok(m) => Some(m),
+        Err(e) => {
+            // Every time, if a pooler sends the read to a standby.
+            if net.warned.is_none_or(|at| at.elapsed() >= MARK_WARN_EVERY) {
+                net.warned = Some(Instant::now());
+                warn!(
+                    error = %e,
+                    "could not mark the WAL position to look for outbox rows the stream passes by: until a mark \
+                     succeeds, rows the stream never hands over (a publication without ferry.events for a while) \
+                     wait in ferry.unrouted. The mark reads pg_current_snapshot() and pg_current_wal_insert_lsn() \
+                     on the primary: a connection pooler sending it to a standby fails it every time"
+                );
+            } else {
+                debug!(error = %e, "could not mark the WAL position to look for rows the stream passes by");
+            }
+            None
+        }
+    };
+}
+
+/// How often a failing mark of the safety net is said at `warn`.
+const MARK_WARN_EVERY: Duration = Duration::from_secs(300);
+
+/// The safety net's state ([`sweep_missed`]).
+#[derive(Default)]
+struct Net {
+    mark: Option<Mark>,
+    /// When a failed mark was last said at `warn`.
+    warned: Option<Instant>,
+}
+
 fn matching<'a>(routes: &'a [Route], e: &WalEvent) -> Vec<&'a Route> {
     routes
         .iter()
@@ -517,13 +613,15 @@ fn no_route(e: &WalEvent) -> Outcome {
 }
 
 /// Publishes one batch (or parks it behind what the table, or the batch
-/// before it, holds). `None` when the relay shut down first.
+/// before it, holds). An error when the relay shut down first, or the
+/// database kept failing ([`persist`]).
 async fn publish_batch<S: Store, C: Clock>(
     shared: &Shared<S, C>,
     wal: &Wal,
     batch: Batch,
     carry: &Carry,
-) -> Option<Published> {
+    generation: i64,
+) -> Result<Published, Halt> {
     let Batch {
         txns, confirm, part, ..
     } = batch;
@@ -536,9 +634,10 @@ async fn publish_batch<S: Store, C: Clock>(
         confirm,
         part,
         last_commit,
+        generation,
     };
     if events.is_empty() {
-        return Some(published);
+        return Ok(published);
     }
     let source = &wal.source;
     let seqs: Vec<i64> = events.iter().filter(|e| !e.tableless()).map(|e| e.event.seq).collect();
@@ -564,7 +663,10 @@ async fn publish_batch<S: Store, C: Clock>(
     let waiting = Instant::now();
     let mut warned = waiting;
     let mut look = loop {
-        let look = persist(shared, "look", || source.look(&seqs, &route_names, &keys, &xids)).await?;
+        let look = persist(shared, "look", Persist::Bounded, || {
+            source.look(&seqs, &route_names, &keys, &xids)
+        })
+        .await?;
         if look.invisible.is_empty() {
             break look;
         }
@@ -577,7 +679,7 @@ async fn publish_batch<S: Store, C: Clock>(
             );
         }
         if shared.cancel.is_cancelled() {
-            return None;
+            return Err(Halt::Shutdown);
         }
         tokio::time::sleep(
             Duration::from_micros(200)
@@ -638,7 +740,7 @@ async fn publish_batch<S: Store, C: Clock>(
         outcomes.extend(route_outcomes.into_iter().map(|(i, o)| (i, route.name.clone(), o)));
     }
     published.outcomes = outcomes;
-    Some(published)
+    Ok(published)
 }
 
 /// The transactions of a batch that must be visible before any of its
@@ -655,22 +757,97 @@ fn visible_first(txns: &[WalTxn]) -> Vec<u32> {
     xids
 }
 
-/// Runs a store call until it succeeds; `None` if the relay shuts down first.
-async fn persist<T, F, Fut>(shared: &Shared<impl Store, impl Clock>, op: &'static str, mut call: F) -> Option<T>
+/// How long the database may stay unreachable ([`unreachable`]) before the
+/// session ends. A server stopping cleanly waits for its walsenders'
+/// clients to confirm everything sent: a relay that kept its stream open
+/// while it retried, confirming nothing, would hold the stop for as long as
+/// the database stays unreachable, which is for ever once it is shutting
+/// down.
+const PERSIST_FOR: Duration = Duration::from_secs(10);
+
+/// Whether a store call may give up ([`persist`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Persist {
+    /// After [`PERSIST_FOR`] of failures saying the database cannot be
+    /// reached: the stream is open, and would hold a stopping server.
+    Bounded,
+    /// Never: the stream has ended already.
+    Always,
+}
+
+/// Why a batch stopped short.
+enum Halt {
+    /// The relay is shutting down.
+    Shutdown,
+    /// The database could not be reached for [`PERSIST_FOR`].
+    Failed(StoreError),
+}
+
+impl Halt {
+    /// Ends the session: cleanly on shutdown; on a failure at once, the
+    /// replication connection closed without the watermark write a clean
+    /// end tries (the database cannot be reached), to stream again from the
+    /// last settled position once it answers. Nothing is confirmed past
+    /// what was settled, so nothing is lost.
+    async fn end(self, stream: WalStream) -> Result<(), StoreError> {
+        match self {
+            Halt::Shutdown => {
+                stream.close().await;
+                Ok(())
+            }
+            Halt::Failed(e) => {
+                stream.abandon().await;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Runs a store call until it succeeds; an error if the relay shuts down
+/// first or, [`Persist::Bounded`], once its failures have said for
+/// [`PERSIST_FOR`] that the database cannot be reached (the server going
+/// away, or unreachable: [`unreachable`]), counted from the end of the
+/// first of them. Any other failure (a write the database refuses: a
+/// trigger, a constraint, a full disk) is retried for as long as it lasts,
+/// the stream held where it is: ending the session would replay, and
+/// publish again, what the stream handed over since the last settle.
+async fn persist<T, F, Fut>(
+    shared: &Shared<impl Store, impl Clock>,
+    op: &'static str,
+    how: Persist,
+    mut call: F,
+) -> Result<T, Halt>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, StoreError>>,
 {
     let mut backoff = Duration::from_millis(50);
+    let mut unreachable_since: Option<Instant> = None;
     loop {
         match call().await {
-            Ok(v) => return Some(v),
+            Ok(v) => return Ok(v),
             Err(e) => {
                 ::metrics::counter!(metrics::STORE_ERRORS, "op" => op).increment(1);
-                warn!(error = %e, op, "WAL batch: database write failed; retrying");
                 if shared.cancel.is_cancelled() {
-                    return None;
+                    warn!(error = %e, op, "WAL batch: database write failed while shutting down");
+                    return Err(Halt::Shutdown);
                 }
+                if !unreachable(&e) {
+                    unreachable_since = None;
+                } else if how == Persist::Bounded {
+                    let since = *unreachable_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= PERSIST_FOR {
+                        warn!(
+                            error = %e,
+                            op,
+                            unreachable_s = since.elapsed().as_secs(),
+                            "WAL batch: the database cannot be reached; ending the stream, to stream again from \
+                             the last settled position once it answers"
+                        );
+                        return Err(Halt::Failed(e));
+                    }
+                }
+                warn!(error = %e, op, "WAL batch: database write failed; retrying");
                 shared.sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(2));
             }

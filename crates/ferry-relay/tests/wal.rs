@@ -73,13 +73,25 @@ fn start_in(e: &Env, id: &str, routes: Vec<Route>, stream: bool) -> Running {
 /// A relay streaming from the WAL with `options`, or polling the table.
 /// Also returns the relay's progress handle.
 fn start_with(e: &Env, id: &str, routes: Vec<Route>, options: Option<WalOptions>) -> (Running, ferry_relay::Progress) {
+    start_on(e, e.pool.clone(), id, routes, options)
+}
+
+/// [`start_with`], the relay's queries going through `pool` (the stream
+/// connects straight to the database).
+fn start_on(
+    e: &Env,
+    pool: PgPool,
+    id: &str,
+    routes: Vec<Route>,
+    options: Option<WalOptions>,
+) -> (Running, ferry_relay::Progress) {
     let sinks: HashMap<String, Arc<dyn Sink>> = [
         ("mock".to_string(), e.sink.clone() as Arc<dyn Sink>),
         ("other".to_string(), e.other.clone() as Arc<dyn Sink>),
     ]
     .into();
     let source = WalSource::new(
-        e.pool.clone(),
+        pool.clone(),
         WalConfig {
             url: e.db.url().to_owned(),
             slot: e.slot.clone(),
@@ -88,14 +100,7 @@ fn start_with(e: &Env, id: &str, routes: Vec<Route>, options: Option<WalOptions>
     )
     .unwrap();
 
-    let relay = Relay::new(
-        PgStore::new(e.pool.clone()),
-        SystemClock,
-        settings(id, 100),
-        routes,
-        sinks,
-    )
-    .unwrap();
+    let relay = Relay::new(PgStore::new(pool), SystemClock, settings(id, 100), routes, sinks).unwrap();
     let relay = match options {
         Some(options) => relay.with_wal(Wal { source, options }),
         None => relay,
@@ -1758,6 +1763,178 @@ async fn events_read_with_the_change_that_stops_the_slot_arrive_once() {
     for (id, _) in &held {
         assert_eq!(delivered.iter().filter(|ev| ev.id == *id).count(), 1, "{id:?}");
     }
+    relay.stop().await;
+    e.pool.close().await;
+    e.db.drop_db().await;
+}
+
+/// PostgreSQL streams an insert only if the publication carried the table
+/// when it was committed. A publication altered without the outbox and
+/// mended while no relay was checking it (stopped for a deploy, say) leaves
+/// the rows committed meanwhile out of the stream for good, though every
+/// check passes afterwards. The relay finds them once the stream has passed
+/// them and takes them into the table path: none waits in `unrouted` for
+/// ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rows_committed_while_an_unwatched_publication_lacked_the_outbox_are_delivered() {
+    let e = env().await;
+    let options = WalOptions {
+        publish_timeout: Duration::from_secs(2),
+        lag_every: Duration::from_millis(200),
+        ..WalOptions::default()
+    };
+    let (relay, _) = start_with(&e, "wal-a", vec![route("all", "mock")], Some(options.clone()));
+    streaming(&e).await;
+    let mut expected = enqueue_rows(&e.pool, "before", 10).await;
+    eventually("the first events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= expected.len()
+    })
+    .await;
+    relay.stop().await;
+    let alter = async |sql: &str| sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&e.pool).await.unwrap();
+    alter("ALTER PUBLICATION ferry DROP TABLE ferry.events").await;
+    expected.extend(enqueue_rows(&e.pool, "unpublished", 3).await);
+    alter("ALTER PUBLICATION ferry ADD TABLE ferry.events").await;
+    let (relay, _) = start_with(&e, "wal-b", vec![route("all", "mock")], Some(options));
+    streaming(&e).await;
+    expected.extend(enqueue_rows(&e.pool, "after", 10).await);
+    // Not in order per key: the rows the stream passed by arrive after
+    // later events of their keys, as the relay warns.
+    eventually("every event", Duration::from_secs(60), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    let unrouted: i64 = sqlx::query_scalar("SELECT count(*) FROM ferry.unrouted")
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    assert_eq!(unrouted, 0);
+    relay.stop().await;
+    e.pool.close().await;
+    e.db.drop_db().await;
+}
+
+/// A relay that cannot reach its database while it streams (its
+/// connections ended by a server shutting down, say, and no new one
+/// accepted) must let its replication connection go: a walsender told to
+/// stop waits for its client to confirm everything sent, and a relay
+/// retrying its writes for ever would confirm nothing more while answering
+/// every keepalive, holding a clean stop of the server for good. It streams
+/// again once the database answers, and loses nothing. Here the relay's
+/// queries go through a proxy that resets every connection; its stream
+/// does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_that_cannot_reach_its_database_lets_its_replication_connection_go() {
+    let e = env().await;
+    let proxy = ferry_testkit::proxy::Proxy::start("127.0.0.1:5432".parse().unwrap()).unwrap();
+    let url = e.db.url().replace("127.0.0.1:5432", &proxy.addr().to_string());
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&url)
+        .await
+        .unwrap();
+    let options = WalOptions {
+        publish_timeout: Duration::from_secs(2),
+        ..WalOptions::default()
+    };
+    let (relay, _) = start_on(&e, pool.clone(), "wal-a", vec![route("all", "mock")], Some(options));
+    streaming(&e).await;
+    let mut expected = enqueue_rows(&e.pool, "before", 5).await;
+    eventually("the first events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= expected.len()
+    })
+    .await;
+    let walsender: i32 = sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(&e.slot)
+        .fetch_one(&e.pool)
+        .await
+        .unwrap();
+    proxy.set_refuse(true);
+    proxy.cut();
+    expected.extend(enqueue_rows(&e.pool, "held", 1).await);
+    eventually_async("the walsender to end", Duration::from_secs(40), async || {
+        let alive: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+            .bind(walsender)
+            .fetch_one(&e.pool)
+            .await
+            .unwrap();
+        !alive
+    })
+    .await;
+    proxy.set_refuse(false);
+    expected.extend(enqueue_rows(&e.pool, "after", 5).await);
+    eventually("every event", Duration::from_secs(60), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    assert_complete_and_ordered(&expected, &e.sink.delivered("all"));
+    relay.stop().await;
+    pool.close().await;
+    e.pool.close().await;
+    e.db.drop_db().await;
+}
+
+/// A relay whose writes the database refuses for a while (a trigger that
+/// raises, a constraint, a full disk), while it answers, keeps its stream
+/// and retries: ending the session would replay, and publish again, what
+/// was published but not settled, over and over while the fault lasts. An
+/// event goes out at most twice however long the fault.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_whose_writes_are_refused_for_a_while_publishes_each_event_at_most_twice() {
+    let e = env().await;
+    let relay = start(&e, "wal-a", vec![route("all", "mock")]);
+    streaming(&e).await;
+    let mut expected = enqueue_rows(&e.pool, "before", 5).await;
+    eventually("the first events", Duration::from_secs(30), || {
+        unique(&e.sink.delivered("all")).len() >= expected.len()
+    })
+    .await;
+    let walsender = || async {
+        sqlx::query_scalar::<_, Option<i32>>("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(&e.slot)
+            .fetch_one(&e.pool)
+            .await
+            .unwrap()
+    };
+    let first = walsender().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN RAISE EXCEPTION 'deliveries refused for now'; END$$; \
+         CREATE TRIGGER refuse BEFORE INSERT ON ferry.deliveries FOR EACH ROW EXECUTE FUNCTION public.refuse()",
+    )
+    .execute(&e.pool)
+    .await
+    .unwrap();
+    let held = enqueue_rows(&e.pool, "held", 3).await;
+    expected.extend(held.iter().cloned());
+    eventually("the held events published", Duration::from_secs(30), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        held.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    // Long enough for a relay that ended its session after 10 s of failed
+    // settles to replay the batch twice.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(walsender().await, first, "the stream was ended");
+    sqlx::raw_sql("DROP TRIGGER refuse ON ferry.deliveries")
+        .execute(&e.pool)
+        .await
+        .unwrap();
+    expected.extend(enqueue_rows(&e.pool, "after", 5).await);
+    eventually("every event", Duration::from_secs(60), || {
+        let arrived: std::collections::HashSet<EventId> = unique(&e.sink.delivered("all")).into_iter().collect();
+        expected.iter().all(|(id, _)| arrived.contains(id))
+    })
+    .await;
+    let got = e.sink.delivered("all");
+    for (id, _) in &expected {
+        let times = got.iter().filter(|g| g.id == *id).count();
+        assert!(times <= 2, "{id:?} published {times} times");
+    }
+    assert_complete_and_ordered(&expected, &got);
     relay.stop().await;
     e.pool.close().await;
     e.db.drop_db().await;

@@ -265,6 +265,116 @@ async fn look_tells_open_from_committed(db: TestDb) {
     db.drop_db().await;
 }
 
+#[tokio::test]
+async fn missed_tells_rows_of_transactions_ended_before_the_mark() {
+    missed_tells_ended_from_open(TestDb::create().await).await;
+}
+
+/// The same past the server's first 2³² transactions: a row's 32-bit
+/// `xmin` must be placed in the epoch of the mark's.
+#[tokio::test]
+async fn missed_tells_rows_of_transactions_ended_before_the_mark_past_the_first_epoch() {
+    let server = PgServer::start_in_epoch(1).await;
+    missed_tells_ended_from_open(TestDb::create_on(&server.admin_url()).await).await;
+}
+
+/// `missed` offers, once the stream is past a mark, the unrouted rows of
+/// transactions that had ended when it was taken (subtransactions too), and
+/// none of a transaction open then (though its row's seq is below the
+/// mark's), nor of one begun after, nor one an operator requeued with no
+/// route. The mark's `xmin` is the whole server's: another session's
+/// transaction can hold it back, so what must be offered is waited for
+/// with fresh marks, while what must not is checked at once.
+async fn missed_tells_ended_from_open(db: TestDb) {
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let ids = |events: Vec<WalEvent>| events.into_iter().map(|e| e.event.id).collect::<Vec<EventId>>();
+    let offered = async |want: &[EventId]| {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let mark = source.mark().await.unwrap();
+            let got = ids(source.missed(&mark, 100).await.unwrap());
+            if got == want {
+                return;
+            }
+            assert!(
+                got.iter().all(|id| want.contains(id)),
+                "{got:?} offers more than {want:?}"
+            );
+            assert!(tokio::time::Instant::now() < deadline, "{got:?} is not {want:?}");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    };
+    let before = enqueue_one(&pool).await;
+    // Written in a subtransaction, committed before the mark.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let mut sub = tx.begin().await.unwrap();
+    let in_sub = ferry_store::postgres::enqueue(&mut sub, Event::new("order.placed", json!({ "n": 2 })).key("k"))
+        .await
+        .unwrap()
+        .id;
+    sub.commit().await.unwrap();
+    tx.commit().await.unwrap();
+    let requeued = enqueue_one(&pool).await;
+    sqlx::query(
+        "INSERT INTO ferry.admin_log (seq, route, actor, action, from_state, attempts) \
+         SELECT seq, $2, 'test', 'requeue', 'dead', 0 FROM ferry.events WHERE id = $1",
+    )
+    .bind(requeued.0)
+    .bind(ferry_core::NO_ROUTE)
+    .execute(&pool)
+    .await
+    .unwrap();
+    offered(&[before, in_sub]).await;
+    let mark = source.mark().await.unwrap();
+    let now: i64 = sqlx::query_scalar("SELECT (pg_current_wal_insert_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(mark.lsn() > 0 && mark.lsn() <= now as u64);
+    let got = ids(source.missed(&mark, 1).await.unwrap());
+    assert!(got.len() <= 1 && got.iter().all(|id| *id == before), "{got:?}");
+
+    // Open across the next mark, its row in a subtransaction (whose id is
+    // above the mark's xmin as its parent's is), then one committed while
+    // it is open: both seqs are below the mark's.
+    let mut conn = sqlx::PgConnection::connect(db.url()).await.unwrap();
+    let mut open = conn.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let mut sub = open.begin().await.unwrap();
+    let across = ferry_store::postgres::enqueue(&mut sub, Event::new("order.placed", json!({ "n": 3 })).key("o"))
+        .await
+        .unwrap()
+        .id;
+    sub.commit().await.unwrap();
+    let beside = enqueue_one(&pool).await;
+    for _ in 0..3 {
+        sqlx::query("SELECT pg_current_xact_id()").execute(&pool).await.unwrap();
+    }
+    let mark = source.mark().await.unwrap();
+    let got = ids(source.missed(&mark, 100).await.unwrap());
+    assert!(
+        !got.contains(&across) && !got.contains(&beside) && !got.contains(&requeued),
+        "{got:?}: across {across:?}, beside {beside:?}, requeued {requeued:?}"
+    );
+    open.commit().await.unwrap();
+    drop(conn);
+    let got = ids(source.missed(&mark, 100).await.unwrap());
+    assert!(!got.contains(&across) && !got.contains(&beside), "{got:?}");
+    // A later mark takes in what had ended by then.
+    offered(&[before, in_sub, across, beside]).await;
+    pool.close().await;
+    db.drop_db().await;
+}
+
 /// The SQL door, `ferry.emit(type, key, payload)`: without a healthy slot it
 /// writes `ferry.enqueue`'s row, checked by that; with one, a tableless
 /// event, checked by `ferry._emit` itself. Either way a bad event is refused
@@ -1660,6 +1770,74 @@ async fn retire_names_the_sessions_it_waits_for() {
     }
     retiring.abort();
     idle.close().await.unwrap();
+    pool.close().await;
+    db.drop_db().await;
+}
+
+/// The walsender streaming from the test database's slot, if any.
+async fn walsender(db: &TestDb, pool: &PgPool) -> Option<i32> {
+    sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(db.name())
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A relay that gives up on an unreachable database abandons its stream:
+/// the replication connection closes at once, without the watermark write
+/// a clean end tries (which would wait on the database), so the walsender
+/// no longer holds a stopping server. The next session of the same source
+/// waits for that walsender to let the slot go, rather than take the slot
+/// for another relay's.
+#[tokio::test]
+async fn an_abandoned_stream_lets_the_slot_go_at_once() {
+    use ferry_store::postgres::wal::WalItem;
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
+    let source = source_of(&db, &pool);
+    let prepared = source.prepare().await.unwrap();
+    assert!(source.mark_swept(&prepared).await.unwrap());
+    let mut stream = source.open(&prepared).await.unwrap();
+    let first = walsender(&db, &pool).await.expect("the stream's walsender");
+    assert!(!emit_one(&pool).await);
+    let last = loop {
+        let item = tokio::time::timeout(std::time::Duration::from_secs(30), stream.next())
+            .await
+            .expect("the stream stalled")
+            .unwrap();
+        if let WalItem::Txn(t) = item {
+            break t.end_lsn;
+        }
+    };
+    // The slot's record held: the watermark write the settle calls for
+    // waits on it.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM ferry.wal_slots WHERE slot = $1 FOR UPDATE")
+        .bind(db.name())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    stream.confirm(last);
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    stream.abandon().await;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    while walsender(&db, &pool).await == Some(first) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the abandoned stream's walsender still holds the slot"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    holder.rollback().await.unwrap();
+    // The next session finds its own last walsender still on the slot
+    // (the server has not ended it yet): it waits for it to go.
+    let stream = source.open(&prepared).await.unwrap();
+    let (next, ()) = tokio::join!(source.open(&prepared), async {
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        stream.abandon().await;
+    });
+    next.unwrap().close().await;
     pool.close().await;
     db.drop_db().await;
 }

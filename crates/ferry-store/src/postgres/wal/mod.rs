@@ -13,6 +13,8 @@
 
 mod decode;
 mod diagnose;
+mod gone;
+mod missed;
 mod publication;
 mod settle;
 mod watermark;
@@ -31,6 +33,8 @@ use crate::postgres::{EnqueueError, store_error};
 
 pub use decode::{PART_BYTES, PART_EVENTS, UNDECODABLE_TYPE, WalEvent, WalTxn};
 pub use diagnose::{Finding, diagnose};
+pub use gone::unreachable;
+pub use missed::Mark;
 use publication::{Stall, publication_fault};
 pub use settle::{Look, Outcome, Settled, Settlement};
 
@@ -161,6 +165,12 @@ pub struct WalSource {
     /// told in a [`Prepared`]: a `prepare` that fails after the drop leaves
     /// it for the next one.
     unreported: Arc<AtomicBool>,
+    /// The walsender of this source's last session. A session ended in a
+    /// hurry ([`WalStream::abandon`]) closes its connection at once, but
+    /// the server takes a moment to end that walsender and free the slot:
+    /// the next [`open`](Self::open) waits for it rather than take it for
+    /// another relay's.
+    walsender: Arc<Mutex<Option<i32>>>,
 }
 
 /// How many bytes of change data a stream reads ahead of the relay, by
@@ -188,6 +198,7 @@ impl WalSource {
             read_ahead: READ_AHEAD_BYTES,
             stalled: Arc::default(),
             unreported: Arc::default(),
+            walsender: Arc::default(),
         })
     }
 
@@ -589,6 +600,7 @@ impl WalSource {
         if let Some(lsn) = settled {
             cfg = cfg.with_start_lsn(Lsn::from_u64(lsn as u64));
         }
+        self.await_last_walsender().await?;
         let mut client = ReplicationClient::connect(cfg)
             .await
             .map_err(|e| StoreError::transient(format!("replication connection: {e}")))?;
@@ -603,12 +615,18 @@ impl WalSource {
         // generation: if another relay replaced the slot meanwhile, it would
         // be a position of the old one (after a failover, possibly ahead of
         // what the new slot has to stream). Start over instead.
-        let now: Option<i64> = sqlx::query_scalar("SELECT generation FROM ferry.wal_slots WHERE slot = $1")
-            .bind(&self.config.slot)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(store_error)?;
-        if now.unwrap_or_default() != generation {
+        // The slot's walsender is this session's now.
+        let now: Option<(i64, Option<i32>)> = sqlx::query_as(
+            "SELECT generation, (SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1) \
+               FROM ferry.wal_slots WHERE slot = $1",
+        )
+        .bind(&self.config.slot)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(store_error)?;
+        let (now, walsender) = now.unwrap_or_default();
+        *self.walsender.lock().expect("not poisoned") = walsender;
+        if now != generation {
             client.abort();
             return Err(StoreError::transient(
                 "the replication slot was replaced while the stream opened; starting over with the new slot",
@@ -658,6 +676,37 @@ impl WalSource {
             stalled: self.stalled.clone(),
             config: self.config.clone(),
         })
+    }
+
+    /// Waits, up to 10 s, for the walsender of this source's last session
+    /// to let the slot go; an error if it has not (not the one of a slot
+    /// another relay streams from), after which it is no longer waited for.
+    async fn await_last_walsender(&self) -> Result<(), StoreError> {
+        let Some(pid) = *self.walsender.lock().expect("not poisoned") else {
+            return Ok(());
+        };
+        let started = tokio::time::Instant::now();
+        loop {
+            let holds: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active_pid = $2)",
+            )
+            .bind(&self.config.slot)
+            .bind(pid)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(store_error)?;
+            if !holds {
+                *self.walsender.lock().expect("not poisoned") = None;
+                return Ok(());
+            }
+            if started.elapsed() >= Duration::from_secs(10) {
+                *self.walsender.lock().expect("not poisoned") = None;
+                return Err(StoreError::transient(format!(
+                    "the walsender of this relay's last stream (PID {pid}) still holds the replication slot"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// The slot's state: whether a relay streams from it, how far behind
@@ -1068,7 +1117,8 @@ fn weight(event: &ReplicationEvent) -> usize {
 
 /// Owns the replication client: reads messages while the budget allows,
 /// passes confirmed positions on, and ends the session when told to, or
-/// at once when the stream is dropped. While the budget is spent it stops
+/// at once (no watermark write, no clean end) when the stream is dropped
+/// or abandoned. While the budget is spent it stops
 /// reading; the client's buffer fills, the server waits (the client keeps
 /// answering it) and the rest stays in the WAL until the relay catches up.
 async fn forward(
@@ -1092,7 +1142,13 @@ async fn forward(
         let due = keeper.due();
         let event = tokio::select! {
             biased;
-            _ = &mut stop => break,
+            stopped = &mut stop => match stopped {
+                Ok(()) => break,
+                Err(_) => {
+                    client.abort();
+                    return;
+                }
+            },
             _ = tx.closed() => {
                 client.abort();
                 return;
@@ -1127,7 +1183,13 @@ async fn forward(
             let due = keeper.due();
             tokio::select! {
                 biased;
-                _ = &mut stop => break None,
+                stopped = &mut stop => match stopped {
+                    Ok(()) => break None,
+                    Err(_) => {
+                        client.abort();
+                        return;
+                    }
+                },
                 _ = tx.closed() => {
                     client.abort();
                     return;
@@ -1276,6 +1338,12 @@ impl WalStream {
         });
     }
 
+    /// The furthest position [`confirm`](Self::confirm)ed: the relay has
+    /// settled everything the stream handed over before it.
+    pub fn settled(&self) -> u64 {
+        *self.applied.borrow()
+    }
+
     /// Ends the session. The last confirmed position reaches the slot if a
     /// status update carried it before the end (one goes every 500 ms);
     /// if not, the next session reads from an earlier position and skips
@@ -1286,6 +1354,24 @@ impl WalStream {
         }
         // The forwarder gives the server 2 s to end the session cleanly.
         if tokio::time::timeout(Duration::from_secs(3), &mut self.forwarder)
+            .await
+            .is_err()
+        {
+            self.forwarder.abort();
+        }
+    }
+
+    /// Ends the session at once, without the watermark write and the clean
+    /// end [`close`](Self::close) tries: for a relay giving up because the
+    /// database cannot be reached. The replication connection is closed
+    /// when this returns; the next [`WalSource::open`] of the same source
+    /// waits for the server to end its walsender.
+    pub async fn abandon(mut self) {
+        // Dropped unsent, the stop tells the forwarder to abort; one busy
+        // recording the watermark (which may wait on the database for a
+        // while) is aborted itself, its client dropped.
+        drop(self.stop.take());
+        if tokio::time::timeout(Duration::from_millis(200), &mut self.forwarder)
             .await
             .is_err()
         {

@@ -6,8 +6,9 @@ use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 use ferry_core::StoreError;
-use sqlx::Row;
+use sqlx::{Connection, Row};
 
+use super::gone::{lost, unconnected};
 use super::{WalEvent, WalSource};
 use crate::postgres::direct::{self, Conflicts, SettleMode};
 use crate::postgres::store_error;
@@ -78,6 +79,8 @@ impl WalSource {
     /// Which of `seqs` are still unrouted, which of `routes` have pending
     /// deliveries, and which of `keys` are held by a dead delivery on one of
     /// `routes`, and which of `xids` are not visible yet. One round trip.
+    /// A failure saying the server is going away or cannot be reached is
+    /// told by [`unreachable`](super::unreachable).
     pub async fn look(
         &self,
         seqs: &[i64],
@@ -86,14 +89,15 @@ impl WalSource {
         xids: &[u32],
     ) -> Result<Look, StoreError> {
         let xids: Vec<i64> = xids.iter().map(|x| i64::from(*x)).collect();
+        let mut conn = self.pool.acquire().await.map_err(unconnected)?;
         let rows = sqlx::query(include_str!("look.sql"))
             .bind(seqs)
             .bind(routes)
             .bind(keys)
             .bind(&xids)
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *conn)
             .await
-            .map_err(store_error)?;
+            .map_err(lost)?;
         let mut look = Look::default();
         for row in rows {
             let kind: i32 = row.get(0);
@@ -156,7 +160,7 @@ impl WalSource {
         .await
     }
 
-    async fn events_of(
+    pub(super) async fn events_of(
         &self,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<Vec<WalEvent>, StoreError> {
@@ -188,9 +192,11 @@ impl WalSource {
     /// row still unrouted, and for tableless events that need the table (a
     /// delivery that did not publish), the event itself first. Partitions
     /// that received pending deliveries are notified, so the relays leasing
-    /// them claim at once.
+    /// them claim at once. A failure saying the server is going away or
+    /// cannot be reached is told by [`unreachable`](super::unreachable).
     pub async fn settle(&self, s: &Settlement<'_>, now: DateTime<Utc>) -> Result<Settled, StoreError> {
-        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        let mut conn = self.pool.acquire().await.map_err(unconnected)?;
+        let mut tx = conn.begin().await.map_err(lost)?;
         let mut settled = Settled::default();
         // Tableless events some route could not publish: written to the
         // outbox (and `unrouted`, which the statement below takes them out
@@ -228,7 +234,7 @@ impl WalSource {
                 .bind(tableless.iter().map(|e| e.reserved_seq()).collect::<Vec<_>>())
                 .fetch_all(&mut *tx)
                 .await
-                .map_err(store_error)?;
+                .map_err(lost)?;
             seq_of.clear();
             for row in rows {
                 seq_of.insert(row.get(0), row.get(1));
@@ -262,9 +268,7 @@ impl WalSource {
                 conflicts: Conflicts::Skip,
             };
             let rows = direct::Deliveries::new(rows.into_iter(), now);
-            let written = direct::settle(&mut *tx, &claim, &rows, mode)
-                .await
-                .map_err(store_error)?;
+            let written = direct::settle(&mut *tx, &claim, &rows, mode).await.map_err(lost)?;
             settled.routed = written.gone.saturating_sub(settled.written);
             settled.deliveries = written.made;
         }
@@ -310,9 +314,9 @@ impl WalSource {
             .bind(part_events.map(|n| n as i64))
             .execute(&mut *tx)
             .await
-            .map_err(store_error)?;
+            .map_err(lost)?;
         }
-        tx.commit().await.map_err(store_error)?;
+        tx.commit().await.map_err(lost)?;
         Ok(settled)
     }
 }
