@@ -71,7 +71,7 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, wal: Wal)
                 // Another relay holding the slot is the normal standby state.
                 // Otherwise nothing new reaches the routes while this lasts:
                 // the streamer is the router of WAL mode, for readiness too.
-                if e.message.contains("is active for PID") {
+                if held_elsewhere(&e) {
                     shared.progress.router_step(true);
                     info!(slot = %wal.source.config().slot, "another relay streams from the slot; standing by");
                 } else if e.kind == ErrorKind::Config {
@@ -95,6 +95,19 @@ pub(crate) async fn run<S: Store, C: Clock>(shared: Arc<Shared<S, C>>, wal: Wal)
             }
         }
     }
+}
+
+/// Whether a session failed because another process streams from the slot
+/// (SQLSTATE 55006, object_in_use: "replication slot ... is active for
+/// PID"): the normal standby state. Told by the code, which the stream's
+/// errors carry (`[55006]`, or `SQLSTATE 55006`), as the message is in the
+/// server's `lc_messages` language: read by its English words, a standby
+/// beside a German or Japanese server counted each attempt a failure and
+/// was never ready.
+fn held_elsewhere(e: &StoreError) -> bool {
+    ["[55006]", "SQLSTATE 55006", "is active for PID"]
+        .iter()
+        .any(|sign| e.message.contains(sign))
 }
 
 /// Reports a slot that [`WalSource::prepare`] found lost and replaced: an
@@ -909,4 +922,28 @@ async fn publish_route<'a, S: Store, C: Clock>(
         ::metrics::counter!(metrics::WAL_PARKED, "route" => route.name.clone()).increment(parked as u64);
     }
     (route, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slot another relay streams from is told by its SQLSTATE, in any
+    /// language the server speaks, and nothing else is.
+    #[test]
+    fn a_slot_held_elsewhere_is_told_in_any_language() {
+        for message in [
+            "replication stream: replication slot \"ferry\" is active for PID 1234 (SQLSTATE 55006)",
+            "replication stream: [55006] Replikations-Slot »ferry« ist aktiv für PID 1234",
+            "replication stream: server error: レプリケーションスロット\"ferry\"はPID1234で使用中です (SQLSTATE 55006)",
+        ] {
+            assert!(held_elsewhere(&StoreError::transient(message)), "{message}");
+        }
+        for message in [
+            "replication stream: [57P01] terminating connection due to administrator command",
+            "replication stream: Replikations-Slot »ferry« existiert nicht (SQLSTATE 42704)",
+        ] {
+            assert!(!held_elsewhere(&StoreError::transient(message)), "{message}");
+        }
+    }
 }
