@@ -80,6 +80,64 @@ async fn adding_a_capture_by_a_nullable_key_warns() {
     assert!(out.contains("SET NOT NULL"), "{out}");
 }
 
+/// A capture by a key column of a string type is taken, with a warning
+/// naming the producer's key limits and the CHECK that keeps rows within
+/// them; the CHECK it gives is valid SQL.
+#[tokio::test]
+async fn adding_a_capture_by_a_text_key_warns_of_the_key_limits() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    let cli = Cli::new(&db);
+    cli.expect(0, &["migrate"]);
+    sqlx::raw_sql(
+        "CREATE DOMAIN sku AS varchar(600);
+         CREATE TABLE items (code sku PRIMARY KEY, n int);
+         CREATE TABLE tags (\"Tag\" text PRIMARY KEY)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let args = |table: &'static str, key: &'static str, on_error: &'static str| {
+        [
+            "capture",
+            "add",
+            table,
+            "--type-prefix",
+            "app.x",
+            "--key",
+            key,
+            "--on-error",
+            on_error,
+        ]
+    };
+    let out = cli.expect(0, &args("items", "code", "fail"));
+    assert!(
+        out.contains("warning: public.items: its key column code is of type sku: a row whose key is empty, over 512 bytes or holds a line break (CR or LF) is refused as an event key, so writing such a row fails (on-error fail)"),
+        "{out}"
+    );
+    let check = out.split('`').nth(1).unwrap();
+    assert_eq!(
+        check,
+        "ALTER TABLE public.items ADD CHECK (code <> '' AND octet_length(code) <= 512 AND code !~ '[\\r\\n]')"
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(check.to_owned()))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let refused = sqlx::query("INSERT INTO items VALUES (E'a\\nb', 1)")
+        .execute(&pool)
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("check constraint"), "{refused}");
+
+    let out = cli.expect(0, &args("tags", "Tag", "warn"));
+    assert!(out.contains("its key column \"Tag\" is of type text"), "{out}");
+    assert!(
+        out.contains("such a row is written without its event (on-error warn drops it)"),
+        "{out}"
+    );
+}
+
 #[tokio::test]
 async fn add_list_check_refresh_and_remove() {
     let db = TestDb::create().await;

@@ -267,6 +267,114 @@ async fn a_schema_change_is_drift_until_refreshed() {
     );
 }
 
+#[tokio::test]
+async fn a_column_type_change_is_drift_until_refreshed() {
+    let (_db, pool) = database("CREATE TABLE meters (id int PRIMARY KEY, v integer NOT NULL)").await;
+    let mut conn = pool.acquire().await.unwrap();
+    add(&pool, CaptureSpec::new("meters", "plant.meter", "id"))
+        .await
+        .unwrap();
+    // A session that wrote the table plans its reads of the columns for
+    // their types then.
+    let mut writer = pool.acquire().await.unwrap();
+    sqlx::query("INSERT INTO meters VALUES (1, 10)")
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    exec(&pool, "ALTER TABLE meters ALTER COLUMN v TYPE bigint").await;
+
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    assert_eq!(drift[0].table, "public.meters");
+    assert!(
+        drift[0].problem.contains("v (integer, now bigint)"),
+        "{}",
+        drift[0].problem
+    );
+    assert_eq!(drift[0].fix, "ferry capture refresh public.meters");
+    // The stale plan fails that session's writes until the refresh.
+    let stale = sqlx::query("INSERT INTO meters VALUES (2, 20)")
+        .execute(&mut *writer)
+        .await
+        .unwrap_err();
+    assert!(
+        stale
+            .to_string()
+            .contains("does not match that when preparing the plan"),
+        "{stale}"
+    );
+
+    capture::refresh(&mut conn, Tables::One("meters")).await.unwrap();
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+    sqlx::query("INSERT INTO meters VALUES (2, 5000000000)")
+        .execute(&mut *writer)
+        .await
+        .unwrap();
+    let got = events(&pool).await;
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[1].payload["data"]["v"], json!(5000000000_i64));
+}
+
+/// Schema 33 records the column types of the captures made before it as
+/// their tables have them then: a type changed after the upgrade is
+/// reported; a table renamed before it is read where its trigger is.
+#[tokio::test]
+async fn a_column_type_change_after_the_upgrade_is_reported() {
+    let db = TestDb::create().await;
+    let pool = db.pool().await;
+    migrate_up_to(&pool, 32).await;
+    exec(
+        &pool,
+        "CREATE TABLE meters (id int PRIMARY KEY, v integer, note varchar(20));
+         CREATE TABLE gauges (id int PRIMARY KEY, v integer)",
+    )
+    .await;
+    add(&pool, CaptureSpec::new("meters", "plant.meter", "id"))
+        .await
+        .unwrap();
+    add(&pool, CaptureSpec::new("gauges", "plant.gauge", "id"))
+        .await
+        .unwrap();
+    exec(&pool, "ALTER TABLE gauges RENAME TO dials").await;
+    let mut conn = pool.acquire().await.unwrap();
+    assert_eq!(migrate(&mut conn).await.unwrap().first(), Some(&33));
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 1, "{drift:?}");
+    assert_eq!(drift[0].table, "public.gauges");
+
+    exec(
+        &pool,
+        "ALTER TABLE meters ALTER COLUMN note TYPE varchar(40); ALTER TABLE dials ALTER COLUMN v TYPE bigint",
+    )
+    .await;
+    let recorded: Vec<Vec<String>> = sqlx::query_scalar("SELECT column_types FROM ferry.captures ORDER BY table_name")
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(
+        recorded,
+        [
+            vec!["integer", "integer"],
+            vec!["integer", "integer", "character varying(20)"]
+        ]
+    );
+    let drift = capture::check(&mut conn).await.unwrap();
+    assert_eq!(drift.len(), 2, "{drift:?}");
+    assert_eq!(drift[0].table, "public.gauges");
+    assert!(drift[0].problem.contains("renamed"), "{}", drift[0].problem);
+    assert_eq!(drift[1].table, "public.meters");
+    assert!(
+        drift[1]
+            .problem
+            .contains("note (character varying(20), now character varying(40))"),
+        "{}",
+        drift[1].problem
+    );
+    capture::refresh(&mut conn, Tables::All).await.unwrap();
+    // The rename followed, the types recorded anew.
+    assert!(capture::check(&mut conn).await.unwrap().is_empty());
+}
+
 /// Writes `sql` in a session of its own with `settings` applied first.
 async fn exec_in_session(pool: &PgPool, settings: &str, sql: &str) {
     let mut conn = pool.acquire().await.unwrap();

@@ -142,6 +142,28 @@ pub async fn run(cfg: &Config, args: CaptureArgs) -> anyhow::Result<ExitCode> {
             if spec.on_error == OnError::Warn {
                 println!("warning: on-error warn drops events it cannot write; watch `ferry capture list`");
             }
+            // A key the producer refuses is a write refused (or an event
+            // dropped): told, not refused, as the table's values may keep
+            // within the limits.
+            match capture::text_key(&mut conn, &table).await {
+                Ok(Some(key)) => println!(
+                    "warning: {table}: its key column {} is of type {}: a row whose key is empty, over 512 bytes \
+                     or holds a line break (CR or LF) is refused as an event key, so {}; keep such values out \
+                     with `ALTER TABLE {table} ADD CHECK ({} <> '' AND octet_length({}) <= 512 AND {} !~ \
+                     '[\\r\\n]')`",
+                    key.column,
+                    key.column_type,
+                    match spec.on_error {
+                        OnError::Fail => "writing such a row fails (on-error fail)",
+                        OnError::Warn => "such a row is written without its event (on-error warn drops it)",
+                    },
+                    key.column,
+                    key.column,
+                    key.column
+                ),
+                Ok(None) => {}
+                Err(e) => println!("warning: could not read {table}'s key column type ({e})"),
+            }
             // What `ferry check` would say of it now (a nullable key column).
             // The capture is committed: a check that fails is only told.
             match capture::check(&mut conn).await {

@@ -11,10 +11,12 @@
 //! NULL to a value is a `.deleted`. The `initiator` header comes from
 //! `SET LOCAL ferry.initiator = '...'` (default `user`).
 //!
-//! The column list is fixed when the trigger is generated, so a row costs no
-//! catalog query; after a schema change [`check`] reports the drift and
-//! [`refresh`] regenerates (in SQL, `SELECT ferry.capture_refresh('t')` does
-//! the same inside the migration that altered the table).
+//! The column list (and the columns' types, which each session plans its
+//! reads of the row for) is fixed when the trigger is generated, so a row
+//! costs no catalog query; after a schema change [`check`] reports the
+//! drift and [`refresh`] regenerates (in SQL, `SELECT
+//! ferry.capture_refresh('t')` does the same inside the migration that
+//! altered the table).
 //!
 //! [`replace`] changes a capture's spec in one transaction, with no moment
 //! between the old triggers and the new in which a change commits without
@@ -429,9 +431,16 @@ pub async fn list(conn: &mut PgConnection) -> Result<Vec<Capture>, CaptureError>
 /// firing always, on the table or a partition; a partition without its
 /// `TRUNCATE` guard; a soft-delete column also excluded, whose undelete
 /// sends nothing) or are out of date with the table (columns added or
-/// gone, the trigger missing, the table renamed or gone, the trigger left
-/// on another table), each with its fix, the worst first; a table can have
-/// several. Empty when every trigger fires always and matches its table.
+/// gone, a tracked column whose type changed, the trigger missing, the
+/// table renamed or gone, the trigger left on another table), each with its
+/// fix, the worst first; a table can have several. Empty when every trigger
+/// fires always and matches its table.
+///
+/// A tracked column's type changed since the trigger was generated (`ALTER
+/// COLUMN ... TYPE`) breaks the trigger in each session that wrote the
+/// table before: PL/pgSQL keeps the plans of its reads of the row for the
+/// old type, and every later write of that session fails (in warn mode,
+/// drops its event) until [`refresh`] regenerates the function.
 pub async fn check(conn: &mut PgConnection) -> Result<Vec<Drift>, CaptureError> {
     let rows: Vec<(String, String, String)> =
         sqlx::query_as("SELECT table_name, problem, fix FROM ferry.capture_check()")
@@ -441,6 +450,39 @@ pub async fn check(conn: &mut PgConnection) -> Result<Vec<Drift>, CaptureError> 
         .into_iter()
         .map(|(table, problem, fix)| Drift { table, problem, fix })
         .collect())
+}
+
+/// A captured table's key column of a string type (text, varchar, char,
+/// citext, or a domain over one), whose values the producer may refuse as
+/// event keys.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TextKey {
+    /// The key column, quoted as SQL needs it.
+    pub column: String,
+    /// Its type, as PostgreSQL prints it (`character varying(600)`).
+    pub column_type: String,
+}
+
+/// The key column of the captured `table` (named as [`list`] names it)
+/// when it is of a string type, else `None`. Every key goes through the
+/// producer's checks: one that is empty, over 512 bytes or holds a line
+/// break (CR or LF) is refused, and a row with such a key cannot be
+/// written while captured (fail mode) or loses its events (warn mode).
+pub async fn text_key(conn: &mut PgConnection, table: &str) -> Result<Option<TextKey>, CaptureError> {
+    let row: Option<(String, String)> = sqlx::query_as(
+        "SELECT quote_ident(k.key_column), format_type(a.atttypid, a.atttypmod)
+           FROM ferry.captures k
+           JOIN pg_attribute a ON a.attrelid = to_regclass(format('%I.%I', k.table_schema, k.table_name))
+                              AND a.attname = k.key_column AND a.attnum > 0 AND NOT a.attisdropped
+           JOIN pg_type t ON t.oid = a.atttypid
+           LEFT JOIN pg_type b ON b.oid = t.typbasetype
+          WHERE format('%I.%I', k.table_schema, k.table_name) = $1
+            AND coalesce(b.typcategory, t.typcategory) = 'S'",
+    )
+    .bind(table)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(row.map(|(column, column_type)| TextKey { column, column_type }))
 }
 
 async fn limit_lock_wait(conn: &mut PgConnection) -> Result<(), sqlx::Error> {

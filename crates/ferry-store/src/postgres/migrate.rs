@@ -86,6 +86,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "failed_key_index",
         include_str!("migrations/0032_failed_key_index.sql"),
     ),
+    (33, "capture_types", include_str!("migrations/0033_capture_types.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
