@@ -437,10 +437,14 @@ pub async fn list(conn: &mut PgConnection) -> Result<Vec<Capture>, CaptureError>
 /// fires always and matches its table.
 ///
 /// A tracked column's type changed since the trigger was generated (`ALTER
-/// COLUMN ... TYPE`) breaks the trigger in each session that wrote the
-/// table before: PL/pgSQL keeps the plans of its reads of the row for the
-/// old type, and every later write of that session fails (in warn mode,
-/// drops its event) until [`refresh`] regenerates the function.
+/// COLUMN ... TYPE`, or the type replaced by a new one of the same name)
+/// breaks the trigger in each session that wrote the table before:
+/// PL/pgSQL keeps the plans of its reads of the row for the old type's
+/// OID, and every later write of that session fails (in warn mode, drops
+/// its event) until [`refresh`] regenerates the function. The types are
+/// compared by OID, whatever the `search_path`; a modifier changed alone
+/// (`varchar(20)` to `varchar(40)`) keeps the OID, breaks no plan and is
+/// not reported.
 pub async fn check(conn: &mut PgConnection) -> Result<Vec<Drift>, CaptureError> {
     let rows: Vec<(String, String, String)> =
         sqlx::query_as("SELECT table_name, problem, fix FROM ferry.capture_check()")

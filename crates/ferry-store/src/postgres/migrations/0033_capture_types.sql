@@ -11,10 +11,25 @@
 -- only, and said nothing.
 --
 -- ferry.captures now records, in column_types, the type of each tracked
--- column (format_type, with its modifier) as it was when the trigger was
--- generated, and ferry.capture_check reports each column whose type is not
--- that any more, with `ferry capture refresh <table>` as the fix: the
+-- column (its OID) as it was when the trigger was generated,
+-- and ferry.capture_check reports each column whose type is not that one
+-- any more, with `ferry capture refresh <table>` as the fix: the
 -- regenerated function is planned afresh in every session.
+--
+-- The type's OID is what a session's plan was made for, and all it checks:
+-- - a type replaced by another of the same name (the recipe that removes
+--   an enum value: rename the old type, create the new, ALTER COLUMN ...
+--   TYPE to it, drop the old) is another OID, and breaks a session that
+--   wrote the table before ("cache lookup failed for type N"): reported;
+-- - a change of modifier only (varchar(20) to varchar(40), numeric(10,2)
+--   to numeric(12,2)) keeps the OID, and breaks nothing: not reported;
+-- - the OID does not depend on the search_path of the session that
+--   generated the trigger or of the one that checks, as a type's name
+--   printed by format_type does (`mood` under search_path app,
+--   `app.mood` under the default).
+-- format_type only words the report; the old type, since dropped, may have
+-- no name left. A database restored from a dump gives its types new OIDs:
+-- a capture of a column of a type made there is reported until refreshed.
 --
 -- The captures made before record the types their tables have at this
 -- migration: a type changed since a capture's last refresh and before the
@@ -23,14 +38,14 @@
 -- ferry.capture_install is restated as 0013 left it, recording the types;
 -- ferry.capture_check_triggers as 0028 left it, with the types compared.
 
-ALTER TABLE ferry.captures ADD COLUMN column_types text[];
+ALTER TABLE ferry.captures ADD COLUMN column_types oid[];
 
 -- The type of each of `p_columns` of table `p_table`, in that order, as
--- format_type prints it with its modifier (character varying(20),
--- numeric(10,2)); NULL for a name that is not a column of it.
-CREATE FUNCTION ferry.capture_column_types(p_table oid, p_columns text[]) RETURNS text[]
+-- its OID (without its modifier, which a session's plan does not check);
+-- NULL for a name that is not a column of it.
+CREATE FUNCTION ferry.capture_column_types(p_table oid, p_columns text[]) RETURNS oid[]
 LANGUAGE sql STABLE AS $$
-    SELECT coalesce(array_agg((SELECT format_type(a.atttypid, a.atttypmod)
+    SELECT coalesce(array_agg((SELECT a.atttypid
                                  FROM pg_attribute a
                                 WHERE a.attrelid = p_table AND a.attname = t.x
                                   AND a.attnum > 0 AND NOT a.attisdropped) ORDER BY t.n), '{}')
@@ -214,10 +229,18 @@ BEGIN
         -- A tracked column whose type is not the one the trigger was
         -- generated for: a session that wrote the table before keeps its
         -- plans for the old type and fails on the new.
-        SELECT coalesce(array_agg(format('%s (%s, now %s)', t.x, t.was, t.now) ORDER BY t.n), '{}') INTO v_retyped
-          FROM unnest(c.columns, c.column_types, ferry.capture_column_types(v_oid, c.columns))
-               WITH ORDINALITY AS t(x, was, now, n)
-         WHERE t.was IS NOT NULL AND t.now IS NOT NULL AND t.was <> t.now;
+        -- The OIDs are compared (a modifier changed alone breaks no plan);
+        -- the names only word the report, the old type's if it still has
+        -- one.
+        SELECT coalesce(array_agg(format('%s (%s, now %s)', t.x,
+                                         CASE WHEN EXISTS (SELECT 1 FROM pg_type y WHERE y.oid = t.was)
+                                              THEN format_type(t.was, NULL)
+                                              ELSE 'a type since dropped' END,
+                                         format_type(a.atttypid, a.atttypmod)) ORDER BY t.n), '{}')
+          INTO v_retyped
+          FROM unnest(c.columns, c.column_types) WITH ORDINALITY AS t(x, was, n)
+          JOIN pg_attribute a ON a.attrelid = v_oid AND a.attname = t.x AND a.attnum > 0 AND NOT a.attisdropped
+         WHERE t.was IS NOT NULL AND a.atttypid <> t.was;
         IF cardinality(v_added) > 0 OR cardinality(v_gone) > 0 OR cardinality(v_retyped) > 0 THEN
             problem := concat_ws('; ',
                 CASE WHEN cardinality(v_added) > 0
