@@ -367,6 +367,75 @@ async fn replaying_more_published_deliveries_of_a_key_than_a_batch_requeues_them
     assert_eq!(again, MANY as i64);
 }
 
+/// A cancel checks no order: one key's whole backlog cancelled in a single
+/// transaction held its partition's rows for seconds, stalling the relays'
+/// lease renewals and outcome writes. It goes in batches of 500 (each
+/// its own transaction), cut across the key; a requeue of the same key
+/// keeps it whole, in one.
+#[tokio::test]
+async fn cancelling_more_of_a_key_than_a_batch_goes_in_several_batches() {
+    const MANY: usize = 1100;
+    let f = fixture().await;
+    let events = (0..MANY).map(|i| Event::new("order.updated", json!({ "i": i })).key("hot"));
+    let mut tx = f.pool.begin().await.unwrap();
+    enqueue_batch(&mut tx, events.collect()).await.unwrap();
+    tx.commit().await.unwrap();
+    let now = Utc::now();
+    let route = Route {
+        name: ROUTE.into(),
+        matcher: Glob::new("order.**").unwrap(),
+        sink: "out".into(),
+        destination: "-".into(),
+        routing_key: None,
+    };
+    let unrouted = f.store.fetch_unrouted(&f.owned, 2 * MANY).await.unwrap();
+    f.store
+        .route(&f.owned, &plan_routes(&[route], unrouted), now)
+        .await
+        .unwrap();
+    let claimed = f.store.claim(&f.owned, ROUTE, 2 * MANY, now, &[]).await.unwrap();
+    let dead: Vec<Recorded> = claimed
+        .iter()
+        .filter(|c| c.event.key.as_deref() == Some("hot"))
+        .map(|c| Recorded {
+            seq: c.event.seq,
+            expected_attempts: 0,
+            transition: Transition::Dead {
+                attempts: 1,
+                reason: "unroutable".into(),
+            },
+        })
+        .collect();
+    assert_eq!(dead.len(), MANY);
+    assert_eq!(f.store.record(&f.owned, ROUTE, &dead, now).await.unwrap(), MANY as u64);
+    // The transactions an action's admin log entries were written in.
+    let transactions = |action: &'static str| {
+        let pool = f.pool.clone();
+        async move {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(DISTINCT l.xmin::text) FROM ferry.admin_log l
+                   JOIN ferry.deliveries d USING (seq, route)
+                  WHERE d.key = 'hot' AND l.action = $1",
+            )
+            .bind(action)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            n
+        }
+    };
+
+    let cancel = ["cancel", "--key", "hot", "--reason", "backlog", "--yes", "--json"];
+    let done = json_of(&f.ferry(&cancel), 0);
+    assert_eq!(done["changed"].as_array().unwrap().len(), MANY);
+    assert_eq!(transactions("cancel").await, 3, "500 + 500 + 100");
+
+    let requeue = ["requeue", "--key", "hot", "--state", "cancelled", "--yes", "--json"];
+    let done = json_of(&f.ferry(&requeue), 0);
+    assert_eq!(done["changed"].as_array().unwrap().len(), MANY);
+    assert_eq!(transactions("requeue").await, 1, "a requeue keeps the key whole");
+}
+
 /// A dead head cancelled to unblock its key, whose key then went on
 /// without it: requeued, it would reach the consumer after the later
 /// event. `requeue` refuses it, saying why and how to send it anyway;

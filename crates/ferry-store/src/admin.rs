@@ -26,7 +26,7 @@ use crate::StatusReport;
 /// let dead = Filter { states: vec![AdminState::Dead], ..Filter::default() };
 /// let action = Action::Requeue { include_published: false };
 /// let plan = store.plan(&action, &dead).await?;
-/// for batch in plan.batches(500) {
+/// for batch in plan.batches(&action, 500) {
 ///     store.apply(&action, "alice", &batch).await?;
 /// }
 /// # Ok(()) }
@@ -51,11 +51,11 @@ pub trait Admin: Send + Sync {
     /// Applies `action` to `targets` (from [`plan`](Self::plan)) in one
     /// transaction, recording `actor`. Each target is checked again at write
     /// time: one that is no longer eligible (a relay moved it on, or it may
-    /// be in flight) is refused, not changed. The order checks leave out
-    /// only `targets` themselves: a key's changes planned together are
-    /// applied together ([`Plan::batches`]), or a key's published
-    /// deliveries replayed in two calls refuse the first call's for the
-    /// second's.
+    /// be in flight) is refused, not changed. A requeue's order checks
+    /// leave out only `targets` themselves: a key's changes planned
+    /// together are applied together ([`Plan::batches`]), or a key's
+    /// published deliveries replayed in two calls refuse the first call's
+    /// for the second's.
     async fn apply(&self, action: &Action, actor: &str, targets: &[Target]) -> Result<Applied, StoreError>;
 
     /// Delivery outcomes (published, failed attempts, dead, cancelled) whose
@@ -899,17 +899,23 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// [`Plan::changes`] cut into batches for [`Admin::apply`], each its
-    /// own transaction, of at most `size` changes but for one key's:
-    /// every change of a key goes in one batch, however many there are.
-    /// A batch's order checks leave out its own targets only, so a key
-    /// split in two would have its earlier changes refused for its later
-    /// ones, published and replayed with them, and a `(no route)` change
-    /// would miss the later one requeued with it. Changes without a key
-    /// keep no order and fill batches up. Each batch keeps the plan's
-    /// order.
-    pub fn batches(&self, size: usize) -> Vec<Vec<Target>> {
+    /// [`Plan::changes`] of `action` (the one planned) cut into batches for
+    /// [`Admin::apply`], each its own transaction, of at most `size`
+    /// changes. A requeue's batch may hold more, for one key's: every
+    /// change of a key goes in one batch, however many there are. A
+    /// requeue batch's order checks leave out its own targets only, so a
+    /// key split in two would have its earlier changes refused for its
+    /// later ones, published and replayed with them, and a `(no route)`
+    /// change would miss the later one requeued with it. Such a batch
+    /// holds its partition's rows for as long as it runs. A cancel checks
+    /// no order, and its batches hold at most `size`, whatever the keys.
+    /// Changes without a key keep no order and fill batches up. Each
+    /// batch keeps the plan's order.
+    pub fn batches(&self, action: &Action, size: usize) -> Vec<Vec<Target>> {
         let size = size.max(1);
+        if !action.is_requeue() {
+            return self.changes.chunks(size).map(<[Target]>::to_vec).collect();
+        }
         // The plan's indexes of each key's changes, or of one keyless
         // change, in order of first appearance.
         let mut groups: Vec<Vec<usize>> = Vec::new();
@@ -1044,8 +1050,11 @@ mod tests {
             changes,
             ..Plan::default()
         };
+        let requeue = Action::Requeue {
+            include_published: true,
+        };
         let seqs = |size| -> Vec<Vec<i64>> {
-            plan.batches(size)
+            plan.batches(&requeue, size)
                 .iter()
                 .map(|b| b.iter().map(|t| t.seq).collect())
                 .collect()
@@ -1053,7 +1062,30 @@ mod tests {
         assert_eq!(seqs(3), [vec![1, 2, 3, 4, 5, 6, 7], vec![100, 200, 201], vec![202]]);
         assert_eq!(seqs(9), [vec![1, 2, 100, 3, 4, 5, 6, 7, 201], vec![200, 202]]);
         assert_eq!(seqs(100).concat().len(), plan.changes.len());
-        assert!(Plan::default().batches(500).is_empty());
+        assert!(Plan::default().batches(&requeue, 500).is_empty());
+    }
+
+    /// A cancel checks no order: one key's whole backlog in a single
+    /// transaction held its partition's rows for seconds, stalling the
+    /// relays' lease renewals and outcome writes. Its batches hold at most
+    /// the size, cut across a key.
+    #[test]
+    fn cancel_batches_cut_across_a_key() {
+        let plan = Plan {
+            changes: (1..=1201).map(|seq| target(seq, Some("hot"))).collect(),
+            ..Plan::default()
+        };
+        let cancel = Action::Cancel {
+            reason: "backlog".into(),
+        };
+        let batches = plan.batches(&cancel, 500);
+        let sizes: Vec<usize> = batches.iter().map(Vec::len).collect();
+        assert_eq!(sizes, [500, 500, 201]);
+        let seqs: Vec<i64> = batches.concat().iter().map(|t| t.seq).collect();
+        assert_eq!(seqs, (1..=1201).collect::<Vec<i64>>(), "in the plan's order");
+        assert!(Plan::default().batches(&cancel, 500).is_empty());
+        let requeue = Action::requeue(true, false);
+        assert_eq!(plan.batches(&requeue, 500).len(), 1, "a requeue keeps the key whole");
     }
 
     #[test]

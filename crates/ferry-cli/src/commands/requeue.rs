@@ -28,8 +28,9 @@ use crate::config::Config;
 /// More deliveries than this ask for confirmation unless `--yes`.
 pub const CONFIRM_ABOVE: usize = 10;
 /// Deliveries changed per transaction: short enough never to hold the
-/// relay's partition locks for long (cancel takes them). A key with more
-/// goes in one batch of its own ([`Plan::batches`]).
+/// relay's partition locks for long (cancel takes them). A requeue keeps
+/// each key's changes in one batch, however many ([`Plan::batches`]); a
+/// cancel's batches hold at most this many.
 const BATCH: usize = 500;
 
 #[derive(Debug, clap::Args)]
@@ -144,7 +145,7 @@ pub(super) async fn change(
     if (count > CONFIRM_ABOVE || !plan.out_of_order.is_empty()) && !how.yes {
         confirm(verb, count, plan.out_of_order.len())?;
     }
-    let applied = apply(&store, action, &plan.batches(BATCH), how.json).await?;
+    let applied = apply(&store, action, &plan.batches(action, BATCH), how.json).await?;
     let mut refused = plan.refused;
     refused.extend(applied.refused);
     if how.json {
@@ -255,12 +256,7 @@ fn confirm(verb: &str, count: usize, out_of_order: usize) -> anyhow::Result<()> 
 
 /// Applies `batches`, each its own transaction, with a progress bar on a
 /// terminal when there is more than one.
-async fn apply<S: Admin + ?Sized>(
-    store: &S,
-    action: &Action,
-    batches: &[Vec<Target>],
-    quiet: bool,
-) -> anyhow::Result<Applied> {
+async fn apply(store: &AnyStore, action: &Action, batches: &[Vec<Target>], quiet: bool) -> anyhow::Result<Applied> {
     let targets: usize = batches.iter().map(Vec::len).sum();
     let bar = if !quiet && batches.len() > 1 && std::io::stderr().is_terminal() {
         let bar = indicatif::ProgressBar::new(targets as u64);
@@ -293,19 +289,13 @@ async fn apply<S: Admin + ?Sized>(
     Ok(total)
 }
 
-/// One batch, tried again on a transient error. Cancel's partition locks
+/// One batch, tried again on a transient error: each batch is one
+/// transaction, so a failed one changed nothing. Cancel's partition locks
 /// can meet a relay's lease renewal in a deadlock, which PostgreSQL breaks
-/// by failing one side. A batch is one transaction, so a failed try
-/// changed nothing, unless only its answer was lost (the connection
-/// dropped after its COMMIT reached the server): then the retry finds
-/// what that try changed moved on since it was selected, which
-/// [`ours`] tells apart.
-async fn apply_batch<S: Admin + ?Sized>(
-    store: &S,
-    action: &Action,
-    actor: &str,
-    batch: &[Target],
-) -> Result<Applied, StoreError> {
+/// by failing one side. (When only the answer to its COMMIT was lost, the
+/// commit applied, and the retry refuses what it changed as changed since
+/// it was selected.)
+async fn apply_batch(store: &AnyStore, action: &Action, actor: &str, batch: &[Target]) -> Result<Applied, StoreError> {
     let mut tries = 0;
     loop {
         match store.apply(action, actor, batch).await {
@@ -313,64 +303,9 @@ async fn apply_batch<S: Admin + ?Sized>(
                 tries += 1;
                 tokio::time::sleep(Duration::from_millis(200 * tries)).await;
             }
-            Ok(applied) if tries > 0 => return ours(store, action, actor, batch, applied).await,
             other => return other,
         }
     }
-}
-
-/// After a retry, the refused targets that a failed try changed after all,
-/// counted changed (with their state when selected). Such a target is out
-/// of the state it was selected in, and the latest entry of its admin log
-/// is this action (the cancel's reason too) by this actor from that state.
-/// Nothing else moves a delivery out of the states a requeue takes it
-/// from, or into the cancelled state: an admin action does, and is logged,
-/// so that entry was made after the selection. A `(no route)` delivery
-/// requeued went back to the router, deleted, and stays reported as gone.
-async fn ours<S: Admin + ?Sized>(
-    store: &S,
-    action: &Action,
-    actor: &str,
-    batch: &[Target],
-    mut applied: Applied,
-) -> Result<Applied, StoreError> {
-    let reason = match action {
-        Action::Cancel { reason } => Some(reason.as_str()),
-        _ => None,
-    };
-    let mut refused = Vec::with_capacity(applied.refused.len());
-    for r in std::mem::take(&mut applied.refused) {
-        let Some(planned) = batch
-            .iter()
-            .find(|t| t.seq == r.target.seq && t.route == r.target.route)
-        else {
-            refused.push(r);
-            continue;
-        };
-        let view = store.show(planned.event_id).await?;
-        let done = view
-            .as_ref()
-            .and_then(|v| v.deliveries.iter().find(|d| d.route == planned.route))
-            .is_some_and(|d| {
-                d.state != planned.state
-                    && d.actions.last().is_some_and(|a| {
-                        a.action == action.verb()
-                            && a.actor == actor
-                            && a.from_state == planned.state
-                            && a.reason.as_deref() == reason
-                    })
-            });
-        if done {
-            applied.changed.push(planned.clone());
-        } else {
-            refused.push(r);
-        }
-    }
-    applied.refused = refused;
-    // In the batch's order, as a single try reports them.
-    let position = |t: &Target| batch.iter().position(|b| b.seq == t.seq && b.route == t.route);
-    applied.changed.sort_by_key(position);
-    Ok(applied)
 }
 
 /// One target, one line: its key is shown [`printable`], so a key holding a
@@ -467,138 +402,6 @@ mod tests {
             key: Some(key.into()),
             state: AdminState::Dead,
         }
-    }
-
-    /// A store whose first `apply` commits and then loses its answer, as
-    /// when the connection drops after the COMMIT reached the server.
-    struct LostAnswer {
-        inner: ferry_store::postgres::PgStore,
-        lose: std::sync::atomic::AtomicBool,
-    }
-
-    #[async_trait::async_trait]
-    impl Admin for LostAnswer {
-        async fn status(&self) -> Result<ferry_store::StatusReport, StoreError> {
-            Admin::status(&self.inner).await
-        }
-        async fn list(&self, filter: &Filter, page: &ferry_store::Page) -> Result<ferry_store::ListPage, StoreError> {
-            self.inner.list(filter, page).await
-        }
-        async fn show(&self, id: EventId) -> Result<Option<ferry_store::EventView>, StoreError> {
-            self.inner.show(id).await
-        }
-        async fn plan(&self, action: &Action, selection: &Filter) -> Result<Plan, StoreError> {
-            self.inner.plan(action, selection).await
-        }
-        async fn apply(&self, action: &Action, actor: &str, targets: &[Target]) -> Result<Applied, StoreError> {
-            let applied = self.inner.apply(action, actor, targets).await?;
-            if self.lose.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                return Err(StoreError::transient("connection reset after COMMIT"));
-            }
-            Ok(applied)
-        }
-        async fn changes_since(
-            &self,
-            since: chrono::DateTime<chrono::Utc>,
-            after: Option<(i64, &str)>,
-            limit: usize,
-        ) -> Result<Vec<ferry_store::Change>, StoreError> {
-            self.inner.changes_since(since, after, limit).await
-        }
-    }
-
-    /// A batch whose COMMIT went through but whose answer was lost is
-    /// tried again: what that try changed is reported changed, not refused
-    /// as "changed since it was selected", and the command exits 0. One
-    /// that someone else changed meanwhile stays refused.
-    #[tokio::test]
-    async fn a_retry_after_a_lost_commit_answer_counts_what_the_commit_changed() {
-        use ferry_core::{Event, Glob, Recorded, RelayId, Route, Store, Transition};
-        use ferry_store::postgres::{PgStore, enqueue_batch, migrate};
-        let db = ferry_testkit::pg::TestDb::create().await;
-        let pool = db.pool().await;
-        migrate(&mut pool.acquire().await.unwrap()).await.unwrap();
-        let store = PgStore::new(pool.clone());
-        let events = (0..4)
-            .map(|i| Event::new("order.created", json!({ "i": i })).key(format!("k{i}")))
-            .collect();
-        let mut tx = pool.begin().await.unwrap();
-        enqueue_batch(&mut tx, events).await.unwrap();
-        tx.commit().await.unwrap();
-        let relay = RelayId("lost".into());
-        let mut owned = store.tick(&relay, Duration::from_secs(300), &[]).await.unwrap();
-        owned.relay = relay;
-        let now = chrono::Utc::now();
-        let route = Route {
-            name: "orders".into(),
-            matcher: Glob::new("order.**").unwrap(),
-            sink: "out".into(),
-            destination: "-".into(),
-            routing_key: None,
-        };
-        let unrouted = store.fetch_unrouted(&owned, 10).await.unwrap();
-        store
-            .route(&owned, &ferry_relay::plan_routes(&[route], unrouted), now)
-            .await
-            .unwrap();
-        let dead: Vec<Recorded> = store
-            .claim(&owned, "orders", 10, now, &[])
-            .await
-            .unwrap()
-            .iter()
-            .map(|c| Recorded {
-                seq: c.event.seq,
-                expected_attempts: 0,
-                transition: Transition::Dead {
-                    attempts: 1,
-                    reason: "unroutable".into(),
-                },
-            })
-            .collect();
-        assert_eq!(store.record(&owned, "orders", &dead, now).await.unwrap(), 4);
-
-        let lossy = LostAnswer {
-            inner: store.clone(),
-            lose: true.into(),
-        };
-        for action in [Action::requeue(false, false), Action::Cancel { reason: "lost".into() }] {
-            let selection = Filter {
-                states: vec![AdminState::Dead],
-                ..Filter::default()
-            };
-            let plan = lossy.plan(&action, &selection).await.unwrap();
-            assert_eq!(plan.changes.len(), 4, "{plan:?}");
-            // Someone else moves the last one on between the plan and the apply.
-            let theirs = &plan.changes[3..];
-            let other = store.apply(&action, "someone-else", theirs).await.unwrap();
-            assert_eq!(other.changed.len(), 1, "{other:?}");
-            lossy.lose.store(true, std::sync::atomic::Ordering::SeqCst);
-            let applied = apply(&lossy, &action, &plan.batches(BATCH), true).await.unwrap();
-            assert_eq!(applied.changed, plan.changes[..3], "{applied:?}");
-            assert_eq!(applied.refused.len(), 1, "{applied:?}");
-            assert_eq!(applied.refused[0].target.seq, theirs[0].seq);
-            assert!(applied.refused[0].reason.contains("changed since"), "{applied:?}");
-            if action.is_requeue() {
-                // Pending again, ready to fail into the cancel's selection.
-                let again: Vec<Recorded> = store
-                    .claim(&owned, "orders", 10, chrono::Utc::now(), &[])
-                    .await
-                    .unwrap()
-                    .iter()
-                    .map(|c| Recorded {
-                        seq: c.event.seq,
-                        expected_attempts: 0,
-                        transition: Transition::Dead {
-                            attempts: 1,
-                            reason: "unroutable".into(),
-                        },
-                    })
-                    .collect();
-                assert_eq!(store.record(&owned, "orders", &again, now).await.unwrap(), 4);
-            }
-        }
-        pool.close().await;
-        db.drop_db().await;
     }
 
     /// The dry run's list is what an operator confirms: a key with a
