@@ -329,10 +329,10 @@ where
         Ok(reply.next_stream_id)
     }
 
-    /// Reports entries trimmed from the stream before the group read them:
-    /// an error and [`metrics::LOST`], once per loss (the check records it in
-    /// the group); at start, also when this Redis cannot tell; the first time
-    /// the check cannot count, why.
+    /// Reports entries removed from the stream (trimmed, or deleted with
+    /// XDEL) before the group read them: an error and [`metrics::LOST`], once
+    /// per loss (the check records it in the group); at start, also when this
+    /// Redis cannot tell; the first time the check cannot count, why.
     async fn report_trimmed(&mut self, conn: &mut MultiplexedConnection, at_start: bool) -> Result<(), RedisError> {
         let o = self.options;
         let consumer = self.inbox.consumer();
@@ -347,9 +347,10 @@ where
                     lost = count,
                     after = %after,
                     before = before.as_deref().unwrap_or("(read past)"),
-                    "{count} entries were trimmed from the stream (MAXLEN or XTRIM) before the group read them: \
+                    "{count} entries were removed from the stream (MAXLEN, XTRIM or XDEL) before the group read them: \
                      their events are lost to this consumer; raise the trimming limit above the backlog the \
-                     group may fall behind by (see the README, Redis Streams)"
+                     group may fall behind by, and delete no entry it has yet to read (see the README, Redis \
+                     Streams)"
                 );
             }
             Unread::Unsupported(why) => {
@@ -359,14 +360,15 @@ where
             }
             Unread::Untold(why) => {
                 if !std::mem::replace(&mut self.untold_said, true) {
-                    warn!(stream = %o.stream, group = %o.group, "entries trimmed before the group read them cannot be counted now (said once per connection): {why}");
+                    warn!(stream = %o.stream, group = %o.group, "entries removed before the group read them cannot be counted now (said once per connection): {why}");
                 }
             }
         }
         Ok(())
     }
 
-    /// A pending entry whose fields are gone: trimmed before it was handled.
+    /// A pending entry whose fields are gone: trimmed (or deleted) before it
+    /// was handled.
     /// Counted as lost and dead-lettered with the reason and its id.
     async fn trimmed(&self, conn: &mut MultiplexedConnection, entry: StreamId) -> Result<(), Failure> {
         let o = self.options;
@@ -377,7 +379,7 @@ where
             stream = %o.stream,
             group = %o.group,
             entry = %entry.id,
-            "a pending entry was trimmed from the stream (MAXLEN or XTRIM) before it was processed: its event is \
+            "a pending entry was removed from the stream (MAXLEN, XTRIM or XDEL) before it was processed: its event is \
              lost to this consumer; dead-lettered with its id"
         );
         self.dead_letter(conn, &entry, TRIMMED_REASON).await

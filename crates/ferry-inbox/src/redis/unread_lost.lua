@@ -1,10 +1,12 @@
--- Entries of stream KEYS[1] that group ARGV[1] never read because MAXLEN or
--- XTRIM removed them first. Redis 7 counts the entries added to the stream
--- (entries-added) and, per group, the entries read (entries-read); `lag`,
--- their difference, takes in the removed entries, which a group reading past
--- them never counts as read. Subtracting the entries still present after the
--- group's last-delivered id leaves the loss. The group's counter is then set
--- to the truth, in this same script, so that each loss is reported once.
+-- Entries of stream KEYS[1] that group ARGV[1] never read because they were
+-- removed first: by MAXLEN or XTRIM, or by XDEL, which Redis does not tell
+-- apart once the group has read past them. Redis 7 counts the entries added
+-- to the stream (entries-added) and, per group, the entries read
+-- (entries-read); `lag`, their difference, takes in the removed entries,
+-- which a group reading past them never counts as read. Subtracting the
+-- entries still present after the group's last-delivered id leaves the
+-- loss. The group's counter is then set to the truth, in this same script,
+-- so that each loss is reported once.
 --
 -- Redis cannot count a range of a stream without returning its entries, so
 -- the script counts the smaller side of the last-delivered id, at most
@@ -16,9 +18,11 @@
 -- Returns {lost, last-delivered id, first entry id or ''} when entries were
 -- lost; otherwise {0, '', ''}, or {-1, '', ''} when this Redis keeps no
 -- counters (before 7.0), or {-2, '', ''} when Redis does not know the
--- group's counters now (entries deleted with XDEL after the last-delivered
--- id, or a group set to an id without ENTRIESREAD), or {-3, last-delivered
--- id, ''} when more than ARGV[2] entries lie on each side of it.
+-- group's read counter now and the group has entries to read (an entry
+-- deleted with XDEL after the last-delivered id, or a group created or set
+-- to an id without ENTRIESREAD that has not read since), or {-3,
+-- last-delivered id, ''} when more than ARGV[2] entries lie on each side of
+-- it.
 local function field(reply, name)
   for i = 1, #reply, 2 do
     if reply[i] == name then return reply[i + 1] end
@@ -33,8 +37,11 @@ if not group then return {0, '', ''} end
 -- Absent before Redis 7.0; nil (false here) when Redis cannot compute them.
 local lag, read = field(group, 'lag'), field(group, 'entries-read')
 if lag == nil then return {-1, '', ''} end
-if not lag or not read then return {-2, '', ''} end
+-- Nothing left to read, so nothing lost unread. A group just created, or
+-- set, at the stream's end (or on an empty stream) has no entries-read but
+-- a lag of 0: nothing to warn of.
 if lag == 0 then return {0, '', ''} end
+if not lag or not read then return {-2, '', ''} end
 local stream = redis.call('XINFO', 'STREAM', KEYS[1])
 local length, added = field(stream, 'length'), field(stream, 'entries-added')
 local last = field(group, 'last-delivered-id')
