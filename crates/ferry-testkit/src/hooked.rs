@@ -41,6 +41,11 @@ pub type BeforeWrite = Arc<dyn Fn(&'static str) -> Option<Result<u64, StoreError
 /// the answer, as when the connection drops after the commit.
 pub type AfterWrite = Arc<dyn Fn(&'static str, u64) -> Option<StoreError> + Send + Sync>;
 
+/// Runs after a fenced write (`settle` or `record`, by name) the store
+/// applied: `true` holds its answer back for ever, as a connection gone
+/// silent after the commit does.
+pub type SilenceAfterWrite = Arc<dyn Fn(&'static str) -> bool + Send + Sync>;
+
 /// `inner`, with `hook` run before every call.
 #[derive(Clone)]
 pub struct Hooked<S> {
@@ -50,6 +55,7 @@ pub struct Hooked<S> {
     pub before_tick: Option<BeforeTick>,
     pub before_write: Option<BeforeWrite>,
     pub after_write: Option<AfterWrite>,
+    pub silence_after_write: Option<SilenceAfterWrite>,
 }
 
 impl<S> Hooked<S> {
@@ -61,6 +67,7 @@ impl<S> Hooked<S> {
             before_tick: None,
             before_write: None,
             after_write: None,
+            silence_after_write: None,
         }
     }
 
@@ -78,6 +85,13 @@ impl<S> Hooked<S> {
         self
     }
 
+    /// Never answers the writes `after` says to, once the store applied
+    /// them.
+    pub fn silencing_write_answers(mut self, after: SilenceAfterWrite) -> Self {
+        self.silence_after_write = Some(after);
+        self
+    }
+
     /// A fenced write, with `before_write` and `after_write` around it.
     async fn write(
         &self,
@@ -89,6 +103,9 @@ impl<S> Hooked<S> {
             return answer;
         }
         let applied = call.await?;
+        if self.silence_after_write.as_ref().is_some_and(|silence| silence(method)) {
+            return std::future::pending().await;
+        }
         match self.after_write.as_ref().and_then(|after| after(method, applied)) {
             Some(lost) => Err(lost),
             None => Ok(applied),

@@ -3,28 +3,16 @@
 //! that takes the bytes and never answers).
 
 use std::collections::HashSet;
-use std::future::Future;
 use std::sync::Mutex;
 
-use async_trait::async_trait;
-use chrono::{DateTime, Utc};
-use ferry_core::{
-    Claimed, DirectBatch, DirectRecord, Ownership, Partition, Recorded, RelayId, RoutePlan, StoreError, UnroutedEvent,
-    WakeSource,
-};
 use ferry_relay::Progress;
+use ferry_testkit::hooked::{Hook, Hooked};
 
 use super::*;
 
-/// `inner`, whose calls named in `state.before` never answer, once each, without
-/// reaching the store, and whose writes named in `state.after` are applied, then
-/// never answer, once each.
-struct Silent<S> {
-    inner: S,
-    state: Arc<State>,
-}
-
-/// What to silence, and what the test saw.
+/// What to silence, and what the test saw: the calls named in `before`
+/// never answer, once each, without reaching the store; the writes named in
+/// `after` are applied, then never answer, once each.
 #[derive(Default)]
 struct State {
     before: Mutex<HashSet<&'static str>>,
@@ -37,119 +25,38 @@ struct State {
     failing_seen: AtomicBool,
 }
 
-impl<S: Store> Silent<S> {
-    async fn call<T>(
-        &self,
-        op: &'static str,
-        call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let state = &*self.state;
-        if state.before.lock().unwrap().remove(op) {
-            state.hung.lock().unwrap().push(op);
-            return std::future::pending().await;
-        }
-        if op == "fetch_direct" && state.hung.lock().unwrap().contains(&"fetch_direct") {
-            let failing = state
-                .progress
-                .lock()
-                .unwrap()
-                .as_ref()
-                .and_then(Progress::router_failing_for);
-            if failing.is_some() {
-                state.failing_seen.store(true, Ordering::SeqCst);
+/// `inner`, silenced as `state` says.
+fn silent<S: Store>(inner: S, state: &Arc<State>) -> Hooked<S> {
+    let before = state.clone();
+    let hook: Hook = Arc::new(move |op| {
+        let state = before.clone();
+        Box::pin(async move {
+            if state.before.lock().unwrap().remove(op) {
+                state.hung.lock().unwrap().push(op);
+                return std::future::pending().await;
             }
+            if op == "fetch_direct" && state.hung.lock().unwrap().contains(&"fetch_direct") {
+                let failing = state
+                    .progress
+                    .lock()
+                    .unwrap()
+                    .as_ref()
+                    .and_then(Progress::router_failing_for);
+                if failing.is_some() {
+                    state.failing_seen.store(true, Ordering::SeqCst);
+                }
+            }
+            Ok(())
+        })
+    });
+    let after = state.clone();
+    Hooked::new(inner, hook).silencing_write_answers(Arc::new(move |op| {
+        let silenced = after.after.lock().unwrap().remove(op);
+        if silenced {
+            after.hung.lock().unwrap().push(op);
         }
-        let answer = call.await;
-        if answer.is_ok() && state.after.lock().unwrap().remove(op) {
-            state.hung.lock().unwrap().push(op);
-            return std::future::pending().await;
-        }
-        answer
-    }
-}
-
-#[async_trait]
-impl<S: Store> Store for Silent<S> {
-    async fn tick(
-        &self,
-        relay: &RelayId,
-        lease: Duration,
-        release: &[(Partition, i64)],
-    ) -> Result<Ownership, StoreError> {
-        self.call("tick", self.inner.tick(relay, lease, release)).await
-    }
-    async fn leave(&self, relay: &RelayId, held: &[(Partition, i64)]) -> Result<(), StoreError> {
-        self.call("leave", self.inner.leave(relay, held)).await
-    }
-    async fn fetch_unrouted(&self, owned: &Ownership, limit: usize) -> Result<Vec<UnroutedEvent>, StoreError> {
-        self.call("fetch_unrouted", self.inner.fetch_unrouted(owned, limit))
-            .await
-    }
-    async fn route(&self, owned: &Ownership, plans: &[RoutePlan], now: DateTime<Utc>) -> Result<u64, StoreError> {
-        self.call("route", self.inner.route(owned, plans, now)).await
-    }
-    async fn claim(
-        &self,
-        owned: &Ownership,
-        route: &str,
-        limit: usize,
-        now: DateTime<Utc>,
-        exclude: &[i64],
-    ) -> Result<Vec<Claimed>, StoreError> {
-        self.call("claim", self.inner.claim(owned, route, limit, now, exclude))
-            .await
-    }
-    async fn record(
-        &self,
-        owned: &Ownership,
-        route: &str,
-        outcomes: &[Recorded],
-        now: DateTime<Utc>,
-    ) -> Result<u64, StoreError> {
-        self.call("record", self.inner.record(owned, route, outcomes, now))
-            .await
-    }
-    async fn next_due(
-        &self,
-        owned: &Ownership,
-        route: &str,
-        now: DateTime<Utc>,
-    ) -> Result<Option<DateTime<Utc>>, StoreError> {
-        self.call("next_due", self.inner.next_due(owned, route, now)).await
-    }
-    async fn fetch_direct(
-        &self,
-        owned: &Ownership,
-        limit: usize,
-        routes: &[String],
-        down: &[String],
-        exclude: &[i64],
-    ) -> Result<Option<DirectBatch>, StoreError> {
-        self.call(
-            "fetch_direct",
-            self.inner.fetch_direct(owned, limit, routes, down, exclude),
-        )
-        .await
-    }
-    async fn settle(
-        &self,
-        owned: &Ownership,
-        seqs: &[i64],
-        records: &[DirectRecord],
-        now: DateTime<Utc>,
-    ) -> Result<u64, StoreError> {
-        self.call("settle", self.inner.settle(owned, seqs, records, now)).await
-    }
-    async fn set_sleeping(&self, relay: &RelayId, sleeping: bool) -> Result<(), StoreError> {
-        self.call("set_sleeping", self.inner.set_sleeping(relay, sleeping))
-            .await
-    }
-    async fn producers_open(&self) -> Result<bool, StoreError> {
-        self.call("producers_open", self.inner.producers_open()).await
-    }
-    async fn listen(&self) -> Result<Box<dyn WakeSource>, StoreError> {
-        self.call("listen", self.inner.listen()).await
-    }
+        silenced
+    }))
 }
 
 /// The router's fetch of new events goes silent, then its settle of the
@@ -167,10 +74,7 @@ async fn store_calls_that_never_answer_are_given_up_on_and_every_event_is_delive
         after: Mutex::new(["settle"].into()),
         ..State::default()
     });
-    let store = Silent {
-        inner: PgStore::new(e.pool.clone()),
-        state: state.clone(),
-    };
+    let store = silent(PgStore::new(e.pool.clone()), &state);
     let settings = RelaySettings {
         lease: Duration::from_secs(2),
         ..settings("silent-calls", 4)
